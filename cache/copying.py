@@ -1,0 +1,161 @@
+"""Mechanism of the RAM tier: zero-copy forks of mlx-lm cache objects.
+
+`fork(caches, trim=n)` returns NEW cache objects, owned by the caller, that hold the same token positions as the
+originals minus the last `n` (which must then all be trimmable). Nothing is ever written to the originals.
+
+Why new objects over the same arrays are safe (measured in tests/unit/test_prompt_cache_mlx.py):
+  * MLX arrays are immutable buffers behind handles. `x[..., a:b, :] = y` (what KVCache.update_and_fetch and
+    RotatingKVCache._update_in_place do) builds a SliceUpdate and swaps the descriptor of THAT Python handle only;
+    any other handle keeps its old descriptor.
+  * A SliceUpdate writes in place only when its input buffer has a single owner ("donation"). A fork's arrays share
+    the donor's buffer, so the first write of a taker copies it (copy-on-write); the donor's buffer never changes.
+  * So a fork only needs fresh handles (a slice or `x[...]`, which MLX evaluates as a view: no bytes copied) and
+    fresh containers (lists/tuples that models assign into, e.g. ArraysCache's `cache[i] = state`).
+KVCache and QuantizedKVCache are sliced to the kept length, so a stored entry's state holds exactly its tokens
+(keys may be allocated past `offset` in steps of 256; that padding stays in the shared buffer, unseen).
+RotatingKVCache keeps its ring as is: `trim` only moves offset/_idx, which mlx-lm handles while it is trimmable
+(offset < max_size, i.e. the ring has not wrapped and is still in temporal order).
+Unknown classes fall back to `copy.deepcopy` (a real copy), then `trim`.
+
+`cache` depends on no package of ours; mlx-lm is the library whose cache classes we fork.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlc
+
+__all__ = ["all_trimmable", "fork", "iter_offsets", "total_nbytes"]
+
+
+def _fresh(value: Any) -> Any:
+    """The same nested state with new array handles and new containers; arrays are views, not copies."""
+    if isinstance(value, mx.array):
+        return value[...]
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    return value  # ints, strings, None: immutable
+
+
+def _kept(cache: Any, trim: int) -> int:
+    """Tokens left after trimming `trim` (mlx-lm's trim clamps at the offset; so do we)."""
+    return cache.offset - min(cache.offset, trim)
+
+
+def _fork_kv(cache: mlc.KVCache, trim: int) -> mlc.KVCache:
+    out = mlc.KVCache()
+    if cache.keys is not None:
+        keep = _kept(cache, trim)
+        out.keys = cache.keys[..., :keep, :]
+        out.values = cache.values[..., :keep, :]
+        out.offset = keep
+    return out
+
+
+def _fork_quantized(cache: mlc.QuantizedKVCache, trim: int) -> mlc.QuantizedKVCache:
+    out = mlc.QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+    if cache.keys is not None:
+        keep = _kept(cache, trim)
+        # keys/values are (packed, scales, biases) triples; update_and_fetch assigns into each element.
+        out.keys = tuple(x[..., :keep, :] for x in cache.keys)
+        out.values = tuple(x[..., :keep, :] for x in cache.values)
+        out.offset = keep
+    return out
+
+
+def _fork_concatenate(cache: mlc.ConcatenateKVCache, trim: int) -> mlc.ConcatenateKVCache:
+    # Its state setter recomputes offset from the shape, so slice rather than trim.
+    out = mlc.ConcatenateKVCache()
+    if cache.keys is not None:
+        keep = _kept(cache, trim)
+        out.keys = cache.keys[..., :keep, :]
+        out.values = cache.values[..., :keep, :]
+        out.offset = keep
+    return out
+
+
+def _fork_by_state(cache: Any, trim: int) -> Any:
+    """Classes whose `state` is their whole content (RotatingKVCache, ChunkedKVCache, ArraysCache)."""
+    out = type(cache).from_state(_fresh(cache.state))
+    if trim:
+        out.trim(trim)
+    return out
+
+
+def _fork_cache_list(cache: mlc.CacheList, trim: int) -> mlc.CacheList:
+    return mlc.CacheList(*(_fork_one(c, trim) for c in cache.caches))
+
+
+def _fork_unknown(cache: Any, trim: int) -> Any:
+    out = copy.deepcopy(cache)
+    if trim:
+        out.trim(trim)
+    return out
+
+
+# Exact classes only: a subclass (a model's own cache) may carry attributes its state does not, so it is deep-copied.
+_FORKERS: dict[type, Callable[[Any, int], Any]] = {
+    mlc.KVCache: _fork_kv,
+    mlc.QuantizedKVCache: _fork_quantized,
+    mlc.ConcatenateKVCache: _fork_concatenate,
+    mlc.RotatingKVCache: _fork_by_state,
+    mlc.ChunkedKVCache: _fork_by_state,
+    mlc.ArraysCache: _fork_by_state,
+    mlc.CacheList: _fork_cache_list,
+}
+
+
+def _fork_one(cache: Any, trim: int) -> Any:
+    return _FORKERS.get(type(cache), _fork_unknown)(cache, trim)
+
+
+def _arrays(value: Any) -> Iterator[mx.array]:
+    if isinstance(value, mx.array):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _arrays(v)
+
+
+def fork(caches: Sequence[Any], *, trim: int = 0) -> list[Any]:
+    """New per-layer cache objects over the same arrays, with the last `trim` tokens dropped.
+
+    The caller owns the result and may extend it freely; `caches` are only read. `trim > 0` requires every cache to
+    be trimmable (ValueError otherwise: trimming an untrimmable cache silently would change the generated text).
+    The result is evaluated (views: no bytes copied) so it holds no lazy graph pointing back at `caches`.
+    """
+    if trim < 0:
+        raise ValueError(f"trim must be >= 0, got {trim}")
+    if trim and not all_trimmable(caches):
+        raise ValueError("cannot trim: not every cache is trimmable")
+    out = [_fork_one(c, trim) for c in caches]
+    arrays = [a for c in out for a in _arrays(getattr(c, "state", ()))]
+    if arrays:
+        mx.eval(arrays)
+    return out
+
+
+def all_trimmable(caches: Iterable[Any]) -> bool:
+    return all(c.is_trimmable() for c in caches)
+
+
+def total_nbytes(caches: Iterable[Any]) -> int:
+    return sum(int(c.nbytes) for c in caches)
+
+
+def iter_offsets(caches: Iterable[Any]) -> Iterator[int]:
+    """The token offsets the caches report (through CacheList too); caches without an int offset are skipped."""
+    for c in caches:
+        inner = getattr(c, "caches", None)
+        if isinstance(c, mlc.CacheList) and inner is not None:
+            yield from iter_offsets(inner)
+            continue
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int):
+            yield offset

@@ -1,0 +1,299 @@
+"""RAM tier of the prefix cache: per-namespace entries of (token ids -> per-layer KV caches), reused by prefix.
+
+Public verbs (what the lane and the HTTP layer call):
+  * `take(tokens, ns, session=None) -> CacheHit | None` (lane thread). Non-consuming: the donor entry stays in the
+    cache untouched; the caller OWNS `hit.caches` (new objects, zero-copy views of the donor's arrays, trimmed to
+    `hit.length`) and may extend or trim them freely. At least one prompt token is always left to forward.
+  * `put(tokens, caches, ns, session=None)` (lane thread). Stores NEW cache objects over the caller's arrays, so the
+    caller may keep generating with its own objects afterwards. `caches` must cover exactly `tokens`.
+  * `clear() -> int`, `stats() -> dict` (HTTP event loop thread). One lock guards the index; the array work of
+    take/put (forking handles) runs outside it, on the caller's thread.
+
+Matching rules (DESIGN.md "RAM tier contract"):
+  * usable prefix p = min(common prefix, len(prompt) - 1); the longest usable p wins (ties: the entry needing no
+    trim). An entry longer than p needs a trim, so it qualifies only if all its caches are trimmable; an
+    untrimmable entry matches only when all its tokens are a prefix of the prompt. p == 0 is a miss.
+  * a session id maps (per namespace) to the entry last put with it; when the prompt extends that entry the hit is
+    O(1) in the number of entries (source "session"); otherwise the normal longest-prefix scan runs.
+  * namespaces never mix: the scan only sees entries of the request's namespace.
+
+Storage rules:
+  * same namespace and tokens -> the old entry is replaced (its sessions move to the new one);
+  * strict prefix-ancestors are superseded (dropped) only when the new entry is trimmable: an untrimmable entry
+    cannot serve its ancestors' shorter matches, so e.g. a prompt-boundary snapshot must survive;
+  * over `max_bytes`, evict in `LruSessionLast` order (least recently used first, session-bound entries last; the
+    new entry is a candidate like any other); an entry larger than the whole cap is not kept (`rejected_too_big`).
+  * bytes are the caches' `nbytes` as the caller hands them over: the views keep the whole buffers alive,
+    allocation padding included, so that is what RAM really holds.
+
+Internal updates: `take` touches the donor's LRU time and the hit counters (queries, tokens_queried, hits,
+tokens_hit, session_hits; vLLM style: tokens counted up to len(prompt) - 1).
+
+Why a linear scan and not a radix tree: entries number in the hundreds; each comparison is one vectorized numpy
+pass over the shorter sequence, skipped entirely when the entry cannot beat the best match so far.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cache.copying import all_trimmable, fork, iter_offsets, total_nbytes
+from cache.policy import LruSessionLast
+
+__all__ = ["CacheHit", "NullPromptCache", "PromptCache", "make_prompt_cache"]
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """A reusable prefix. `caches` are OWNED by the caller (new objects; extend them freely)."""
+
+    caches: list
+    length: int  # prompt tokens the caches cover: 0 < length <= len(prompt) - 1
+    source: str  # "ram" | "session" (later "ssd")
+
+
+@dataclass(eq=False)
+class _Entry:
+    ns: str
+    tokens: tuple[int, ...]
+    ids: np.ndarray  # the same tokens, for vectorized prefix comparison
+    caches: list  # never handed out, never mutated: takers get forks
+    nbytes: int
+    trimmable: bool
+    last_use: float
+    sessions: set[str] = field(default_factory=set)
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        return (self.ns, self.tokens)
+
+
+def _as_ids(tokens: Sequence[int]) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int64).reshape(-1)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def _is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
+    return len(short) <= len(long) and bool(np.array_equal(long[: len(short)], short))
+
+
+class PromptCache:
+    """The RAM tier. See the module docstring for the contract; thread-safe as described there."""
+
+    def __init__(self, max_bytes: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes} (use NullPromptCache to disable caching)")
+        self._max_bytes = int(max_bytes)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_ns: dict[str, dict[tuple[int, ...], _Entry]] = {}
+        self._sessions: dict[tuple[str, str], _Entry] = {}
+        self._policy = LruSessionLast()
+        self._bytes = 0
+        self._queries = self._hits = self._tokens_queried = self._tokens_hit = 0
+        self._evictions = self._session_hits = self._rejected_too_big = self._superseded = 0
+
+    # ----------------------------------------------------------------------------------------------- public verbs
+
+    def take(self, tokens: Sequence[int], ns: str, session: str | None = None) -> CacheHit | None:
+        """The longest usable cached prefix of `tokens` in namespace `ns`, or None.
+
+        The caller owns the returned caches; the donor entry is left untouched (only its LRU time moves).
+        """
+        prompt = _as_ids(tokens)
+        with self._lock:
+            self._queries += 1
+            self._tokens_queried += len(prompt)
+            found = self._find(prompt, ns, session)
+            if found is None:
+                return None
+            entry, length, source = found
+            entry.last_use = self._clock()
+            self._policy.touch(entry.key)
+            self._hits += 1
+            self._tokens_hit += length
+            if source == "session":
+                self._session_hits += 1
+        # Outside the lock: the entry's caches are never mutated, and a concurrent clear() only unlinks them.
+        caches = fork(entry.caches, trim=len(entry.tokens) - length)
+        return CacheHit(caches=caches, length=length, source=source)
+
+    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None) -> None:
+        """Store `caches` (covering exactly `tokens`) under `ns`, optionally as `session`'s latest entry.
+
+        The cache keeps its own objects (views of the same arrays); the caller keeps ownership of `caches` and may
+        go on mutating them. ValueError if a cache's offset disagrees with len(tokens): such an entry would
+        serve wrong KV and change the generated text.
+        """
+        ids = _as_ids(tokens)
+        if len(ids) == 0:
+            return
+        for offset in iter_offsets(caches):
+            # 0 is allowed: some models carry caches for layers that never see a token (KV sharing).
+            if offset not in (0, len(ids)):
+                raise ValueError(f"cache offset {offset} does not match {len(ids)} tokens")
+        nbytes = total_nbytes(caches)
+        if nbytes > self._max_bytes:
+            with self._lock:
+                self._rejected_too_big += 1
+            return
+        stored = fork(caches)
+        entry = _Entry(
+            ns=ns,
+            tokens=tuple(ids.tolist()),
+            ids=ids,
+            caches=stored,
+            nbytes=nbytes,
+            trimmable=all_trimmable(stored),
+            last_use=self._clock(),
+        )
+        with self._lock:
+            self._insert(entry, session)
+
+    def clear(self) -> int:
+        """Drop every entry (counters are kept). Returns how many entries were dropped."""
+        with self._lock:
+            dropped = len(self._policy)
+            self._by_ns.clear()
+            self._sessions.clear()
+            self._policy.clear()
+            self._bytes = 0
+            return dropped
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "enabled": True,
+                "entries": len(self._policy),
+                "bytes": self._bytes,
+                "max_bytes": self._max_bytes,
+                "queries": self._queries,
+                "hits": self._hits,
+                "tokens_queried": self._tokens_queried,
+                "tokens_hit": self._tokens_hit,
+                "request_hit_rate": self._hits / self._queries if self._queries else 0.0,
+                "token_hit_rate": self._tokens_hit / self._tokens_queried if self._tokens_queried else 0.0,
+                "evictions": self._evictions,
+                "session_hits": self._session_hits,
+                "rejected_too_big": self._rejected_too_big,
+                "superseded": self._superseded,
+                "sessions": len(self._sessions),
+            }
+
+    # ----------------------------------------------------------------------------- helpers (caller holds the lock)
+
+    def _find(self, prompt: np.ndarray, ns: str, session: str | None) -> tuple[_Entry, int, str] | None:
+        cap = len(prompt) - 1  # the last prompt token is always forwarded
+        entries = self._by_ns.get(ns)
+        if cap <= 0 or not entries:
+            return None
+        if session is not None:
+            entry = self._sessions.get((ns, session))
+            if entry is not None and len(entry.tokens) <= cap and _is_prefix(entry.ids, prompt):
+                return entry, len(entry.tokens), "session"
+        best: _Entry | None = None
+        best_p, best_trim = 0, 0
+        for entry in entries.values():
+            n = len(entry.tokens)
+            bound = min(n, cap)
+            # Skip what cannot win: a shorter bound, or an equal one when the best already needs no trim.
+            if bound < best_p or (bound == best_p and (best is None or best_trim == 0)):
+                continue
+            common = _common_prefix(entry.ids, prompt)
+            if n <= cap and common == n:
+                p, trim = n, 0
+            elif entry.trimmable:
+                p = min(common, cap)
+                trim = n - p
+            else:
+                continue  # untrimmable and not wholly a prefix of the prompt
+            if p > best_p or (p == best_p and p > 0 and trim < best_trim):
+                best, best_p, best_trim = entry, p, trim
+        if best is None or best_p == 0:
+            return None
+        return best, best_p, "ram"
+
+    def _insert(self, entry: _Entry, session: str | None) -> None:
+        # Drop first, index after: _drop removes a namespace's dict once it empties.
+        existing = self._by_ns.get(entry.ns, {})
+        names: set[str] = set()
+        old = existing.get(entry.tokens)
+        if old is not None:
+            names |= old.sessions  # same tokens: the new entry serves those sessions exactly as the old one did
+            self._drop(old)
+        if entry.trimmable:
+            for other in list(existing.values()):
+                if len(other.tokens) < len(entry.tokens) and _is_prefix(other.ids, entry.ids):
+                    self._drop(other)
+                    self._superseded += 1
+        self._by_ns.setdefault(entry.ns, {})[entry.tokens] = entry
+        self._bytes += entry.nbytes
+        self._policy.add(entry.key, session_bound=False)
+        if session is not None:
+            names.add(session)
+        for name in sorted(names):
+            self._bind(entry, name)
+        while self._bytes > self._max_bytes:
+            victim = self._policy.victim()
+            if victim is None:  # unreachable while bytes > 0; guards against an accounting bug looping forever
+                break
+            ns, tokens = victim
+            self._drop(self._by_ns[ns][tokens])
+            self._evictions += 1
+
+    def _bind(self, entry: _Entry, session: str) -> None:
+        """Point `session` at `entry` (already indexed), moving it off its previous entry."""
+        slot = (entry.ns, session)
+        previous = self._sessions.get(slot)
+        if previous is not None and previous is not entry:
+            previous.sessions.discard(session)
+            if not previous.sessions:
+                self._policy.set_session_bound(previous.key, False)
+        entry.sessions.add(session)
+        self._sessions[slot] = entry
+        self._policy.set_session_bound(entry.key, True)
+
+    def _drop(self, entry: _Entry) -> None:
+        entries = self._by_ns[entry.ns]
+        del entries[entry.tokens]
+        if not entries:
+            del self._by_ns[entry.ns]
+        self._bytes -= entry.nbytes
+        self._policy.remove(entry.key)
+        for name in entry.sessions:
+            if self._sessions.get((entry.ns, name)) is entry:
+                del self._sessions[(entry.ns, name)]
+
+
+class NullPromptCache:
+    """The disabled cache (`--cache-bytes 0`): never hits, stores nothing, same interface."""
+
+    def take(self, tokens: Sequence[int], ns: str, session: str | None = None) -> CacheHit | None:
+        return None
+
+    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None) -> None:
+        return None
+
+    def clear(self) -> int:
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        return {"enabled": False, "entries": 0, "bytes": 0, "max_bytes": 0}
+
+
+def make_prompt_cache(max_bytes: int) -> PromptCache | NullPromptCache:
+    """A PromptCache of `max_bytes`, or the NullPromptCache when `max_bytes` is 0."""
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    return PromptCache(max_bytes) if max_bytes else NullPromptCache()
