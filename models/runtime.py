@@ -1,0 +1,103 @@
+"""Runtime facts of this process: which BLAS MLX runs on, which device, which dtype by default.
+
+On Linux the mlx-cpu wheel bundles the reference Netlib BLAS, ~48x slower for float32 matmuls than
+OpenBLAS. The dynamic loader only lets a library win symbol lookup when it is loaded first, so the
+fix is `LD_PRELOAD`; it must be in the environment before the process starts, hence `ensure_blas`
+re-executes the process once with it set.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["ensure_blas", "blas_info", "device_name", "default_dtype", "OPENBLAS_CANDIDATES"]
+
+OPENBLAS_CANDIDATES: tuple[str, ...] = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/x86_64-linux-gnu/openblas-openmp/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-openmp/libblas.so.3",
+    "/usr/lib64/libopenblas.so.0",
+)
+_REEXEC_MARKER = "MLX_LANE_BLAS_REEXEC"
+
+
+def find_openblas(candidates: tuple[str, ...] = OPENBLAS_CANDIDATES) -> str | None:
+    """The first existing OpenBLAS library among `candidates`, or None."""
+    for path in candidates:
+        if Path(path).is_file():
+            return path
+    return None
+
+
+def _preloaded(env: dict[str, str]) -> list[str]:
+    return [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p]
+
+
+def blas_preload_env(env: dict[str, str], lib: str) -> dict[str, str]:
+    """A copy of `env` with `lib` first in LD_PRELOAD and the re-exec marker set."""
+    new = dict(env)
+    new["LD_PRELOAD"] = " ".join([lib] + [p for p in _preloaded(env) if p != lib])
+    new[_REEXEC_MARKER] = "1"
+    return new
+
+
+def ensure_blas(argv: list[str] | None = None) -> None:
+    """Make this process run MLX on OpenBLAS when it is installed (Linux only).
+
+    If an OpenBLAS library exists at a known path and is not yet in LD_PRELOAD, replace the
+    process with `sys.executable + argv` (default: `sys.argv`) with LD_PRELOAD set. Call it first
+    thing in `main()`, before threads or sockets exist. Does nothing on other systems, when the
+    library is missing (see `blas_info` for the log line), or when a previous re-exec already
+    happened (env marker), so it can never loop. Returns only when no re-exec happens.
+    """
+    if not sys.platform.startswith("linux") or os.environ.get(_REEXEC_MARKER):
+        return
+    lib = find_openblas()
+    if lib is None or lib in _preloaded(dict(os.environ)):
+        return
+    args = list(sys.argv if argv is None else argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable] + args, blas_preload_env(dict(os.environ), lib))
+
+
+def _mapped_openblas(maps_path: str = "/proc/self/maps") -> str | None:
+    try:
+        text = Path(maps_path).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and "openblas" in parts[5].lower():
+            return parts[5].strip()
+    return None
+
+
+def blas_info() -> str:
+    """One log line naming the BLAS that MLX's CPU matmuls use in this process."""
+    if sys.platform == "darwin":
+        return "Accelerate (macOS)"
+    mapped = _mapped_openblas()
+    if mapped is not None:
+        return f"OpenBLAS (preloaded: {mapped})"
+    if find_openblas() is None:
+        return "reference BLAS bundled with mlx (slow: install libopenblas0-pthread)"
+    return "reference BLAS bundled with mlx (slow: OpenBLAS is installed but not preloaded; call ensure_blas())"
+
+
+def device_name() -> str:
+    """MLX's default device type as a word: "cpu" or "gpu"."""
+    import mlx.core as mx
+
+    return "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+
+
+def default_dtype() -> str:
+    """The dtype models load in when none is asked for: float32 on the CPU, bfloat16 on a GPU.
+
+    On the CPU, 16-bit matmuls have no BLAS path and run ~40x slower than float32.
+    """
+    return "float32" if device_name() == "cpu" else "bfloat16"
