@@ -1,0 +1,112 @@
+"""``mlx-lane`` command line: serve, convert, models.
+
+Every ``serve`` flag can also be given as an environment variable ``MLX_LANE_<FLAG>``
+(upper case, dashes as underscores), e.g. ``MLX_LANE_PORT=9000``; a flag on the command
+line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+log = logging.getLogger("mlx_lane")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'512M', '8GiB', '1073741824' -> bytes (binary units)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 0, 512M, 8G)")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def default_cache_bytes() -> int:
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        physical = 16 << 30
+    return min(8 << 30, physical // 4)
+
+
+def _env(name: str, default=None):
+    return os.environ.get("MLX_LANE_" + name.upper().replace("-", "_"), default)
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="start the OpenAI-compatible server",
+                       description="Start the server. Every flag may also be set as MLX_LANE_<FLAG>.")
+    p.add_argument("--model", default=_env("model", "default"),
+                   help="'default' (offline SmolLM2-135M-Instruct), an mlx-lm model directory, a .gguf file, "
+                        "or a Hugging Face repo id (needs a reachable hub) [MLX_LANE_MODEL]")
+    p.add_argument("--host", default=_env("host", "127.0.0.1"), help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=int(_env("port", "8080")), help="port (default 8080)")
+    p.add_argument("--api-key", default=_env("api_key"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health [MLX_LANE_API_KEY]")
+    p.add_argument("--dtype", default=_env("dtype"), choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype (default: float32 on CPU, bfloat16 on GPU/Metal)")
+    p.add_argument("--cache-bytes", type=parse_bytes, default=_env("cache_bytes"),
+                   help="RAM prefix-cache cap, e.g. 2G; 0 disables (default: min(8 GiB, 25%% of RAM))")
+    p.add_argument("--max-queue", type=int, default=int(_env("max_queue", "256")),
+                   help="requests allowed to wait for the lane before 429 (0 = unbounded; default 256)")
+    p.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes(_env("max_body_bytes", "8M")),
+                   help="largest accepted request body (default 8M)")
+    p.add_argument("--default-max-tokens", type=int, default=int(_env("default_max_tokens", "2048")),
+                   help="completion length when a chat request gives no max_tokens (default 2048, "
+                        "never past the context)")
+    p.add_argument("--prefill-chunk", type=int, default=int(_env("prefill_chunk", "512")),
+                   help="prompt tokens per prefill step; smaller = faster cancel (default 512)")
+    p.add_argument("--keepalive", type=float, default=float(_env("keepalive", "10")),
+                   help="seconds between SSE keep-alive comments while waiting (default 10)")
+    p.add_argument("--shutdown-timeout", type=float, default=float(_env("shutdown_timeout", "30")),
+                   help="seconds to let in-flight requests finish on SIGTERM (default 30)")
+    p.add_argument("--log-level", default=_env("log_level", "info"),
+                   choices=["critical", "error", "warning", "info", "debug"], help="log level (default info)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-lane", description="OpenAI-compatible MLX server with a prefix cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    c = sub.add_parser("convert", help="convert a GGUF file (llama, qwen2, gemma3) to an mlx-lm directory")
+    c.add_argument("gguf", help="path to the .gguf file")
+    c.add_argument("outdir", help="directory to write")
+    m = sub.add_parser("models", help="list packaged and cached models")
+    m.add_argument("action", nargs="?", choices=["list"], default="list")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from models.runtime import ensure_blas
+
+        ensure_blas(["-m", "server.cli"] + argv)  # re-exec with OpenBLAS preloaded when available
+        from server.serve import serve
+
+        return serve(args)
+    if args.command == "convert":
+        from models import convert_gguf
+
+        out = convert_gguf(args.gguf, args.outdir, progress=True)
+        print(out)
+        return 0
+    if args.command == "models":
+        from models import list_models
+
+        for row in list_models():
+            print("  ".join(f"{k}={v}" for k, v in row.items()))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

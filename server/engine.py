@@ -1,0 +1,202 @@
+"""One generation, run on the lane thread: cache take -> chunked prefill -> decode -> cache put.
+
+Contract of ``Engine.run(job)``:
+- emits ``Progress`` while prefilling, one ``Delta`` per decoded token (text already passed
+  through the stop-string matcher, so a partial stop string is never emitted), and exactly
+  one ``Finished`` (or ``Failed`` if an exception escaped the model);
+- checks ``job.cancel`` between prefill chunks and after every decoded token;
+- stores what it computed in the prompt cache, also after a cancellation, and a
+  prompt-boundary snapshot before decoding when some layer's cache cannot be trimmed
+  (so the next turn of a sliding-window model still hits).
+
+Only the lane thread may call ``run``: it owns the model, the MLX stream and the caches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from server.jobs import Delta, Failed, Finished, Job, Progress
+from server.sampling import build_logits_processors, build_sampler, token_logprobs
+from server.stops import StopMatcher
+
+log = logging.getLogger("mlx_lane.engine")
+
+
+@dataclass
+class Timings:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+
+class Engine:
+    """Binds a loaded model to a prompt cache and the lane's MLX stream."""
+
+    def __init__(self, loaded, prompt_cache, stats, *, prefill_chunk: int = 512):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.namespace = loaded.fingerprint
+        self.prompt_cache = prompt_cache
+        self.stats = stats
+        self.prefill_chunk = prefill_chunk
+        self.stream = None  # created on the lane thread by bind_stream()
+        self.fault_hook = None  # tests may set a callable(job) that raises inside a generation
+        self._eos = set(self.tokenizer.eos_token_ids or [])
+
+    def bind_stream(self) -> None:
+        """Create the MLX stream owned by the calling (lane) thread."""
+        self.stream = mx.new_stream(mx.default_device())
+
+    # -- the job --------------------------------------------------------------------
+    def run(self, job: Job) -> None:
+        started = time.monotonic()
+        try:
+            with mx.stream(self.stream):
+                finished = self._generate(job, started)
+        except Exception as exc:  # the lane must survive anything a generation raises
+            log.exception("generation %s failed", job.id)
+            self.stats.on_failure()
+            job.sink(Failed(exc))
+            return
+        self.stats.on_finished(finished)
+        job.sink(finished)
+
+    def _generate(self, job: Job, started: float) -> Finished:
+        prompt = job.prompt
+        hit = self.prompt_cache.take(prompt, self.namespace, job.session)
+        caches = hit.caches if hit is not None else make_prompt_cache(self.model)
+        cached = hit.length if hit is not None else 0
+        if self.fault_hook is not None:
+            self.fault_hook(job)
+
+        t0 = time.monotonic()
+        done = self._prefill(prompt, cached, caches, job)
+        if done < len(prompt) - 1:  # cancelled during prefill
+            self._store(prompt[:done], caches, job)
+            return self._finish(job, "cancelled", 0, cached, started, Timings())
+        if not all(c.is_trimmable() for c in caches):
+            self._store(prompt[:-1], caches, job)  # prompt-boundary snapshot
+
+        generated, reason, timings = self._decode(job, caches, t0)
+        timings.prefill_tokens = len(prompt) - cached
+        self._store(prompt + generated, caches, job)
+        return self._finish(job, reason, len(generated), cached, started, timings)
+
+    def _prefill(self, prompt: Sequence[int], start: int, caches: list, job: Job) -> int:
+        """Feed prompt[start:-1] in chunks; return how many prompt tokens the caches cover."""
+        end = len(prompt) - 1
+        pos = start
+        while pos < end:
+            if job.cancel.is_set():
+                return pos
+            n = min(self.prefill_chunk, end - pos)
+            self.model(mx.array(prompt[pos : pos + n])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+            pos += n
+            job.sink(Progress(pos, len(prompt)))
+        return pos
+
+    def _decode(self, job: Job, caches: list, t0: float):
+        params = job.params
+        prompt = job.prompt
+        if params.seed is not None:
+            mx.random.seed(params.seed % (2**64))
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        stops = StopMatcher(list(params.stop))
+        generated: list[int] = []
+        reason = "length"
+        timings = Timings()
+        t_first = None
+        steps = generate_step(
+            mx.array(prompt[-1:]),
+            self.model,
+            self.stream,
+            max_tokens=params.max_tokens,
+            sampler=build_sampler(params),
+            logits_processors=build_logits_processors(params, prompt[:-1]),
+            prompt_cache=caches,
+        )
+        try:
+            for token, logprobs in steps:
+                now = time.monotonic()
+                if t_first is None:
+                    t_first = now
+                    timings.prefill_s = now - t0
+                generated.append(token)
+                if token in self._eos:
+                    reason = "stop"
+                    break
+                detok.add_token(token)
+                text = stops.feed(detok.last_segment)
+                lp = ()
+                if params.logprobs:
+                    lp = (token_logprobs(logprobs, token, params.top_logprobs, self._decode_one),)
+                job.sink(Delta(text, lp, first_token=len(generated) == 1))
+                if stops.stopped:
+                    reason = "stop"
+                    break
+                if job.cancel.is_set():
+                    reason = "cancelled"
+                    break
+            else:
+                detok.finalize()
+                tail = stops.feed(detok.last_segment) + stops.flush()
+                if tail:
+                    job.sink(Delta(tail))
+        finally:
+            steps.close()
+        if reason == "stop" and not stops.stopped:  # EOS: release held-back text
+            detok.finalize()
+            tail = stops.feed(detok.last_segment) + stops.flush()
+            if tail:
+                job.sink(Delta(tail))
+        if t_first is not None:
+            timings.decode_tokens = max(0, len(generated) - 1)
+            timings.decode_s = time.monotonic() - t_first
+        return generated, reason, timings
+
+    def _decode_one(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    # -- cache ------------------------------------------------------------------------
+    def _store(self, tokens: Sequence[int], caches: list, job: Job) -> None:
+        if not tokens:
+            return
+        covered = _covered_length(caches)
+        if covered is not None and covered != len(tokens):
+            log.warning("not caching %s: caches cover %d tokens, expected %d", job.id, covered, len(tokens))
+            return
+        try:
+            self.prompt_cache.put(list(tokens), caches, self.namespace, job.session)
+        except Exception:  # caching is an optimisation: never fail the request for it
+            log.exception("prompt cache put failed")
+
+    def _finish(self, job, reason, n_generated, cached, started, timings: Timings) -> Finished:
+        return Finished(
+            finish_reason=reason,
+            prompt_tokens=len(job.prompt),
+            completion_tokens=n_generated,
+            cached_tokens=cached,
+            prefill_tokens=timings.prefill_tokens,
+            prefill_s=timings.prefill_s,
+            decode_tokens=timings.decode_tokens,
+            decode_s=timings.decode_s,
+            queued_s=started - job.enqueued_at,
+        )
+
+
+def _covered_length(caches: list) -> int | None:
+    offsets = {getattr(c, "offset", None) for c in caches}
+    offsets.discard(None)
+    return offsets.pop() if len(offsets) == 1 else None

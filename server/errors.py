@@ -1,0 +1,92 @@
+"""Errors of the HTTP layer, shaped like OpenAI's.
+
+Hierarchy (every one maps to ``{"error": {"message", "type", "param", "code"}}``)::
+
+    APIError                      500 internal_error / server_error
+    ├── InvalidRequest            400 invalid_request_error   (bad JSON, wrong types, bad values)
+    │   └── ContextLengthExceeded 400 code=context_length_exceeded
+    ├── AuthenticationError       401 invalid_api_key
+    ├── ModelNotFound             404 model_not_found
+    ├── PayloadTooLarge           413
+    └── QueueFull                 429 (with Retry-After)
+
+Low-level failures are mapped to these at the boundary (``raise ... from exc``); the
+body never carries a stack trace or a file path.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "APIError",
+    "InvalidRequest",
+    "ContextLengthExceeded",
+    "AuthenticationError",
+    "ModelNotFound",
+    "PayloadTooLarge",
+    "QueueFull",
+    "error_body",
+]
+
+
+class APIError(Exception):
+    status_code = 500
+    type = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class InvalidRequest(APIError):
+    status_code = 400
+    type = "invalid_request_error"
+    code = None
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class AuthenticationError(APIError):
+    status_code = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(APIError):
+    status_code = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLarge(APIError):
+    status_code = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class QueueFull(APIError):
+    status_code = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,67 @@
+"""Bridge between one HTTP request (event loop) and its job on the lane (thread).
+
+``JobRun`` hands the lane a thread-safe sink that forwards events into an asyncio queue,
+watches the client's connection (an ``http.disconnect`` sets the job's cancel flag, so
+the lane stops within one decode step) and yields events, or ``None`` as a keep-alive
+tick when nothing arrived for ``keepalive_s``. Leaving the ``async with`` block cancels
+the job if it has not finished, whatever the reason (error, disconnect, task cancel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Optional
+
+from starlette.requests import Request
+
+from server.jobs import Event, Failed, Finished, Job, SamplingParams
+
+
+class JobRun:
+    def __init__(self, lane, request: Request, prompt: list[int], params: SamplingParams,
+                 session: Optional[str], keepalive_s: float):
+        self.lane = lane
+        self.request = request
+        self.keepalive_s = keepalive_s
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.job = Job(prompt=prompt, params=params, sink=self._sink, session=session)
+        self._watcher: Optional[asyncio.Task] = None
+        self.done = False
+
+    def _sink(self, event: Event) -> None:  # called on the lane thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    async def __aenter__(self) -> "JobRun":
+        self.lane.submit(self.job)  # may raise QueueFull before anything else starts
+        self._watcher = asyncio.create_task(self._watch_disconnect())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if not self.done:
+            self.job.cancel.set()
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    async def _watch_disconnect(self) -> None:
+        try:
+            while True:
+                message = await self.request.receive()
+                if message["type"] == "http.disconnect":
+                    self.job.cancel.set()
+                    return
+        except (asyncio.CancelledError, RuntimeError, OSError):
+            return
+
+    async def events(self) -> AsyncIterator[Optional[Event]]:
+        while True:
+            try:
+                event = await asyncio.wait_for(self._queue.get(), timeout=self.keepalive_s)
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            if isinstance(event, (Finished, Failed)):
+                self.done = True
+            yield event
+            if self.done:
+                return

@@ -1,0 +1,85 @@
+"""What travels between the HTTP handlers and the lane: a job and the events it produces.
+
+A handler builds a ``Job`` (token ids already rendered and tokenized off the lane) and
+receives ``Progress`` / ``Delta`` / ``Finished`` / ``Failed`` events through ``sink``,
+which must be thread-safe (the lane thread calls it). Exactly one ``Finished`` or
+``Failed`` ends every job that was accepted by the lane, cancelled ones included.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[int, float]] = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[str, float, list[int]]]
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    first_token: bool = False
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    prefill_tokens: int  # tokens actually computed before the first output token
+    prefill_s: float
+    decode_tokens: int  # tokens decoded after the first one (the rate's numerator)
+    decode_s: float
+    queued_s: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+
+
+Event = Progress | Delta | Finished | Failed
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    params: SamplingParams
+    sink: Callable[[Event], None]
+    session: Optional[str] = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    enqueued_at: float = field(default_factory=time.monotonic)

@@ -1,0 +1,179 @@
+"""Generation endpoints: /v1/chat/completions and /v1/completions (JSON and SSE)."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from server.errors import APIError, ModelNotFound
+from server.jobrun import JobRun
+from server.jobs import Delta, Failed, Finished, Progress
+from server.prompts import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    render_chat,
+    sampling_params,
+    session_of,
+    tokenize_completion,
+)
+from server.responses import SSE_DONE, SSE_KEEPALIVE, ChatFormatter, CompletionFormatter, sse
+from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.tool_calls import ToolCallFilter, parse_tool_calls
+
+router = APIRouter()
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _json(obj, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+def _check_model(state, requested: Optional[str]) -> None:
+    if requested and requested not in state.model_names:
+        raise ModelNotFound(
+            f"The model '{requested}' does not exist on this server. Served: {', '.join(sorted(state.model_names))}",
+            param="model",
+        )
+
+
+def _internal(ev: Failed) -> APIError:
+    if isinstance(ev.error, APIError):
+        return ev.error
+    return APIError("The server failed while generating this response. The error was logged; please retry.")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request):
+    state = request.app.state.lane_state
+    _check_model(state, req.model)
+    tok = state.loaded.tokenizer
+    prompt = await run_in_threadpool(render_chat, tok, req)
+    params = sampling_params(
+        req.model_copy(update={"max_tokens": req.requested_max_tokens()}), len(prompt),
+        state.loaded.context_length, default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size,
+    )
+    session = session_of(request.headers.get("x-session-id"), req)
+    fmt = ChatFormatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint)
+    run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s)
+    t0 = time.monotonic()
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        await run.__aenter__()
+        return StreamingResponse(
+            _chat_stream(run, fmt, include_usage, bool(req.tools), state.stats, t0),
+            media_type="text/event-stream", headers=SSE_HEADERS,
+        )
+    async with run:
+        text, lps, finished = await _collect(run, state.stats, t0)
+    if req.tools:
+        content, calls = parse_tool_calls(text)
+    else:
+        content, calls = text, []
+    reason = "tool_calls" if calls else finished.finish_reason
+    return _json(fmt.completion(content, calls, lps if params.logprobs else None, reason, finished))
+
+
+async def _collect(run: JobRun, stats, t0: float):
+    parts: list[str] = []
+    lps: list = []
+    async for ev in run.events():
+        if isinstance(ev, Delta):
+            if ev.first_token:
+                stats.observe_ttft(time.monotonic() - t0)
+            parts.append(ev.text)
+            lps.extend(ev.logprobs)
+        elif isinstance(ev, Failed):
+            raise _internal(ev)
+        elif isinstance(ev, Finished):
+            stats.observe_e2e(time.monotonic() - t0)
+            return "".join(parts), lps, ev
+    raise APIError("generation ended without a result")
+
+
+async def _chat_stream(run: JobRun, fmt: ChatFormatter, include_usage: bool, tools: bool, stats, t0):
+    tool_filter = ToolCallFilter() if tools else None
+    try:
+        yield sse(fmt.role_chunk())
+        async for ev in run.events():
+            if ev is None or isinstance(ev, Progress):
+                if ev is None:
+                    yield SSE_KEEPALIVE
+                continue
+            if isinstance(ev, Delta):
+                if ev.first_token:
+                    stats.observe_ttft(time.monotonic() - t0)
+                text = tool_filter.feed(ev.text) if tool_filter else ev.text
+                if text or ev.logprobs:
+                    yield sse(fmt.content_chunk(text, list(ev.logprobs)))
+            elif isinstance(ev, Failed):
+                yield sse(_internal(ev).body())
+                break
+            elif isinstance(ev, Finished):
+                stats.observe_e2e(time.monotonic() - t0)
+                reason = ev.finish_reason
+                if tool_filter:
+                    rest, calls = tool_filter.finish()
+                    if rest:
+                        yield sse(fmt.content_chunk(rest, []))
+                    if calls:
+                        yield sse(fmt.tool_calls_chunk(calls))
+                        reason = "tool_calls"
+                yield sse(fmt.finish_chunk(reason))
+                if include_usage:
+                    yield sse(fmt.usage_chunk(ev))
+        yield SSE_DONE
+    finally:
+        await run.__aexit__(None, None, None)
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request):
+    state = request.app.state.lane_state
+    _check_model(state, req.model)
+    prompt = await run_in_threadpool(tokenize_completion, state.loaded.tokenizer, req, state.vocab_size)
+    if req.max_tokens is None:
+        req = req.model_copy(update={"max_tokens": COMPLETIONS_DEFAULT_MAX_TOKENS})
+    params = sampling_params(req, len(prompt), state.loaded.context_length,
+                             default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size)
+    session = session_of(request.headers.get("x-session-id"), req)
+    fmt = CompletionFormatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint)
+    run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s)
+    t0 = time.monotonic()
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        await run.__aenter__()
+        return StreamingResponse(_completion_stream(run, fmt, include_usage, state.stats, t0),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    async with run:
+        text, lps, finished = await _collect(run, state.stats, t0)
+    return _json(fmt.completion(text, lps if params.logprobs else None, finished.finish_reason, finished))
+
+
+async def _completion_stream(run: JobRun, fmt: CompletionFormatter, include_usage: bool, stats, t0):
+    offset = 0
+    try:
+        async for ev in run.events():
+            if ev is None:
+                yield SSE_KEEPALIVE
+            elif isinstance(ev, Delta):
+                if ev.first_token:
+                    stats.observe_ttft(time.monotonic() - t0)
+                if ev.text or ev.logprobs:
+                    yield sse(fmt.text_chunk(ev.text, list(ev.logprobs), offset))
+                    offset += len(ev.text)
+            elif isinstance(ev, Failed):
+                yield sse(_internal(ev).body())
+                break
+            elif isinstance(ev, Finished):
+                stats.observe_e2e(time.monotonic() - t0)
+                yield sse(fmt.finish_chunk(ev.finish_reason))
+                if include_usage:
+                    yield sse(fmt.usage_chunk(ev))
+        yield SSE_DONE
+    finally:
+        await run.__aexit__(None, None, None)

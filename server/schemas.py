@@ -1,0 +1,196 @@
+"""Request types of the OpenAI API subset we serve (pydantic v2).
+
+Unknown fields are accepted and ignored (clients send many: ``store``, ``metadata``,
+``parallel_tool_calls`` ...); known fields are validated strictly enough that a wrong
+type or an out-of-range value is a 400 naming the parameter. Fields we do not
+implement in a way that would change the output (``n`` > 1, ``response_format`` other
+than text) are refused explicitly rather than ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_SEQUENCES = 16
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Lenient):
+    type: Literal["text", "input_text"]
+    text: str
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(_Lenient):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a '{self.role}' message needs 'content'")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1, max_length=128)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Lenient):
+    type: str
+
+
+class SamplingFields(_Lenient):
+    """Fields shared by chat and text completions."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    stop: Union[str, list[str], None] = None
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0)
+    logit_bias: Optional[dict[str, float]] = None
+    n: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = Field(default=None, max_length=256)
+    prompt_cache_key: Optional[str] = Field(default=None, max_length=256)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return []
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        return [s for s in stops if s]
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v is None:
+            return None
+        if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries are allowed")
+        out = {}
+        for key, bias in v.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if token < 0:
+                raise ValueError(f"logit_bias token id {token} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+            out[str(token)] = float(bias)
+        return out
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if v is not None and v != 1:
+            raise ValueError("only n=1 is supported by this server")
+        return v
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    response_format: Optional[ResponseFormat] = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        if v is not None and v.type != "text":
+            raise ValueError(
+                f"response_format type '{v.type}' is not supported yet; use 'text' or omit it"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _checks(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: Optional[str] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list):
+            if len(v) == 0:
+                raise ValueError("prompt must not be empty")
+            if isinstance(v[0], str):
+                if len(v) != 1:
+                    raise ValueError("only one prompt per request is supported")
+                v = v[0]
+        if isinstance(v, str) and v == "":
+            raise ValueError("prompt must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo=true is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_tokens

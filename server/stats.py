@@ -1,0 +1,158 @@
+"""Serving counters for /stats and /metrics.
+
+``ServingStats`` is updated by the lane thread (``on_finished`` / ``on_failure``) and by
+handlers (``on_first_token``/``on_request_done`` for latency), and read by the event loop.
+Prometheus series use vLLM-style names under the ``mlx_lane:`` prefix; they live in a
+private registry so several servers in one process (tests) never collide.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from server.jobs import Finished
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+
+
+class _Mean:
+    """Running mean and last value of a rate."""
+
+    def __init__(self):
+        self.last = None
+        self.total = 0.0
+        self.count = 0
+
+    def add(self, value: float) -> None:
+        self.last = value
+        self.total += value
+        self.count += 1
+
+    def as_dict(self) -> dict:
+        mean = self.total / self.count if self.count else None
+        return {"last": _round(self.last), "mean": _round(mean)}
+
+
+def _round(x):
+    return None if x is None else round(x, 3)
+
+
+class ServingStats:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.started = time.time()
+        self.requests_served = 0
+        self.requests_failed = 0
+        self.requests_cancelled = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.prefill_tps = _Mean()
+        self.decode_tps = _Mean()
+        self.registry = CollectorRegistry()
+        self._m_requests = Counter(
+            "mlx_lane:request_success", "Finished requests by finish reason",
+            ["finished_reason"], registry=self.registry,
+        )
+        self._m_failed = Counter("mlx_lane:request_failure", "Requests that failed", registry=self.registry)
+        self._m_prompt = Counter("mlx_lane:prompt_tokens", "Prompt tokens", registry=self.registry)
+        self._m_generation = Counter("mlx_lane:generation_tokens", "Generated tokens", registry=self.registry)
+        self._m_ttft = Histogram(
+            "mlx_lane:time_to_first_token_seconds", "Time to first token",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self._m_e2e = Histogram(
+            "mlx_lane:e2e_request_latency_seconds", "End-to-end request latency",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self._m_queue_time = Histogram(
+            "mlx_lane:request_queue_time_seconds", "Time waiting for the lane",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.queue_depth = Gauge("mlx_lane:num_requests_waiting", "Requests waiting", registry=self.registry)
+
+    # -- lane thread ------------------------------------------------------------------
+    def on_finished(self, f: Finished) -> None:
+        with self._lock:
+            if f.finish_reason == "cancelled":
+                self.requests_cancelled += 1
+            else:
+                self.requests_served += 1
+            self.prompt_tokens += f.prompt_tokens
+            self.completion_tokens += f.completion_tokens
+            self.cached_tokens += f.cached_tokens
+            if f.prefill_tokens > 0 and f.prefill_s > 0:
+                self.prefill_tps.add(f.prefill_tokens / f.prefill_s)
+            if f.decode_tokens > 0 and f.decode_s > 0:
+                self.decode_tps.add(f.decode_tokens / f.decode_s)
+        self._m_requests.labels(f.finish_reason).inc()
+        self._m_prompt.inc(f.prompt_tokens)
+        self._m_generation.inc(f.completion_tokens)
+        self._m_queue_time.observe(f.queued_s)
+
+    def on_failure(self) -> None:
+        with self._lock:
+            self.requests_failed += 1
+        self._m_failed.inc()
+
+    # -- handlers -----------------------------------------------------------------------
+    def observe_ttft(self, seconds: float) -> None:
+        self._m_ttft.observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._m_e2e.observe(seconds)
+
+    # -- readers ------------------------------------------------------------------------
+    def lane_block(self) -> dict:
+        with self._lock:
+            return {
+                "requests_served": self.requests_served,
+                "requests_failed": self.requests_failed,
+                "requests_cancelled": self.requests_cancelled,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens,
+                "prefill_tokens_per_s": self.prefill_tps.as_dict(),
+                "decode_tokens_per_s": self.decode_tps.as_dict(),
+                "uptime_s": round(time.time() - self.started, 1),
+            }
+
+    def prometheus_text(self, prompt_cache_stats: dict) -> bytes:
+        return generate_latest(self.registry) + generate_latest(_CacheCollector(prompt_cache_stats))
+
+
+class _CacheCollector:
+    """Exposes the prompt cache's own counters (read at scrape time) as Prometheus series."""
+
+    def __init__(self, stats: dict):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats
+        yield _counter("mlx_lane:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.get("tokens_queried", 0))
+        yield _counter("mlx_lane:prefix_cache_hits", "Prompt tokens served from the prefix cache", s.get("tokens_hit", 0))
+        yield _counter("mlx_lane:prefix_cache_request_queries", "Requests that looked up the prefix cache", s.get("queries", 0))
+        yield _counter("mlx_lane:prefix_cache_request_hits", "Requests with a prefix-cache hit", s.get("hits", 0))
+        yield _counter("mlx_lane:prefix_cache_evictions", "Prefix-cache entries evicted", s.get("evictions", 0))
+        yield _gauge("mlx_lane:prefix_cache_entries", "Prefix-cache entries", s.get("entries", 0))
+        yield _gauge("mlx_lane:prefix_cache_bytes", "Prefix-cache bytes in RAM", s.get("bytes", 0))
+        yield _gauge("mlx_lane:prefix_cache_max_bytes", "Prefix-cache byte cap", s.get("max_bytes", 0))
+
+    def __call__(self):  # generate_latest accepts any object with collect()
+        return self
+
+
+def _counter(name, doc, value):
+    m = CounterMetricFamily(name, doc)
+    m.add_metric([], float(value or 0))
+    return m
+
+
+def _gauge(name, doc, value):
+    m = GaugeMetricFamily(name, doc)
+    m.add_metric([], float(value or 0))
+    return m

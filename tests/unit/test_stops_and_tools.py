@@ -1,0 +1,85 @@
+"""Stop-string hold-back and tool-call parsing (pure text logic, no model)."""
+
+import json
+
+import pytest
+
+from server.stops import StopMatcher
+from server.tool_calls import ToolCallFilter, parse_tool_calls
+
+
+def run(stops, pieces):
+    m = StopMatcher(list(stops))
+    out = [m.feed(p) for p in pieces]
+    return out, m
+
+
+@pytest.mark.parametrize(
+    "stops,pieces,emitted,stopped",
+    [
+        ([], ["ab", "cd"], "abcd", False),
+        (["END"], ["hello E", "N", "D tail"], "hello ", True),
+        (["END"], ["hello E", "Nx"], "hello ENx", False),
+        (["\n\n"], ["a\n", "\nb"], "a", True),
+        (["stop", "st"], ["xs", "t"], "x", True),
+        (["abc"], ["a", "b", "c"], "", True),
+        (["abc"], ["zab", "d"], "zabd", False),
+    ],
+)
+def test_stop_matcher(stops, pieces, emitted, stopped):
+    out, m = run(stops, pieces)
+    text = "".join(out) + m.flush()
+    assert text == emitted
+    assert m.stopped is stopped
+
+
+def test_partial_stop_never_emitted_before_it_resolves():
+    m = StopMatcher(["<|end|>"])
+    assert m.feed("ok <|e") == "ok "
+    assert m.feed("nd") == ""
+    assert m.feed("|>more") == ""
+    assert m.stopped
+
+
+def test_parse_tool_calls_extracts_json_and_content():
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check."
+    assert len(calls) == 1
+    assert calls[0]["type"] == "function"
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_parse_tool_calls_two_calls_and_unclosed_last():
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"x": 1}}'
+    content, calls = parse_tool_calls(text)
+    assert [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert content == ""
+
+
+def test_parse_tool_calls_invalid_json_stays_text():
+    text = "<tool_call>{not json}</tool_call>"
+    content, calls = parse_tool_calls(text)
+    assert calls == []
+    assert content == text
+
+
+def test_tool_filter_streams_content_and_buffers_call():
+    f = ToolCallFilter()
+    pieces = ["Sure", ". <tool", '_call>{"name": "f", ', '"arguments": {"a": 2}}</tool_call>']
+    streamed = "".join(f.feed(p) for p in pieces)
+    rest, calls = f.finish()
+    assert streamed == "Sure. "
+    assert rest == ""
+    assert calls[0]["function"]["name"] == "f"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 2}
+
+
+def test_tool_filter_without_call_releases_everything():
+    f = ToolCallFilter()
+    streamed = f.feed("a <tool") + f.feed("box")
+    rest, calls = f.finish()
+    assert streamed + rest == "a <toolbox"
+    assert calls == []
