@@ -71,9 +71,16 @@ def _mapped_openblas(maps_path: str = "/proc/self/maps") -> str | None:
         return None
     for line in text.splitlines():
         parts = line.split(None, 5)
-        if len(parts) == 6 and "openblas" in parts[5].lower():
+        if len(parts) == 6 and _is_system_openblas(parts[5].strip()):
             return parts[5].strip()
     return None
+
+
+def _is_system_openblas(path: str) -> bool:
+    """An OpenBLAS exporting the standard BLAS symbols MLX calls. numpy's bundled
+    `libscipy_openblas64_` uses suffixed symbols, so its presence proves nothing."""
+    low = path.lower()
+    return "openblas" in low and "scipy_openblas" not in low and "numpy" not in low
 
 
 def blas_info() -> str:

