@@ -136,9 +136,9 @@ def test_exact_tokens_replace():
 )
 def test_supersede_only_when_trimmable(new_trimmable, entries_after, superseded):
     cache = big()
+    put(cache, (1, 2, 7))  # a sibling, not an ancestor: always kept
     put(cache, (1, 2), trimmable=False)  # untrimmable ancestors: they supersede nothing themselves
     put(cache, (1, 2, 3), trimmable=False)
-    put(cache, (1, 2, 7))  # a sibling, not an ancestor: always kept
     put(cache, (1, 2, 3, 4, 5), trimmable=new_trimmable)
     stats = cache.stats()
     assert stats["entries"] == entries_after and stats["superseded"] == superseded
