@@ -1,0 +1,374 @@
+"""The SSD cold tier: an index over KV files that survives restarts.
+
+Files are the database: `<root>/<fingerprint>/<ns_hash>/<uuid hex>.safetensors` (format: `cache.kvfile`). Only
+hex strings become path components: the fingerprint is validated as hex, the namespace is hashed, file names are
+generated. Nothing read from a file ever becomes a path.
+
+Verbs (all thread-safe; the index is read from the lane / event loop and written by the durability writer):
+  scan()                          start-up (the constructor runs it): read headers only; delete `*.tmp` and every
+                                  unreadable, foreign or misplaced file (counted in `removed_at_scan`); index the rest.
+  find(tokens, ns) -> SSDMatch    index only, no I/O. Same rules as the RAM tier: usable p = min(common prefix,
+                                  len(tokens) - 1); an entry longer than p needs a trim, so it qualifies only if
+                                  trimmable; an untrimmable entry matches only when wholly a prefix of the prompt.
+                                  Longest p wins; ties go to the smaller trim, then the most recently used.
+  restore(match) -> Restored      read the file, trim to p; the caller owns the caches. None on any error (the
+                                  entry leaves the index; a corrupt file is deleted).
+  write(tokens, caches, ns)       atomic save + index + supersede (exact duplicate replaced; strict prefix-ancestors
+                                  removed only when the new entry is trimmable) + byte cap (least recently used
+                                  first, by file mtime). Returns True when the entry is durable and indexed.
+  covers(tokens, ns)              index only: an entry can serve `tokens` in full (same tokens, or a trimmable
+                                  extension of them).
+
+Internal updates: a restore touches the file's mtime (the LRU clock survives restarts). Eviction re-reads mtimes
+from disk, so an mtime set from outside (tests, tools) counts.
+
+Errors: disk errors (EROFS, ENOSPC, EIO, ...) never raise out of a verb; each kind is logged once, all are counted
+in `stats()["failed"]`. MLX work runs on a stream owned by the calling thread (see ENVIRONMENT.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from cache import kvfile
+
+__all__ = ["SSDStore", "NullSSDStore", "SSDMatch", "Restored"]
+
+log = logging.getLogger(__name__)
+
+_HEX = re.compile(r"[0-9a-f]{8,128}")
+_NS_DIR = re.compile(r"[0-9a-f]{16}")
+_FILE = re.compile(r"[0-9a-f]{32}\.safetensors")
+_EMA = 0.3  # weight of the newest sample in the restore-rate moving average
+
+
+@dataclass(frozen=True)
+class SSDMatch:
+    """A candidate found by `find`: restoring it yields caches covering `length` prompt tokens."""
+
+    path: str
+    ns: str
+    length: int  # usable prefix p (0 < p <= len(prompt) - 1)
+    entry_tokens: int  # tokens the file holds; the restore trims entry_tokens - length
+    nbytes: int  # file size: what a restore reads
+    trimmable: bool
+
+
+class Restored(NamedTuple):
+    """A restored entry: the caller owns `caches` (fresh objects, already trimmed to the match's length)."""
+
+    caches: list
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class _Entry:
+    path: str
+    ns: str
+    tokens: np.ndarray
+    size: int
+    mtime: float
+    trimmable: bool
+
+
+def _ids(tokens: Sequence[int]) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int64).reshape(-1)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+_local = threading.local()
+
+
+def _thread_stream() -> Any:
+    # One CPU stream per calling thread: MLX work on the default stream off the main thread can abort at exit.
+    s = getattr(_local, "stream", None)
+    if s is None:
+        s = _local.stream = mx.new_stream(mx.cpu)
+    return s
+
+
+class SSDStore:
+    """The cold tier of one model (fingerprint) under `root`, capped at `max_bytes` of files."""
+
+    def __init__(self, root: str | os.PathLike, fingerprint: str, max_bytes: int, *, scan: bool = True) -> None:
+        if not isinstance(fingerprint, str) or not _HEX.fullmatch(fingerprint):
+            raise ValueError(f"fingerprint must be 8-128 lowercase hex digits, got {fingerprint!r}")
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self.root = os.path.abspath(os.fspath(root))
+        self.fingerprint = fingerprint
+        self.max_bytes = int(max_bytes)
+        self.dir = os.path.join(self.root, fingerprint)
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}  # path -> entry
+        self._bytes = 0
+        self._warned: set[str] = set()
+        self._c = dict(restores=0, restore_ms_last=0.0, restore_mb_s=0.0, writes=0, write_ms_last=0.0, failed=0,
+                       removed_at_scan=0, evictions=0, superseded=0, restore_misses=0)
+        self._errors: dict[str, int] = {}
+        if scan:
+            self.scan()
+
+    # ----------------------------------------------------------------------------------------------- public
+
+    def scan(self) -> int:
+        """Rebuild the index from disk (headers only); return the number of files removed."""
+        removed = 0
+        entries: dict[str, _Entry] = {}
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            ns_dirs = list(os.scandir(self.dir))
+        except OSError as e:
+            self._disk_error("scan", e)
+            ns_dirs = []
+        for d in ns_dirs:
+            if not d.is_dir(follow_symlinks=False):
+                removed += self._remove_file(d.path)  # nothing but namespace folders belongs here
+                continue
+            if not _NS_DIR.fullmatch(d.name):
+                continue  # not ours to delete wholesale; never indexed
+            try:
+                files = list(os.scandir(d.path))
+            except OSError as e:
+                self._disk_error("scan", e)
+                continue
+            for f in files:
+                entry = self._scan_one(f, d.name)
+                if entry is None:
+                    removed += self._remove_file(f.path)
+                else:
+                    entries[entry.path] = entry
+        with self._lock:
+            self._entries = entries
+            self._bytes = sum(e.size for e in entries.values())
+            self._c["removed_at_scan"] += removed
+            victims = self._over_cap_locked()
+        self._unlink_all(victims)
+        return removed
+
+    def find(self, tokens: Sequence[int], ns: str) -> SSDMatch | None:
+        """The best usable entry for prompt `tokens` in namespace `ns`, or None. Index only: no I/O."""
+        prompt = _ids(tokens)
+        cap = len(prompt) - 1  # the last prompt token is always forwarded
+        if cap <= 0:
+            return None
+        best, best_key = None, None
+        with self._lock:
+            for e in self._entries.values():
+                if e.ns != ns:
+                    continue
+                n = len(e.tokens)
+                p = min(_common_prefix(e.tokens, prompt), cap)
+                if p <= 0 or (p < n and not e.trimmable):
+                    continue  # an untrimmable entry that needs a trim is no match at all
+                key = (p, -(n - p), e.mtime)
+                if best_key is None or key > best_key:
+                    best, best_key = e, key
+            if best is None:
+                return None
+            return SSDMatch(best.path, best.ns, best_key[0], len(best.tokens), best.size, best.trimmable)
+
+    def restore(self, match: SSDMatch) -> Restored | None:
+        """Read `match` and trim it to `match.length`. None (never an exception) when it cannot be used."""
+        with self._lock:
+            entry = self._entries.get(match.path)
+        if entry is None or entry.ns != match.ns:
+            return None  # evicted or superseded since find; only indexed paths are ever read
+        t0 = time.perf_counter()
+        try:
+            f = kvfile.load(entry.path, expect_fingerprint=self.fingerprint, expect_ns=entry.ns,
+                            stream=_thread_stream())
+            if len(f.tokens) != len(entry.tokens) or not np.array_equal(_ids(f.tokens), entry.tokens):
+                raise kvfile.KVFileError("tokens differ from the index")
+        except FileNotFoundError:
+            self._forget(entry)
+            with self._lock:
+                self._c["restore_misses"] += 1
+            return None
+        except kvfile.KVFileError as e:
+            log.warning("ssd cache: removing unusable file %s: %s", entry.path, e)
+            self._forget(entry)
+            self._remove_file(entry.path)
+            with self._lock:
+                self._c["failed"] += 1
+            return None
+        except OSError as e:
+            self._disk_error("restore", e)
+            self._forget(entry)
+            return None
+        trim = len(entry.tokens) - match.length
+        if trim:
+            for c in f.caches:
+                c.trim(trim)
+        seconds = time.perf_counter() - t0
+        now = time.time()
+        try:
+            os.utime(entry.path, (now, now))  # the LRU clock lives in the file system
+        except OSError:
+            pass
+        with self._lock:
+            entry.mtime = now
+            c = self._c
+            c["restores"] += 1
+            c["restore_ms_last"] = seconds * 1e3
+            rate = entry.size / max(seconds, 1e-9) / 1e6
+            c["restore_mb_s"] = rate if c["restores"] == 1 else _EMA * rate + (1 - _EMA) * c["restore_mb_s"]
+        return Restored(f.caches, entry.size, seconds)
+
+    def write(self, tokens: Sequence[int], caches: Sequence[Any] | kvfile.Encoded, ns: str) -> bool:
+        """Persist one entry (caches covering exactly `tokens`). True when durable and indexed; never raises
+        for disk errors (counted, logged once per kind). Meant for the durability writer thread."""
+        ids = _ids(tokens)
+        if len(ids) == 0:
+            return False
+        t0 = time.perf_counter()
+        folder = os.path.join(self.dir, kvfile.ns_hash(ns))
+        path = os.path.join(folder, uuid.uuid4().hex + ".safetensors")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with mx.stream(_thread_stream()):
+                enc = caches if isinstance(caches, kvfile.Encoded) else kvfile.encode(caches)
+                size = kvfile.save(path, ids.tolist(), enc, fingerprint=self.fingerprint, ns=ns)
+            mtime = os.stat(path).st_mtime
+        except OSError as e:
+            self._disk_error("write", e)
+            return False
+        entry = _Entry(path, ns, ids, size, mtime, enc.trimmable)
+        with self._lock:
+            victims = [e for e in self._entries.values() if e.ns == ns and len(e.tokens) <= len(ids)
+                       and (len(e.tokens) == len(ids) or entry.trimmable)
+                       and np.array_equal(e.tokens, ids[: len(e.tokens)])]
+            for v in victims:
+                self._drop_locked(v)
+            self._c["superseded"] += len(victims)
+            self._entries[path] = entry
+            self._bytes += size
+            victims += self._over_cap_locked()
+            self._c["writes"] += 1
+            self._c["write_ms_last"] = (time.perf_counter() - t0) * 1e3
+            durable = path in self._entries
+        self._unlink_all(victims)
+        return durable
+
+    def covers(self, tokens: Sequence[int], ns: str) -> bool:
+        """True when an indexed entry can serve all of `tokens`: the same tokens, or a trimmable extension."""
+        ids = _ids(tokens)
+        with self._lock:
+            return any(e.ns == ns and len(e.tokens) >= len(ids) and (len(e.tokens) == len(ids) or e.trimmable)
+                       and np.array_equal(e.tokens[: len(ids)], ids) for e in self._entries.values())
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"dir": self.dir, "entries": len(self._entries), "bytes": self._bytes,
+                    "max_bytes": self.max_bytes, **self._c, "errors": dict(self._errors)}
+
+    # ---------------------------------------------------------------------------------------------- helpers
+
+    def _scan_one(self, f: os.DirEntry, folder: str) -> _Entry | None:
+        """An index entry for a valid file, else None (the caller deletes it)."""
+        if not f.is_file(follow_symlinks=False) or not _FILE.fullmatch(f.name):
+            return None  # *.tmp from a crash, foreign names, links
+        try:
+            h = kvfile.read_header(f.path, expect_fingerprint=self.fingerprint)
+            st = os.stat(f.path)
+        except kvfile.KVFileError:
+            return None
+        except OSError as e:
+            self._disk_error("scan", e)
+            return None
+        if h.ns_hash != folder or not h.tokens:
+            return None  # misplaced: its namespace does not hash to its folder
+        return _Entry(f.path, h.ns, _ids(h.tokens), st.st_size, st.st_mtime, h.trimmable)
+
+    def _over_cap_locked(self) -> list[_Entry]:
+        """Drop least recently used entries until under the cap; return them for unlinking outside the lock."""
+        if self._bytes <= self.max_bytes:
+            return []
+        for e in self._entries.values():
+            try:
+                e.mtime = os.stat(e.path).st_mtime  # honour touches made from outside this process
+            except OSError:
+                pass
+        victims = []
+        for e in sorted(self._entries.values(), key=lambda e: e.mtime):
+            if self._bytes <= self.max_bytes:
+                break
+            self._drop_locked(e)
+            victims.append(e)
+        self._c["evictions"] += len(victims)
+        return victims
+
+    def _drop_locked(self, e: _Entry) -> None:
+        if self._entries.pop(e.path, None) is not None:
+            self._bytes -= e.size
+
+    def _forget(self, e: _Entry) -> None:
+        with self._lock:
+            self._drop_locked(e)
+
+    def _unlink_all(self, entries: list[_Entry]) -> None:
+        for e in entries:
+            self._remove_file(e.path)
+
+    def _remove_file(self, path: str) -> int:
+        try:
+            os.unlink(path)
+            return 1
+        except FileNotFoundError:
+            return 0
+        except OSError as e:
+            self._disk_error("delete", e)
+            return 0
+
+    def _disk_error(self, op: str, exc: OSError) -> None:
+        kind = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+        with self._lock:
+            self._c["failed"] += 1
+            self._errors[kind] = self._errors.get(kind, 0) + 1
+            first = kind not in self._warned
+            self._warned.add(kind)
+        if first:  # once per kind: a full disk must not flood the log on every write
+            log.warning("ssd cache: %s failed (%s: %s); serving from RAM, further %s errors are only counted",
+                        op, kind, exc, kind)
+
+
+class NullSSDStore:
+    """The cold tier switched off: never finds, never stores."""
+
+    dir = None
+
+    def scan(self) -> int:
+        return 0
+
+    def find(self, tokens: Sequence[int], ns: str) -> SSDMatch | None:
+        return None
+
+    def restore(self, match: SSDMatch) -> Restored | None:
+        return None
+
+    def write(self, tokens: Sequence[int], caches: Any, ns: str) -> bool:
+        return False
+
+    def covers(self, tokens: Sequence[int], ns: str) -> bool:
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return {"dir": None, "entries": 0, "bytes": 0, "max_bytes": 0}
