@@ -1,0 +1,251 @@
+"""Write-behind to the SSD tier: debounced, on one writer thread, never on the caller's clock.
+
+    coordinator = DurabilityCoordinator(store, debounce_s=1.0)
+    coordinator.schedule(tokens, caches, ns)   # lane, after prompt_cache.put: returns at once
+    coordinator.flush(timeout=10)              # SIGTERM / POST /admin/cache/flush: True when all durable
+    coordinator.close(timeout=10)              # flush, then stop the writer
+
+Snapshots. `schedule` captures the caches with `kvfile.encode` on the caller's thread: new, evaluated arrays
+(views of the live part of each buffer, no copy of KV data) plus the integer state. MLX arrays never change
+after evaluation, but the lane keeps mutating its cache OBJECTS (`update_and_fetch` rebinds and assigns into
+`cache.keys`), so holding the objects themselves would write tokens that were never scheduled. The snapshot keeps
+the arrays alive: `max_pending_bytes` bounds that memory.
+
+Debounce. Pending snapshots are keyed by (ns, tuple(tokens)); re-scheduling a key re-arms its timer (a
+conversation that pauses is written once per pause). A trimmable snapshot supersedes pending strict
+prefix-ancestors in its namespace (its file serves their prompts too); an untrimmable one does not (the
+prompt-boundary snapshot must survive). Different conversations never cancel each other.
+
+Writer. One thread takes the oldest due snapshot, calls `store.write(tokens, snapshot, ns)` (which serializes and
+fsyncs), and on failure (False or an exception) retries after `retry_backoff[i]`; when the backoff list is spent
+the snapshot counts as failed. Over the byte budget, the OLDEST pending snapshot is dropped and counted. The
+writer runs MLX work on its own stream (ENVIRONMENT.md: the default stream off the main thread aborts at exit).
+
+The store needs two methods: `write(tokens, encoded, ns) -> bool` and `covers(tokens, ns) -> bool`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from cache import kvfile
+
+__all__ = ["DurabilityCoordinator"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    ns: str
+    tokens: tuple[int, ...]
+    snap: Any  # kvfile.Encoded (or whatever `capture` returns)
+    nbytes: int
+    trimmable: bool
+    created: float  # first schedule of this key: age, and "oldest" for the budget
+    due: float  # debounce deadline
+    not_before: float = 0.0  # retry backoff deadline (flush does not skip it)
+    attempts: int = 0
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        return self.ns, self.tokens
+
+    def extends(self, other: _Pending) -> bool:
+        """True when `other` is a strict prefix-ancestor of self in the same namespace."""
+        n = len(other.tokens)
+        return other.ns == self.ns and n < len(self.tokens) and self.tokens[:n] == other.tokens
+
+
+class DurabilityCoordinator:
+    """Debounced write-behind of prefix-cache entries to `store`. All public methods are thread-safe."""
+
+    def __init__(self, store: Any, *, debounce_s: float = 1.0, max_pending_bytes: int = 2 << 30,
+                 retry_backoff: Sequence[float] = (0.1, 0.5, 2.0), clock: Callable[[], float] = time.monotonic,
+                 capture: Callable[[Sequence[Any]], Any] = kvfile.encode) -> None:
+        self._store = store
+        self._debounce = float(debounce_s)
+        self._max_bytes = int(max_pending_bytes)
+        self._backoff = tuple(float(b) for b in retry_backoff)
+        self._clock = clock
+        self._capture = capture
+        self._cond = threading.Condition()
+        self._pending: dict[tuple[str, tuple[int, ...]], _Pending] = {}
+        self._inflight: _Pending | None = None
+        self._bytes = 0  # pending + in flight
+        self._flushing = 0
+        self._closed = False
+        self._c = dict(written=0, dropped=0, failed=0, retries=0, superseded=0, coalesced=0, already_durable=0)
+        self._warned: set[str] = set()
+        # Daemon: a forgotten close() must not hang interpreter exit; close() is what makes writes durable.
+        self._thread = threading.Thread(target=self._run, name="mlx-lane-durability", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------------------------- public
+
+    def schedule(self, tokens: Sequence[int], caches: Sequence[Any], ns: str) -> bool:
+        """Mark the entry (caches covering exactly `tokens`) dirty and (re)arm its debounce. Never blocks on I/O.
+
+        Returns False when nothing was scheduled (closed, unsupported cache class, or over the budget by itself).
+        """
+        key = (ns, tuple(int(t) for t in tokens))
+        if self._closed or not key[1]:
+            return False
+        with self._cond:
+            known = key in self._pending or (self._inflight is not None and self._inflight.key == key)
+        if not known and self._store.covers(key[1], ns):
+            with self._cond:
+                self._c["already_durable"] += 1
+            return True  # e.g. an entry the RAM tier got from the SSD tier
+        try:
+            snap = self._capture(caches)
+        except TypeError as e:  # an unsupported cache class: a programming error, but never fail the request
+            self._warn_once("capture", f"durability: cannot snapshot caches: {e}")
+            with self._cond:
+                self._c["failed"] += 1
+            return False
+        now = self._clock()
+        item = _Pending(ns, key[1], snap, int(snap.nbytes), bool(snap.trimmable), now, now + self._debounce)
+        with self._cond:
+            old = self._pending.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+                item.created = old.created  # the key keeps its age; only the timer re-arms
+                self._c["coalesced"] += 1
+            if item.trimmable:
+                for anc in [p for p in self._pending.values() if item.extends(p)]:
+                    self._remove_locked(anc)
+                    self._c["superseded"] += 1
+            self._pending[key] = item
+            self._bytes += item.nbytes
+            while self._bytes > self._max_bytes and self._pending:
+                oldest = min(self._pending.values(), key=lambda p: p.created)
+                self._remove_locked(oldest)
+                self._c["dropped"] += 1
+            scheduled = key in self._pending
+            self._cond.notify_all()
+        return scheduled
+
+    def is_durable(self, tokens: Sequence[int], ns: str) -> bool:
+        """True when nothing is pending for these tokens and the store can serve all of them."""
+        key = (ns, tuple(int(t) for t in tokens))
+        with self._cond:
+            if key in self._pending or (self._inflight is not None and self._inflight.key == key):
+                return False
+        return bool(self._store.covers(key[1], ns))
+
+    def pending(self) -> list[dict[str, Any]]:
+        """What is not yet durable (in flight first), for /stats and the flush endpoint's 503 body."""
+        now = self._clock()
+        with self._cond:
+            items = ([self._inflight] if self._inflight else []) + list(self._pending.values())
+            return [{"ns_hash": kvfile.ns_hash(p.ns), "tokens": len(p.tokens), "age_s": round(now - p.created, 3),
+                     "bytes": p.nbytes, "attempts": p.attempts, "in_flight": p is self._inflight} for p in items]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Write everything pending now, ignoring the debounce (not the retry backoff), waiting up to `timeout`
+        seconds. True when nothing is pending and no snapshot failed or was dropped during the flush."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._flushing += 1
+            failed0, dropped0 = self._c["failed"], self._c["dropped"]
+            self._cond.notify_all()
+            try:
+                while (self._pending or self._inflight) and self._thread.is_alive():
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+                return (not self._pending and self._inflight is None and self._c["failed"] == failed0
+                        and self._c["dropped"] == dropped0)
+            finally:
+                self._flushing -= 1
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Flush (up to `timeout`), then stop the writer; later schedules are refused. Returns flush's result.
+        Snapshots still pending after the timeout are abandoned (the store's next scan removes any temp file)."""
+        start = time.monotonic()
+        ok = self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        self._thread.join(remaining)
+        return ok
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            n = len(self._pending) + (self._inflight is not None)
+            return {"pending": n, "pending_bytes": self._bytes, **self._c}
+
+    # ---------------------------------------------------------------------------------------------- writer
+
+    def _run(self) -> None:
+        stream = mx.new_stream(mx.cpu)  # created inside this thread, see the module docstring
+        with mx.stream(stream):
+            while True:
+                item = self._next()
+                if item is None:
+                    return
+                self._write(item)
+
+    def _next(self) -> _Pending | None:
+        """Block until a snapshot is due (or flushing), take it as in flight; None once closed."""
+        with self._cond:
+            while not self._closed:
+                now = self._clock()
+                urgent = self._flushing > 0
+                ready = [p for p in self._pending.values() if p.not_before <= now and (urgent or p.due <= now)]
+                if ready:
+                    item = min(ready, key=lambda p: p.created)
+                    del self._pending[item.key]
+                    self._inflight = item
+                    return item
+                wakes = [max(p.not_before, 0.0 if urgent else p.due) for p in self._pending.values()]
+                self._cond.wait(max(0.0, min(wakes) - now) if wakes else None)
+            return None
+
+    def _write(self, item: _Pending) -> None:
+        try:
+            ok = bool(self._store.write(item.tokens, item.snap, item.ns))
+        except Exception as e:  # a store bug must not kill the writer thread
+            self._warn_once(type(e).__name__, f"durability: store.write raised {e!r}")
+            ok = False
+        with self._cond:
+            self._inflight = None
+            item.attempts += 1
+            if ok:
+                self._bytes -= item.nbytes
+                self._c["written"] += 1
+            elif self._redundant_locked(item):
+                self._bytes -= item.nbytes  # a newer snapshot of the same or a longer entry will be written
+            elif item.attempts <= len(self._backoff):
+                self._c["retries"] += 1
+                item.not_before = self._clock() + self._backoff[item.attempts - 1]
+                self._pending[item.key] = item
+            else:
+                self._bytes -= item.nbytes
+                self._c["failed"] += 1
+                log.warning("durability: giving up on %d tokens after %d attempts", len(item.tokens), item.attempts)
+            self._cond.notify_all()
+
+    def _redundant_locked(self, item: _Pending) -> bool:
+        return any(p.key == item.key or (p.trimmable and p.extends(item)) for p in self._pending.values())
+
+    def _remove_locked(self, item: _Pending) -> None:
+        if self._pending.pop(item.key, None) is not None:
+            self._bytes -= item.nbytes
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        with self._cond:
+            first = kind not in self._warned
+            self._warned.add(kind)
+        if first:
+            log.warning(message)

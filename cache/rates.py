@@ -1,0 +1,72 @@
+"""When is reading KV from SSD cheaper than recomputing it? Policy only: no I/O, no MLX.
+
+    restore  iff  nbytes / read_rate  <  saved_tokens / prefill_rate
+
+Both rates are exponential moving averages of what this process measured: prefill tokens/s of this model on this
+machine (fed by the lane, `observe_prefill`) and SSD read bytes/s (fed by the SSD tier's restores,
+`observe_restore`). Until a rate has been measured its prior holds. The answer differs by machine: on a 2-core CPU
+a restore wins ~250x; on an H200 an 8B bf16 model recomputes 32k tokens in 2.0 s while reading their 4.3 GB of KV
+takes 4.0 s. The same rule decides prefetch.
+
+Thread-safe: the lane observes prefill while I/O threads observe restores and the event loop asks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = ["CostModel"]
+
+_MIN_SECONDS = 1e-6  # a sample timed below the clock's resolution says nothing about the rate
+
+
+class CostModel:
+    """Measured prefill and SSD read rates, and the restore-or-recompute decision built on them."""
+
+    def __init__(self, *, prefill_tok_s: float = 100.0, read_bytes_s: float = 500e6, alpha: float = 0.3) -> None:
+        if prefill_tok_s <= 0 or read_bytes_s <= 0 or not 0 < alpha <= 1:
+            raise ValueError("rates must be > 0 and 0 < alpha <= 1")
+        self._lock = threading.Lock()
+        self._alpha = alpha
+        self._prefill = float(prefill_tok_s)
+        self._read = float(read_bytes_s)
+        self._prefill_samples = 0
+        self._read_samples = 0
+        self._restore = 0
+        self._recompute = 0
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """One prefill of `tokens` tokens took `seconds`. The first sample replaces the prior."""
+        if tokens <= 0 or seconds < _MIN_SECONDS:
+            return
+        with self._lock:
+            self._prefill = self._ema(self._prefill, tokens / seconds, self._prefill_samples)
+            self._prefill_samples += 1
+
+    def observe_restore(self, nbytes: int, seconds: float) -> None:
+        """One SSD restore read `nbytes` in `seconds` (file read + rebuild, as a request experiences it)."""
+        if nbytes <= 0 or seconds < _MIN_SECONDS:
+            return
+        with self._lock:
+            self._read = self._ema(self._read, nbytes / seconds, self._read_samples)
+            self._read_samples += 1
+
+    def should_restore(self, nbytes: int, saved_tokens: int) -> bool:
+        """True when reading `nbytes` is expected to beat prefilling `saved_tokens`. Counts the decision."""
+        with self._lock:
+            restore = saved_tokens > 0 and nbytes / self._read < saved_tokens / self._prefill
+            if restore:
+                self._restore += 1
+            else:
+                self._recompute += 1
+            return restore
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"prefill_tok_s": round(self._prefill, 2), "prefill_measured": self._prefill_samples > 0,
+                    "read_mb_s": round(self._read / 1e6, 2), "read_measured": self._read_samples > 0,
+                    "decisions_restore": self._restore, "decisions_recompute": self._recompute}
+
+    def _ema(self, old: float, sample: float, samples: int) -> float:
+        return sample if samples == 0 else self._alpha * sample + (1 - self._alpha) * old

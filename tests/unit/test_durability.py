@@ -1,0 +1,245 @@
+"""cache.durability: debounce, supersede, budget, retries, flush/close, and a clean process exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from cache import kvfile
+from cache.durability import DurabilityCoordinator
+from cache.ssd_store import SSDStore
+
+NS = "ns"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def caches(n, *, trimmable=True):
+    kv = KVCache()
+    kv.update_and_fetch(mx.ones((1, 2, n, 8)), mx.ones((1, 2, n, 8)))
+    if trimmable:
+        return [kv]
+    arr = ArraysCache(1)
+    arr[0] = mx.zeros((1, 4))
+    return [kv, arr]
+
+
+class StubStore:
+    """Records writes; fails the first `fail` attempts (returning False, or raising when `exc` is given)."""
+
+    def __init__(self, fail=0, exc=None):
+        self.fail, self.exc = fail, exc
+        self.attempts = 0
+        self.writes: list[tuple[str, tuple[int, ...]]] = []
+        self.snaps = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def write(self, tokens, snap, ns):
+        self.entered.set()
+        self.gate.wait()
+        self.attempts += 1
+        if self.attempts <= self.fail:
+            if self.exc:
+                raise self.exc
+            return False
+        self.writes.append((ns, tuple(tokens)))
+        self.snaps.append(snap)
+        return True
+
+    def covers(self, tokens, ns):
+        t = tuple(tokens)
+        return any(n == ns and w[: len(t)] == t for n, w in self.writes)
+
+
+@pytest.fixture
+def make():
+    made = []
+
+    def factory(store, **kw):
+        kw.setdefault("debounce_s", 1000.0)  # tests flush explicitly; the debounce never fires by itself
+        kw.setdefault("retry_backoff", (0.0, 0.0))
+        d = DurabilityCoordinator(store, **kw)
+        made.append(d)
+        return d
+
+    yield factory
+    for d in made:
+        d.close(timeout=5)
+
+
+def test_growing_conversation_is_written_once(make):
+    store = StubStore()
+    d = make(store)
+    t = list(range(1, 11))
+    for n in (4, 6, 8, 8):
+        assert d.schedule(t[:n], caches(n), NS)
+    s = d.stats()
+    assert (s["pending"], s["superseded"], s["coalesced"]) == (1, 2, 1)
+    assert d.flush(timeout=10) is True
+    assert store.writes == [(NS, tuple(t[:8]))]
+    assert d.stats()["written"] == 1 and d.stats()["pending_bytes"] == 0
+
+
+def test_untrimmable_growth_keeps_the_ancestor(make):
+    store = StubStore()
+    d = make(store)
+    d.schedule([1, 2, 3], caches(3, trimmable=False), NS)
+    d.schedule([1, 2, 3, 4, 5], caches(5, trimmable=False), NS)
+    assert d.flush(timeout=10)
+    assert sorted(store.writes) == [(NS, (1, 2, 3)), (NS, (1, 2, 3, 4, 5))]
+
+
+def test_two_conversations_do_not_cancel(make):
+    store = StubStore()
+    d = make(store)
+    d.schedule([1, 2, 3], caches(3), "a")
+    d.schedule([7, 8, 9], caches(3), "a")
+    d.schedule([1, 2, 3], caches(3), "b")
+    d.schedule([1, 2, 3, 4], caches(4), "b")  # supersedes only b's own ancestor
+    assert d.stats()["pending"] == 3
+    assert d.flush(timeout=10)
+    assert sorted(store.writes) == [("a", (1, 2, 3)), ("a", (7, 8, 9)), ("b", (1, 2, 3, 4))]
+
+
+def test_debounce_holds_then_fires(make):
+    store = StubStore()
+    held = make(store)
+    held.schedule([1, 2], caches(2), NS)
+    assert not store.entered.wait(0.3)  # debounce 1000 s: nothing may be written yet
+    assert held.is_durable([1, 2], NS) is False
+
+    store2 = StubStore()
+    quick = make(store2, debounce_s=0.01)
+    quick.schedule([1, 2], caches(2), NS)
+    assert store2.entered.wait(10)
+    assert quick.flush(timeout=10)
+    assert quick.is_durable([1, 2], NS) is True
+
+
+def test_budget_drops_oldest(make):
+    store = StubStore()
+    size = kvfile.encode(caches(4)).nbytes
+    d = make(store, max_pending_bytes=int(2.5 * size))
+    for first in (10, 20, 30):
+        assert d.schedule([first, 1, 2, 3], caches(4), NS)
+    s = d.stats()
+    assert (s["dropped"], s["pending"], s["pending_bytes"]) == (1, 2, 2 * size)
+    assert d.flush(timeout=10)
+    assert sorted(store.writes) == [(NS, (20, 1, 2, 3)), (NS, (30, 1, 2, 3))]
+
+
+def test_snapshot_larger_than_budget_is_refused(make):
+    d = make(StubStore(), max_pending_bytes=10)
+    assert d.schedule([1, 2, 3], caches(3), NS) is False
+    assert d.stats()["dropped"] == 1 and d.stats()["pending"] == 0
+
+
+@pytest.mark.parametrize("exc", [None, OSError(28, "No space left on device")])
+def test_retry_then_fail(make, exc):
+    store = StubStore(fail=99, exc=exc)
+    d = make(store, retry_backoff=(0.0, 0.0))
+    d.schedule([1, 2, 3], caches(3), NS)
+    assert d.flush(timeout=10) is False
+    s = d.stats()
+    assert (store.attempts, s["retries"], s["failed"], s["written"], s["pending"]) == (3, 2, 1, 0, 0)
+
+
+def test_retry_then_succeed(make):
+    store = StubStore(fail=2)
+    d = make(store, retry_backoff=(0.0, 0.0, 0.0))
+    d.schedule([1, 2, 3], caches(3), NS)
+    assert d.flush(timeout=10) is True
+    s = d.stats()
+    assert (s["retries"], s["failed"], s["written"]) == (2, 0, 1)
+
+
+def test_flush_times_out_while_a_write_is_stuck(make):
+    store = StubStore()
+    store.gate.clear()
+    d = make(store)
+    d.schedule([1, 2, 3], caches(3), NS)
+    d.schedule([5, 6], caches(2), NS)
+    assert d.flush(timeout=0.2) is False
+    assert store.entered.is_set()
+    pend = d.pending()
+    assert [(p["tokens"], p["in_flight"]) for p in pend] == [(3, True), (2, False)]
+    assert pend[0]["ns_hash"] == kvfile.ns_hash(NS)
+    assert d.is_durable([1, 2, 3], NS) is False
+    store.gate.set()
+    assert d.flush(timeout=10) is True
+    assert d.is_durable([1, 2, 3], NS) and d.is_durable([5, 6], NS)
+    assert d.pending() == []
+
+
+def test_pending_age_uses_the_injected_clock(make):
+    now = [100.0]
+    d = make(StubStore(), clock=lambda: now[0])
+    d.schedule([1, 2, 3], caches(3), NS)
+    now[0] = 103.5
+    (p,) = d.pending()
+    assert (p["age_s"], p["tokens"], p["attempts"]) == (3.5, 3, 0)
+
+
+def test_already_durable_is_not_rewritten(make):
+    store = StubStore()
+    store.writes.append((NS, (1, 2, 3, 4)))
+    d = make(store)
+    assert d.schedule([1, 2, 3], caches(3), NS) is True
+    assert d.stats()["already_durable"] == 1 and d.stats()["pending"] == 0
+
+
+def test_close_refuses_later_schedules(make):
+    store = StubStore()
+    d = make(store)
+    d.schedule([1, 2], caches(2), NS)
+    assert d.close(timeout=10) is True
+    assert store.writes == [(NS, (1, 2))]
+    assert d.schedule([3, 4], caches(2), NS) is False
+
+
+def test_snapshot_is_taken_at_schedule_time(make, tmp_path):
+    """The lane keeps mutating its cache objects after schedule; the file must hold what was scheduled."""
+    store = SSDStore(tmp_path, "abcd1234", max_bytes=1 << 30)
+    d = make(store)
+    c = KVCache()
+    c.update_and_fetch(mx.ones((1, 2, 4, 8)), mx.ones((1, 2, 4, 8)))
+    d.schedule([1, 2, 3, 4], [c], NS)
+    c.trim(2)
+    c.update_and_fetch(mx.full((1, 2, 3, 8), 7.0), mx.full((1, 2, 3, 8), 7.0))  # overwrites positions 2..4
+    assert d.flush(timeout=10)
+    m = store.find([1, 2, 3, 4, 5], NS)
+    r = store.restore(m)
+    assert mx.array_equal(r.caches[0].keys, mx.ones((1, 2, 4, 8))).item()
+
+
+SCRIPT = textwrap.dedent("""
+    import sys, mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+    from cache.ssd_store import SSDStore
+    from cache.durability import DurabilityCoordinator
+    store = SSDStore(sys.argv[1], "abcd1234", max_bytes=1 << 30)
+    d = DurabilityCoordinator(store, debounce_s=0.0)
+    for i in range(6):
+        c = KVCache()
+        x = mx.random.normal((1, 2, 64, 32))
+        c.update_and_fetch(x, x * 2)
+        d.schedule([i] + list(range(63)), [c], "ns")
+        mx.eval(mx.random.normal((64, 64)) @ mx.random.normal((64, 64)))  # main-thread work meanwhile
+    print(d.close(timeout=60), store.stats()["entries"], d.stats()["written"])
+""")
+
+
+def test_process_exits_cleanly_after_background_writes(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "6", "6"]
+    assert "terminate called" not in proc.stderr
