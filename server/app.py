@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.errors import APIError, AuthenticationError, PayloadTooLarge, error_body
 from server.lane import Lane
-from server.routes import router
+from server.routes import router, validation_message
 from server.stats import ServingStats
 
 log = logging.getLogger("mlx_lane.app")
@@ -56,20 +56,6 @@ class ServerState:
 
 def _json(obj, status: int = 200, headers: Optional[dict] = None) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json", headers=headers)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
-    errors = exc.errors()
-    if not errors:
-        return "Invalid request.", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
-        return "The request body is not valid JSON.", None
-    msg = first.get("msg", "invalid value")
-    msg = msg.removeprefix("Value error, ")
-    return (f"Invalid value for '{param}': {msg}" if param else f"Invalid request: {msg}"), param
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -107,7 +93,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc.errors())
         return _json(error_body(message, "invalid_request_error", param, None), 400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -57,6 +57,13 @@ class Engine:
         """Create the MLX stream owned by the calling (lane) thread."""
         self.stream = mx.new_stream(mx.default_device())
 
+    def warmup(self) -> None:
+        """Page the weights in and compile kernels before the first request (lane thread)."""
+        with mx.stream(self.stream):
+            mx.eval(self.model.parameters())
+            caches = make_prompt_cache(self.model)
+            mx.eval(self.model(mx.array([[0, 1]]), cache=caches))
+
     # -- the job --------------------------------------------------------------------
     def run(self, job: Job) -> None:
         started = time.monotonic()

@@ -29,6 +29,7 @@ class Lane:
         self._active: Optional[Job] = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mlx-lane", daemon=True)
+        self.ready = threading.Event()  # set once the lane has warmed the model up
 
     # -- control --------------------------------------------------------------------
     def start(self) -> None:
@@ -69,6 +70,11 @@ class Lane:
     # -- the thread -----------------------------------------------------------------
     def _run(self) -> None:
         self.engine.bind_stream()
+        try:
+            self.engine.warmup()
+        except Exception:
+            log.exception("warm-up failed; serving anyway")
+        self.ready.set()
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:

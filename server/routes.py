@@ -10,7 +10,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from server.errors import APIError, ModelNotFound
+from pydantic import ValidationError
+
+from server.errors import APIError, InvalidRequest, ModelNotFound, PayloadTooLarge
 from server.jobrun import JobRun
 from server.jobs import Delta, Failed, Finished, Progress
 from server.prompts import (
@@ -33,6 +35,39 @@ def _json(obj, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
+async def _parse(request: Request, schema, max_bytes: int):
+    """Read and validate a JSON body whatever its Content-Type (curl -d sends form-encoded)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLarge(f"The request body is larger than {max_bytes} bytes.")
+        chunks.append(chunk)
+    try:
+        obj = orjson.loads(b"".join(chunks))
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("The request body is not valid JSON (UTF-8 encoded).") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    try:
+        return schema.model_validate(obj)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())
+        raise InvalidRequest(message, param=param) from None
+
+
+def validation_message(errors: list) -> tuple[str, Optional[str]]:
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param:
+        return f"Invalid value for '{param}': {msg}", param
+    return f"Invalid request: {msg}", None
+
+
 def _check_model(state, requested: Optional[str]) -> None:
     if requested and requested not in state.model_names:
         raise ModelNotFound(
@@ -48,8 +83,9 @@ def _internal(ev: Failed) -> APIError:
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(req: ChatCompletionRequest, request: Request):
+async def chat_completions(request: Request):
     state = request.app.state.lane_state
+    req = await _parse(request, ChatCompletionRequest, state.max_body_bytes)
     _check_model(state, req.model)
     tok = state.loaded.tokenizer
     prompt = await run_in_threadpool(render_chat, tok, req)
@@ -132,8 +168,9 @@ async def _chat_stream(run: JobRun, fmt: ChatFormatter, include_usage: bool, too
 
 
 @router.post("/v1/completions")
-async def completions(req: CompletionRequest, request: Request):
+async def completions(request: Request):
     state = request.app.state.lane_state
+    req = await _parse(request, CompletionRequest, state.max_body_bytes)
     _check_model(state, req.model)
     prompt = await run_in_threadpool(tokenize_completion, state.loaded.tokenizer, req, state.vocab_size)
     if req.max_tokens is None:

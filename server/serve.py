@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
+import uvicorn
+
 log = logging.getLogger("mlx_lane")
 
 
@@ -25,6 +27,7 @@ def build_state(args):
     engine = Engine(loaded, prompt_cache, stats, prefill_chunk=args.prefill_chunk)
     lane = Lane(engine, max_queue=args.max_queue)
     lane.start()
+    lane.ready.wait()
     blas = blas_info()
     log.info(
         "model %s (%s) | device %s | dtype %s | BLAS %s | prefix cache %.2f GiB | fingerprint %s",
@@ -38,9 +41,16 @@ def build_state(args):
     )
 
 
-def serve(args) -> int:
-    import uvicorn
+class GracefulServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after a graceful shutdown (exit status -15); a
+    shutdown that was asked for and completed cleanly exits 0 instead."""
 
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+
+def serve(args) -> int:
     from models import ModelLoadError
     from server.app import create_app
 
@@ -55,8 +65,9 @@ def serve(args) -> int:
         return 2
     app = create_app(state)
     log.info("serving on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
-    uvicorn.run(
+    config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug",
     )
+    GracefulServer(config).run()
     return 0
