@@ -128,7 +128,8 @@ def fork(caches: Sequence[Any], *, trim: int = 0) -> list[Any]:
 
     The caller owns the result and may extend it freely; `caches` are only read. `trim > 0` requires every cache to
     be trimmable (ValueError otherwise: trimming an untrimmable cache silently would change the generated text).
-    The result is evaluated (views: no bytes copied) so it holds no lazy graph pointing back at `caches`.
+    The result is evaluated (views: no bytes copied) so it holds no lazy graph pointing back at `caches`; arrays the
+    caller left lazy get computed here, which the durability writer relies on (it serializes evaluated arrays).
     """
     if trim < 0:
         raise ValueError(f"trim must be >= 0, got {trim}")
