@@ -75,7 +75,10 @@ class _Entry:
 
 
 def _as_ids(tokens: Sequence[int]) -> np.ndarray:
-    return np.asarray(tokens, dtype=np.int64).reshape(-1)
+    # np.array copies: a caller's numpy array must not alias an entry's tokens.
+    ids = np.array(tokens, dtype=np.int64).reshape(-1)
+    ids.flags.writeable = False
+    return ids
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

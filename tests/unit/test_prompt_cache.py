@@ -2,6 +2,7 @@
 
 import threading
 
+import numpy as np
 import pytest
 
 import cache.prompt_cache as pc_module
@@ -110,6 +111,14 @@ def test_put_keeps_its_own_objects():
     hit = cache.take((1, 2, 3, 4, 5), "m")
     assert [c.offset for c in hit.caches] == [4, 4] and {c.tag for c in hit.caches} == {"lane"}
     assert all(c is not l for c, l in zip(hit.caches, lane))
+
+
+def test_put_copies_the_token_ids():
+    cache = big()
+    tokens = np.array([1, 2, 3, 4])
+    cache.put(tokens, layers(4), "m")
+    tokens[:] = 9  # the lane reuses its buffer
+    assert cache.take((1, 2, 3, 4, 5), "m").length == 4
 
 
 def test_put_rejects_caches_that_disagree_with_tokens():
