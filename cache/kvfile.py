@@ -30,7 +30,7 @@ import json
 import os
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -68,7 +68,6 @@ class KVHeader:
     nbytes: int  # tensor bytes (the file is a little larger)
     layers: tuple[dict, ...]
     extra: dict
-    tensors: dict = field(repr=False)  # name -> shape, from the safetensors header
 
 
 @dataclass(frozen=True)
@@ -283,11 +282,15 @@ def save(path: str | os.PathLike, tokens: Sequence[int], caches: Sequence[Any] |
          ns: str, extra_meta: dict | None = None) -> int:
     """Write `caches` covering `tokens` to `path` atomically; return the file size in bytes.
 
-    OSError (ENOSPC, EROFS, EIO...) propagates after the temp file is removed; TypeError for unsupported classes.
+    OSError (ENOSPC, EROFS, EIO...) propagates after the temp file is removed; TypeError for unsupported classes;
+    ValueError for token ids outside [0, 2**31).
     """
+    ids = [int(t) for t in tokens]
+    if any(not 0 <= t < _MAX_TOKEN for t in ids):
+        raise ValueError("token ids must be in [0, 2**31)")
     enc = caches if isinstance(caches, Encoded) else encode(caches)
     meta = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "ns": ns, "ns_hash": ns_hash(ns),
-            "tokens": [int(t) for t in tokens], "trimmable": enc.trimmable, "nbytes": enc.nbytes,
+            "tokens": ids, "trimmable": enc.trimmable, "nbytes": enc.nbytes,
             "layers": list(enc.layers), "extra": dict(extra_meta or {})}
     path = os.fspath(path)
     tmp = path + ".tmp"
@@ -346,12 +349,8 @@ def read_header(path: str | os.PathLike, *, expect_fingerprint: str | None = Non
         raise KVFileError("not an mlx-lane KV file")
     if meta.get("version") != VERSION:
         raise KVFileError(f"format version {meta.get('version')!r}, expected {VERSION}")
-    tensors, end = {}, 0
     try:
-        for name, t in table.items():
-            if name != "__metadata__":
-                tensors[name] = tuple(int(d) for d in t["shape"])
-                end = max(end, int(t["data_offsets"][1]))
+        end = max((int(t["data_offsets"][1]) for name, t in table.items() if name != "__metadata__"), default=0)
     except (KeyError, TypeError, ValueError, IndexError):
         raise KVFileError("bad tensor table") from None
     if 8 + n + end != size:
@@ -368,8 +367,7 @@ def read_header(path: str | os.PathLike, *, expect_fingerprint: str | None = Non
     if expect_ns is not None and ns != expect_ns:
         raise KVFileError("namespace mismatch")
     extra = meta.get("extra") if isinstance(meta.get("extra"), dict) else {}
-    return KVHeader(fp, ns, meta["ns_hash"], tuple(tokens), meta["trimmable"], meta["nbytes"], tuple(layers),
-                    extra, tensors)
+    return KVHeader(fp, ns, meta["ns_hash"], tuple(tokens), meta["trimmable"], meta["nbytes"], tuple(layers), extra)
 
 
 def load(path: str | os.PathLike, *, expect_fingerprint: str | None = None, expect_ns: str | None = None,

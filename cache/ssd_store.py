@@ -261,6 +261,10 @@ class SSDStore:
             self._c["superseded"] += len(victims)
             self._entries[path] = entry
             self._bytes += size
+            over = self._bytes > self.max_bytes
+        if over:
+            self._refresh_mtimes()  # file-system I/O stays outside the lock find() needs
+        with self._lock:
             victims += self._over_cap_locked()
             self._c["writes"] += 1
             self._c["write_ms_last"] = (time.perf_counter() - t0) * 1e3
@@ -302,11 +306,6 @@ class SSDStore:
         """Drop least recently used entries until under the cap; return them for unlinking outside the lock."""
         if self._bytes <= self.max_bytes:
             return []
-        for e in self._entries.values():
-            try:
-                e.mtime = os.stat(e.path).st_mtime  # honour touches made from outside this process
-            except OSError:
-                pass
         victims = []
         for e in sorted(self._entries.values(), key=lambda e: e.mtime):
             if self._bytes <= self.max_bytes:
@@ -315,6 +314,16 @@ class SSDStore:
             victims.append(e)
         self._c["evictions"] += len(victims)
         return victims
+
+    def _refresh_mtimes(self) -> None:
+        """Re-read mtimes before evicting: touches made from outside this process count as use."""
+        with self._lock:
+            entries = list(self._entries.values())
+        for e in entries:
+            try:
+                e.mtime = os.stat(e.path).st_mtime
+            except OSError:
+                pass
 
     def _drop_locked(self, e: _Entry) -> None:
         if self._entries.pop(e.path, None) is not None:

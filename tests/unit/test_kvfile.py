@@ -265,6 +265,24 @@ def test_bad_metadata(good, name):
     _assert_bad(good)
 
 
+def test_tensor_table_lies_about_a_shape(good):
+    data = good.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    table = json.loads(data[8 : 8 + n])
+    table["0.keys"]["shape"] = [1, 2, 4, 99]  # more bytes than its data offsets span
+    blob = json.dumps(table, separators=(",", ":")).encode().ljust(n)  # same length: the file size still adds up
+    assert len(blob) == n
+    good.write_bytes(data[:8] + blob + data[8 + n :])
+    _assert_bad(good)
+
+
+def test_bad_token_ids_are_refused_at_save(tmp_path):
+    c = KVCache()
+    _feed(c, [1])
+    with pytest.raises(ValueError):
+        kvfile.save(tmp_path / "n.safetensors", [-1], [c], fingerprint=FP, ns=NS)
+
+
 def test_code_in_metadata_is_never_run(good, tmp_path):
     marker = tmp_path / "pwned"
     payload = f"__import__('os').system('touch {marker}')"
