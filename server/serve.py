@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import uvicorn
@@ -25,6 +26,7 @@ def build_state(args):
     prompt_cache = make_prompt_cache(cache_bytes)
     stats = ServingStats()
     engine = Engine(loaded, prompt_cache, stats, prefill_chunk=args.prefill_chunk)
+    engine.fault_hook = _fault_hook_from_env(loaded.tokenizer)
     lane = Lane(engine, max_queue=args.max_queue)
     lane.start()
     lane.ready.wait()
@@ -39,6 +41,21 @@ def build_state(args):
         api_key=args.api_key, keepalive_s=args.keepalive, default_max_tokens=args.default_max_tokens,
         max_body_bytes=args.max_body_bytes, model_names={"default"} if args.model == "default" else set(),
     )
+
+
+def _fault_hook_from_env(tokenizer):
+    """Test seam: with MLX_LANE_FAULT_MARKER set, a prompt containing that text makes the
+    generation raise inside the lane (to prove a failure is a 500 and the lane lives on)."""
+    marker = os.environ.get("MLX_LANE_FAULT_MARKER")
+    if not marker:
+        return None
+    log.warning("fault injection armed for prompts containing %r", marker)
+
+    def hook(job):
+        if marker in tokenizer.decode(job.prompt):
+            raise RuntimeError("injected fault (MLX_LANE_FAULT_MARKER)")
+
+    return hook
 
 
 class GracefulServer(uvicorn.Server):
