@@ -1,0 +1,58 @@
+"""200 requests with random shared prefixes under a small --cache-bytes: the cap holds, RSS stays bounded."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from tests.serverproc import ServerProc
+
+pytestmark = pytest.mark.model
+
+CAP = 48 << 20
+SYSTEMS = [
+    "You are a terse code reviewer.",
+    "You are a helpful shell assistant. Answer with one command.",
+    "You translate English to French.",
+    "You are a unit-test generator for Python functions.",
+]
+WORDS = "alpha beta gamma delta epsilon zeta theta lambda kappa sigma omega vector queue stack heap".split()
+
+
+def rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_soak_200_requests_cap_and_rss(default_model_dir):
+    rng = random.Random(7)
+    srv = ServerProc("--model", "default", "--cache-bytes", str(CAP), "--no-ssd-cache")
+    try:
+        biggest_seen = 0
+        rss_after_warmup = None
+        for i in range(200):
+            system = rng.choice(SYSTEMS)
+            user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40)))
+            body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+                    "max_tokens": 1, "temperature": 0}
+            if rng.random() < 0.3:
+                body["user"] = f"agent-{rng.randint(0, 5)}"
+            r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            pc = httpx.get(srv.url + "/stats").json()["prompt_cache"]
+            assert pc["bytes"] <= pc["max_bytes"] == CAP, pc
+            biggest_seen = max(biggest_seen, pc["bytes"])
+            if i == 49:
+                rss_after_warmup = rss_kib(srv.proc.pid)
+        final = httpx.get(srv.url + "/stats").json()["prompt_cache"]
+        assert final["evictions"] > 0  # the cap was actually exercised
+        assert final["hits"] > 0  # shared system prompts were reused
+        growth_mib = (rss_kib(srv.proc.pid) - rss_after_warmup) / 1024
+        # the cache may fill up to its cap after request 50; anything beyond cap + slack is a leak
+        assert growth_mib < CAP / (1 << 20) + 96, growth_mib
+    finally:
+        assert srv.stop() == 0, srv.log()
