@@ -42,7 +42,7 @@ def _maybe_json(s: str):
 def render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
     """Apply the model's chat template (tools included) and tokenize."""
     messages = [_message_dict(m) for m in req.messages]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools_enabled() else None
     kwargs = {"add_generation_prompt": True}
     if tools:
         kwargs["tools"] = tools

@@ -101,12 +101,12 @@ async def chat_completions(request: Request):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         await run.__aenter__()
         return StreamingResponse(
-            _chat_stream(run, fmt, include_usage, bool(req.tools), state.stats, t0),
+            _chat_stream(run, fmt, include_usage, req.tools_enabled(), state.stats, t0),
             media_type="text/event-stream", headers=SSE_HEADERS,
         )
     async with run:
         text, lps, finished = await _collect(run, state.stats, t0)
-    if req.tools:
+    if req.tools_enabled():
         content, calls = parse_tool_calls(text)
     else:
         content, calls = text, []

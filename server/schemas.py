@@ -163,6 +163,10 @@ class ChatCompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def tools_enabled(self) -> bool:
+        """Tools are offered to the model unless ``tool_choice`` is ``"none"``."""
+        return bool(self.tools) and self.tool_choice != "none"
+
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int]]
