@@ -90,10 +90,12 @@ class DurabilityCoordinator:
 
     # ----------------------------------------------------------------------------------------------- public
 
-    def schedule(self, tokens: Sequence[int], caches: Sequence[Any], ns: str) -> bool:
+    def schedule(self, tokens: Sequence[int], caches: Sequence[Any], ns: str, *, delay: float | None = None) -> bool:
         """Mark the entry (caches covering exactly `tokens`) dirty and (re)arm its debounce. Never blocks on I/O.
 
-        Returns False when nothing was scheduled (closed, unsupported cache class, or over the budget by itself).
+        `delay` overrides the debounce for this call (0: write as soon as the writer is free; used to spill an
+        entry the RAM tier is dropping). Returns False when nothing was scheduled (closed, unsupported cache
+        class, or over the budget by itself); True also when the store already covers the entry.
         """
         key = (ns, tuple(int(t) for t in tokens))
         if self._closed or not key[1]:
@@ -112,7 +114,8 @@ class DurabilityCoordinator:
                 self._c["failed"] += 1
             return False
         now = self._clock()
-        item = _Pending(ns, key[1], snap, int(snap.nbytes), bool(snap.trimmable), now, now + self._debounce)
+        wait = self._debounce if delay is None else max(0.0, float(delay))
+        item = _Pending(ns, key[1], snap, int(snap.nbytes), bool(snap.trimmable), now, now + wait)
         with self._cond:
             old = self._pending.pop(key, None)
             if old is not None:

@@ -279,8 +279,11 @@ def encode(caches: Sequence[Any]) -> Encoded:
 
 
 def save(path: str | os.PathLike, tokens: Sequence[int], caches: Sequence[Any] | Encoded, *, fingerprint: str,
-         ns: str, extra_meta: dict | None = None) -> int:
+         ns: str, extra_meta: dict | None = None, before_rename: Callable[[], None] | None = None) -> int:
     """Write `caches` covering `tokens` to `path` atomically; return the file size in bytes.
+
+    `before_rename` (a test seam) runs after the temp file is fsynced and before the rename: a process killed
+    inside it leaves exactly what a crash mid-write leaves.
 
     OSError (ENOSPC, EROFS, EIO...) propagates after the temp file is removed; TypeError for unsupported classes;
     ValueError for token ids outside [0, 2**31).
@@ -300,6 +303,8 @@ def save(path: str | os.PathLike, tokens: Sequence[int], caches: Sequence[Any] |
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -8,6 +8,11 @@ Public verbs (what the lane and the HTTP layer call):
     caller may keep generating with its own objects afterwards. `caches` must cover exactly `tokens`.
   * `clear() -> int`, `stats() -> dict` (HTTP event loop thread). One lock guards the index; the array work of
     take/put (forking handles) runs outside it, on the caller's thread.
+  * Hooks for a tier below (cache.tiered): `peek(tokens, ns, session) -> int` (the usable length take would give,
+    touching nothing), `pop_idle(idle_s)` (remove and return entries unused for `idle_s`), and `on_evict`, called
+    OUTSIDE the lock with (ns, tokens, caches) for every entry the byte cap pushes out (LRU eviction, or a new
+    entry larger than the whole cap). Supersede, replace and clear do not call it: what they drop is either
+    served by a newer entry or dropped on purpose. `prefetch` and `observe_prefill` are no-ops here (RAM only).
 
 Matching rules (DESIGN.md "RAM tier contract"):
   * usable prefix p = min(common prefix, len(prompt) - 1); the longest usable p wins (ties: the entry needing no
@@ -94,11 +99,13 @@ def _is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
 class PromptCache:
     """The RAM tier. See the module docstring for the contract; thread-safe as described there."""
 
-    def __init__(self, max_bytes: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_bytes: int, *, clock: Callable[[], float] = time.monotonic,
+                 on_evict: Callable[[str, tuple[int, ...], list], None] | None = None) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes} (use NullPromptCache to disable caching)")
         self._max_bytes = int(max_bytes)
         self._clock = clock
+        self._on_evict = on_evict
         self._lock = threading.Lock()
         self._by_ns: dict[str, dict[tuple[int, ...], _Entry]] = {}
         self._sessions: dict[tuple[str, str], _Entry] = {}
@@ -106,6 +113,7 @@ class PromptCache:
         self._bytes = 0
         self._queries = self._hits = self._tokens_queried = self._tokens_hit = 0
         self._evictions = self._session_hits = self._rejected_too_big = self._superseded = 0
+        self._demoted = 0
 
     # ----------------------------------------------------------------------------------------------- public verbs
 
@@ -132,16 +140,16 @@ class PromptCache:
         caches = fork(entry.caches, trim=len(entry.tokens) - length)
         return CacheHit(caches=caches, length=length, source=source)
 
-    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None) -> None:
+    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None) -> bool:
         """Store `caches` (covering exactly `tokens`) under `ns`, optionally as `session`'s latest entry.
 
         The cache keeps its own objects (views of the same arrays); the caller keeps ownership of `caches` and may
         go on mutating them. ValueError if a cache's offset disagrees with len(tokens): such an entry would
-        serve wrong KV and change the generated text.
+        serve wrong KV and change the generated text. Returns True when the entry is in the cache afterwards.
         """
         ids = _as_ids(tokens)
         if len(ids) == 0:
-            return
+            return False
         for offset in iter_offsets(caches):
             # 0 is allowed: some models carry caches for layers that never see a token (KV sharing).
             if offset not in (0, len(ids)):
@@ -150,7 +158,9 @@ class PromptCache:
         if nbytes > self._max_bytes:
             with self._lock:
                 self._rejected_too_big += 1
-            return
+            if self._on_evict is not None:
+                self._on_evict(ns, tuple(ids.tolist()), caches)  # too big for RAM: the tier below may keep it
+            return False
         stored = fork(caches)
         entry = _Entry(
             ns=ns,
@@ -162,7 +172,38 @@ class PromptCache:
             last_use=self._clock(),
         )
         with self._lock:
-            self._insert(entry, session)
+            evicted = self._insert(entry, session)
+        if self._on_evict is not None:
+            for victim in evicted:
+                self._on_evict(victim.ns, victim.tokens, victim.caches)
+        return entry not in evicted
+
+    def peek(self, tokens: Sequence[int], ns: str, session: str | None = None) -> int:
+        """The prefix length `take` would return now (0 for a miss). Touches no counter and no LRU time."""
+        prompt = _as_ids(tokens)
+        with self._lock:
+            found = self._find(prompt, ns, session)
+        return found[1] if found is not None else 0
+
+    def pop_idle(self, idle_s: float) -> list[tuple[str, tuple[int, ...], list]]:
+        """Remove every entry unused for more than `idle_s` seconds; return them as (ns, tokens, caches).
+
+        The caller owns what is returned (the entries are gone from the cache); counted in `demoted`.
+        """
+        cutoff = self._clock() - idle_s
+        with self._lock:
+            idle = [e for entries in self._by_ns.values() for e in entries.values() if e.last_use < cutoff]
+            for entry in idle:
+                self._drop(entry)
+            self._demoted += len(idle)
+        return [(e.ns, e.tokens, e.caches) for e in idle]
+
+    def prefetch(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:
+        """RAM only: nothing to read ahead (see cache.tiered)."""
+        return False
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """RAM only: prefill rates feed no decision here (see cache.tiered)."""
 
     def clear(self) -> int:
         """Drop every entry (counters are kept). Returns how many entries were dropped."""
@@ -191,6 +232,7 @@ class PromptCache:
                 "session_hits": self._session_hits,
                 "rejected_too_big": self._rejected_too_big,
                 "superseded": self._superseded,
+                "demoted": self._demoted,
                 "sessions": len(self._sessions),
             }
 
@@ -227,7 +269,8 @@ class PromptCache:
             return None
         return best, best_p, "ram"
 
-    def _insert(self, entry: _Entry, session: str | None) -> None:
+    def _insert(self, entry: _Entry, session: str | None) -> list[_Entry]:
+        """Index `entry`; return the entries the byte cap evicted (possibly `entry` itself)."""
         # Drop first, index after: _drop removes a namespace's dict once it empties.
         existing = self._by_ns.get(entry.ns, {})
         names: set[str] = set()
@@ -247,13 +290,17 @@ class PromptCache:
             names.add(session)
         for name in sorted(names):
             self._bind(entry, name)
+        evicted = []
         while self._bytes > self._max_bytes:
             victim = self._policy.victim()
             if victim is None:  # unreachable while bytes > 0; guards against an accounting bug looping forever
                 break
             ns, tokens = victim
-            self._drop(self._by_ns[ns][tokens])
+            gone = self._by_ns[ns][tokens]
+            self._drop(gone)
+            evicted.append(gone)
             self._evictions += 1
+        return evicted
 
     def _bind(self, entry: _Entry, session: str) -> None:
         """Point `session` at `entry` (already indexed), moving it off its previous entry."""
@@ -285,7 +332,13 @@ class NullPromptCache:
     def take(self, tokens: Sequence[int], ns: str, session: str | None = None) -> CacheHit | None:
         return None
 
-    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None) -> None:
+    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None) -> bool:
+        return False
+
+    def prefetch(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:
+        return False
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
         return None
 
     def clear(self) -> int:

@@ -35,7 +35,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -72,6 +72,7 @@ class Restored(NamedTuple):
     caches: list
     nbytes: int
     seconds: float
+    tokens: tuple[int, ...] = ()  # the tokens the caches cover (the file's tokens up to the match's length)
 
 
 @dataclass
@@ -108,7 +109,8 @@ def _thread_stream() -> Any:
 class SSDStore:
     """The cold tier of one model (fingerprint) under `root`, capped at `max_bytes` of files."""
 
-    def __init__(self, root: str | os.PathLike, fingerprint: str, max_bytes: int, *, scan: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike, fingerprint: str, max_bytes: int, *, scan: bool = True,
+                 before_rename: Callable[[], None] | None = None) -> None:
         if not isinstance(fingerprint, str) or not _HEX.fullmatch(fingerprint):
             raise ValueError(f"fingerprint must be 8-128 lowercase hex digits, got {fingerprint!r}")
         if max_bytes < 0:
@@ -117,6 +119,7 @@ class SSDStore:
         self.fingerprint = fingerprint
         self.max_bytes = int(max_bytes)
         self.dir = os.path.join(self.root, fingerprint)
+        self._before_rename = before_rename  # test seam: runs on the writer between fsync and rename
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}  # path -> entry
         self._bytes = 0
@@ -231,7 +234,7 @@ class SSDStore:
             c["restore_ms_last"] = seconds * 1e3
             rate = entry.size / max(seconds, 1e-9) / 1e6
             c["restore_mb_s"] = rate if c["restores"] == 1 else _EMA * rate + (1 - _EMA) * c["restore_mb_s"]
-        return Restored(f.caches, entry.size, seconds)
+        return Restored(f.caches, entry.size, seconds, tuple(int(t) for t in f.tokens[: match.length]))
 
     def write(self, tokens: Sequence[int], caches: Sequence[Any] | kvfile.Encoded, ns: str) -> bool:
         """Persist one entry (caches covering exactly `tokens`). True when durable and indexed; never raises
@@ -246,7 +249,8 @@ class SSDStore:
             os.makedirs(folder, exist_ok=True)
             with mx.stream(_thread_stream()):
                 enc = caches if isinstance(caches, kvfile.Encoded) else kvfile.encode(caches)
-                size = kvfile.save(path, ids.tolist(), enc, fingerprint=self.fingerprint, ns=ns)
+                size = kvfile.save(path, ids.tolist(), enc, fingerprint=self.fingerprint, ns=ns,
+                                   before_rename=self._before_rename)
             mtime = os.stat(path).st_mtime
         except OSError as e:
             self._disk_error("write", e)
