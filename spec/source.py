@@ -1,0 +1,73 @@
+"""Where draft tokens come from: ``DraftProvider`` (one per server) and ``DraftSource`` (one per request).
+
+Sequence model. A request's token sequence S is the prompt followed by every token the
+generator emitted. A source tracks S as it learns it:
+
+- ``prefill(ids)`` - S is now ``ids`` (the lane passes ``prompt[:-1]``, the tokens the target's
+  caches cover before decoding). A source whose caches already cover a prefix of ``ids``
+  (a prompt-cache hit) computes only the rest; anything it held beyond the common prefix is
+  dropped. Calling it again with ``prompt + generated`` before storing the caches brings a
+  stateful source's caches to cover exactly the same tokens as the target's.
+- ``draft(feed, n)`` - append ``feed`` (the tokens that joined S since the previous call: the
+  first time ``[prompt[-1]]``, afterwards the correction or bonus token of the last round) and
+  propose up to ``n`` tokens that might follow. May return fewer, or none.
+- ``commit(drafted, accepted)`` - the first ``accepted`` of ``drafted`` (the list ``draft``
+  returned) joined S; the source rewinds whatever it computed for the rest. Every ``draft``
+  that returned tokens must be followed by exactly one ``commit`` before the next ``draft``.
+
+Ownership: a source owns its caches (``caches``; ``None`` for a stateless source) for the
+length of the request; the lane may store them in the prompt-cache entry next to the target's
+after a final ``prefill(prompt + generated)``, and hands them back to ``open`` on a hit,
+together with the tokens they cover.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, Sequence, runtime_checkable
+
+__all__ = ["DraftSource", "DraftProvider"]
+
+
+@runtime_checkable
+class DraftSource(Protocol):
+    """Per-request drafting state (see the module docstring for the sequence model)."""
+
+    @property
+    def caches(self) -> Optional[list]:
+        """The source's own KV caches (None when it keeps none), covering ``tokens``."""
+        ...
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens the source's caches cover (for a stateless source: what it has seen)."""
+        ...
+
+    def prefill(self, ids: Sequence[int]) -> None: ...
+
+    def draft(self, feed: Sequence[int], n: int) -> list[int]: ...
+
+    def commit(self, drafted: Sequence[int], accepted: int) -> None: ...
+
+
+class DraftProvider:
+    """Built once at start-up; opens one ``DraftSource`` per request.
+
+    ``identity`` joins the prompt-cache namespace when the source keeps KV of its own (two
+    models); it is ``None`` for a source that keeps none (n-gram lookup), whose requests can
+    share cache entries with plain ones. ``cost_ratio`` is the cost of one draft step relative
+    to one target step (0 for lookup); the adaptive policy derives its break-even from it.
+    """
+
+    kind: str = "base"
+    identity: Optional[str] = None
+    cost_ratio: float = 0.0
+
+    def open(self, caches: Optional[list] = None, tokens: Sequence[int] = ()) -> DraftSource:
+        """A fresh source; ``caches`` (from a prompt-cache hit) cover ``tokens``."""
+        raise NotImplementedError
+
+    def policy(self, max_len: int):
+        """The default adaptive draft-length policy for one request of this provider."""
+        from spec.adaptive import AdaptiveDraftLength, break_even_rate
+
+        return AdaptiveDraftLength(max_len, stop_below=break_even_rate(self.cost_ratio))

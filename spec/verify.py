@@ -1,0 +1,211 @@
+"""The accept/rollback loop: ``speculative_decode``, a generator in the style of mlx-lm's ``generate_step``.
+
+One round: ask the source for up to n drafts (n from the policy); run ONE target forward over
+``[pending] + drafts``; sample every position with the request's own sampler (logits processors
+see, at position i, the history plus the first i drafts); accept drafts while the target's
+token equals the draft; emit the accepted drafts, then the target's token at the first
+mismatch (the correction) or after the last draft (the bonus). The target's caches are trimmed
+by the rejected drafts (``trim_prompt_cache``) and the source is told what was kept
+(``source.commit``).
+
+Greedy output is token-for-token what plain greedy decoding (``generate_step``) produces.
+Sampled output follows mlx-lm's ``speculative_generate_step`` rule: each position's token is
+drawn from the target's (processed) distribution given the accepted prefix, and a draft is
+kept only when it equals that draw - so the output is distributed exactly as plain sampling,
+though the random stream is consumed differently (the same seed gives the same text across
+speculative runs, not the same text as a plain run).
+
+When the policy stops drafting, the rest of the request is delegated to mlx-lm's pipelined
+``generate_step`` on the same caches, so a request whose drafts do not pay runs at plain speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Generator, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
+
+from spec.adaptive import FixedDraftLength
+from spec.source import DraftSource
+from spec.stats import SpecStats
+
+__all__ = ["speculative_decode"]
+
+
+def speculative_decode(
+    model,
+    caches: list,
+    first_token_input: int | Sequence[int] | mx.array,
+    source: DraftSource,
+    *,
+    sampler=None,
+    logits_processors: Optional[list] = None,
+    max_tokens: int = 256,
+    num_draft_tokens: int = 3,
+    stream=None,
+    policy=None,
+    stats: Optional[SpecStats] = None,
+) -> Generator[tuple[int, mx.array, bool], None, None]:
+    """Yield ``(token, logprobs, from_draft)`` one token at a time, at most ``max_tokens``.
+
+    Preconditions: ``caches`` (the target's, all trimmable) cover the prompt except its last
+    token, which is ``first_token_input``; the source has been ``prefill``-ed with the same
+    tokens. ``logits_processors`` get, like in ``generate_step``, the tokens fed since
+    ``first_token_input`` (wrap them to prepend older history). ``policy`` (default: a fixed
+    length ``num_draft_tokens``) is capped at ``num_draft_tokens``. ``stats`` is updated in
+    place as tokens are emitted.
+
+    Invariant: after the generator is closed (exhausted, ``close()``d at any yield, or dropped
+    by a consumer that found EOS or a stop string inside a draft), the target caches cover
+    prompt + every yielded token - the same state plain ``generate_step`` leaves, which is what
+    the lane stores in the prompt cache - and the source has been ``commit``-ted, so its own
+    caches cover a prefix of that sequence (``source.prefill(prompt + generated)`` completes
+    them). If an exception escapes the model, the caches are trimmed but the last token is not
+    fed again.
+    """
+    if not can_trim_prompt_cache(caches):
+        types = sorted({type(c).__name__ for c in caches if not c.is_trimmable()})
+        raise ValueError(f"speculative decoding needs trimmable target caches (got {', '.join(types)})")
+    if isinstance(first_token_input, mx.array):
+        first_token_input = first_token_input.tolist()
+    if not isinstance(first_token_input, int):
+        (first_token_input,) = list(first_token_input)
+    sampler = sampler or greedy_sampler
+    processors = list(logits_processors or [])
+    policy = policy if policy is not None else FixedDraftLength(num_draft_tokens)
+    stats = stats if stats is not None else SpecStats()
+    ctx = mx.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    pending = int(first_token_input)  # last token of the sequence, not yet fed to the target
+    history = [pending]  # tokens fed since first_token_input, plus pending (for processors)
+    feed = [pending]  # joined the sequence since the source last heard
+    ntoks = 0
+    over = 0  # tokens in the target caches beyond the yielded sequence (unverified/unyielded drafts)
+    unfed = True  # the last token of the sequence is not in the target caches
+    drafts: list[int] = []
+    walked = 0  # drafts of the open round emitted so far
+    open_round = False
+    plain = None  # generate_step, once drafting stopped
+
+    def settle() -> None:
+        nonlocal over, open_round, unfed
+        if over:
+            trim_prompt_cache(caches, over)
+            over = 0
+        if open_round:
+            open_round = False
+            source.commit(drafts, walked)
+        if plain is not None:
+            plain.close()
+            return
+        exc = sys.exc_info()[1]
+        if unfed and ntoks and (exc is None or isinstance(exc, GeneratorExit)):
+            model(mx.array([[pending]]), cache=caches)
+            mx.eval([c.state for c in caches])
+            unfed = False
+
+    with ctx:
+        try:
+            while ntoks < max_tokens:
+                n = min(policy.next_length(), num_draft_tokens, max_tokens - ntoks - 1)
+                if policy.stopped:
+                    if not stats.stopped:
+                        stats.stopped = 1
+                    break
+                drafts = []
+                if n > 0:
+                    drafts = source.draft(feed, n)
+                    feed = []
+                    if len(drafts) > n:
+                        raise RuntimeError(f"draft source proposed {len(drafts)} tokens, asked for {n}")
+                open_round = bool(drafts)
+                walked = 0
+                tokens, logprobs = _verify(model, caches, pending, drafts, history, sampler, processors)
+                over, unfed = len(drafts), False
+                if drafts:
+                    stats.rounds += 1
+                    stats.drafted += len(drafts)
+                a = 0
+                while a < len(drafts) and tokens[a] == drafts[a]:
+                    walked = a + 1
+                    over -= 1
+                    ntoks += 1
+                    stats.accepted += 1
+                    stats.emitted += 1
+                    yield tokens[a], logprobs[a], True
+                    a += 1
+                # correction (a < len(drafts)) or bonus (a == len(drafts)) from the target
+                if over:
+                    trim_prompt_cache(caches, over)
+                    over = 0
+                if open_round:
+                    open_round = False
+                    source.commit(drafts, a)
+                    policy.update(len(drafts), a)
+                pending = tokens[a]
+                history.extend(drafts[:a])
+                history.append(pending)
+                feed.append(pending)
+                unfed = True
+                ntoks += 1
+                stats.emitted += 1
+                yield pending, logprobs[a], False
+            else:
+                return
+            # drafting stopped: the rest runs on mlx-lm's pipelined plain decode
+            plain = generate_step(
+                mx.array([pending], mx.uint32),
+                model,
+                stream if stream is not None else mx.default_stream(mx.default_device()),
+                max_tokens=max_tokens - ntoks,
+                sampler=sampler,
+                logits_processors=_with_prefix(processors, history[:-1]),
+                prompt_cache=caches,
+            )
+            for token, lp in plain:
+                unfed = False
+                pending = token
+                ntoks += 1
+                stats.emitted += 1
+                yield token, lp, False
+        finally:
+            settle()
+
+
+def _verify(model, caches, pending: int, drafts: list[int], history: list[int], sampler, processors):
+    """One target forward over [pending] + drafts; the sampled token and logprobs at every position."""
+    window = mx.array([pending] + drafts, mx.uint32)
+    logits = model(window[None], cache=caches)[0]  # (n+1, vocab)
+    if processors:
+        base = mx.array(history, mx.uint32)
+        ys, lps = [], []
+        for i in range(len(drafts) + 1):
+            seen = mx.concatenate([base, window[1 : i + 1]]) if i else base
+            row = logits[i : i + 1]
+            for proc in processors:
+                row = proc(seen, row)
+            lp = row - mx.logsumexp(row, axis=-1, keepdims=True)
+            ys.append(sampler(lp))
+            lps.append(lp)
+        tokens, logprobs = mx.concatenate(ys, axis=0), mx.concatenate(lps, axis=0)
+    else:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = sampler(logprobs)
+    mx.eval(tokens, logprobs)
+    return tokens.tolist(), logprobs
+
+
+def _with_prefix(processors: list, prefix: list[int]) -> list:
+    if not processors or not prefix:
+        return processors
+    head = mx.array(prefix, mx.uint32)
+
+    def wrap(proc):
+        return lambda tokens, logits: proc(mx.concatenate([head, tokens.astype(mx.uint32)]), logits)
+
+    return [wrap(p) for p in processors]
