@@ -1,0 +1,305 @@
+"""The prefix cache the lane sees: the RAM tier over the SSD cold tier, with write-behind and read-ahead.
+
+Same verbs as `cache.prompt_cache.PromptCache` (`take`, `put`, `clear`, `stats`), plus `prefetch`, `observe_prefill`,
+`flush`, `pending`, `ssd_stats`, `demote_idle` and `close`. The parts, each owned by one object:
+
+    PromptCache           RAM tier: entries, matching, LRU (cache.prompt_cache)
+    SSDStore              cold tier: files, index, byte cap (cache.ssd_store)
+    DurabilityCoordinator write-behind: debounce, writer thread, retries, flush (cache.durability)
+    CostModel             restore-or-recompute decision from measured rates (cache.rates)
+
+Rules (DESIGN.md "RAM tier contract", "SSD tier contract", "Durability coordinator"):
+  * `take` (lane thread): the SSD tier wins only with a STRICTLY longer usable prefix than RAM, and only when the
+    cost model says reading it is cheaper than prefilling the extra tokens (saved = ssd length - RAM length). A
+    restored entry is put into RAM whole (all the file's tokens), then served by the RAM tier like any entry, so
+    the caller owns its caches exactly as with a RAM hit. A prefetch in flight for the same file is waited for,
+    not read twice; a take with no prefetch reads on the lane (the lane would wait for it anyway).
+  * `put` (lane thread): RAM put, and `schedule` on the durability coordinator (debounced). The lane only hands
+    over array references; serialization and fsync run on the writer thread.
+  * RAM eviction of an entry (byte cap, or an entry larger than the whole RAM cap) spills it: `schedule(delay=0)`.
+    The pending snapshot holds the arrays until the writer has them on disk, so the lane never waits for fsync;
+    an entry already on disk costs one index lookup (`covers`).
+  * Idle demotion: entries unused for `demote_idle_s` are removed from RAM and spilled the same way (counted in
+    `demotions`). A daemon timer checks every `min(demote_idle_s / 4, 30)` seconds; `demote_idle()` runs a check
+    now (tests drive it with the RAM tier's injected clock). `demote_idle_s <= 0` turns demotion off.
+  * `prefetch` (HTTP event loop, after tokenizing): index-only lookups in both tiers; when the SSD tier has a
+    strictly longer prefix and the cost model agrees, the read starts on an I/O thread while the request waits
+    for the lane. Reads are keyed by file: a second prefetch of the same file joins the first (`coalesced`).
+  * `clear` clears RAM only: the SSD tier is what survives; delete its files to drop it.
+
+Threads: the I/O pool and the demotion timer run MLX work (restores, forks, snapshots) on streams they create
+themselves (ENVIRONMENT.md: the default stream off the main thread can abort at exit).
+
+Internal updates: a take touches the RAM entry's LRU time; a restore touches the file's mtime (SSD LRU); both
+feed the cost model (restore bytes/seconds here, prefill tokens/seconds from the lane via `observe_prefill`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+
+from cache.copying import fork
+from cache.prompt_cache import CacheHit, PromptCache
+
+__all__ = ["TieredCache"]
+
+log = logging.getLogger(__name__)
+
+_MIN_PREFILL_SAMPLE = 16  # shorter prefills are mostly fixed overhead: they say little about the rate
+_local = threading.local()
+
+
+def _thread_stream() -> Any:
+    s = getattr(_local, "stream", None)
+    if s is None:
+        s = _local.stream = mx.new_stream(mx.cpu)
+    return s
+
+
+class _Loaded(NamedTuple):
+    """A restored file: `caches` cover `tokens`; `in_ram` tells whether the RAM tier kept it."""
+
+    tokens: tuple[int, ...]
+    caches: list
+    in_ram: bool
+
+
+class TieredCache:
+    """RAM over SSD. Thread-safe: the lane takes and puts, the event loop prefetches and reads stats, the I/O
+    pool restores, the writer writes, the timer demotes."""
+
+    def __init__(self, ram: PromptCache, store: Any, durability: Any, cost: Any, *, demote_idle_s: float = 300.0,
+                 io_workers: int = 2, start_timer: bool = True) -> None:
+        """`ram` must have been built with `on_evict=tiered.spill`: use `TieredCache.build` unless testing."""
+        self._ram = ram
+        self._store = store
+        self._durability = durability
+        self._cost = cost
+        self._idle_s = float(demote_idle_s)
+        self._lock = threading.Lock()
+        self._inflight: dict[str, Future] = {}  # file path -> restore in flight
+        self._c = dict(prefetches=0, prefetch_coalesced=0, prefetch_skipped=0, ssd_hits=0, ssd_tokens_hit=0,
+                       restores_on_lane=0, restores_failed=0, spills=0, spill_failed=0, demotions=0)
+        self._pool = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="mlx-lane-ssd-io")
+        self._stop = threading.Event()
+        self._timer: threading.Thread | None = None
+        if start_timer and self._idle_s > 0:
+            self._timer = threading.Thread(target=self._demote_loop, name="mlx-lane-demote", daemon=True)
+            self._timer.start()
+
+    @classmethod
+    def build(cls, ram_bytes: int, store: Any, durability: Any, cost: Any, *,
+              clock: Callable[[], float] = time.monotonic, **kw: Any) -> TieredCache:
+        """A TieredCache over a new RAM tier of `ram_bytes` (LRU times from `clock`) whose evictions spill."""
+        box: list[TieredCache] = []
+        ram = PromptCache(ram_bytes, clock=clock,
+                          on_evict=lambda ns, tokens, caches: box[0].spill(ns, tokens, caches))
+        box.append(cls(ram, store, durability, cost, **kw))
+        return box[0]
+
+    # ----------------------------------------------------------------------------------------------- lane verbs
+
+    def take(self, tokens: Sequence[int], ns: str, session: str | None = None) -> CacheHit | None:
+        """The longest usable prefix from either tier (RAM unless SSD is strictly longer and worth reading).
+
+        The caller owns the returned caches (as with `PromptCache.take`); `source` is "ssd" when this take
+        brought the prefix up from disk (its own read, or a prefetch it joined).
+        """
+        match = self._store.find(tokens, ns)
+        loaded: _Loaded | None = None
+        if match is not None:
+            with self._lock:
+                fut = self._inflight.get(match.path)
+            if fut is not None:
+                loaded = fut.result()  # a prefetch of this file: join it (never raises, see _load)
+            ram_len = self._ram.peek(tokens, ns, session)
+            if match.length > ram_len and fut is None:
+                if self._cost.should_restore(match.nbytes, match.length - ram_len):
+                    with self._lock:
+                        self._c["restores_on_lane"] += 1
+                    loaded = self._load(match)
+            if loaded is not None and match.length > ram_len and not loaded.in_ram:
+                # Too big for RAM: serve this request from the restored objects themselves (forks of them).
+                self._count_ssd_hit(match.length)
+                return CacheHit(fork(loaded.caches, trim=len(loaded.tokens) - match.length), match.length, "ssd")
+        hit = self._ram.take(tokens, ns, session)
+        if hit is not None and loaded is not None and match is not None and hit.length == match.length:
+            self._count_ssd_hit(hit.length)
+            return dataclasses.replace(hit, source="ssd")
+        return hit
+
+    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None) -> bool:
+        """RAM put plus debounced write-behind. Never writes on the caller's thread. True when RAM kept it."""
+        try:
+            self._durability.schedule(tokens, caches, ns)
+        except Exception:  # durability is best effort: never fail a request for it
+            log.exception("ssd cache: scheduling a write failed")
+        return self._ram.put(tokens, caches, ns, session)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The lane prefilled `tokens` in `seconds`: feeds the cost model's prefill rate."""
+        if tokens >= _MIN_PREFILL_SAMPLE:
+            self._cost.observe_prefill(tokens, seconds)
+
+    # ---------------------------------------------------------------------------------------- event-loop verbs
+
+    def prefetch(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:
+        """Start reading the SSD prefix of `tokens` if it beats RAM and is worth it. Index-only on the caller's
+        thread; True when a read for it is in flight (started now or joined)."""
+        match = self._store.find(tokens, ns)
+        if match is None:
+            return False
+        with self._lock:
+            if match.path in self._inflight:
+                self._c["prefetch_coalesced"] += 1
+                return True
+        ram_len = self._ram.peek(tokens, ns, session)
+        if match.length <= ram_len:
+            return False
+        if not self._cost.should_restore(match.nbytes, match.length - ram_len):
+            with self._lock:
+                self._c["prefetch_skipped"] += 1
+            return False
+        with self._lock:
+            if match.path in self._inflight:  # another prefetch got here between the two locks
+                self._c["prefetch_coalesced"] += 1
+                return True
+            fut = self._pool.submit(self._load_io, match)
+            self._inflight[match.path] = fut
+            self._c["prefetches"] += 1
+        fut.add_done_callback(lambda f, path=match.path: self._settled(path, f))
+        return True
+
+    def clear(self) -> int:
+        """Clear the RAM tier only (the SSD tier is what survives restarts). Returns RAM entries dropped."""
+        return self._ram.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """The RAM tier's counters (the `prompt_cache` block of /stats)."""
+        return self._ram.stats()
+
+    def ssd_stats(self) -> dict[str, Any]:
+        """The SSD tier, write-behind, prefetch and cost-model counters (the `ssd_cache` block of /stats)."""
+        store = self._store.stats()
+        dur = self._durability.stats()
+        with self._lock:
+            own = dict(self._c)
+        return {
+            "enabled": True,
+            "dir": store.get("dir"),
+            "entries": store.get("entries", 0),
+            "bytes": store.get("bytes", 0),
+            "max_bytes": store.get("max_bytes", 0),
+            "restores": store.get("restores", 0),
+            "restore_ms_last": round(store.get("restore_ms_last", 0.0), 3),
+            "restore_mb_s": round(store.get("restore_mb_s", 0.0), 1),
+            "writes": store.get("writes", 0),
+            "write_ms_last": round(store.get("write_ms_last", 0.0), 3),
+            "pending": dur.get("pending", 0),
+            "pending_bytes": dur.get("pending_bytes", 0),
+            "dropped": dur.get("dropped", 0),
+            "failed": store.get("failed", 0),
+            "writes_abandoned": dur.get("failed", 0),
+            "write_retries": dur.get("retries", 0),
+            "errors": store.get("errors", {}),
+            "removed_at_scan": store.get("removed_at_scan", 0),
+            "evictions": store.get("evictions", 0),
+            "superseded": store.get("superseded", 0),
+            **own,
+            "cost_model": self._cost.stats(),
+        }
+
+    def pending(self) -> list[dict[str, Any]]:
+        """Snapshots not yet durable (for the flush endpoint's 503 body)."""
+        return self._durability.pending()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Write everything pending now; True when all of it is durable within `timeout` seconds."""
+        return self._durability.flush(timeout)
+
+    # ------------------------------------------------------------------------------------------ tier movements
+
+    def spill(self, ns: str, tokens: tuple[int, ...], caches: list) -> None:
+        """The RAM tier is dropping this entry: make sure it reaches disk (writer thread, no debounce).
+
+        Called by the RAM tier's on_evict hook (outside its lock) and by demotion. Cheap when already durable.
+        """
+        try:
+            ok = self._durability.schedule(tokens, caches, ns, delay=0.0)
+        except Exception:
+            log.exception("ssd cache: spilling an entry failed")
+            ok = False
+        with self._lock:
+            self._c["spills" if ok else "spill_failed"] += 1
+
+    def demote_idle(self) -> int:
+        """Move entries idle longer than `demote_idle_s` from RAM to SSD now; return how many."""
+        if self._idle_s <= 0:
+            return 0
+        idle = self._ram.pop_idle(self._idle_s)
+        with mx.stream(_thread_stream()):
+            for ns, tokens, caches in idle:
+                self.spill(ns, tokens, caches)
+        with self._lock:
+            self._c["demotions"] += len(idle)
+        return len(idle)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the timer and the I/O pool, flush and stop the writer (bounded by `timeout`). Returns flush's
+        result: True when everything pending became durable."""
+        self._stop.set()
+        if self._timer is not None:
+            self._timer.join(1.0)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        return self._durability.close(timeout)
+
+    # ---------------------------------------------------------------------------------------------- helpers
+
+    def _load_io(self, match: Any) -> _Loaded | None:
+        with mx.stream(_thread_stream()):
+            return self._load(match)
+
+    def _load(self, match: Any) -> _Loaded | None:
+        """Read the whole file of `match` and put it into RAM. None (never an exception) when unusable."""
+        try:
+            whole = dataclasses.replace(match, length=match.entry_tokens)
+            restored = self._store.restore(whole)
+            if restored is None:
+                with self._lock:
+                    self._c["restores_failed"] += 1
+                return None
+            self._cost.observe_restore(restored.nbytes, restored.seconds)
+            tokens = tuple(restored.tokens)
+            in_ram = self._ram.put(tokens, restored.caches, match.ns)
+            return _Loaded(tokens, restored.caches, bool(in_ram))
+        except Exception:
+            log.exception("ssd cache: restore failed")
+            with self._lock:
+                self._c["restores_failed"] += 1
+            return None
+
+    def _settled(self, path: str, fut: Future) -> None:
+        with self._lock:
+            if self._inflight.get(path) is fut:
+                del self._inflight[path]
+
+    def _count_ssd_hit(self, length: int) -> None:
+        with self._lock:
+            self._c["ssd_hits"] += 1
+            self._c["ssd_tokens_hit"] += length
+
+    def _demote_loop(self) -> None:
+        interval = min(max(self._idle_s / 4, 0.05), 30.0)
+        while not self._stop.wait(interval):
+            try:
+                self.demote_idle()
+            except Exception:  # the timer must outlive a bad entry
+                log.exception("ssd cache: idle demotion failed")

@@ -1,0 +1,291 @@
+"""cache.tiered: RAM over SSD with real mlx-lm KVCache objects and a real SSDStore on tmp_path (no model).
+
+Covered: write-behind (never on the caller's thread), SSD preferred only when strictly longer, the cost model
+deciding restore vs recompute, spill on eviction, idle demotion with an injected clock, prefetch coalescing,
+flush semantics, clear() touching RAM only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from cache.copying import total_nbytes
+from cache.durability import DurabilityCoordinator
+from cache.rates import CostModel
+from cache.ssd_store import SSDStore
+from cache.tiered import TieredCache
+
+FP = "ab" * 8
+NS = "model-ns"
+LAYERS = 2
+HEADS, DIM = 2, 8
+
+
+def kv(tokens):
+    """Caches whose content is a function of the token ids, so a restored prefix can be checked exactly."""
+    n = len(tokens)
+    ids = mx.array(np.asarray(tokens, dtype=np.float32)).reshape(1, 1, n, 1)
+    out = []
+    for layer in range(LAYERS):
+        c = KVCache()
+        k = mx.broadcast_to(ids + layer, (1, HEADS, n, DIM))
+        c.update_and_fetch(k, -k)
+        out.append(c)
+    mx.eval([c.state for c in out])
+    return out
+
+
+def entry_bytes(tokens):
+    """What the RAM tier charges for an entry (KVCache allocates in steps of 256 tokens: padding included)."""
+    return total_nbytes(kv(tokens))
+
+
+def assert_covers(caches, tokens):
+    n = len(tokens)
+    want = np.asarray(tokens, dtype=np.float32).reshape(1, 1, n, 1)
+    for layer, c in enumerate(caches):
+        assert c.offset == n
+        keys = np.array(c.keys[..., :n, :])
+        assert np.array_equal(keys, np.broadcast_to(want + layer, keys.shape))
+
+
+def wait_for(pred, timeout=10.0):
+    """Poll a condition the writer thread will make true (not a timing assertion: a bound on waiting)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+class CountingStore:
+    """An SSDStore whose restores are counted and can be held at a gate."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.restores = 0
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def restore(self, match):
+        self.restores += 1
+        self.gate.wait(10)
+        return self.inner.restore(match)
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def factory(*, ram_bytes=1 << 30, prefill_tok_s=1.0, read_bytes_s=1e12, root=None, clock=time.monotonic,
+                demote_idle_s=0.0, debounce_s=1000.0):
+        store = CountingStore(SSDStore(root or tmp_path / "kv", FP, 1 << 30))
+        dur = DurabilityCoordinator(store, debounce_s=debounce_s, retry_backoff=(0.0,))
+        cost = CostModel(prefill_tok_s=prefill_tok_s, read_bytes_s=read_bytes_s)
+        tier = TieredCache.build(ram_bytes, store, dur, cost, clock=clock, demote_idle_s=demote_idle_s,
+                                 start_timer=False)
+        made.append(tier)
+        return tier, store
+
+    yield factory
+    for t in made:
+        t.close(timeout=5)
+
+
+A = list(range(1, 21))  # 20 tokens
+
+
+def test_put_writes_behind_never_on_the_callers_thread(make):
+    tier, store = make()
+    tier.put(A, kv(A), NS)
+    assert store.stats()["writes"] == 0 and not store.covers(A, NS)  # debounce 1000 s: nothing written yet
+    assert [p["tokens"] for p in tier.pending()] == [20]
+    assert tier.flush(5) is True
+    assert store.covers(A, NS) and tier.pending() == []
+
+
+def test_restore_from_ssd_after_ram_is_cleared(make):
+    tier, store = make()
+    tier.put(A, kv(A), NS)
+    assert tier.flush(5)
+    assert tier.clear() == 1
+    assert store.stats()["entries"] == 1  # clear is RAM only
+    hit = tier.take(A + [99], NS)
+    assert hit is not None and hit.source == "ssd" and hit.length == 20
+    assert_covers(hit.caches, A)
+    assert tier.stats()["entries"] == 1  # the restored entry is now in RAM
+    again = tier.take(A + [98], NS)
+    assert again.source == "ram" and again.length == 20 and store.restores == 1
+
+
+def test_restore_trims_to_the_usable_prefix(make):
+    tier, _ = make()
+    tier.put(A, kv(A), NS)
+    assert tier.flush(5)
+    tier.clear()
+    prompt = A[:12] + [500, 501]
+    hit = tier.take(prompt, NS)
+    assert hit.source == "ssd" and hit.length == 12
+    assert_covers(hit.caches, A[:12])
+
+
+# (RAM entry tokens, expected source, expected length) with SSD holding A (20 tokens), prompt A + [99]
+PREFERENCE = [
+    pytest.param(A, "ram", 20, id="equal-length-ram-wins"),
+    pytest.param(A[:15], "ssd", 20, id="ssd-strictly-longer"),
+    pytest.param(None, "ssd", 20, id="ram-empty"),
+]
+
+
+@pytest.mark.parametrize("ram_tokens,source,length", PREFERENCE)
+def test_ssd_preferred_only_when_strictly_longer(make, ram_tokens, source, length):
+    tier, store = make()
+    tier.put(A, kv(A), NS)
+    assert tier.flush(5)
+    tier.clear()
+    if ram_tokens is not None:
+        tier._ram.put(ram_tokens, kv(ram_tokens), NS)  # RAM only, no write-behind
+    hit = tier.take(A + [99], NS)
+    assert (hit.source in ("ram", "session") if source == "ram" else hit.source == "ssd")
+    assert hit.length == length
+    assert store.restores == (0 if source == "ram" else 1)
+
+
+@pytest.mark.parametrize("read_bytes_s,restores", [pytest.param(1.0, 0, id="slow-disk-recomputes"),
+                                                   pytest.param(1e12, 1, id="fast-disk-restores")])
+def test_cost_model_decides(make, read_bytes_s, restores):
+    tier, store = make(prefill_tok_s=1000.0, read_bytes_s=read_bytes_s)
+    tier.put(A, kv(A), NS)
+    assert tier.flush(5)
+    tier.clear()
+    hit = tier.take(A + [99], NS)
+    assert store.restores == restores
+    assert (hit is None) == (restores == 0)
+    decisions = tier.ssd_stats()["cost_model"]
+    assert decisions["decisions_restore"] == restores and decisions["decisions_recompute"] == 1 - restores
+    # prefetch obeys the same rule
+    tier.clear()
+    assert tier.prefetch(A + [99], NS) == bool(restores)
+
+
+def test_observe_prefill_feeds_the_cost_model(make):
+    tier, _ = make(prefill_tok_s=1.0)
+    tier.observe_prefill(4, 1.0)  # too short to count
+    assert tier.ssd_stats()["cost_model"]["prefill_measured"] is False
+    tier.observe_prefill(1000, 0.5)
+    assert tier.ssd_stats()["cost_model"]["prefill_tok_s"] == 2000.0
+
+
+def test_eviction_spills_a_not_yet_durable_entry(make):
+    tier, store = make(ram_bytes=entry_bytes(A) * 3 // 2)  # room for one entry
+    B = list(range(100, 120))
+    tier.put(A, kv(A), NS)
+    tier.put(B, kv(B), NS)  # evicts A from RAM
+    assert tier.stats()["entries"] == 1
+    assert wait_for(lambda: store.covers(A, NS))  # written without a flush: the spill skips the debounce
+    assert not store.covers(B, NS)  # B is still debounced
+    assert tier.ssd_stats()["spills"] == 1
+    tier.clear()
+    hit = tier.take(A + [1], NS)
+    assert hit.source == "ssd" and hit.length == 20
+
+
+def test_entry_larger_than_ram_goes_to_ssd_only(make):
+    tier, store = make(ram_bytes=entry_bytes(A) // 2)
+    tier.put(A, kv(A), NS)
+    assert tier.stats()["entries"] == 0
+    assert wait_for(lambda: store.covers(A, NS))
+    hit = tier.take(A + [1], NS)  # restored, too big for RAM: served from the restored objects
+    assert hit.source == "ssd" and hit.length == 20
+    assert_covers(hit.caches, A)
+
+
+def test_idle_entries_are_demoted(make):
+    now = [0.0]
+    tier, store = make(clock=lambda: now[0], demote_idle_s=300.0)
+    B = list(range(100, 120))
+    tier.put(A, kv(A), NS)
+    now[0] = 200.0
+    tier.put(B, kv(B), NS)
+    now[0] = 350.0
+    assert tier.demote_idle() == 1  # A idle 350 s, B 150 s
+    assert tier.stats()["entries"] == 1 and tier.ssd_stats()["demotions"] == 1
+    assert wait_for(lambda: store.covers(A, NS))
+    assert not store.covers(B, NS)
+    now[0] = 1000.0
+    assert tier.demote_idle() == 1 and tier.stats()["entries"] == 0
+
+
+def test_demotion_off_when_zero(make):
+    now = [0.0]
+    tier, _ = make(clock=lambda: now[0], demote_idle_s=0)
+    tier.put(A, kv(A), NS)
+    now[0] = 1e6
+    assert tier.demote_idle() == 0 and tier.stats()["entries"] == 1
+
+
+def test_prefetch_coalesces_identical_reads(make):
+    tier, store = make()
+    tier.put(A, kv(A), NS)
+    assert tier.flush(5)
+    tier.clear()
+    store.gate.clear()  # hold the first read so the second prefetch finds it in flight
+    assert tier.prefetch(A + [99], NS) is True
+    assert tier.prefetch(A + [98], NS) is True
+    result = {}
+    taker = threading.Thread(target=lambda: result.setdefault("hit", tier.take(A + [99], NS)))
+    taker.start()  # a take while the read is in flight joins it
+    store.gate.set()
+    taker.join(10)
+    hit = result["hit"]
+    assert hit.source == "ssd" and hit.length == 20
+    assert store.restores == 1
+    s = tier.ssd_stats()
+    assert s["prefetches"] == 1 and s["prefetch_coalesced"] == 1
+    assert tier.take(A + [98], NS).source == "ram" and store.restores == 1
+
+
+def test_prefetch_skips_when_ram_is_as_long(make):
+    tier, store = make()
+    tier.put(A, kv(A), NS)
+    assert tier.flush(5)
+    assert tier.prefetch(A + [99], NS) is False  # RAM still holds A
+    assert tier.prefetch([7, 7, 7], NS) is False  # nothing on disk
+    assert store.restores == 0
+
+
+def test_flush_fails_on_an_unwritable_dir_and_serving_continues(make, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    tier, store = make(root=blocker / "kv")
+    tier.put(A, kv(A), NS)
+    assert tier.flush(5) is False
+    s = tier.ssd_stats()
+    assert s["failed"] >= 1 and s["writes_abandoned"] == 1
+    hit = tier.take(A + [99], NS)  # RAM still serves
+    assert hit.source == "ram" and hit.length == 20
+
+
+def test_close_flushes(make):
+    tier, store = make()
+    tier.put(A, kv(A), NS)
+    assert tier.close(timeout=5) is True
+    assert store.covers(A, NS)
+
+
+def test_namespaces_never_mix(make):
+    tier, _ = make()
+    tier.put(A, kv(A), NS)
+    assert tier.flush(5)
+    tier.clear()
+    assert tier.take(A + [99], "other-ns") is None
