@@ -7,6 +7,7 @@ lifespan) to the routes. Every error leaves as OpenAI's error body; nothing inte
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -18,6 +19,8 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.errors import APIError, AuthenticationError, PayloadTooLarge, error_body
@@ -41,6 +44,8 @@ class ServerState:
     default_max_tokens: int = 2048
     max_body_bytes: int = 8 * 1024 * 1024
     model_names: set = field(default_factory=set)
+    ssd: Optional[object] = None  # cache.tiered.TieredCache (the same object as prompt_cache) or None
+    shutdown_timeout_s: float = 30.0
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -63,6 +68,14 @@ def create_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI):
         yield
         state.lane.stop()
+        if state.ssd is not None:  # after the lane: its last put is scheduled before the flush starts
+            durable = await asyncio.to_thread(state.ssd.close, state.shutdown_timeout_s)
+            left = len(state.ssd.pending())
+            if durable:
+                log.info("ssd cache flushed: every cache entry is durable")
+            else:
+                log.warning("ssd cache: %d entries not written within %.0fs (--shutdown-timeout)", left,
+                            state.shutdown_timeout_s)
 
     app = FastAPI(title="mlx-lane", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.lane_state = state
@@ -129,11 +142,28 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics():
         state.stats.queue_depth.set(state.lane.queue_depth)
         body = state.stats.prometheus_text(state.prompt_cache.stats())
+        if state.ssd is not None:
+            body += generate_latest(_SSDCollector(state.ssd.ssd_stats()))
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/admin/cache/clear")
     async def cache_clear():
-        return {"cleared_entries": state.prompt_cache.clear()}
+        return {"cleared_entries": state.prompt_cache.clear(), "tier": "ram",
+                "note": "RAM tier only; the SSD tier keeps its files (delete the --ssd-cache dir to drop them)"}
+
+    @app.post("/admin/cache/flush")
+    async def cache_flush(timeout: float = 10.0):
+        if state.ssd is None:
+            return _json(error_body("The SSD cache is off (--no-ssd-cache): there is nothing to flush.",
+                                    "invalid_request_error", None, "ssd_cache_disabled"), 409)
+        timeout = min(max(timeout, 0.0), 600.0)
+        if await asyncio.to_thread(state.ssd.flush, timeout):
+            return {"durable": True}
+        pending = state.ssd.pending()
+        body = error_body(f"{len(pending)} cache entries are not durable yet (written within {timeout:g}s: "
+                          "no); retry, or see /stats ssd_cache.failed", "server_error", None, "not_durable")
+        body["pending"] = pending
+        return _json(body, 503)
 
     return app
 
@@ -154,4 +184,59 @@ def stats_body(state: ServerState) -> dict:
         "blas": state.blas,
         "lane": lane,
         "prompt_cache": state.prompt_cache.stats(),
+        "ssd_cache": state.ssd.ssd_stats() if state.ssd is not None else {"enabled": False},
     }
+
+
+class _SSDCollector:
+    """The SSD tier's counters (read at scrape time) as Prometheus series."""
+
+    _COUNTERS = [
+        ("restores", "ssd_cache_restores", "Prefix-cache entries restored from SSD"),
+        ("writes", "ssd_cache_writes", "Prefix-cache entries written to SSD"),
+        ("dropped", "ssd_cache_dropped", "Pending SSD writes dropped over the pending-bytes budget"),
+        ("failed", "ssd_cache_failed", "SSD disk errors (the request was served anyway)"),
+        ("writes_abandoned", "ssd_cache_writes_abandoned", "SSD writes given up after retries"),
+        ("removed_at_scan", "ssd_cache_removed_at_scan", "Unusable files removed by the start-up scan"),
+        ("evictions", "ssd_cache_evictions", "SSD files deleted by the byte cap"),
+        ("demotions", "ssd_cache_demotions", "Idle RAM entries moved to SSD"),
+        ("spills", "ssd_cache_spills", "RAM evictions handed to SSD"),
+        ("prefetches", "ssd_cache_prefetches", "SSD reads started before the request reached the lane"),
+        ("prefetch_coalesced", "ssd_cache_prefetch_coalesced", "Prefetches that joined a read in flight"),
+        ("ssd_hits", "ssd_cache_hits", "Requests whose prefix came from SSD"),
+        ("ssd_tokens_hit", "ssd_cache_tokens_hit", "Prompt tokens whose KV came from SSD"),
+    ]
+    _GAUGES = [
+        ("entries", "ssd_cache_entries", "SSD cache files"),
+        ("bytes", "ssd_cache_bytes", "SSD cache bytes on disk"),
+        ("max_bytes", "ssd_cache_max_bytes", "SSD cache byte cap"),
+        ("pending", "ssd_cache_pending", "Cache entries waiting to be written"),
+        ("restore_ms_last", "ssd_cache_restore_ms_last", "Milliseconds of the last restore"),
+        ("restore_mb_s", "ssd_cache_restore_mb_per_s", "Restore throughput, MB/s (moving average)"),
+        ("write_ms_last", "ssd_cache_write_ms_last", "Milliseconds of the last write (serialize + fsync)"),
+    ]
+
+    def __init__(self, stats: dict):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats
+        for key, name, doc in self._COUNTERS:
+            m = CounterMetricFamily("mlx_lane:" + name, doc)
+            m.add_metric([], float(s.get(key) or 0))
+            yield m
+        for key, name, doc in self._GAUGES:
+            m = GaugeMetricFamily("mlx_lane:" + name, doc)
+            m.add_metric([], float(s.get(key) or 0))
+            yield m
+        cost = s.get("cost_model", {})
+        for key, name, doc in [("prefill_tok_s", "cost_model_prefill_tokens_per_s", "Measured prefill rate"),
+                               ("read_mb_s", "cost_model_read_mb_per_s", "Measured SSD restore rate, MB/s")]:
+            m = GaugeMetricFamily("mlx_lane:" + name, doc)
+            m.add_metric([], float(cost.get(key) or 0))
+            yield m
+        m = CounterMetricFamily("mlx_lane:cost_model_decisions", "Restore-or-recompute decisions",
+                                labels=["decision"])
+        m.add_metric(["restore"], float(cost.get("decisions_restore") or 0))
+        m.add_metric(["recompute"], float(cost.get("decisions_recompute") or 0))
+        yield m

@@ -40,6 +40,24 @@ def _env(name: str, default=None):
     return os.environ.get("MLX_LANE_" + name.upper().replace("-", "_"), default)
 
 
+def _env_flag(name: str) -> bool:
+    return str(_env(name, "")).strip().lower() in ("1", "true", "yes", "on")
+
+
+def default_ssd_cache_bytes(path: str) -> int:
+    """min(32 GiB, 25% of the free space on the file system that holds `path` (or its nearest existing parent))."""
+    import shutil
+
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        free = 0
+    return min(32 << 30, free // 4)
+
+
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="start the OpenAI-compatible server",
                        description="Start the server. Every flag may also be set as MLX_LANE_<FLAG>.")
@@ -54,6 +72,22 @@ def _serve_parser(sub) -> None:
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU/Metal)")
     p.add_argument("--cache-bytes", type=parse_bytes, default=_env("cache_bytes"),
                    help="RAM prefix-cache cap, e.g. 2G; 0 disables (default: min(8 GiB, 25%% of RAM))")
+    p.add_argument("--ssd-cache", metavar="DIR", default=_env("ssd_cache"),
+                   help="SSD cold tier of the prefix cache: KV files that survive restarts, under "
+                        "DIR/<model fingerprint>/ (default: $MLX_LANE_HOME/kv, i.e. ~/.cache/mlx-lane/kv) "
+                        "[MLX_LANE_SSD_CACHE]")
+    p.add_argument("--no-ssd-cache", action="store_true", default=_env_flag("no_ssd_cache"),
+                   help="RAM tier only: nothing is written to or read from disk [MLX_LANE_NO_SSD_CACHE=1]")
+    p.add_argument("--ssd-cache-bytes", type=parse_bytes, default=_env("ssd_cache_bytes"),
+                   help="SSD tier cap, least recently used files deleted first (default: min(32 GiB, 25%% of "
+                        "the free disk at start)) [MLX_LANE_SSD_CACHE_BYTES]")
+    p.add_argument("--write-behind-debounce", type=float, default=float(_env("write_behind_debounce", "1.0")),
+                   help="seconds a cache entry must stay unchanged before it is written to SSD; a conversation "
+                        "is written once per pause, never on the generation thread (default 1.0) "
+                        "[MLX_LANE_WRITE_BEHIND_DEBOUNCE]")
+    p.add_argument("--demote-idle", type=float, default=float(_env("demote_idle", "300")),
+                   help="seconds after which an unused RAM entry is made durable and dropped from RAM; 0 keeps "
+                        "entries until the RAM cap evicts them (default 300) [MLX_LANE_DEMOTE_IDLE]")
     p.add_argument("--max-queue", type=int, default=int(_env("max_queue", "256")),
                    help="requests allowed to wait for the lane before 429 (0 = unbounded; default 256)")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes(_env("max_body_bytes", "8M")),
@@ -66,7 +100,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--keepalive", type=float, default=float(_env("keepalive", "10")),
                    help="seconds between SSE keep-alive comments while waiting (default 10)")
     p.add_argument("--shutdown-timeout", type=float, default=float(_env("shutdown_timeout", "30")),
-                   help="seconds to let in-flight requests finish on SIGTERM (default 30)")
+                   help="seconds to let in-flight requests finish on SIGTERM, and then again to flush pending "
+                        "SSD cache writes (default 30)")
     p.add_argument("--log-level", default=_env("log_level", "info"),
                    choices=["critical", "error", "warning", "info", "debug"], help="log level (default info)")
 

@@ -88,6 +88,8 @@ class Engine:
 
         t0 = time.monotonic()
         done = self._prefill(prompt, cached, caches, job)
+        if done > cached:  # feeds the restore-or-recompute decision of the SSD tier
+            self.prompt_cache.observe_prefill(done - cached, time.monotonic() - t0)
         if done < len(prompt) - 1:  # cancelled during prefill
             self._store(prompt[:done], caches, job)
             return self._finish(job, "cancelled", 0, cached, started, Timings())

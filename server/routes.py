@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Optional
 
@@ -27,6 +28,7 @@ from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.tool_calls import ToolCallFilter, parse_tool_calls
 
 router = APIRouter()
+log = logging.getLogger("mlx_lane.routes")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -76,6 +78,14 @@ def _check_model(state, requested: Optional[str]) -> None:
         )
 
 
+def _prefetch(state, prompt: list[int], session: Optional[str]) -> None:
+    """Start reading an SSD-cached prefix now, while the job waits for the lane (index lookups only here)."""
+    try:
+        state.prompt_cache.prefetch(prompt, state.loaded.fingerprint, session)
+    except Exception:  # an optimisation: never fail the request for it
+        log.exception("prefetch failed")
+
+
 def _internal(ev: Failed) -> APIError:
     if isinstance(ev.error, APIError):
         return ev.error
@@ -94,6 +104,7 @@ async def chat_completions(request: Request):
         state.loaded.context_length, default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size,
     )
     session = session_of(request.headers.get("x-session-id"), req)
+    _prefetch(state, prompt, session)
     fmt = ChatFormatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint)
     run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s)
     t0 = time.monotonic()
@@ -178,6 +189,7 @@ async def completions(request: Request):
     params = sampling_params(req, len(prompt), state.loaded.context_length,
                              default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size)
     session = session_of(request.headers.get("x-session-id"), req)
+    _prefetch(state, prompt, session)
     fmt = CompletionFormatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint)
     run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s)
     t0 = time.monotonic()

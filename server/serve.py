@@ -23,7 +23,8 @@ def build_state(args):
 
     loaded = load_model(args.model, args.dtype, progress=True)
     cache_bytes = default_cache_bytes() if args.cache_bytes is None else args.cache_bytes
-    prompt_cache = make_prompt_cache(cache_bytes)
+    tiered = build_tiered_cache(args, loaded.fingerprint, cache_bytes)
+    prompt_cache = tiered if tiered is not None else make_prompt_cache(cache_bytes)
     stats = ServingStats()
     engine = Engine(loaded, prompt_cache, stats, prefill_chunk=args.prefill_chunk)
     engine.fault_hook = _fault_hook_from_env(loaded.tokenizer)
@@ -40,7 +41,47 @@ def build_state(args):
         loaded=loaded, lane=lane, stats=stats, prompt_cache=prompt_cache, device=device_name(), blas=blas,
         api_key=args.api_key, keepalive_s=args.keepalive, default_max_tokens=args.default_max_tokens,
         max_body_bytes=args.max_body_bytes, model_names={"default"} if args.model == "default" else set(),
+        ssd=tiered, shutdown_timeout_s=args.shutdown_timeout,
     )
+
+
+def build_tiered_cache(args, fingerprint: str, ram_bytes: int):
+    """The RAM tier over the SSD tier (cache.tiered), or None when the SSD tier is off (--no-ssd-cache, or no
+    RAM tier at all: --cache-bytes 0)."""
+    from cache.durability import DurabilityCoordinator
+    from cache.rates import CostModel
+    from cache.ssd_store import SSDStore
+    from cache.tiered import TieredCache
+    from models.home import mlx_lane_home
+    from server.cli import default_ssd_cache_bytes
+
+    if args.no_ssd_cache or ram_bytes == 0:
+        if not args.no_ssd_cache:
+            log.info("ssd cache off: it tiers under the RAM cache, which --cache-bytes 0 disables")
+        return None
+    root = os.path.expanduser(args.ssd_cache) if args.ssd_cache else str(mlx_lane_home() / "kv")
+    max_bytes = default_ssd_cache_bytes(root) if args.ssd_cache_bytes is None else args.ssd_cache_bytes
+    store = SSDStore(root, fingerprint, max_bytes, before_rename=_write_delay_from_env())
+    durability = DurabilityCoordinator(store, debounce_s=args.write_behind_debounce)
+    tiered = TieredCache.build(ram_bytes, store, durability, CostModel(), demote_idle_s=args.demote_idle)
+    s = store.stats()
+    log.info("ssd cache %s | %d entries, %.2f GiB of %.2f GiB | removed at scan %d | debounce %.1fs | "
+             "demote idle %.0fs", store.dir, s["entries"], s["bytes"] / (1 << 30), max_bytes / (1 << 30),
+             s["removed_at_scan"], args.write_behind_debounce, args.demote_idle)
+    return tiered
+
+
+def _write_delay_from_env():
+    """Test seam: MLX_LANE_TEST_WRITE_DELAY=<seconds> makes every SSD write pause that long between fsync and
+    rename, so a test can kill -9 the server while a `*.tmp` exists. Never set it in production."""
+    raw = os.environ.get("MLX_LANE_TEST_WRITE_DELAY")
+    if not raw:
+        return None
+    delay = float(raw)
+    log.warning("ssd cache writes slowed by %.1fs (MLX_LANE_TEST_WRITE_DELAY test seam)", delay)
+    import time
+
+    return lambda: time.sleep(delay)
 
 
 def _fault_hook_from_env(tokenizer):
