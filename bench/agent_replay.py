@@ -1,0 +1,520 @@
+"""Agent replay: K interleaved coding-agent conversations x T turns, mlx-lane vs mlx_lm.server.
+
+Every conversation = one shared system prompt + its own task. Each turn appends the assistant's
+reply to the previous turn and a tool-output-sized user chunk (150-400 tokens of code / test
+logs / grep output, deterministic from --seed), then asks for --max-tokens tokens at
+temperature 0 (streamed, include_usage). Conversations go round-robin, so they interleave.
+
+Both servers are started by this script on free loopback ports on the same model directory
+(`mlx-lane serve --model DIR` and `python -m mlx_lm server --model DIR`, both with OpenBLAS
+preloaded). They are ALTERNATED PER REQUEST: every (turn, conversation) step is sent to both
+servers back to back, the order flipping every step; each server keeps its own conversation
+history (its own replies; the script reports whether the two replies ever differed).
+
+Measured per request: TTFT (request sent -> first non-empty content chunk), prompt tokens,
+cached tokens (each server's usage.prompt_tokens_details.cached_tokens), reusable tokens
+(computed here with the model's tokenizer: the longest common prefix of this prompt with any
+earlier prompt, or earlier prompt + completion, sent to the same server, capped at len-1),
+and total request time. The "ideal" TTFT of a request is new tokens / prefill rate, where the
+prefill rate is measured in this process with raw mlx_lm (same model, OpenBLAS, 512-token
+chunks) on the same conversations' new tokens at the same context offsets, interleaved with the
+replay (so it sees the same machine load).
+
+    python bench/agent_replay.py                      # K=16, T=6 (the issue's sizes)
+    python bench/agent_replay.py --convs 2 --turns 2  # quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, ServerProc, ensure_blas_here, free_port, git_rev, machine_facts
+
+MODEL_DIR = Path.home() / ".cache" / "mlx-lane" / "models" / "SmolLM2-135M-Instruct"
+
+SYSTEM_PROMPT = """You are Lane, an autonomous coding agent working inside a developer's repository.
+You can call tools to read files, search the code base, run shell commands and edit files. Work in small,
+verifiable steps: first understand the task, then look at the relevant code, then make the smallest change
+that fixes the problem, then run the tests that cover it. Never guess the contents of a file you have not
+read. Prefer precise edits over rewriting whole files. Keep the existing code style, naming and comments.
+
+Tools available:
+- read_file(path: str, start: int = 1, end: int | None = None): returns the numbered lines of a file.
+- search(pattern: str, path: str = "."): ripgrep over the repository; returns file:line:text matches.
+- run(command: str, timeout: int = 120): runs a shell command in the repository root; returns exit status,
+  stdout and stderr (truncated to 4,000 characters each).
+- edit_file(path: str, old: str, new: str): replaces exactly one occurrence of `old` with `new`.
+- list_dir(path: str = "."): lists a directory, two levels deep, ignoring hidden files.
+
+Rules:
+1. Answer with one tool call per turn, written as a JSON object on a single line, or with a short final
+   answer when the task is done. Do not explain what you are about to do at length.
+2. When a command fails, read its error output carefully before trying again. Do not repeat a failing
+   command unchanged.
+3. Tests are the source of truth. A change is done only when the relevant tests pass and no other test
+   starts failing. If the test suite is slow, run the narrowest test selection first.
+4. Never delete tests to make them pass, never skip them, never weaken an assertion.
+5. Do not touch files outside the repository. Do not install packages unless the task asks for it.
+6. Secrets, tokens and credentials found in files must never be printed back in full.
+7. If the task is ambiguous, choose the most conservative interpretation and say so in the final answer.
+
+The repository is a Python 3.11 project using pytest, with sources under src/ and tests under tests/.
+Continuous integration runs `make lint test` on every push; lint is ruff with the default rule set plus
+import sorting. The project follows semantic versioning; do not bump the version yourself."""
+
+TASKS = [
+    "The CSV exporter drops the last row when the input has no trailing newline. Find and fix it.",
+    "`parse_duration('1h30m')` returns 5400.0 but `parse_duration('90m')` raises ValueError. Fix the parser.",
+    "The retry decorator sleeps even after the final attempt. Remove the useless last sleep and add a test.",
+    "Add a `--dry-run` flag to the `sync` command that prints the planned actions without executing them.",
+    "tests/test_cache.py::test_eviction_order is flaky on CI. Find the race and make the test deterministic.",
+    "The HTTP client does not honour the `Retry-After` header on 429 responses. Implement it.",
+    "`Config.load` ignores environment overrides for nested keys like DB__HOST. Make nested overrides work.",
+    "The progress bar prints a stray carriage return when stdout is not a TTY. Suppress it in that case.",
+    "Memory grows without bound when the watcher runs for hours. Find the leak in the event loop code.",
+    "Rename the public function `get_usr` to `get_user`, keeping a deprecated alias for one release.",
+    "The JSON logger crashes on datetime values in `extra`. Serialise them as ISO 8601 strings.",
+    "Speed up `find_duplicates`, which is quadratic in the number of files. Keep its output order.",
+    "The migration 0042 fails on SQLite because ALTER COLUMN is unsupported. Rewrite it portably.",
+    "Pagination skips an item when the page size divides the total exactly. Fix the off-by-one.",
+    "Add type hints to src/app/scheduler.py so that mypy --strict passes on that module.",
+    "The `diff` command shows CRLF files as completely changed. Normalise line endings before diffing.",
+]
+
+_WORDS = ("user cache entry config token request handler session buffer index record batch stream worker "
+          "queue parser reader writer result value item node path file event state lock timer client "
+          "server backend frontend schema table column row metric limit offset page retry delay").split()
+_MODULES = ("exporter parser retry cli cache http config progress watcher users logging dedupe migrations "
+            "pagination scheduler diff").split()
+
+
+def _ident(rng: random.Random) -> str:
+    return "_".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 3)))
+
+
+def _code_block(rng: random.Random) -> list[str]:
+    mod = rng.choice(_MODULES)
+    start = rng.randint(1, 400)
+    lines = [f"$ read_file src/app/{mod}.py {start} {start + 40}"]
+    n = start
+    for _ in range(rng.randint(2, 4)):
+        fn, a, b = _ident(rng), _ident(rng), _ident(rng)
+        body = [f"def {fn}({a}, {b}=None):",
+                f'    """Return the {rng.choice(_WORDS)} for {a} ({rng.choice(_WORDS)} aware)."""',
+                f"    if {b} is None:",
+                f"        {b} = {rng.randint(0, 64)}",
+                f"    for {rng.choice(_WORDS)} in {a}:",
+                f"        if len({a}) > {b}:",
+                f"            raise ValueError(f\"{fn}: too many {rng.choice(_WORDS)}s: {{len({a})}}\")",
+                f"    return {{k: v for k, v in {a}.items() if v is not None}}",
+                ""]
+        for line in body:
+            lines.append(f"{n:5d}  {line}")
+            n += 1
+    return lines
+
+
+def _test_log(rng: random.Random) -> list[str]:
+    mod = rng.choice(_MODULES)
+    lines = [f"$ run 'python -m pytest tests/test_{mod}.py -x -q'",
+             "============================= test session starts =============================="]
+    passed = rng.randint(3, 40)
+    lines.append(f"collected {passed + 1} items")
+    lines.append(f"tests/test_{mod}.py " + "." * min(passed, 60) + "F")
+    fn, arg = _ident(rng), _ident(rng)
+    lines += ["=================================== FAILURES ===================================",
+              f"____________________________ test_{fn} ____________________________",
+              f"    def test_{fn}():",
+              f"        {arg} = make_{rng.choice(_WORDS)}({rng.randint(1, 999)})",
+              f">       assert {fn}({arg}) == {rng.randint(0, 99)}",
+              f"E       AssertionError: assert {rng.randint(100, 999)} == {rng.randint(0, 99)}",
+              f"E        +  where {rng.randint(100, 999)} = {fn}(<{rng.choice(_WORDS)} id=0x7f{rng.randint(10**8, 10**9 - 1):x}>)",
+              "",
+              f"tests/test_{mod}.py:{rng.randint(10, 300)}: AssertionError",
+              "=========================== short test summary info ============================",
+              f"FAILED tests/test_{mod}.py::test_{fn} - AssertionError",
+              f"!!!!!!!!!!!!!!!!!!!!!!!!!! stopping after 1 failures !!!!!!!!!!!!!!!!!!!!!!!!!!!",
+              f"1 failed, {passed} passed in {rng.uniform(0.2, 9):.2f}s"]
+    return lines
+
+
+def _grep(rng: random.Random) -> list[str]:
+    word = _ident(rng)
+    lines = [f"$ search '{word}'"]
+    for _ in range(rng.randint(4, 10)):
+        mod = rng.choice(_MODULES)
+        lines.append(f"src/app/{mod}.py:{rng.randint(1, 600)}:    {_ident(rng)} = {word}({_ident(rng)}, "
+                     f"{rng.choice(['True', 'False', 'None', str(rng.randint(0, 9))])})")
+    return lines
+
+
+def _traceback(rng: random.Random) -> list[str]:
+    lines = ["$ run 'python -m app.cli sync --verbose'", "exit status: 1", "stderr:",
+             "Traceback (most recent call last):"]
+    for _ in range(rng.randint(3, 6)):
+        mod = rng.choice(_MODULES)
+        lines.append(f'  File "/repo/src/app/{mod}.py", line {rng.randint(1, 800)}, in {_ident(rng)}')
+        lines.append(f"    return {_ident(rng)}(self.{_ident(rng)}, {_ident(rng)}={rng.randint(0, 9)})")
+    lines.append(f"KeyError: '{_ident(rng)}'")
+    return lines
+
+
+def tool_chunk(rng: random.Random, tokenizer, lo: int = 150, hi: int = 400) -> str:
+    """Realistic tool output of a token count drawn uniformly in [lo, hi] (cut at a line end)."""
+    target = rng.randint(lo, hi)
+    lines: list[str] = []
+    while len(tokenizer.encode("\n".join(lines), add_special_tokens=False)) < target:
+        lines += rng.choice([_code_block, _test_log, _grep, _traceback])(rng) + [""]
+    while len(lines) > 1 and len(tokenizer.encode("\n".join(lines[:-1]), add_special_tokens=False)) >= target:
+        lines.pop()
+    return "Tool output:\n" + "\n".join(lines).rstrip()
+
+
+# ------------------------------------------------------------------------------------ servers
+
+def start_mlx_lm_server(model_dir: Path) -> tuple[subprocess.Popen, str, Path]:
+    from models.runtime import blas_preload_env, find_openblas
+
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    lib = find_openblas()
+    if lib:
+        env = blas_preload_env(env, lib)
+    log = Path(tempfile.mkstemp(prefix="mlx-lm-server-", suffix=".log")[1])
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
+                             "--port", str(port), "--log-level", "WARNING"],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mlx_lm.server exited: {log.read_text()[-4000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, log
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("mlx_lm.server did not come up")
+
+
+def stream_chat(client, url: str, messages: list[dict], max_tokens: int) -> dict:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    text = []
+    usage = None
+    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=1200) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for ch in chunk.get("choices") or []:
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(piece)
+    total = time.perf_counter() - t0
+    if ttft is None:
+        ttft = total
+    return {"ttft": ttft, "total": total, "text": "".join(text), "usage": usage or {}}
+
+
+# ------------------------------------------------------------------------------------ raw prefill rate
+
+class RawPrefill:
+    """Raw mlx_lm prefill of one conversation's new tokens, on a cache that follows it."""
+
+    def __init__(self, model, chunk: int = 512):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model = model
+        self.chunk = chunk
+        self.cache = make_prompt_cache(model)
+        self.tokens: list[int] = []
+
+    def measure(self, prompt: list[int]) -> tuple[int, float]:
+        import mlx.core as mx
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        lcp = _lcp(self.tokens, prompt)
+        lcp = min(lcp, len(prompt) - 1)
+        if lcp < len(self.tokens):
+            trim_prompt_cache(self.cache, len(self.tokens) - lcp)
+            self.tokens = self.tokens[:lcp]
+        new = prompt[lcp:]
+        t0 = time.perf_counter()
+        for i in range(0, len(new), self.chunk):
+            out = self.model(mx.array(new[i:i + self.chunk])[None], cache=self.cache)
+            mx.eval(out, [c.state for c in self.cache])
+        dt = time.perf_counter() - t0
+        self.tokens = list(prompt)
+        return len(new), dt
+
+
+def _lcp(a, b) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def reusable(prompt: list[int], history: list[list[int]]) -> int:
+    best = max((_lcp(h, prompt) for h in history), default=0)
+    return min(best, len(prompt) - 1)
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+# ------------------------------------------------------------------------------------ main
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--convs", type=int, default=16, help="K interleaved conversations (default 16)")
+    ap.add_argument("--turns", type=int, default=6, help="T turns per conversation (default 6)")
+    ap.add_argument("--max-tokens", type=int, default=8, help="reply length per turn (default 8)")
+    ap.add_argument("--chunk-min", type=int, default=150)
+    ap.add_argument("--chunk-max", type=int, default=400)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calib-convs", type=int, default=2,
+                    help="conversations whose new tokens are re-prefilled raw each turn for the rate (default 2)")
+    ap.add_argument("--model-dir", default=str(MODEL_DIR))
+    ap.add_argument("--only", choices=["both", "ours", "mlx_lm"], default="both")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_replay.json"))
+    ap.add_argument("--plot", default=str(ROOT / "bench" / "agent_replay_ttft.png"))
+    args = ap.parse_args()
+    ensure_blas_here()
+
+    import httpx
+    from mlx_lm import load
+
+    model_dir = Path(args.model_dir)
+    model, tokenizer = load(str(model_dir))
+    rng = random.Random(args.seed)
+    K, T = args.convs, args.turns
+    tasks = [TASKS[k % len(TASKS)] + ("" if k < len(TASKS) else f" (variant {k // len(TASKS)})") for k in range(K)]
+    chunks = [[tool_chunk(rng, tokenizer, args.chunk_min, args.chunk_max) for _ in range(T)] for _ in range(K)]
+
+    servers: dict[str, str] = {}
+    procs = []
+    t_start = time.perf_counter()
+    if args.only in ("both", "ours"):
+        ours = ServerProc("--model", str(model_dir), "--log-level", "warning")
+        procs.append(("ours", ours))
+        servers["ours"] = ours.url
+    if args.only in ("both", "mlx_lm"):
+        p, url, log = start_mlx_lm_server(model_dir)
+        procs.append(("mlx_lm", p))
+        servers["mlx_lm"] = url
+    names = list(servers)
+    histories = {n: [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in range(K)] for n in names}
+    seen = {n: [] for n in names}  # earlier prompt and prompt+completion token lists per server
+    raws = [RawPrefill(model) for _ in range(min(args.calib_convs, K))]
+    calib_convs = [round(i * K / len(raws)) for i in range(len(raws))] if raws else []
+    rates: dict[int, list[float]] = {}
+    records = []
+    replies_differ = 0
+    stats = None
+    client = httpx.Client()
+    try:
+        # warm-up each server with a request unrelated to the replay prefixes
+        for n in names:
+            stream_chat(client, servers[n], [{"role": "user", "content": "Say hi."}], 2)
+        step = 0
+        replay_t0 = time.perf_counter()
+        for t in range(T):
+            for k in range(K):
+                order = names if step % 2 == 0 else names[::-1]
+                step += 1
+                texts = {}
+                for n in order:
+                    msgs = histories[n][k]
+                    if t == 0:
+                        msgs.append({"role": "user", "content": f"Task: {tasks[k]}\n\n{chunks[k][t]}"})
+                    else:
+                        msgs.append({"role": "user", "content": chunks[k][t]})
+                    prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+                    reuse = reusable(prompt, seen[n])
+                    r = stream_chat(client, servers[n], msgs, args.max_tokens)
+                    usage = r["usage"]
+                    msgs.append({"role": "assistant", "content": r["text"]})
+                    # the completion's token ids as the next prompt will carry them (the templated reply,
+                    # cut to the number of tokens the server generated)
+                    n_gen = usage.get("completion_tokens") or args.max_tokens
+                    with_reply = tokenizer.apply_chat_template(msgs, add_generation_prompt=False)
+                    completion = with_reply[len(prompt):len(prompt) + n_gen] if with_reply[:len(prompt)] == prompt else []
+                    seen[n].append(list(prompt))
+                    seen[n].append(list(prompt) + list(completion))
+                    texts[n] = r["text"]
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    rec = {"server": n, "conv": k, "turn": t + 1, "step": step, "ttft_s": round(r["ttft"], 4),
+                           "total_s": round(r["total"], 4), "prompt_tokens": len(prompt),
+                           "server_prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": cached,
+                           "reusable_tokens": reuse, "new_tokens": len(prompt) - reuse}
+                    records.append(rec)
+                    print(f"t{t + 1} c{k:02d} {n:6s} prompt {len(prompt):5d} reusable {reuse:5d} "
+                          f"cached {cached!s:>5} ttft {r['ttft']:7.2f}s total {r['total']:7.2f}s", flush=True)
+                if len(set(texts.values())) > 1:
+                    replies_differ += 1
+                if k in calib_convs:
+                    # same conversation's new tokens, raw, at the same offset (ours' history)
+                    raw = raws[calib_convs.index(k)]
+                    prompt = tokenizer.apply_chat_template(histories[names[0]][k][:-1], add_generation_prompt=True)
+                    n_new, dt = raw.measure(prompt)
+                    rates.setdefault(t + 1, []).append(n_new / dt)
+                    print(f"t{t + 1} c{k:02d} raw    new {n_new:5d} prefill {dt:7.2f}s = {n_new / dt:6.1f} tok/s",
+                          flush=True)
+        replay_wall = time.perf_counter() - replay_t0
+        if "ours" in servers:
+            stats = client.get(servers["ours"] + "/stats", timeout=30).json()
+    finally:
+        client.close()
+        for n, p in procs:
+            if n == "ours":
+                p.stop()
+            else:
+                p.terminate()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+    # ------------------------------------------------------------------ summary
+    for rec in records:
+        rate = statistics.median(rates[rec["turn"]]) if rates.get(rec["turn"]) else None
+        rec["ideal_s"] = round(rec["new_tokens"] / rate, 4) if rate else None
+    summary = {}
+    for n in names:
+        rs = [r for r in records if r["server"] == n]
+        ttft = [r["ttft_s"] for r in rs]
+        cached = sum(r["cached_tokens"] or 0 for r in rs)
+        reuse = sum(r["reusable_tokens"] for r in rs)
+        ideal = [r["ideal_s"] for r in rs if r["ideal_s"] is not None]
+        summary[n] = {
+            "requests": len(rs),
+            "ttft_mean_s": round(statistics.mean(ttft), 3),
+            "ttft_median_s": round(statistics.median(ttft), 3),
+            "ttft_p95_s": round(pct(ttft, 0.95), 3),
+            "ttft_min_s": round(min(ttft), 3),
+            "ttft_max_s": round(max(ttft), 3),
+            "ttft_mean_turn1_s": round(statistics.mean(r["ttft_s"] for r in rs if r["turn"] == 1), 3),
+            "ttft_mean_later_turns_s": (round(statistics.mean(r["ttft_s"] for r in rs if r["turn"] > 1), 3)
+                                        if T > 1 else None),
+            "total_request_time_s": round(sum(r["total_s"] for r in rs), 1),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in rs),
+            "cached_tokens": cached,
+            "reusable_tokens": reuse,
+            "cache_efficiency": round(cached / reuse, 4) if reuse else None,
+            "mean_ttft_over_ideal": round(statistics.mean(ttft) / statistics.mean(ideal), 3) if ideal else None,
+            "prompt_token_mismatches": sum(1 for r in rs if r["server_prompt_tokens"] not in (None, r["prompt_tokens"])),
+        }
+    ratios = {}
+    if len(names) == 2:
+        ours_r = {(r["conv"], r["turn"]): r for r in records if r["server"] == "ours"}
+        peer_r = {(r["conv"], r["turn"]): r for r in records if r["server"] == "mlx_lm"}
+        per_step = [ours_r[key]["ttft_s"] / peer_r[key]["ttft_s"] for key in ours_r]
+        ratios = {
+            "mean_ttft_ours_over_mlx_lm": round(summary["ours"]["ttft_mean_s"] / summary["mlx_lm"]["ttft_mean_s"], 3),
+            "p95_ttft_ours_over_mlx_lm": round(summary["ours"]["ttft_p95_s"] / summary["mlx_lm"]["ttft_p95_s"], 3),
+            "per_request_ratio_median": round(statistics.median(per_step), 3),
+            "per_request_ratio_min": round(min(per_step), 3),
+            "per_request_ratio_max": round(max(per_step), 3),
+            "per_request_ratio_later_turns_median": (round(statistics.median(
+                ours_r[key]["ttft_s"] / peer_r[key]["ttft_s"] for key in ours_r if key[1] > 1), 3) if T > 1 else None),
+            "total_time_ours_over_mlx_lm": round(summary["ours"]["total_request_time_s"]
+                                                 / summary["mlx_lm"]["total_request_time_s"], 3),
+        }
+    result = {
+        "command": "python bench/" + " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "git_rev": git_rev(),
+        "machine": machine_facts(),
+        "load_avg_end": os.getloadavg(),
+        "config": {"convs": K, "turns": T, "max_tokens": args.max_tokens, "chunk_tokens": [args.chunk_min, args.chunk_max],
+                   "seed": args.seed, "system_prompt_tokens": len(tokenizer.encode(SYSTEM_PROMPT)),
+                   "alternation": "per request: each (turn, conversation) step goes to both servers back to back, "
+                                  "order flipped every step"},
+        "raw_prefill_tok_s_by_turn": {t: [round(x, 1) for x in v] for t, v in rates.items()},
+        "replay_wall_s": round(replay_wall, 1),
+        "script_wall_s": round(time.perf_counter() - t_start, 1),
+        "replies_differ_steps": replies_differ,
+        "summary": summary,
+        "ratios": ratios,
+        "ours_stats_prompt_cache": (stats or {}).get("prompt_cache"),
+        "ours_stats_lane": (stats or {}).get("lane"),
+        "records": records,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "records"}, indent=2))
+    print(f"wrote {out}")
+    try:
+        plot(records, names, K, Path(args.plot))
+        print(f"wrote {args.plot}")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+def plot(records, names, K, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = {"ours": "tab:blue", "mlx_lm": "tab:orange"}
+    labels = {"ours": "mlx-lane", "mlx_lm": "mlx_lm.server"}
+    for n in names:
+        rs = sorted((r for r in records if r["server"] == n), key=lambda r: (r["turn"], r["conv"]))
+        a1.plot(range(len(rs)), [r["ttft_s"] for r in rs], ".-", lw=0.6, color=colors[n], label=labels[n])
+        turns = sorted({r["turn"] for r in rs})
+        means = [statistics.mean(r["ttft_s"] for r in rs if r["turn"] == t) for t in turns]
+        a2.plot(turns, means, "o-", color=colors[n], label=labels[n])
+    ideal = sorted((r for r in records if r["server"] == names[0] and r["ideal_s"] is not None),
+                   key=lambda r: (r["turn"], r["conv"]))
+    if ideal and "ours" in names:
+        turns = sorted({r["turn"] for r in ideal})
+        a2.plot(turns, [statistics.mean(r["ideal_s"] for r in ideal if r["turn"] == t) for t in turns],
+                "k--", label="ideal (new tokens / raw prefill rate)")
+    for t in range(1, max(r["turn"] for r in records)):
+        a1.axvline(t * K - 0.5, color="grey", lw=0.4)
+    a1.set_xlabel(f"request (turn-major, {K} conversations per turn)")
+    a1.set_ylabel("TTFT (s)")
+    a1.set_title("TTFT per request")
+    a2.set_xlabel("turn")
+    a2.set_ylabel("mean TTFT (s)")
+    a2.set_title("mean TTFT per turn")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.suptitle("agent replay, SmolLM2-135M-Instruct fp32, 2-core CPU (shared machine)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+if __name__ == "__main__":
+    main()
