@@ -71,7 +71,7 @@ def assert_caches_cover(model, caches: list, tokens: list[int]) -> None:
     model(mx.array(tokens)[None], cache=fresh)
     for got, want in zip(caches, fresh, strict=True):
         assert got.offset == want.offset == len(tokens)
-        for a, b in zip(got.state, want.state):
+        for a, b in zip(got.keys_and_values(), want.keys_and_values()):
             np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4, rtol=1e-4)
 
 
