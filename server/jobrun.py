@@ -19,13 +19,15 @@ from server.jobs import Event, Failed, Finished, Job, SamplingParams
 
 class JobRun:
     def __init__(self, lane, request: Request, prompt: list[int], params: SamplingParams,
-                 session: Optional[str], keepalive_s: float):
+                 session: Optional[str], keepalive_s: float, request_id: Optional[str] = None):
         self.lane = lane
         self.request = request
         self.keepalive_s = keepalive_s
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self.job = Job(prompt=prompt, params=params, sink=self._sink, session=session)
+        if request_id:
+            self.job.id = request_id
         self._watcher: Optional[asyncio.Task] = None
         self.done = False
 

@@ -31,6 +31,7 @@ class Lane:
         self._thread = threading.Thread(target=self._run, name="mlx-lane", daemon=True)
         self.ready = threading.Event()  # set once the lane has warmed the model up
 
+
     # -- control --------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
@@ -83,9 +84,12 @@ class Lane:
                     return  # stopping and drained
                 job = self._queue.popleft()
                 self._active = job
+                self.engine.stats.on_started(job.id)
             try:
                 if job.cancel.is_set():
-                    job.sink(_cancelled_before_start(job))
+                    finished = _cancelled_before_start(job)
+                    self.engine.stats.on_finished(finished)
+                    job.sink(finished)
                 else:
                     self.engine.run(job)
             except Exception:  # engine.run reports its own failures; this is a last resort

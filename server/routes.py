@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
+import uuid
 from typing import Optional
 
 import orjson
@@ -31,10 +33,17 @@ router = APIRouter()
 log = logging.getLogger("mlx_lane.routes")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
-def _json(obj, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+def request_id(request: Request, prefix: str) -> str:
+    """The client's ``X-Request-Id`` when it is a short safe token, else a fresh one."""
+    given = request.headers.get("x-request-id", "")
+    return given if _REQUEST_ID.match(given) else prefix + uuid.uuid4().hex
+
+
+def _json(obj, status: int = 200, headers: Optional[dict] = None) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json", headers=headers)
 
 
 async def _parse(request: Request, schema, max_bytes: int):
@@ -105,15 +114,16 @@ async def chat_completions(request: Request):
     )
     session = session_of(request.headers.get("x-session-id"), req)
     _prefetch(state, prompt, session)
-    fmt = ChatFormatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint)
-    run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s)
+    rid = request_id(request, "chatcmpl-")
+    fmt = ChatFormatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint, id=rid)
+    run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s, request_id=rid)
     t0 = time.monotonic()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         await run.__aenter__()
         return StreamingResponse(
             _chat_stream(run, fmt, include_usage, req.tools_enabled(), state.stats, t0),
-            media_type="text/event-stream", headers=SSE_HEADERS,
+            media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": rid},
         )
     async with run:
         text, lps, finished = await _collect(run, state.stats, t0)
@@ -122,7 +132,8 @@ async def chat_completions(request: Request):
     else:
         content, calls = text, []
     reason = "tool_calls" if calls else finished.finish_reason
-    return _json(fmt.completion(content, calls, lps if params.logprobs else None, reason, finished))
+    return _json(fmt.completion(content, calls, lps if params.logprobs else None, reason, finished),
+                 headers={"X-Request-Id": rid})
 
 
 async def _collect(run: JobRun, stats, t0: float):
@@ -190,17 +201,19 @@ async def completions(request: Request):
                              default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size)
     session = session_of(request.headers.get("x-session-id"), req)
     _prefetch(state, prompt, session)
-    fmt = CompletionFormatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint)
-    run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s)
+    rid = request_id(request, "cmpl-")
+    fmt = CompletionFormatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint, id=rid)
+    run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s, request_id=rid)
     t0 = time.monotonic()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         await run.__aenter__()
         return StreamingResponse(_completion_stream(run, fmt, include_usage, state.stats, t0),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": rid})
     async with run:
         text, lps, finished = await _collect(run, state.stats, t0)
-    return _json(fmt.completion(text, lps if params.logprobs else None, finished.finish_reason, finished))
+    return _json(fmt.completion(text, lps if params.logprobs else None, finished.finish_reason, finished),
+                 headers={"X-Request-Id": rid})
 
 
 async def _completion_stream(run: JobRun, fmt: CompletionFormatter, include_usage: bool, stats, t0):

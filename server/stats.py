@@ -8,6 +8,7 @@ private registry so several servers in one process (tests) never collide.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -16,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from server.jobs import Finished
 
+RECENT_STARTED = 128
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 
 
@@ -51,6 +53,8 @@ class ServingStats:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
+        # request ids in the order the lane started them: FIFO order is observable from /stats
+        self.recent_started: collections.deque[str] = collections.deque(maxlen=RECENT_STARTED)
         self.prefill_tps = _Mean()
         self.decode_tps = _Mean()
         self.registry = CollectorRegistry()
@@ -76,6 +80,10 @@ class ServingStats:
         self.queue_depth = Gauge("mlx_lane:num_requests_waiting", "Requests waiting", registry=self.registry)
 
     # -- lane thread ------------------------------------------------------------------
+    def on_started(self, job_id: str) -> None:
+        with self._lock:
+            self.recent_started.append(job_id)
+
     def on_finished(self, f: Finished) -> None:
         with self._lock:
             if f.finish_reason == "cancelled":
@@ -119,6 +127,7 @@ class ServingStats:
                 "prefill_tokens_per_s": self.prefill_tps.as_dict(),
                 "decode_tokens_per_s": self.decode_tps.as_dict(),
                 "uptime_s": round(time.time() - self.started, 1),
+                "recent_started": list(self.recent_started),
             }
 
     def prometheus_text(self, prompt_cache_stats: dict) -> bytes:
