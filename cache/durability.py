@@ -144,6 +144,12 @@ class DurabilityCoordinator:
                 return False
         return bool(self._store.covers(key[1], ns))
 
+    def is_pending(self, tokens: Sequence[int], ns: str) -> bool:
+        """True while a snapshot of exactly these tokens waits for (or is in) the writer."""
+        key = (ns, tuple(int(t) for t in tokens))
+        with self._cond:
+            return key in self._pending or (self._inflight is not None and self._inflight.key == key)
+
     def pending(self) -> list[dict[str, Any]]:
         """What is not yet durable (in flight first), for /stats and the flush endpoint's 503 body."""
         now = self._clock()

@@ -198,6 +198,11 @@ class PromptCache:
             self._demoted += len(idle)
         return [(e.ns, e.tokens, e.caches) for e in idle]
 
+    def keys(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(ns, tokens) of every entry, in eviction order (for the tier below and for tests)."""
+        with self._lock:
+            return list(self._policy.order())
+
     def prefetch(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:
         """RAM only: nothing to read ahead (see cache.tiered)."""
         return False

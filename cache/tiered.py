@@ -25,6 +25,8 @@ Rules (DESIGN.md "RAM tier contract", "SSD tier contract", "Durability coordinat
   * `prefetch` (HTTP event loop, after tokenizing): index-only lookups in both tiers; when the SSD tier has a
     strictly longer prefix and the cost model agrees, the read starts on an I/O thread while the request waits
     for the lane. Reads are keyed by file: a second prefetch of the same file joins the first (`coalesced`).
+  * `flush` is True only when nothing is pending AND every RAM entry is covered by a file: "durable" is a fact
+    about the entries, not about the writer's queue (a write that failed for good keeps it False).
   * `clear` clears RAM only: the SSD tier is what survives; delete its files to drop it.
 
 Threads: the I/O pool and the demotion timer run MLX work (restores, forks, snapshots) on streams they create
@@ -46,6 +48,7 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
+from cache import kvfile
 from cache.copying import fork
 from cache.prompt_cache import CacheHit, PromptCache
 
@@ -218,12 +221,19 @@ class TieredCache:
         }
 
     def pending(self) -> list[dict[str, Any]]:
-        """Snapshots not yet durable (for the flush endpoint's 503 body)."""
-        return self._durability.pending()
+        """What is not durable: snapshots waiting for (or in) the writer, then RAM entries no file covers
+        (a write that failed or was dropped), for the flush endpoint's 503 body."""
+        waiting = self._durability.pending()
+        for p in waiting:
+            p["state"] = "in_flight" if p.get("in_flight") else "pending"
+        return waiting + [{"ns_hash": kvfile.ns_hash(ns), "tokens": len(tokens), "state": "not_written"}
+                          for ns, tokens in self._not_durable() if not self._durability.is_pending(tokens, ns)]
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Write everything pending now; True when all of it is durable within `timeout` seconds."""
-        return self._durability.flush(timeout)
+        """Write everything pending now. True when, within `timeout` seconds, nothing is pending and every entry
+        in RAM is covered by a file (so a failed or dropped write keeps this False until the entry is rewritten
+        or leaves RAM)."""
+        return bool(self._durability.flush(timeout)) and not self._not_durable()
 
     # ------------------------------------------------------------------------------------------ tier movements
 
@@ -285,6 +295,9 @@ class TieredCache:
             with self._lock:
                 self._c["restores_failed"] += 1
             return None
+
+    def _not_durable(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(ns, tokens) for ns, tokens in self._ram.keys() if not self._durability.is_durable(tokens, ns)]
 
     def _settled(self, path: str, fut: Future) -> None:
         with self._lock:

@@ -270,6 +270,8 @@ def test_flush_fails_on_an_unwritable_dir_and_serving_continues(make, tmp_path):
     tier, store = make(root=blocker / "kv")
     tier.put(A, kv(A), NS)
     assert tier.flush(5) is False
+    assert [p["state"] for p in tier.pending()] == ["not_written"]
+    assert tier.flush(5) is False  # still not durable: the failure is not forgotten by a second flush
     s = tier.ssd_stats()
     assert s["failed"] >= 1 and s["writes_abandoned"] == 1
     hit = tier.take(A + [99], NS)  # RAM still serves
