@@ -342,7 +342,9 @@ def main() -> None:
     try:
         # warm-up each server with a request unrelated to the replay prefixes
         for n in names:
-            stream_chat(client, servers[n], [{"role": "user", "content": "Say hi."}], 2)
+            warm = [{"role": "user", "content": "Say hi."}]
+            stream_chat(client, servers[n], warm, 2)
+            seen[n].append(tokenizer.apply_chat_template(warm, add_generation_prompt=True))
         step = 0
         replay_t0 = time.perf_counter()
         for t in range(T):
