@@ -214,13 +214,13 @@ def test_seeded_sampling_is_reproducible(target, providers, kind):
     runs = []
     for _ in range(2):
         mx.random.seed(1234)
-        out, caches, _, stats = run(target, providers[kind], prompt, sampler=make_sampler(temp=0.7, top_p=0.9))
+        out, caches, _, stats = run(target, providers[kind], prompt, n=40, sampler=make_sampler(temp=0.7, top_p=0.9))
         runs.append([t for t, _, _ in out])
         assert_caches_cover(target, caches, prompt + runs[-1])
     assert runs[0] == runs[1]
-    assert len(runs[0]) == N
+    assert len(runs[0]) == 40
     mx.random.seed(99)
-    other, _, _, _ = run(target, providers[kind], prompt, sampler=make_sampler(temp=0.7, top_p=0.9))
+    other, _, _, _ = run(target, providers[kind], prompt, n=40, sampler=make_sampler(temp=0.7, top_p=0.9))
     assert [t for t, _, _ in other] != runs[0]
 
 
