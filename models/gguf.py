@@ -32,7 +32,7 @@ from models.progress import Progress
 __all__ = ["convert_gguf", "read_metadata", "SOURCE_FILE", "CONVERTER_VERSION"]
 
 SOURCE_FILE = "mlx_lane_source.json"
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # bump whenever the output of a conversion changes: old ones are redone
 _SKIP_FIELDS = ("GGUF.",)
 
 

@@ -126,14 +126,22 @@ def _sentencepiece(meta: dict[str, Any], architecture: str) -> Tokenizer:
 
 
 def _add_marked_tokens(tok: Tokenizer, meta: dict[str, Any], byte_level: bool) -> None:
+    """Control tokens -> special added tokens; user-defined ones -> plain added tokens, but only
+    under a spelling the vocabulary has (adding any other string would append a new id past the
+    model's vocabulary, e.g. gemma's whitespace runs, which the vocabulary spells with "▁")."""
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or ()
+    vocab = tok.get_vocab(with_added_tokens=False)
     letters = set(_byte_alphabet().values()) if byte_level else None
     special = [
         AddedToken(t, normalized=False, special=True)
         for t, ty in zip(tokens, types)
         if ty == CONTROL and (letters is None or set(t) <= letters)
     ]
-    plain = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
+    plain = [
+        AddedToken(t, normalized=False, special=False)
+        for t, ty in zip(tokens, types)
+        if ty == USER_DEFINED and t in vocab
+    ]
     if special:
         tok.add_special_tokens(special)
     if plain:

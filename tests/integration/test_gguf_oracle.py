@@ -34,6 +34,14 @@ def _torch():
     return pytest.importorskip("torch", reason="oracle needs torch: pip install torch==2.13.0 (CPU wheel)")
 
 
+def _round_embed_scale_like_mlx_lm(hf_model, torch) -> None:
+    """mlx-lm's gemma3_text scales embeddings by sqrt(hidden) rounded to bfloat16 (25.25, not
+    25.298 for hidden 640), as the reference implementation does; transformers keeps float32.
+    That modelling choice alone moves logits by ~2e-2, so align it to compare the conversion."""
+    emb = hf_model.model.embed_tokens
+    emb.embed_scale.fill_(float(torch.tensor(emb.scalar_embed_scale, dtype=torch.bfloat16)))
+
+
 def _ids(encoded) -> list[int]:
     if hasattr(encoded, "keys") and "input_ids" in encoded:
         encoded = encoded["input_ids"]
@@ -59,6 +67,8 @@ def pair(request):
     hf_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     hf_model.eval()
+    if ours.architecture == "gemma3_text":
+        _round_embed_scale_like_mlx_lm(hf_model, torch)
     return name, ours, hf_tok, hf_model, torch
 
 
