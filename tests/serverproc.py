@@ -20,6 +20,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _mentions_ssd(args, env) -> bool:
+    return any(a in ("--ssd-cache", "--no-ssd-cache") for a in args) or any(
+        k in env for k in ("MLX_LANE_SSD_CACHE", "MLX_LANE_NO_SSD_CACHE"))
+
+
 class ServerProc:
     """A live server. ``stop()`` sends SIGTERM and returns the exit code."""
 
@@ -28,6 +33,10 @@ class ServerProc:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="mlx-lane-", suffix=".log")[1])
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        if not _mentions_ssd(args, full_env):
+            # The SSD tier is on by default in the product; a test (or bench) server opts in explicitly, so it
+            # never touches the user's ~/.cache/mlx-lane/kv and /admin/cache/clear (RAM only) gives a cold server.
+            args = (*args, "--no-ssd-cache")
         cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), *args]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
@@ -50,6 +59,13 @@ class ServerProc:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-20000:]
+
+    def kill(self) -> int:
+        """SIGKILL: no shutdown code runs (a crash, as far as the cache is concerned)."""
+        self.proc.kill()
+        self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:

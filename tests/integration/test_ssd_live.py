@@ -1,0 +1,194 @@
+"""The SSD tier on the real default model through live servers: restart, crash mid-write, corrupt files, an
+unwritable dir, the flush endpoint. Texts are compared with a cold server (RAM tier only, cleared each time)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serverproc import ServerProc
+
+pytestmark = pytest.mark.model
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant for a software engineering team."}
+TURNS = ["What is a mutex?", "And a semaphore?", "Which one should I use for a connection pool?"]
+
+
+def chat(url, messages, max_tokens=8):
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    obj = r.json()
+    return obj["choices"][0]["message"]["content"], obj["usage"]
+
+
+def cached(usage):
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def ssd_stats(url):
+    return httpx.get(url + "/stats").json()["ssd_cache"]
+
+
+def flush(url, timeout=30):
+    return httpx.post(url + "/admin/cache/flush", params={"timeout": timeout}, timeout=timeout + 30)
+
+
+def files(root: Path, pattern: str):
+    return sorted(root.rglob(pattern))
+
+
+@pytest.fixture(scope="module")
+def cold(default_model_dir):
+    """RAM tier only; callers clear it before each request, so every answer is a cold prefill."""
+    srv = ServerProc("--model", "default", "--no-ssd-cache")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def cold_chat(cold, messages):
+    assert httpx.post(cold.url + "/admin/cache/clear").status_code == 200
+    text, usage = chat(cold.url, messages)
+    assert cached(usage) == 0
+    return text
+
+
+def test_restart_restores_the_conversation_and_text_matches_cold(tmp_path, cold):
+    kv = tmp_path / "kv"
+    first = ServerProc("--model", "default", "--ssd-cache", str(kv), "--write-behind-debounce", "5")
+    msgs = [SYSTEM, {"role": "user", "content": TURNS[0]}]
+    text1, _ = chat(first.url, msgs)
+    r = flush(first.url)
+    assert r.status_code == 200 and r.json() == {"durable": True}  # flush endpoint once writes settle
+    msgs += [{"role": "assistant", "content": text1}, {"role": "user", "content": TURNS[1]}]
+    text2, usage2 = chat(first.url, msgs)
+    # turn 2 is still inside its 5 s debounce: only the shutdown flush can make it durable
+    assert first.stop() == 0, first.log()
+    assert "ssd cache flushed" in first.log_path.read_text()
+
+    second = ServerProc("--model", "default", "--ssd-cache", str(kv))
+    try:
+        assert ssd_stats(second.url)["entries"] >= 1
+        msgs += [{"role": "assistant", "content": text2}, {"role": "user", "content": TURNS[2]}]
+        text3, usage3 = chat(second.url, msgs)
+        assert cached(usage3) >= usage2["prompt_tokens"]  # the whole previous context came back from disk
+        s = ssd_stats(second.url)
+        assert s["restores"] == 1 and s["ssd_hits"] == 1 and s["removed_at_scan"] == 0
+    finally:
+        assert second.stop() == 0, second.log()
+    # the same conversation, cold, gives the same text at every turn
+    ref = [SYSTEM, {"role": "user", "content": TURNS[0]}]
+    assert cold_chat(cold, ref) == text1
+    ref += [{"role": "assistant", "content": text1}, {"role": "user", "content": TURNS[1]}]
+    assert cold_chat(cold, ref) == text2
+    ref += [{"role": "assistant", "content": text2}, {"role": "user", "content": TURNS[2]}]
+    assert cold_chat(cold, ref) == text3
+
+
+def test_kill_during_write_leaves_no_partial_file(tmp_path, cold):
+    kv = tmp_path / "kv"
+    msgs = [SYSTEM, {"role": "user", "content": "Name three sorting algorithms."}]
+    first = ServerProc("--model", "default", "--ssd-cache", str(kv))
+    text, usage = chat(first.url, msgs)
+    assert flush(first.url).status_code == 200
+    assert first.stop() == 0, first.log()
+    complete = files(kv, "*.safetensors")
+    assert len(complete) == 1
+
+    # MLX_LANE_TEST_WRITE_DELAY: every write pauses between fsync and rename (test seam in server/serve.py)
+    slow = ServerProc("--model", "default", "--ssd-cache", str(kv), "--write-behind-debounce", "0.1",
+                      env={"MLX_LANE_TEST_WRITE_DELAY": "120"})
+    try:
+        chat(slow.url, [SYSTEM, {"role": "user", "content": "Name three hash functions."}])
+        r = flush(slow.url, timeout=0.5)
+        assert r.status_code == 503, r.text
+        body = r.json()
+        assert body["error"]["code"] == "not_durable" and body["pending"] and body["pending"][0]["tokens"] > 0
+        for _ in range(600):  # a bound on waiting for the writer, not a timing assertion
+            if files(kv, "*.tmp"):
+                break
+            time.sleep(0.1)
+        assert files(kv, "*.tmp"), "the slowed write never started"
+    finally:
+        slow.kill()
+
+    third = ServerProc("--model", "default", "--ssd-cache", str(kv))
+    try:
+        assert files(kv, "*.tmp") == []
+        s = ssd_stats(third.url)
+        assert s["removed_at_scan"] >= 1 and s["entries"] == 1
+        assert files(kv, "*.safetensors") == complete
+        again, u = chat(third.url, msgs)
+        assert cached(u) == usage["prompt_tokens"] - 1 and again == text
+        assert ssd_stats(third.url)["restores"] == 1
+    finally:
+        assert third.stop() == 0, third.log()
+
+
+def _plant_corrupt_files(folder: Path, fingerprint: str, ns: str) -> int:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from cache import kvfile
+
+    def tiny():
+        c = KVCache()
+        c.update_and_fetch(mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 4, 8)))
+        return [c]
+
+    folder.mkdir(parents=True, exist_ok=True)
+    name = iter(f"{i:032x}.safetensors" for i in range(1, 100))
+    kvfile.save(folder / next(name), [1, 2, 3, 4], tiny(), fingerprint="00" * 32, ns=ns)  # another model
+    truncated = folder / next(name)
+    kvfile.save(truncated, [1, 2, 3, 4], tiny(), fingerprint=fingerprint, ns=ns)
+    truncated.write_bytes(truncated.read_bytes()[:-40])
+    version = folder / next(name)
+    kvfile.save(version, [1, 2, 3, 4], tiny(), fingerprint=fingerprint, ns=ns)
+    raw = version.read_bytes()
+    assert b'\\"version\\":1,' in raw  # the metadata JSON is a string inside the header JSON: escaped
+    version.write_bytes(raw.replace(b'\\"version\\":1,', b'\\"version\\":7,'))
+    (folder / next(name)).write_bytes(os.urandom(4096))
+    mx.save_safetensors(str(folder / next(name)), {"weight": mx.zeros((4, 4))})  # a foreign safetensors
+    (folder / (next(name) + ".tmp")).write_bytes(b"half a write")
+    return 6
+
+
+def test_corrupt_files_are_removed_at_start_and_never_loaded(tmp_path, cold):
+    from cache import kvfile
+
+    fingerprint = httpx.get(cold.url + "/stats").json()["fingerprint"]
+    kv = tmp_path / "kv"
+    folder = kv / fingerprint / kvfile.ns_hash(fingerprint)  # the server's namespace is its fingerprint
+    planted = _plant_corrupt_files(folder, fingerprint, fingerprint)
+    srv = ServerProc("--model", "default", "--ssd-cache", str(kv))
+    try:
+        s = ssd_stats(srv.url)
+        assert s["removed_at_scan"] == planted and s["entries"] == 0
+        assert list(folder.iterdir()) == []
+        msgs = [SYSTEM, {"role": "user", "content": "Say hello."}]
+        text, usage = chat(srv.url, msgs)
+        assert cached(usage) == 0 and ssd_stats(srv.url)["restores"] == 0
+        assert text == cold_chat(cold, msgs)
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_unwritable_cache_dir_keeps_serving_and_counts_the_failure(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a regular file: nothing can be created under it, even by root")
+    srv = ServerProc("--model", "default", "--ssd-cache", str(blocker / "kv"), "--write-behind-debounce", "0.1")
+    try:
+        msgs = [SYSTEM, {"role": "user", "content": "What is a queue?"}]
+        text, _ = chat(srv.url, msgs)
+        r = flush(srv.url, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_durable"
+        s = ssd_stats(srv.url)
+        assert s["failed"] >= 1 and s["writes"] == 0 and s["entries"] == 0
+        again, usage = chat(srv.url, msgs)  # the RAM tier still serves
+        assert again == text and cached(usage) > 0
+    finally:
+        assert srv.stop() == 0, srv.log()
