@@ -89,12 +89,46 @@ def test_restart_restores_the_conversation_and_text_matches_cold(tmp_path, cold)
     assert cold_chat(cold, ref) == text3
 
 
-def test_kill_during_write_leaves_no_partial_file(tmp_path, cold):
+def _plant_corrupt_files(folder: Path, fingerprint: str, ns: str) -> int:
+    """Six files the start-up scan must delete; returns how many."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from cache import kvfile
+
+    def tiny():
+        c = KVCache()
+        c.update_and_fetch(mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 4, 8)))
+        return [c]
+
+    folder.mkdir(parents=True, exist_ok=True)
+    name = iter(f"{i:032x}.safetensors" for i in range(1, 100))
+    kvfile.save(folder / next(name), [1, 2, 3, 4], tiny(), fingerprint="00" * 32, ns=ns)  # another model's
+    truncated = folder / next(name)
+    kvfile.save(truncated, [1, 2, 3, 4], tiny(), fingerprint=fingerprint, ns=ns)
+    truncated.write_bytes(truncated.read_bytes()[:-40])
+    version = folder / next(name)
+    kvfile.save(version, [1, 2, 3, 4], tiny(), fingerprint=fingerprint, ns=ns)
+    raw = version.read_bytes()
+    assert b'\\"version\\":1,' in raw  # the metadata JSON is a string inside the header JSON: escaped
+    version.write_bytes(raw.replace(b'\\"version\\":1,', b'\\"version\\":7,'))
+    (folder / next(name)).write_bytes(os.urandom(4096))
+    mx.save_safetensors(str(folder / next(name)), {"weight": mx.zeros((4, 4))})  # a foreign safetensors
+    (folder / (next(name) + ".tmp")).write_bytes(b"half a write")
+    return 6
+
+
+def test_kill_mid_write_and_corrupt_files_never_load(tmp_path, default_model_dir):
+    """kill -9 while a write is in progress, plus corrupt files planted next to a good entry: the next server
+    removes every partial or unusable file at start, loads none of them, and the good entry still hits."""
+    from cache import kvfile
+
     kv = tmp_path / "kv"
     msgs = [SYSTEM, {"role": "user", "content": "Name three sorting algorithms."}]
     first = ServerProc("--model", "default", "--ssd-cache", str(kv))
-    text, usage = chat(first.url, msgs)
+    text, usage = chat(first.url, msgs)  # a cold answer: the first request of a server on an empty dir
     assert flush(first.url).status_code == 200
+    fingerprint = httpx.get(first.url + "/stats").json()["fingerprint"]
     assert first.stop() == 0, first.log()
     complete = files(kv, "*.safetensors")
     assert len(complete) == 1
@@ -116,11 +150,13 @@ def test_kill_during_write_leaves_no_partial_file(tmp_path, cold):
     finally:
         slow.kill()
 
+    folder = kv / fingerprint / kvfile.ns_hash(fingerprint)  # the server's namespace is its fingerprint
+    planted = _plant_corrupt_files(folder, fingerprint, fingerprint)
     third = ServerProc("--model", "default", "--ssd-cache", str(kv))
     try:
         assert files(kv, "*.tmp") == []
         s = ssd_stats(third.url)
-        assert s["removed_at_scan"] >= 1 and s["entries"] == 1
+        assert s["removed_at_scan"] == planted + 1 and s["entries"] == 1  # + the killed write's temp file
         assert files(kv, "*.safetensors") == complete
         again, u = chat(third.url, msgs)
         assert cached(u) == usage["prompt_tokens"] - 1 and again == text
@@ -129,55 +165,7 @@ def test_kill_during_write_leaves_no_partial_file(tmp_path, cold):
         assert third.stop() == 0, third.log()
 
 
-def _plant_corrupt_files(folder: Path, fingerprint: str, ns: str) -> int:
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
-
-    from cache import kvfile
-
-    def tiny():
-        c = KVCache()
-        c.update_and_fetch(mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 4, 8)))
-        return [c]
-
-    folder.mkdir(parents=True, exist_ok=True)
-    name = iter(f"{i:032x}.safetensors" for i in range(1, 100))
-    kvfile.save(folder / next(name), [1, 2, 3, 4], tiny(), fingerprint="00" * 32, ns=ns)  # another model
-    truncated = folder / next(name)
-    kvfile.save(truncated, [1, 2, 3, 4], tiny(), fingerprint=fingerprint, ns=ns)
-    truncated.write_bytes(truncated.read_bytes()[:-40])
-    version = folder / next(name)
-    kvfile.save(version, [1, 2, 3, 4], tiny(), fingerprint=fingerprint, ns=ns)
-    raw = version.read_bytes()
-    assert b'\\"version\\":1,' in raw  # the metadata JSON is a string inside the header JSON: escaped
-    version.write_bytes(raw.replace(b'\\"version\\":1,', b'\\"version\\":7,'))
-    (folder / next(name)).write_bytes(os.urandom(4096))
-    mx.save_safetensors(str(folder / next(name)), {"weight": mx.zeros((4, 4))})  # a foreign safetensors
-    (folder / (next(name) + ".tmp")).write_bytes(b"half a write")
-    return 6
-
-
-def test_corrupt_files_are_removed_at_start_and_never_loaded(tmp_path, cold):
-    from cache import kvfile
-
-    fingerprint = httpx.get(cold.url + "/stats").json()["fingerprint"]
-    kv = tmp_path / "kv"
-    folder = kv / fingerprint / kvfile.ns_hash(fingerprint)  # the server's namespace is its fingerprint
-    planted = _plant_corrupt_files(folder, fingerprint, fingerprint)
-    srv = ServerProc("--model", "default", "--ssd-cache", str(kv))
-    try:
-        s = ssd_stats(srv.url)
-        assert s["removed_at_scan"] == planted and s["entries"] == 0
-        assert list(folder.iterdir()) == []
-        msgs = [SYSTEM, {"role": "user", "content": "Say hello."}]
-        text, usage = chat(srv.url, msgs)
-        assert cached(usage) == 0 and ssd_stats(srv.url)["restores"] == 0
-        assert text == cold_chat(cold, msgs)
-    finally:
-        assert srv.stop() == 0, srv.log()
-
-
-def test_unwritable_cache_dir_keeps_serving_and_counts_the_failure(tmp_path):
+def test_unwritable_cache_dir_keeps_serving_and_counts_the_failure(tmp_path, default_model_dir):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a regular file: nothing can be created under it, even by root")
     srv = ServerProc("--model", "default", "--ssd-cache", str(blocker / "kv"), "--write-behind-debounce", "0.1")
