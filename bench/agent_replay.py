@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -305,7 +306,12 @@ def main() -> None:
     ap.add_argument("--only", choices=["both", "ours", "mlx_lm"], default="both")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_replay.json"))
     ap.add_argument("--plot", default=str(ROOT / "bench" / "agent_replay_ttft.png"))
+    ap.add_argument("--from-log", help="rebuild the results from the per-request lines of an interrupted run's "
+                    "stdout (only the complete turns are kept) instead of running")
+    ap.add_argument("--stats-json", help="with --from-log: our /stats JSON fetched by hand before the interrupt")
     args = ap.parse_args()
+    if args.from_log:
+        return from_log(args)
     ensure_blas_here()
 
     import httpx
@@ -404,7 +410,93 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     p.kill()
 
-    # ------------------------------------------------------------------ summary
+    summary, ratios = summarize(records, rates, names, T)
+    result = {
+        "command": "python bench/" + " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "git_rev": git_rev(),
+        "machine": machine_facts(),
+        "load_avg_end": os.getloadavg(),
+        "config": {"convs": K, "turns": T, "max_tokens": args.max_tokens, "chunk_tokens": [args.chunk_min, args.chunk_max],
+                   "seed": args.seed, "system_prompt_tokens": len(tokenizer.encode(SYSTEM_PROMPT)),
+                   "alternation": "per request: each (turn, conversation) step goes to both servers back to back, "
+                                  "order flipped every step"},
+        "raw_prefill_tok_s_by_turn": {t: [round(x, 1) for x in v] for t, v in rates.items()},
+        "replay_wall_s": round(replay_wall, 1),
+        "script_wall_s": round(time.perf_counter() - t_start, 1),
+        "replies_differ_steps": replies_differ,
+        "summary": summary,
+        "ratios": ratios,
+        "ours_stats_prompt_cache": (stats or {}).get("prompt_cache"),
+        "ours_stats_lane": (stats or {}).get("lane"),
+        "records": records,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "records"}, indent=2))
+    print(f"wrote {out}")
+    try:
+        plot(records, names, K, Path(args.plot))
+        print(f"wrote {args.plot}")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+_LINE = re.compile(r"t(\d+) c(\d+) (ours|mlx_lm)\s+prompt\s+(\d+) reusable\s+(\d+) cached\s+(\S+) "
+                   r"ttft\s+([\d.]+)s total\s+([\d.]+)s")
+_RAW = re.compile(r"t(\d+) c(\d+) raw\s+new\s+(\d+) prefill\s+([\d.]+)s")
+
+
+def from_log(args) -> None:
+    records, rates = [], {}
+    for line in Path(args.from_log).read_text().splitlines():
+        m = _LINE.match(line)
+        if m:
+            t, k, n, prompt, reuse, cached, ttft, total = m.groups()
+            records.append({"server": n, "conv": int(k), "turn": int(t), "step": len(records) // 2 + 1,
+                            "ttft_s": float(ttft), "total_s": float(total), "prompt_tokens": int(prompt),
+                            "server_prompt_tokens": None, "cached_tokens": None if cached == "None" else int(cached),
+                            "reusable_tokens": int(reuse), "new_tokens": int(prompt) - int(reuse)})
+        m = _RAW.match(line)
+        if m:
+            t, _k, n_new, dt = m.groups()
+            rates.setdefault(int(t), []).append(int(n_new) / float(dt))
+    names = [n for n in ("ours", "mlx_lm") if any(r["server"] == n for r in records)]
+    K = max(r["conv"] for r in records) + 1
+    complete = [t for t in sorted({r["turn"] for r in records})
+                if all(sum(1 for r in records if r["turn"] == t and r["server"] == n) == K for n in names)]
+    records = [r for r in records if r["turn"] in complete]
+    T = len(complete)
+    summary, ratios = summarize(records, rates, names, T)
+    stats = json.loads(Path(args.stats_json).read_text()) if args.stats_json else {}
+    result = {
+        "command": f"python bench/agent_replay.py (interrupted after {T} complete turns; rebuilt with --from-log)",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "git_rev": git_rev(),
+        "config": {"convs": K, "turns_complete": T, "max_tokens": args.max_tokens,
+                   "chunk_tokens": [args.chunk_min, args.chunk_max], "seed": args.seed,
+                   "alternation": "per request: each (turn, conversation) step goes to both servers back to back, "
+                                  "order flipped every step"},
+        "raw_prefill_tok_s_by_turn": {t: [round(x, 1) for x in v] for t, v in rates.items() if t in complete},
+        "summary": summary,
+        "ratios": ratios,
+        "ours_stats_prompt_cache": stats.get("prompt_cache"),
+        "ours_stats_lane": stats.get("lane"),
+        "records": records,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "records"}, indent=2))
+    try:
+        plot(records, names, K, Path(args.plot))
+        print(f"wrote {args.plot}")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+def summarize(records: list[dict], rates: dict, names: list[str], T: int) -> tuple[dict, dict]:
     for rec in records:
         rate = statistics.median(rates[rec["turn"]]) if rates.get(rec["turn"]) else None
         rec["ideal_s"] = round(rec["new_tokens"] / rate, 4) if rate else None
@@ -449,36 +541,7 @@ def main() -> None:
             "total_time_ours_over_mlx_lm": round(summary["ours"]["total_request_time_s"]
                                                  / summary["mlx_lm"]["total_request_time_s"], 3),
         }
-    result = {
-        "command": "python bench/" + " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "git_rev": git_rev(),
-        "machine": machine_facts(),
-        "load_avg_end": os.getloadavg(),
-        "config": {"convs": K, "turns": T, "max_tokens": args.max_tokens, "chunk_tokens": [args.chunk_min, args.chunk_max],
-                   "seed": args.seed, "system_prompt_tokens": len(tokenizer.encode(SYSTEM_PROMPT)),
-                   "alternation": "per request: each (turn, conversation) step goes to both servers back to back, "
-                                  "order flipped every step"},
-        "raw_prefill_tok_s_by_turn": {t: [round(x, 1) for x in v] for t, v in rates.items()},
-        "replay_wall_s": round(replay_wall, 1),
-        "script_wall_s": round(time.perf_counter() - t_start, 1),
-        "replies_differ_steps": replies_differ,
-        "summary": summary,
-        "ratios": ratios,
-        "ours_stats_prompt_cache": (stats or {}).get("prompt_cache"),
-        "ours_stats_lane": (stats or {}).get("lane"),
-        "records": records,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "records"}, indent=2))
-    print(f"wrote {out}")
-    try:
-        plot(records, names, K, Path(args.plot))
-        print(f"wrote {args.plot}")
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    return summary, ratios
 
 
 def plot(records, names, K, path: Path) -> None:
