@@ -25,7 +25,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, rid: str, headers_seen
         assert r.status_code == 200, await r.aread()
         assert r.headers["x-request-id"] == rid
         headers_seen.append(rid)  # headers arrive only after the job is queued on the lane
-        lines = [ln async for ln in r.aiter_lines() if ln]
+        lines = [ln async for ln in r.aiter_lines() if ln.startswith("data: ")]  # skip keep-alive comments
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
     assert all(c["id"] == rid for c in chunks)
