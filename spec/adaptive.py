@@ -66,7 +66,11 @@ class AdaptiveDraftLength:
     - a round that accepted everything: length + 1 (up to ``max_len``);
     - a round that accepted less than half: length - 1 (down to ``min_len``);
     - after ``warmup`` drafted rounds, if accepted/drafted over the last ``window`` rounds is
-      below ``stop_below``, drafting stops for good (``stopped``; ``next_length() == 0``).
+      below ``stop_below``: with ``pause=None`` drafting stops for good (``stopped``;
+      ``next_length() == 0``); with ``pause=P`` it pauses for P rounds (2P, 4P, up to 8P on
+      repeated failures), then starts over at ``min_len`` with a fresh window. Pausing suits
+      prompt lookup, whose usefulness comes and goes with what is being written (a copied
+      block, then new prose); a second model is better stopped, as catching it up costs.
     """
 
     def __init__(
@@ -78,11 +82,12 @@ class AdaptiveDraftLength:
         stop_below: float = break_even_rate(0.0),
         window: int = 8,
         warmup: int = 4,
+        pause: int | None = None,
     ):
         if max_len < 1 or not 1 <= min_len <= max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
-        if window < 1 or warmup < 1:
-            raise ValueError("window and warmup must be >= 1")
+        if window < 1 or warmup < 1 or (pause is not None and pause < 1):
+            raise ValueError("window, warmup and pause must be >= 1")
         self.max_len = max_len
         self.min_len = min_len
         self.length = max_len if start is None else max(min_len, min(max_len, start))
@@ -91,6 +96,9 @@ class AdaptiveDraftLength:
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)
         self._rounds = 0
         self._stopped = False
+        self.pause = pause
+        self._strikes = 0
+        self._paused_for = 0
 
     @property
     def stopped(self) -> bool:
@@ -101,11 +109,21 @@ class AdaptiveDraftLength:
         drafted = sum(d for d, _ in self._recent)
         return sum(a for _, a in self._recent) / drafted if drafted else 1.0
 
+    @property
+    def paused(self) -> bool:
+        return self._paused_for > 0
+
     def next_length(self) -> int:
-        return 0 if self._stopped else self.length
+        """The length for the coming round (called once per round: a pause counts down here)."""
+        if self._stopped:
+            return 0
+        if self._paused_for:
+            self._paused_for -= 1
+            return 0
+        return self.length
 
     def update(self, drafted: int, accepted: int) -> None:
-        if drafted <= 0 or self._stopped:
+        if drafted <= 0 or self._stopped or self._paused_for:
             return
         if not 0 <= accepted <= drafted:
             raise ValueError(f"accepted={accepted} outside 0..drafted={drafted}")
@@ -116,4 +134,13 @@ class AdaptiveDraftLength:
         elif 2 * accepted < drafted:
             self.length = max(self.min_len, self.length - 1)
         if self._rounds >= self.warmup and self.recent_rate < self.stop_below:
-            self._stopped = True
+            if self.pause is None:
+                self._stopped = True
+                return
+            self._paused_for = self.pause * 2 ** min(self._strikes, 3)
+            self._strikes += 1
+            self._rounds = 0
+            self._recent.clear()
+            self.length = self.min_len
+        elif self._rounds >= self.warmup and self.recent_rate >= 2 * self.stop_below:
+            self._strikes = 0

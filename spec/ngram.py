@@ -102,5 +102,11 @@ class NgramProvider(DraftProvider):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
+    def policy(self, max_len: int):
+        """Adaptive length that pauses (not stops) when lookups stop paying: copying comes and goes."""
+        from spec.adaptive import AdaptiveDraftLength, break_even_rate
+
+        return AdaptiveDraftLength(max_len, stop_below=break_even_rate(0.0), pause=16)
+
     def open(self, caches: Optional[list] = None, tokens: Sequence[int] = ()) -> NgramSource:
         return NgramSource(self.max_ngram, self.min_ngram, tokens)

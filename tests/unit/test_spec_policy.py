@@ -177,3 +177,38 @@ def test_lookup_cost_does_not_grow_with_length():
     for _ in range(1000):
         src.lookup(4)
     assert time.perf_counter() - t0 < 0.5
+
+
+def test_pause_instead_of_stop_then_probe_again_with_backoff():
+    p = AdaptiveDraftLength(4, stop_below=0.5, warmup=2, window=4, pause=3)
+    p.update(4, 0)
+    p.update(4, 0)
+    assert p.paused and not p.stopped
+    assert [p.next_length() for _ in range(3)] == [0, 0, 0]
+    assert p.next_length() == 1  # probing again from min_len
+    p.update(1, 0)
+    p.update(1, 0)  # fails again: twice as long
+    assert [p.next_length() for _ in range(6)] == [0] * 6
+    assert p.next_length() == 1
+    for _ in range(4):  # it pays now: grows back
+        p.update(p.next_length(), p.next_length())
+    assert p.next_length() == 4 and not p.paused
+
+
+def test_backoff_is_capped():
+    p = AdaptiveDraftLength(2, stop_below=0.5, warmup=1, window=1, pause=1)
+    zeros = []
+    for _ in range(6):
+        p.update(1, 0)
+        n = 0
+        while p.next_length() == 0:
+            n += 1
+        zeros.append(n)
+    assert zeros == [1, 2, 4, 8, 8, 8]
+
+
+def test_ngram_policy_pauses_and_two_model_default_stops():
+    assert NgramProvider().policy(4).pause is not None
+    from spec.source import DraftProvider
+
+    assert DraftProvider().policy(4).pause is None

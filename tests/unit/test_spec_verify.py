@@ -268,3 +268,13 @@ def test_untrimmable_target_caches_are_refused(target, providers):
         c.update_and_fetch(mx.zeros((1, 2, 6, 16)), mx.zeros((1, 2, 6, 16)))
     with pytest.raises(ValueError, match="trimmable"):
         next(speculative_decode(target, caches, 1, providers["ngram"].open()))
+
+
+@pytest.mark.parametrize("kind", ["noisy", "ngram"])
+def test_default_adaptive_policy_keeps_greedy_identity(target, providers, kind):
+    for prompt in PROMPTS[:2]:
+        policy = providers[kind].policy(4)
+        out, caches, _, stats = run(target, providers[kind], prompt, policy=policy)
+        assert [t for t, _, _ in out] == plain_greedy(target, prompt, N)
+        assert stats.drafted > 0
+        assert_caches_cover(target, caches, prompt + [t for t, _, _ in out])
