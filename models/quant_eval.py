@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["QualityRow", "reference_logprobs", "compare", "format_table", "write_json"]
+__all__ = ["QualityRow", "reference_logprobs", "compare", "perplexity", "dir_size_mb", "format_table", "write_json"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def reference_logprobs(model, data) -> list:
     return out
 
 
-def _ppl(lps, data) -> float:
+def perplexity(lps, data) -> float:
     import mlx.core as mx
 
     nll, n = 0.0, 0
@@ -74,7 +74,7 @@ def compare(ref_lps: list, model, data, *, config: str, bits_per_weight=None, si
         print(f"[eval] {config}: {n} tokens", file=sys.stderr, flush=True)
     return QualityRow(config, None if bits_per_weight is None else round(bits_per_weight, 3),
                       None if size_mb is None else round(size_mb, 1), kl_sum / n, agree / n,
-                      _ppl(lps, data), _ppl(ref_lps, data), n)
+                      perplexity(lps, data), perplexity(ref_lps, data), n)
 
 
 def format_table(rows: list[QualityRow]) -> str:

