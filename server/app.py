@@ -184,6 +184,7 @@ def stats_body(state: ServerState) -> dict:
         "blas": state.blas,
         "lane": lane,
         "prompt_cache": state.prompt_cache.stats(),
+        "kv_cache": state.lane.engine.kv_stats(),  # KV scheme + bytes per cached token (issue 8)
         "ssd_cache": state.ssd.ssd_stats() if state.ssd is not None else {"enabled": False},
     }
 

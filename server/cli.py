@@ -88,6 +88,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--demote-idle", type=float, default=float(_env("demote_idle", "300")),
                    help="seconds after which an unused RAM entry is made durable and dropped from RAM; 0 keeps "
                         "entries until the RAM cap evicts them (default 300) [MLX_LANE_DEMOTE_IDLE]")
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=int(_env("kv_bits")) if _env("kv_bits") else None,
+                   help="quantize the KV cache to 8 or 4 bits (mlx-lm QuantizedKVCache): less RAM and SSD per "
+                        "cached token; a separate cache namespace (default: the model's dtype) [MLX_LANE_KV_BITS]")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=int(_env("kv_group_size", "64")),
+                   help="values sharing one scale with --kv-bits; head_dim must be a multiple (default 64)")
     p.add_argument("--max-queue", type=int, default=int(_env("max_queue", "256")),
                    help="requests allowed to wait for the lane before 429 (0 = unbounded; default 256)")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes(_env("max_body_bytes", "8M")),

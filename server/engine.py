@@ -14,6 +14,7 @@ Only the lane thread may call ``run``: it owns the model, the MLX stream and the
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from server.jobs import Delta, Failed, Finished, Job, Progress
 from server.sampling import build_logits_processors, build_sampler, token_logprobs
@@ -41,7 +42,8 @@ class Timings:
 class Engine:
     """Binds a loaded model to a prompt cache and the lane's MLX stream."""
 
-    def __init__(self, loaded, prompt_cache, stats, *, prefill_chunk: int = 512):
+    def __init__(self, loaded, prompt_cache, stats, *, prefill_chunk: int = 512, kv_bits: int | None = None,
+                 kv_group_size: int = 64):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -52,6 +54,8 @@ class Engine:
         self.stream = None  # created on the lane thread by bind_stream()
         self.fault_hook = None  # tests may set a callable(job) that raises inside a generation
         self._eos = set(self.tokenizer.eos_token_ids or [])
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.kv_bytes_per_token = 0.0  # of the last stored entry, all layers (see kv_stats)
 
     def bind_stream(self) -> None:
         """Create the MLX stream owned by the calling (lane) thread."""
@@ -61,8 +65,19 @@ class Engine:
         """Page the weights in and compile kernels before the first request (lane thread)."""
         with mx.stream(self.stream):
             mx.eval(self.model.parameters())
-            caches = make_prompt_cache(self.model)
+            caches = self._new_caches()
             mx.eval(self.model(mx.array([[0, 1]]), cache=caches))
+
+    # -- KV-cache quantization (issue 8; see kv_namespace below) ------------------------
+    def _new_caches(self) -> list:
+        caches = make_prompt_cache(self.model)
+        return caches if self.kv_bits is None else _quantize_fresh(caches, self.kv_bits, self.kv_group_size)
+
+    def kv_stats(self) -> dict:
+        """The `kv_cache` block of /stats: the scheme and the measured bytes per cached token (all layers)."""
+        return {"scheme": kv_scheme(self.kv_bits, self.kv_group_size), "bits": self.kv_bits,
+                "group_size": self.kv_group_size if self.kv_bits else None,
+                "bytes_per_token": round(self.kv_bytes_per_token, 1)}
 
     # -- the job --------------------------------------------------------------------
     def run(self, job: Job) -> None:
@@ -81,7 +96,7 @@ class Engine:
     def _generate(self, job: Job, started: float) -> Finished:
         prompt = job.prompt
         hit = self.prompt_cache.take(prompt, self.namespace, job.session)
-        caches = hit.caches if hit is not None else make_prompt_cache(self.model)
+        caches = hit.caches if hit is not None else self._new_caches()
         cached = hit.length if hit is not None else 0
         if self.fault_hook is not None:
             self.fault_hook(job)
@@ -186,6 +201,7 @@ class Engine:
         if covered is not None and covered != len(tokens):
             log.warning("not caching %s: caches cover %d tokens, expected %d", job.id, covered, len(tokens))
             return
+        self.kv_bytes_per_token = _state_nbytes(caches) / len(tokens)
         try:
             self.prompt_cache.put(list(tokens), caches, self.namespace, job.session)
         except Exception:  # caching is an optimisation: never fail the request for it
@@ -203,6 +219,48 @@ class Engine:
             decode_s=timings.decode_s,
             queued_s=started - job.enqueued_at,
         )
+
+
+# -- KV-cache quantization (issue 8) ----------------------------------------------------------------------------
+# With kv_bits set, every plain KVCache layer is a QuantizedKVCache (mlx-lm) from the FIRST prompt token: prefill,
+# decode, a RAM hit and an SSD restore all attend over the same quantized keys/values (each token's K/V is quantized
+# on its own, along head_dim), so a cache hit computes what a cold request computes. Converting after prefill
+# instead would give cold requests float attention over the prompt and hits quantized attention over the prefix.
+# Other cache classes (RotatingKVCache, ArraysCache) stay as they are; mlx-lm cannot quantize them. The scheme is
+# part of the namespace (kv_namespace), so an entry of one scheme never seeds another, in RAM or on SSD.
+
+
+def kv_scheme(kv_bits: int | None, kv_group_size: int = 64) -> str:
+    return "float" if kv_bits is None else f"q{kv_bits}g{kv_group_size}"
+
+
+def kv_namespace(fingerprint: str, kv_bits: int | None, kv_group_size: int = 64) -> str:
+    """The model fingerprint itself for float KV; else a hex digest of (fingerprint, KV scheme)."""
+    if kv_bits is None:
+        return fingerprint
+    return hashlib.sha256(f"{fingerprint}\0kv\0{kv_scheme(kv_bits, kv_group_size)}".encode()).hexdigest()
+
+
+def _state_nbytes(caches: list) -> int:
+    """Bytes the caches hold for their tokens (KV buffers are allocated in steps of 256 tokens; the padding past
+    `offset` on the token axis is not counted)."""
+    from mlx.utils import tree_flatten
+
+    total = 0
+    for c in caches:
+        n = getattr(c, "offset", None)
+        for _, x in tree_flatten(c.state):
+            if not isinstance(x, mx.array):
+                continue
+            if x.ndim == 4 and isinstance(n, int) and 0 < n < x.shape[2]:
+                total += x.nbytes // x.shape[2] * n
+            else:
+                total += x.nbytes
+    return total
+
+
+def _quantize_fresh(caches: list, bits: int, group_size: int) -> list:
+    return [QuantizedKVCache(group_size=group_size, bits=bits) if type(c) is KVCache else c for c in caches]
 
 
 def _covered_length(caches: list) -> int | None:

@@ -22,11 +22,13 @@ def build_state(args):
     from server.stats import ServingStats
 
     loaded = load_model(args.model, args.dtype, progress=True)
+    loaded = _with_kv_scheme(loaded, args)
     cache_bytes = default_cache_bytes() if args.cache_bytes is None else args.cache_bytes
     tiered = build_tiered_cache(args, loaded.fingerprint, cache_bytes)
     prompt_cache = tiered if tiered is not None else make_prompt_cache(cache_bytes)
     stats = ServingStats()
-    engine = Engine(loaded, prompt_cache, stats, prefill_chunk=args.prefill_chunk)
+    engine = Engine(loaded, prompt_cache, stats, prefill_chunk=args.prefill_chunk,
+                    kv_bits=getattr(args, "kv_bits", None), kv_group_size=getattr(args, "kv_group_size", 64))
     engine.fault_hook = _fault_hook_from_env(loaded.tokenizer)
     lane = Lane(engine, max_queue=args.max_queue)
     lane.start()
@@ -43,6 +45,20 @@ def build_state(args):
         max_body_bytes=args.max_body_bytes, model_names={"default"} if args.model == "default" else set(),
         ssd=tiered, shutdown_timeout_s=args.shutdown_timeout,
     )
+
+
+def _with_kv_scheme(loaded, args):
+    """KV quantization (issue 8): the KV scheme joins the namespace, so the RAM tier, the SSD directory
+    (<ssd>/<namespace>/), prefetch and system_fingerprint never mix entries of two schemes."""
+    from dataclasses import replace
+
+    from server.engine import kv_namespace, kv_scheme
+
+    bits, group = getattr(args, "kv_bits", None), getattr(args, "kv_group_size", 64)
+    if bits is None:
+        return loaded
+    log.info("KV cache quantized: %s (mlx-lm QuantizedKVCache)", kv_scheme(bits, group))
+    return replace(loaded, fingerprint=kv_namespace(loaded.fingerprint, bits, group))
 
 
 def build_tiered_cache(args, fingerprint: str, ram_bytes: int):
