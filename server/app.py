@@ -186,6 +186,7 @@ def stats_body(state: ServerState) -> dict:
         "prompt_cache": state.prompt_cache.stats(),
         "kv_cache": state.lane.engine.kv_stats(),  # KV scheme + bytes per cached token (issue 8)
         "ssd_cache": state.ssd.ssd_stats() if state.ssd is not None else {"enabled": False},
+        "speculative": state.stats.spec.as_dict() if state.stats.spec is not None else {"enabled": False},
     }
 
 

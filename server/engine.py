@@ -14,6 +14,7 @@ Only the lane thread may call ``run``: it owns the model, the MLX stream and the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -26,6 +27,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from server.jobs import Delta, Failed, Finished, Job, Progress
 from server.sampling import build_logits_processors, build_sampler, token_logprobs
+from server.speculation import SpecPlan, speculative_decode
 from server.stops import StopMatcher
 
 log = logging.getLogger("mlx_lane.engine")
@@ -55,6 +57,7 @@ class Engine:
         self.fault_hook = None  # tests may set a callable(job) that raises inside a generation
         self._eos = set(self.tokenizer.eos_token_ids or [])
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.speculation = None  # server.speculation.Speculation when a draft is configured
         self.kv_bytes_per_token = 0.0  # of the last stored entry, all layers (see kv_stats)
 
     def bind_stream(self) -> None:
@@ -95,9 +98,18 @@ class Engine:
 
     def _generate(self, job: Job, started: float) -> Finished:
         prompt = job.prompt
-        hit = self.prompt_cache.take(prompt, self.namespace, job.session)
-        caches = hit.caches if hit is not None else self._new_caches()
+        spec = self.speculation
+        n_draft = spec.wanted(job.params.num_draft_tokens) if spec is not None else 0
+        ns = spec.namespace(self.namespace, True) if n_draft else self.namespace
+        hit = self.prompt_cache.take(prompt, ns, job.session)
         cached = hit.length if hit is not None else 0
+        plan = None
+        if n_draft:  # an entry holds the target's layers, then the draft's
+            target_caches, draft_caches = spec.split(hit.caches if hit is not None else None)
+            caches = target_caches if target_caches is not None else self._new_caches()
+            plan = spec.open(draft_caches, prompt[:cached], n_draft)
+        else:
+            caches = hit.caches if hit is not None else self._new_caches()
         if self.fault_hook is not None:
             self.fault_hook(job)
 
@@ -105,16 +117,22 @@ class Engine:
         done = self._prefill(prompt, cached, caches, job)
         if done > cached:  # feeds the restore-or-recompute decision of the SSD tier
             self.prompt_cache.observe_prefill(done - cached, time.monotonic() - t0)
+        if plan is not None:
+            plan.source.prefill(prompt[:done])
         if done < len(prompt) - 1:  # cancelled during prefill
-            self._store(prompt[:done], caches, job)
+            self._store(prompt[:done], caches, job, ns, plan)
             return self._finish(job, "cancelled", 0, cached, started, Timings())
         if not all(c.is_trimmable() for c in caches):
-            self._store(prompt[:-1], caches, job)  # prompt-boundary snapshot
+            self._store(prompt[:-1], caches, job, ns, plan)  # prompt-boundary snapshot
 
-        generated, reason, timings = self._decode(job, caches, t0)
+        generated, reason, timings = self._decode(job, caches, t0, plan)
         timings.prefill_tokens = len(prompt) - cached
-        self._store(prompt + generated, caches, job)
-        return self._finish(job, reason, len(generated), cached, started, timings)
+        self._store(prompt + generated, caches, job, ns, plan)
+        finished = self._finish(job, reason, len(generated), cached, started, timings)
+        if plan is not None:
+            self.stats.on_spec(plan.stats)
+            finished = dataclasses.replace(finished, spec=plan.stats.as_dict())
+        return finished
 
     def _prefill(self, prompt: Sequence[int], start: int, caches: list, job: Job) -> int:
         """Feed prompt[start:-1] in chunks; return how many prompt tokens the caches cover."""
@@ -130,7 +148,7 @@ class Engine:
             job.sink(Progress(pos, len(prompt)))
         return pos
 
-    def _decode(self, job: Job, caches: list, t0: float):
+    def _decode(self, job: Job, caches: list, t0: float, plan: SpecPlan | None = None):
         params = job.params
         prompt = job.prompt
         if params.seed is not None:
@@ -142,17 +160,21 @@ class Engine:
         reason = "length"
         timings = Timings()
         t_first = None
-        steps = generate_step(
-            mx.array(prompt[-1:]),
-            self.model,
-            self.stream,
-            max_tokens=params.max_tokens,
-            sampler=build_sampler(params),
-            logits_processors=build_logits_processors(params, prompt[:-1]),
-            prompt_cache=caches,
-        )
+        sampler = build_sampler(params)
+        processors = build_logits_processors(params, prompt[:-1])
+        if plan is not None:
+            steps = speculative_decode(
+                self.model, caches, prompt[-1], plan.source, sampler=sampler, logits_processors=processors,
+                max_tokens=params.max_tokens, num_draft_tokens=plan.num_draft_tokens, stream=self.stream,
+                policy=self.speculation.policy(plan.num_draft_tokens), stats=plan.stats,
+            )
+        else:
+            steps = generate_step(
+                mx.array(prompt[-1:]), self.model, self.stream, max_tokens=params.max_tokens,
+                sampler=sampler, logits_processors=processors, prompt_cache=caches,
+            )
         try:
-            for token, logprobs in steps:
+            for token, logprobs, *_ in steps:  # speculative steps also say whether the token was drafted
                 now = time.monotonic()
                 if t_first is None:
                     t_first = now
@@ -194,16 +216,19 @@ class Engine:
         return self.tokenizer.decode([token])
 
     # -- cache ------------------------------------------------------------------------
-    def _store(self, tokens: Sequence[int], caches: list, job: Job) -> None:
+    def _store(self, tokens: Sequence[int], caches: list, job: Job, ns: str, plan: SpecPlan | None = None) -> None:
         if not tokens:
             return
+        if plan is not None and plan.source.caches is not None:
+            plan.source.prefill(tokens)  # bring the draft's caches to exactly `tokens`
+            caches = list(caches) + list(plan.source.caches)
         covered = _covered_length(caches)
         if covered is not None and covered != len(tokens):
             log.warning("not caching %s: caches cover %d tokens, expected %d", job.id, covered, len(tokens))
             return
         self.kv_bytes_per_token = _state_nbytes(caches) / len(tokens)
         try:
-            self.prompt_cache.put(list(tokens), caches, self.namespace, job.session)
+            self.prompt_cache.put(list(tokens), caches, ns, job.session)
         except Exception:  # caching is an optimisation: never fail the request for it
             log.exception("prompt cache put failed")
 

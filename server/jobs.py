@@ -30,6 +30,7 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     logprobs: bool = False
     top_logprobs: int = 0
+    num_draft_tokens: Optional[int] = None  # None: the server's setting; 0: no speculation
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Finished:
     decode_tokens: int  # tokens decoded after the first one (the rate's numerator)
     decode_s: float
     queued_s: float
+    spec: Optional[dict] = None  # speculative decoding counters of this request, when it speculated
 
 
 @dataclass(frozen=True)

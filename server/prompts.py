@@ -121,6 +121,7 @@ def sampling_params(
         logit_bias=logit_bias,
         logprobs=want_logprobs,
         top_logprobs=top,
+        num_draft_tokens=req.num_draft_tokens,
     )
 
 

@@ -20,12 +20,15 @@ SSE_KEEPALIVE = b": keep-alive\n\n"
 
 
 def usage(f: Finished) -> dict:
-    return {
+    out = {
         "prompt_tokens": f.prompt_tokens,
         "completion_tokens": f.completion_tokens,
         "total_tokens": f.prompt_tokens + f.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
     }
+    if f.spec is not None:  # extension field: what speculative decoding did for this request
+        out["speculative"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in f.spec.items()}
+    return out
 
 
 def chat_logprob(lp: TokenLogprob) -> dict:

@@ -97,6 +97,8 @@ class SamplingFields(_Lenient):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = Field(default=None, max_length=256)
     prompt_cache_key: Optional[str] = Field(default=None, max_length=256)
+    # mlx-lane extension: cap the speculative draft length for this request (0 = decode plainly)
+    num_draft_tokens: Optional[int] = Field(default=None, ge=0, le=64)
 
     @field_validator("stop")
     @classmethod

@@ -30,6 +30,11 @@ def build_state(args):
     engine = Engine(loaded, prompt_cache, stats, prefill_chunk=args.prefill_chunk,
                     kv_bits=getattr(args, "kv_bits", None), kv_group_size=getattr(args, "kv_group_size", 64))
     engine.fault_hook = _fault_hook_from_env(loaded.tokenizer)
+    engine.speculation = _speculation(args, loaded)
+    if engine.speculation is not None:
+        from server.speculation import SpecTotals
+
+        stats.spec = SpecTotals(engine.speculation.kind, engine.speculation.num_draft_tokens)
     lane = Lane(engine, max_queue=args.max_queue)
     lane.start()
     lane.ready.wait()
@@ -98,6 +103,38 @@ def _write_delay_from_env():
     import time
 
     return lambda: time.sleep(delay)
+
+
+def _speculation(args, loaded):
+    """The configured speculative decoding, or None. Raises ModelLoadError for a draft that cannot serve."""
+    from models import ModelLoadError, load_model
+    from server.speculation import Speculation
+    from spec import NgramProvider, SpecError, TwoModelProvider
+
+    kind = args.draft_kind or ("two-model" if args.draft_model else None)
+    if kind is None:
+        return None
+    if kind == "two-model":
+        if not args.draft_model:
+            raise ModelLoadError("--draft-kind two-model needs --draft-model (or use --draft-kind ngram)")
+        draft = load_model(args.draft_model, loaded.dtype, progress=True)
+        try:
+            provider = TwoModelProvider.from_loaded(loaded, draft)
+        except SpecError as exc:
+            raise ModelLoadError(f"draft model {args.draft_model!r} cannot serve {loaded.model_id}: {exc}") from exc
+        default_n = 4
+    else:
+        provider = NgramProvider()
+        default_n = 8
+    n = args.num_draft_tokens if args.num_draft_tokens is not None else default_n
+    if n < 1:
+        raise ModelLoadError("--num-draft-tokens must be at least 1")
+    speculation = Speculation(provider, loaded.model, num_draft_tokens=n, kind=kind)
+    if not speculation.supported:
+        log.warning("speculative decoding is off: %s has caches that cannot be rewound", loaded.model_id)
+    log.info("speculative decoding: %s, up to %d draft tokens%s", kind, n,
+             f" ({args.draft_model})" if kind == "two-model" else "")
+    return speculation
 
 
 def _fault_hook_from_env(tokenizer):

@@ -56,6 +56,7 @@ class ServingStats:
         # request ids in the order the lane started them: FIFO order is observable from /stats
         self.recent_started: collections.deque[str] = collections.deque(maxlen=RECENT_STARTED)
         self.prefill_tps = _Mean()
+        self.spec = None  # server.speculation.SpecTotals when a draft is configured
         self.decode_tps = _Mean()
         self.registry = CollectorRegistry()
         self._m_requests = Counter(
@@ -102,6 +103,10 @@ class ServingStats:
         self._m_generation.inc(f.completion_tokens)
         self._m_queue_time.observe(f.queued_s)
 
+    def on_spec(self, spec_stats) -> None:
+        if self.spec is not None:
+            self.spec.add(spec_stats)
+
     def on_failure(self) -> None:
         with self._lock:
             self.requests_failed += 1
@@ -131,7 +136,10 @@ class ServingStats:
             }
 
     def prometheus_text(self, prompt_cache_stats: dict) -> bytes:
-        return generate_latest(self.registry) + generate_latest(_CacheCollector(prompt_cache_stats))
+        text = generate_latest(self.registry) + generate_latest(_CacheCollector(prompt_cache_stats))
+        if self.spec is not None:
+            text += generate_latest(_SpecCollector(self.spec.as_dict()))
+        return text
 
 
 class _CacheCollector:
@@ -153,6 +161,22 @@ class _CacheCollector:
 
     def __call__(self):  # generate_latest accepts any object with collect()
         return self
+
+
+class _SpecCollector:
+    """Speculative decoding counters (vLLM's spec_decode names) read at scrape time."""
+
+    def __init__(self, stats: dict):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats
+        yield _counter("mlx_lane:spec_decode_num_drafts", "Verify rounds that carried drafts", s.get("rounds", 0))
+        yield _counter("mlx_lane:spec_decode_num_draft_tokens", "Draft tokens proposed", s.get("drafted", 0))
+        yield _counter("mlx_lane:spec_decode_num_accepted_tokens", "Draft tokens accepted", s.get("accepted", 0))
+        yield _counter("mlx_lane:spec_decode_num_emitted_tokens", "Tokens emitted by speculative requests",
+                       s.get("emitted", 0))
+        yield _gauge("mlx_lane:spec_decode_acceptance_rate", "Accepted / drafted so far", s.get("acceptance_rate", 0))
 
 
 def _counter(name, doc, value):

@@ -1,0 +1,78 @@
+"""Speculative decoding (n-gram source) on the real default model through a live server."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.serverproc import ServerProc
+
+pytestmark = pytest.mark.model
+
+TEXT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+MSGS = [{"role": "user", "content": f"Repeat this code exactly:\n{TEXT}"}]
+
+
+@pytest.fixture(scope="module")
+def spec_server(default_model_dir):
+    srv = ServerProc("--model", "default", "--draft-kind", "ngram", "--num-draft-tokens", "6",
+                     "--cache-bytes", "256M")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def chat(url, **extra):
+    body = {"messages": MSGS, "max_tokens": 16, "temperature": 0, **extra}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_ngram_greedy_text_equals_plain_and_cache_hit_is_identical(spec_server):
+    url = spec_server.url
+    httpx.post(url + "/admin/cache/clear")
+    plain = chat(url, num_draft_tokens=0)
+    assert "speculative" not in plain["usage"]
+    httpx.post(url + "/admin/cache/clear")
+    cold = chat(url)
+    assert cold["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    spec = cold["usage"]["speculative"]
+    assert spec["drafted"] > 0 and spec["emitted"] == cold["usage"]["completion_tokens"]
+    assert 0 <= spec["accepted"] <= spec["drafted"]
+    warm = chat(url)  # a cache hit on a speculative request
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == cold["usage"]["prompt_tokens"] - 1
+    assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+
+
+def test_ngram_stream_with_stop_and_stats(spec_server):
+    url = spec_server.url
+    full = chat(url)["choices"][0]["message"]["content"]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stopped = chat(url, stop=[stop])["choices"][0]
+    assert stopped["message"]["content"] == full[: full.find(stop)]
+    assert stopped["finish_reason"] == "stop"
+    stats = httpx.get(url + "/stats").json()["speculative"]
+    assert stats["enabled"] and stats["kind"] == "ngram" and stats["requests"] >= 3
+    assert stats["drafted"] >= stats["accepted"] > 0
+    metrics = httpx.get(url + "/metrics").text
+    assert "mlx_lane:spec_decode_num_accepted_tokens_total" in metrics
+
+
+def test_mismatched_draft_is_refused_at_start(tmp_path, default_model_dir):
+    from tests.fixtures.tiny_models import write_sliding_window_model
+
+    # a draft with another vocabulary size: the gemma-shaped tiny model with a truncated vocab
+    import json
+
+    other = write_sliding_window_model(tmp_path / "other", default_model_dir, window=4096)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["vocab_size"] = 1000
+    (other / "config.json").write_text(json.dumps(cfg))
+    import mlx.core as mx
+
+    w = mx.load(str(other / "model.safetensors"))
+    w = {k: (v[:1000] if v.shape[0] == 49152 else v) for k, v in w.items()}
+    mx.save_safetensors(str(other / "model.safetensors"), w)
+    with pytest.raises(RuntimeError) as info:
+        ServerProc("--model", "default", "--draft-model", str(other), startup_timeout=120)
+    assert "vocab" in str(info.value).lower() or "tokenizer" in str(info.value).lower()
