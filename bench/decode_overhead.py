@@ -14,7 +14,9 @@ import json
 import statistics
 import time
 
-from common import ServerProc, ensure_blas_here, machine_facts, median_range
+import time
+
+from common import ServerProc, ensure_blas_here, git_rev, machine_facts, median_range
 
 PROMPT = [{"role": "user", "content": "Write a long, detailed story about a lighthouse keeper and the sea."}]
 
@@ -78,6 +80,8 @@ def main() -> None:
         srv.stop()
     ratio = [s / r for s, r in zip(served, raw)]
     result = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "git_rev": git_rev(),
         "machine": machine_facts(),
         "served_tok_s": median_range(served),
         "raw_tok_s": median_range(raw),

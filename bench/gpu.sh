@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# GPU benchmark (issue 6, item 3) on the device machine: install the carried wheels, then run bench/gpu.py.
+#
+# Wheels (made on the dev machine, git-ignored, carried with the call):
+#   .whl/*.whl                 mlx==0.32.4, mlx-lm==0.32.2 and the server deps missing on the device image
+#   .whl/tok/                  tokenizer.json + tokenizer_config.json of the default model (SmolLM2-135M-Instruct)
+#   .whl/mlx_cuda.part2, .whl/mlx_cuda.name, .whl/mlx_cuda.sha256
+#   $PART1_DIR/mlx_cuda.part1  first part of mlx_cuda_13-0.32.4 (90 MB > one call's 64 MiB), copied there by an
+#                              earlier call while the machine is warm; or a whole .whl/mlx_cuda_13-*.whl
+#
+#   OUT=/some/dir bench/gpu.sh [bench/gpu.py flags...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHL=${WHL:-.whl}
+SITE=${SITE:-/tmp/mlx-lane-site}
+PART1_DIR=${PART1_DIR:-/tmp/w}
+OUT=${OUT:-$PWD/.bench/gpu-out}
+mkdir -p "$OUT"
+
+if ! PYTHONPATH="$SITE" python3 -c "import mlx.core, mlx_lm, fastapi, uvicorn, orjson, gguf, pydantic" 2>/dev/null; then
+  cuda=$(ls "$WHL"/mlx_cuda_13-*.whl 2>/dev/null | head -1 || true)
+  if [ -z "$cuda" ]; then
+    cuda=/tmp/$(cat "$WHL/mlx_cuda.name")
+    cat "$PART1_DIR/mlx_cuda.part1" "$WHL/mlx_cuda.part2" > "$cuda"
+    echo "$(cat "$WHL/mlx_cuda.sha256")  $cuda" | sha256sum -c -
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$WHL"/*.whl "$cuda"
+fi
+export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader || true
+python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+python3 bench/gpu.py --out "$OUT" "$@"
