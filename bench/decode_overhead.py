@@ -14,8 +14,6 @@ import json
 import statistics
 import time
 
-import time
-
 from common import ServerProc, ensure_blas_here, git_rev, machine_facts, median_range
 
 PROMPT = [{"role": "user", "content": "Write a long, detailed story about a lighthouse keeper and the sea."}]
