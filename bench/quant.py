@@ -38,6 +38,50 @@ def rotation_check(src: str, kind: str) -> dict:
             "same_argmax": bool(mx.all(before.argmax(-1) == after.argmax(-1)).item())}
 
 
+def tiny_outlier_rows(bits_list) -> list:
+    """Hadamard on a power-of-two model: a 4-layer random llama (hidden 256) with three outlier residual channels
+    (norm gains 20x, which folding turns into outlier weight columns, the case rotation is for). Random weights:
+    KL is the signal; top-1 and perplexity of a random model mean little."""
+    import contextlib
+    import copy
+    import io
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_map
+    from mlx_lm.models import llama
+    from mlx_lm.utils import quantize_model
+
+    from models.quant_eval import compare, reference_logprobs
+    from models.rotation import rotate_model
+
+    cfg = dict(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=512, rms_norm_eps=1e-5,
+               tie_word_embeddings=True)
+    mx.random.seed(0)
+    m = llama.Model(llama.ModelArgs.from_dict(cfg))
+    m.update(tree_map(lambda x: mx.random.normal(x.shape) * (0.06 if x.ndim == 2 else 0.1) + (x.ndim == 1),
+                      m.parameters()))
+    g = np.ones(256, dtype=np.float32)
+    g[[3, 77, 190]] = 20.0
+    for layer in m.model.layers:
+        layer.input_layernorm.weight = mx.array(g)
+        layer.post_attention_layernorm.weight = mx.array(g)
+    mx.eval(m.parameters())
+    data = mx.array(np.random.default_rng(0).integers(0, 512, (4, 128)), dtype=mx.int32)
+    ref = reference_logprobs(m, data)
+    rows = []
+    for bits in bits_list:
+        for rot in (None, "hadamard"):
+            q, c = copy.deepcopy(m), dict(cfg)
+            if rot:
+                c = rotate_model(q, c, kind=rot)
+            with contextlib.redirect_stdout(io.StringIO()):
+                quantize_model(q, c, 64, bits)
+            rows.append(compare(ref, q, data, config=f"tiny q{bits}g64" + (f"+{rot}" if rot else "")))
+    return rows
+
+
 def main() -> int:
     from models.quant_cli import evaluate_dirs
     from models.quant_eval import format_table, write_json
@@ -51,7 +95,14 @@ def main() -> int:
     p.add_argument("--eval-tokens", type=int, default=1024)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "quant.json"))
+    p.add_argument("--tiny", action="store_true",
+                   help="only the power-of-two tiny-model Hadamard experiment (seconds; JSON in quant_tiny.json)")
     args = p.parse_args()
+    if args.tiny:
+        rows = tiny_outlier_rows(args.bits)
+        print(format_table(rows))
+        write_json(rows, Path(args.out).with_name("quant_tiny.json"), model="tiny random llama, hidden 256")
+        return 0
 
     model_dir, _ = resolve_source(args.model)
     hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
