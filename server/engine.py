@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from server.jobs import Delta, Failed, Finished, Job, Progress
 from server.sampling import build_logits_processors, build_sampler, token_logprobs
+from server.decode_steps import PlainDecode
 from server.speculation import SpecPlan, speculative_decode
 from server.stops import StopMatcher
 
@@ -125,9 +125,9 @@ class Engine:
         if not all(c.is_trimmable() for c in caches):
             self._store(prompt[:-1], caches, job, ns, plan)  # prompt-boundary snapshot
 
-        generated, reason, timings = self._decode(job, caches, t0, plan)
+        generated, fed, reason, timings = self._decode(job, caches, t0, plan)
         timings.prefill_tokens = len(prompt) - cached
-        self._store(prompt + generated, caches, job, ns, plan)
+        self._store(prompt + generated[:fed], caches, job, ns, plan)
         finished = self._finish(job, reason, len(generated), cached, started, timings)
         if plan is not None:
             self.stats.on_spec(plan.stats)
@@ -161,17 +161,17 @@ class Engine:
         timings = Timings()
         t_first = None
         sampler = build_sampler(params)
-        processors = build_logits_processors(params, prompt[:-1])
         if plan is not None:
             steps = speculative_decode(
-                self.model, caches, prompt[-1], plan.source, sampler=sampler, logits_processors=processors,
+                self.model, caches, prompt[-1], plan.source, sampler=sampler,
+                logits_processors=build_logits_processors(params, prompt[:-1]),
                 max_tokens=params.max_tokens, num_draft_tokens=plan.num_draft_tokens, stream=self.stream,
                 policy=self.speculation.policy(plan.num_draft_tokens), stats=plan.stats,
             )
         else:
-            steps = generate_step(
-                mx.array(prompt[-1:]), self.model, self.stream, max_tokens=params.max_tokens,
-                sampler=sampler, logits_processors=processors, prompt_cache=caches,
+            steps = PlainDecode(
+                self.model, caches, prompt, max_tokens=params.max_tokens, sampler=sampler, stream=self.stream,
+                processors_for=lambda history: build_logits_processors(params, history),
             )
         try:
             for token, logprobs, *_ in steps:  # speculative steps also say whether the token was drafted
@@ -210,7 +210,9 @@ class Engine:
         if t_first is not None:
             timings.decode_tokens = max(0, len(generated) - 1)
             timings.decode_s = time.monotonic() - t_first
-        return generated, reason, timings
+        # the caches cover prompt + generated[:fed] (see PlainDecode; speculative steps feed every token)
+        fed = steps.fed_generated if isinstance(steps, PlainDecode) else len(generated)
+        return generated, fed, reason, timings
 
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token])
