@@ -1,0 +1,78 @@
+"""PlainDecode: same tokens as mlx-lm's generate_step, and an exact account of what the caches cover."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from server.decode_steps import PlainDecode
+
+
+@pytest.fixture(scope="module")
+def model():
+    mx.random.seed(3)
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=257,
+                           tie_word_embeddings=True)
+    m = llama.Model(args)
+    mx.eval(m.parameters())
+    return m
+
+
+PROMPT = [5, 17, 99, 3, 42, 42, 7, 250, 11]
+
+
+def prefilled(model, prompt):
+    caches = make_prompt_cache(model)
+    model(mx.array(prompt[:-1])[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def reference(model, prompt, n, **kw):
+    caches = prefilled(model, prompt)
+    return [t for t, _ in generate_step(mx.array(prompt[-1:]), model, max_tokens=n, prompt_cache=caches, **kw)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 24])
+def test_greedy_tokens_equal_generate_step_and_caches_cover_prompt_plus_fed(model, n):
+    caches = prefilled(model, PROMPT)
+    steps = PlainDecode(model, caches, PROMPT, max_tokens=n, sampler=make_sampler(0.0),
+                        processors_for=lambda h: [], stream=mx.default_stream(mx.default_device()))
+    got = [t for t, _ in steps]
+    assert got == reference(model, PROMPT, n)
+    expected_fed = 0 if n == 1 else n
+    assert steps.fed_generated == expected_fed
+    assert caches[0].offset == len(PROMPT) + expected_fed
+
+
+def test_closed_early_reports_what_was_fed(model):
+    caches = prefilled(model, PROMPT)
+    steps = PlainDecode(model, caches, PROMPT, max_tokens=20, sampler=make_sampler(0.0),
+                        processors_for=lambda h: [], stream=mx.default_stream(mx.default_device()))
+    it = iter(steps)
+    got = [next(it)[0] for _ in range(4)]
+    steps.close()
+    assert steps.fed_generated == 4
+    assert caches[0].offset == len(PROMPT) + 4
+    assert got == reference(model, PROMPT, 4)
+
+
+def test_penalties_see_the_prompt_history(model):
+    hist_procs = lambda h: [  # noqa: E731 - mirrors server.sampling's history wrapper
+        (lambda toks, logits, p=p, pre=mx.array(list(h), dtype=mx.uint32): p(mx.concatenate([pre, toks.astype(mx.uint32)]), logits))
+        for p in make_logits_processors(repetition_penalty=1.8, repetition_context_size=64)]
+    caches = prefilled(model, PROMPT)
+    steps = PlainDecode(model, caches, PROMPT, max_tokens=12, sampler=make_sampler(0.0),
+                        processors_for=hist_procs, stream=mx.default_stream(mx.default_device()))
+    got = [t for t, _ in steps]
+    # reference: mlx-lm with the whole prompt passed through generate_step (processors see it all)
+    ref_caches = make_prompt_cache(model)
+    ref = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=12, prompt_cache=ref_caches,
+                                       logits_processors=make_logits_processors(repetition_penalty=1.8,
+                                                                                repetition_context_size=64))]
+    assert got == ref
