@@ -98,7 +98,8 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 _local = threading.local()
 
 
-def _thread_stream() -> Any:
+def thread_stream() -> Any:
+    """This thread's own CPU stream (shared by the SSD store, the tiered cache's I/O threads)."""
     # One CPU stream per calling thread: MLX work on the default stream off the main thread can abort at exit.
     s = getattr(_local, "stream", None)
     if s is None:
@@ -198,7 +199,7 @@ class SSDStore:
         t0 = time.perf_counter()
         try:
             f = kvfile.load(entry.path, expect_fingerprint=self.fingerprint, expect_ns=entry.ns,
-                            stream=_thread_stream())
+                            stream=thread_stream())
             if len(f.tokens) != len(entry.tokens) or not np.array_equal(_ids(f.tokens), entry.tokens):
                 raise kvfile.KVFileError("tokens differ from the index")
         except FileNotFoundError:
@@ -247,7 +248,7 @@ class SSDStore:
         path = os.path.join(folder, uuid.uuid4().hex + ".safetensors")
         try:
             os.makedirs(folder, exist_ok=True)
-            with mx.stream(_thread_stream()):
+            with mx.stream(thread_stream()):
                 enc = caches if isinstance(caches, kvfile.Encoded) else kvfile.encode(caches)
                 size = kvfile.save(path, ids.tolist(), enc, fingerprint=self.fingerprint, ns=ns,
                                    before_rename=self._before_rename)

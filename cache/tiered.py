@@ -51,20 +51,13 @@ import mlx.core as mx
 from cache import kvfile
 from cache.copying import fork
 from cache.prompt_cache import CacheHit, PromptCache
+from cache.ssd_store import thread_stream
 
 __all__ = ["TieredCache"]
 
 log = logging.getLogger(__name__)
 
 _MIN_PREFILL_SAMPLE = 16  # shorter prefills are mostly fixed overhead: they say little about the rate
-_local = threading.local()
-
-
-def _thread_stream() -> Any:
-    s = getattr(_local, "stream", None)
-    if s is None:
-        s = _local.stream = mx.new_stream(mx.cpu)
-    return s
 
 
 class _Loaded(NamedTuple):
@@ -255,7 +248,7 @@ class TieredCache:
         if self._idle_s <= 0:
             return 0
         idle = self._ram.pop_idle(self._idle_s)
-        with mx.stream(_thread_stream()):
+        with mx.stream(thread_stream()):
             for ns, tokens, caches in idle:
                 self.spill(ns, tokens, caches)
         with self._lock:
@@ -274,7 +267,7 @@ class TieredCache:
     # ---------------------------------------------------------------------------------------------- helpers
 
     def _load_io(self, match: Any) -> _Loaded | None:
-        with mx.stream(_thread_stream()):
+        with mx.stream(thread_stream()):
             return self._load(match)
 
     def _load(self, match: Any) -> _Loaded | None:

@@ -101,6 +101,16 @@ def _internal(ev: Failed) -> APIError:
     return APIError("The server failed while generating this response. The error was logged; please retry.")
 
 
+def _prepare(state, request: Request, req, prompt: list[int], params, formatter, id_prefix: str):
+    """Session, SSD prefetch (starts while the job waits for the lane), request id, formatter, job run."""
+    session = session_of(request.headers.get("x-session-id"), req)
+    _prefetch(state, prompt, session)
+    rid = request_id(request, id_prefix)
+    fmt = formatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint, id=rid)
+    run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s, request_id=rid)
+    return run, fmt, rid, time.monotonic()
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     state = request.app.state.lane_state
@@ -112,12 +122,7 @@ async def chat_completions(request: Request):
         req.model_copy(update={"max_tokens": req.requested_max_tokens()}), len(prompt),
         state.loaded.context_length, default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size,
     )
-    session = session_of(request.headers.get("x-session-id"), req)
-    _prefetch(state, prompt, session)
-    rid = request_id(request, "chatcmpl-")
-    fmt = ChatFormatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint, id=rid)
-    run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s, request_id=rid)
-    t0 = time.monotonic()
+    run, fmt, rid, t0 = _prepare(state, request, req, prompt, params, ChatFormatter, "chatcmpl-")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         await run.__aenter__()
@@ -199,12 +204,7 @@ async def completions(request: Request):
         req = req.model_copy(update={"max_tokens": COMPLETIONS_DEFAULT_MAX_TOKENS})
     params = sampling_params(req, len(prompt), state.loaded.context_length,
                              default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size)
-    session = session_of(request.headers.get("x-session-id"), req)
-    _prefetch(state, prompt, session)
-    rid = request_id(request, "cmpl-")
-    fmt = CompletionFormatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint, id=rid)
-    run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s, request_id=rid)
-    t0 = time.monotonic()
+    run, fmt, rid, t0 = _prepare(state, request, req, prompt, params, CompletionFormatter, "cmpl-")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         await run.__aenter__()
