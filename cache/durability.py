@@ -128,7 +128,9 @@ class DurabilityCoordinator:
                     self._c["superseded"] += 1
             self._pending[key] = item
             self._bytes += item.nbytes
-            while self._bytes > self._max_bytes and self._pending:
+            # drop the oldest, but never the snapshot just scheduled: an entry bigger than the whole
+            # budget is still written (its arrays are held by the RAM tier anyway)
+            while self._bytes > self._max_bytes and len(self._pending) > 1:
                 oldest = min(self._pending.values(), key=lambda p: p.created)
                 self._remove_locked(oldest)
                 self._c["dropped"] += 1
@@ -197,7 +199,9 @@ class DurabilityCoordinator:
     # ---------------------------------------------------------------------------------------------- writer
 
     def _run(self) -> None:
-        stream = mx.new_stream(mx.cpu)  # created inside this thread, see the module docstring
+        # created inside this thread (see the module docstring), on the default device: entering a stream
+        # context sets MLX's process-wide default device, and a CPU stream would move the lane off the GPU
+        stream = mx.new_stream(mx.default_device())
         with mx.stream(stream):
             while True:
                 item = self._next()

@@ -103,7 +103,9 @@ def thread_stream() -> Any:
     # One CPU stream per calling thread: MLX work on the default stream off the main thread can abort at exit.
     s = getattr(_local, "stream", None)
     if s is None:
-        s = _local.stream = mx.new_stream(mx.cpu)
+        # on the process's default device: `with mx.stream(s)` also sets MLX's (process-wide) default
+        # device, so a CPU stream here would move the generation lane onto the CPU of a GPU machine
+        s = _local.stream = mx.new_stream(mx.default_device())
     return s
 
 

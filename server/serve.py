@@ -83,7 +83,10 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int):
     root = os.path.expanduser(args.ssd_cache) if args.ssd_cache else str(mlx_lane_home() / "kv")
     max_bytes = default_ssd_cache_bytes(root) if args.ssd_cache_bytes is None else args.ssd_cache_bytes
     store = SSDStore(root, fingerprint, max_bytes, before_rename=_write_delay_from_env())
-    durability = DurabilityCoordinator(store, debounce_s=args.write_behind_debounce)
+    # pending snapshots mostly share arrays with RAM entries: a budget below the RAM cap would drop writes of
+    # large prefixes (an 8B model's 16k-token entry is over 2 GiB) without saving memory
+    durability = DurabilityCoordinator(store, debounce_s=args.write_behind_debounce,
+                                       max_pending_bytes=max(2 << 30, ram_bytes))
     tiered = TieredCache.build(ram_bytes, store, durability, CostModel(), demote_idle_s=args.demote_idle)
     s = store.stats()
     log.info("ssd cache %s | %d entries, %.2f GiB of %.2f GiB | removed at scan %d | debounce %.1fs | "
@@ -181,4 +184,10 @@ def serve(args) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug",
     )
     GracefulServer(config).run()
-    return 0
+    # Shutdown is complete: the lane has stopped and the SSD tier was flushed (fsynced) in the lifespan.
+    # Exit now, skipping interpreter teardown: MLX's static destructors can abort ("terminate called
+    # without an active exception", status -6) while daemon threads that own MLX streams still exist.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -136,10 +136,14 @@ def test_budget_drops_oldest(make):
     assert sorted(store.writes) == [(NS, (20, 1, 2, 3)), (NS, (30, 1, 2, 3))]
 
 
-def test_snapshot_larger_than_budget_is_refused(make):
-    d = make(StubStore(), max_pending_bytes=10)
-    assert d.schedule([1, 2, 3], caches(3), NS) is False
-    assert d.stats()["dropped"] == 1 and d.stats()["pending"] == 0
+def test_snapshot_larger_than_budget_is_still_written_and_evicts_older(make):
+    store = StubStore()
+    d = make(store, max_pending_bytes=10)
+    assert d.schedule([1, 2, 3], caches(3), NS) is True
+    assert d.schedule([9, 8, 7, 6], caches(4), NS) is True  # the older pending one is dropped for it
+    assert d.stats()["dropped"] == 1 and d.stats()["pending"] == 1
+    assert d.flush(timeout=10)
+    assert store.writes == [(NS, (9, 8, 7, 6))]
 
 
 @pytest.mark.parametrize("exc", [None, OSError(28, "No space left on device")])
