@@ -68,5 +68,28 @@ class CostModel:
                     "read_mb_s": round(self._read / 1e6, 2), "read_measured": self._read_samples > 0,
                     "decisions_restore": self._restore, "decisions_recompute": self._recompute}
 
+    def snapshot(self) -> dict[str, float]:
+        """The measured rates (only those measured), to carry across a restart."""
+        with self._lock:
+            out: dict[str, float] = {}
+            if self._prefill_samples:
+                out["prefill_tok_s"] = self._prefill
+            if self._read_samples:
+                out["read_bytes_s"] = self._read
+            return out
+
+    @classmethod
+    def from_snapshot(cls, snap: dict[str, Any], **kw: Any) -> "CostModel":
+        """A model that starts from rates measured in an earlier run (they count as measured, so the
+        first decision after a restart uses this machine's rates, not the priors)."""
+        model = cls(**kw)
+        for key, attr, count in (("prefill_tok_s", "_prefill", "_prefill_samples"),
+                                 ("read_bytes_s", "_read", "_read_samples")):
+            value = snap.get(key)
+            if isinstance(value, (int, float)) and 0 < value < float("inf"):
+                setattr(model, attr, float(value))
+                setattr(model, count, 1)
+        return model
+
     def _ema(self, old: float, sample: float, samples: int) -> float:
         return sample if samples == 0 else self._alpha * sample + (1 - self._alpha) * old

@@ -255,6 +255,10 @@ class TieredCache:
             self._c["demotions"] += len(idle)
         return len(idle)
 
+    @property
+    def cost_model(self) -> Any:
+        return self._cost
+
     def close(self, timeout: float | None = None) -> bool:
         """Stop the timer and the I/O pool, flush and stop the writer (bounded by `timeout`). Returns flush's
         result: True when everything pending became durable."""

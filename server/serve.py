@@ -70,7 +70,6 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int):
     """The RAM tier over the SSD tier (cache.tiered), or None when the SSD tier is off (--no-ssd-cache, or no
     RAM tier at all: --cache-bytes 0)."""
     from cache.durability import DurabilityCoordinator
-    from cache.rates import CostModel
     from cache.ssd_store import SSDStore
     from cache.tiered import TieredCache
     from models.home import mlx_lane_home
@@ -87,12 +86,48 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int):
     # large prefixes (an 8B model's 16k-token entry is over 2 GiB) without saving memory
     durability = DurabilityCoordinator(store, debounce_s=args.write_behind_debounce,
                                        max_pending_bytes=max(2 << 30, ram_bytes))
-    tiered = TieredCache.build(ram_bytes, store, durability, CostModel(), demote_idle_s=args.demote_idle)
+    tiered = TieredCache.build(ram_bytes, store, durability, load_cost_model(fingerprint),
+                               demote_idle_s=args.demote_idle)
     s = store.stats()
     log.info("ssd cache %s | %d entries, %.2f GiB of %.2f GiB | removed at scan %d | debounce %.1fs | "
              "demote idle %.0fs", store.dir, s["entries"], s["bytes"] / (1 << 30), max_bytes / (1 << 30),
              s["removed_at_scan"], args.write_behind_debounce, args.demote_idle)
     return tiered
+
+
+def _rates_path(fingerprint: str):
+    from models import mlx_lane_home
+
+    return mlx_lane_home() / "rates" / f"{fingerprint}.json"
+
+
+def load_cost_model(fingerprint: str):
+    """The restore-or-recompute model, seeded with the rates this model measured here last time: right after
+    a restart (when the SSD tier matters most) the priors could pick a restore that a GPU recomputes faster."""
+    import json
+
+    from cache.rates import CostModel
+
+    try:
+        return CostModel.from_snapshot(json.loads(_rates_path(fingerprint).read_text()))
+    except (OSError, ValueError, AttributeError):
+        return CostModel()
+
+
+def save_cost_model(fingerprint: str, cost) -> None:
+    import json
+
+    snap = cost.snapshot()
+    if not snap:
+        return
+    path = _rates_path(fingerprint)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(snap))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not save the measured cache rates to %s: %s", path, exc)
 
 
 def _write_delay_from_env():
@@ -184,6 +219,8 @@ def serve(args) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug",
     )
     GracefulServer(config).run()
+    if state.ssd is not None:
+        save_cost_model(state.loaded.fingerprint, state.ssd.cost_model)
     # Shutdown is complete: the lane has stopped and the SSD tier was flushed (fsynced) in the lifespan.
     # Exit now, skipping interpreter teardown: MLX's static destructors can abort ("terminate called
     # without an active exception", status -6) while daemon threads that own MLX streams still exist.

@@ -67,3 +67,19 @@ def test_nothing_saved_never_restores():
 def test_bad_parameters(kw):
     with pytest.raises(ValueError):
         CostModel(**kw)
+
+
+def test_snapshot_carries_measured_rates_across_a_restart():
+    from cache.rates import CostModel
+
+    fresh = CostModel()
+    assert fresh.snapshot() == {}  # priors are never persisted
+    gpu = CostModel()
+    gpu.observe_prefill(32768, 2.0)  # 16.4k tok/s
+    gpu.observe_restore(int(4.3e9), 4.0)  # 1.07 GB/s
+    restarted = CostModel.from_snapshot(gpu.snapshot())
+    assert restarted.stats()["prefill_measured"] and restarted.stats()["read_measured"]
+    # first decision after the restart: recompute 32k tokens (2.0 s) rather than read 4.3 GB (4.0 s)
+    assert restarted.should_restore(int(4.3e9), 32768) is False
+    assert CostModel().should_restore(int(4.3e9), 32768) is True  # what the priors alone would have done
+    assert CostModel.from_snapshot({"prefill_tok_s": "x", "read_bytes_s": -1}).snapshot() == {}
