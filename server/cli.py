@@ -112,8 +112,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--default-max-tokens", type=int, default=int(_env("default_max_tokens", "2048")),
                    help="completion length when a chat request gives no max_tokens (default 2048, "
                         "never past the context)")
-    p.add_argument("--prefill-chunk", type=int, default=int(_env("prefill_chunk", "512")),
-                   help="prompt tokens per prefill step; smaller = faster cancel (default 512)")
+    p.add_argument("--prefill-chunk", type=int,
+                   default=int(_env("prefill_chunk")) if _env("prefill_chunk") else None,
+                   help="prompt tokens per prefill step: cancel and keep-alive granularity (default 512 on the "
+                        "CPU, 2048 on a GPU, where small chunks cost 23-37%% of cold TTFT) [MLX_LANE_PREFILL_CHUNK]")
     p.add_argument("--keepalive", type=float, default=float(_env("keepalive", "10")),
                    help="seconds between SSE keep-alive comments while waiting (default 10)")
     p.add_argument("--shutdown-timeout", type=float, default=float(_env("shutdown_timeout", "30")),

@@ -27,7 +27,8 @@ def build_state(args):
     tiered = build_tiered_cache(args, loaded.fingerprint, cache_bytes)
     prompt_cache = tiered if tiered is not None else make_prompt_cache(cache_bytes)
     stats = ServingStats()
-    engine = Engine(loaded, prompt_cache, stats, prefill_chunk=args.prefill_chunk,
+    chunk = args.prefill_chunk or (512 if device_name() == "cpu" else 2048)
+    engine = Engine(loaded, prompt_cache, stats, prefill_chunk=chunk,
                     kv_bits=getattr(args, "kv_bits", None), kv_group_size=getattr(args, "kv_group_size", 64))
     engine.fault_hook = _fault_hook_from_env(loaded.tokenizer)
     engine.speculation = _speculation(args, loaded)
