@@ -55,11 +55,19 @@ test-deps: venv
 test: venv blas model test-deps
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
+# CPU benchmarks, each alternated against its peer in one run; results land in bench/results/ and are
+# summarized by hand in BENCHMARKS.md (the agent replay against mlx_lm.server takes the longest).
 bench: venv blas model
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python bench/decode_overhead.py --rounds 5 --tokens 64 | tee bench/results/decode_overhead.txt
+	$(BIN)/python bench/warm_hit.py --rounds 7 --context 1024 | tee bench/results/warm_hit.txt
+	$(BIN)/python bench/ssd_restart.py --rounds 3 --context 4000 | tee bench/results/ssd_restart.txt
+	$(BIN)/python bench/speculative.py --rounds 3 --tokens 200 | tee bench/results/speculative.txt
+	$(BIN)/python bench/agent_replay.py | tee bench/results/agent_replay.txt
 
+# 1,000 requests under a 48 MiB RAM cache; the RSS / cache-bytes curve goes to bench/results/soak_curve.json
 soak: venv blas model
-	MLX_LANE_SOAK=1 $(BIN)/python -m pytest -q -m soak tests
+	MLX_LANE_SOAK_REQUESTS=1000 MLX_LANE_SOAK_CURVE=bench/results/soak_curve.json \
+		$(BIN)/python -m pytest -q tests/integration/test_cache_soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

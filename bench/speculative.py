@@ -10,10 +10,10 @@ Both sides start from the same prefilled caches (prefill is not timed), decode u
 --tokens, and must produce identical token ids (the script fails otherwise). Reported: decode
 tok/s medians (min-max) over --rounds, the speed-up, and acceptance counters.
 
-    python bench/spec.py --rounds 3 --tokens 200          # ngram, k=8
+    python bench/speculative.py --rounds 3 --tokens 200          # ngram, k=8
     # measured on the 2-core CPU while other jobs loaded it: k=8 2.79x median (2.17-3.67),
     # 74.5% of tokens from drafts; k=4 1.64x (1.34-2.48); text identical every round
-    python bench/spec.py --target ~/.cache/mlx-lane/models/Qwen2.5-Coder-1.5B-Instruct \
+    python bench/speculative.py --target ~/.cache/mlx-lane/models/Qwen2.5-Coder-1.5B-Instruct \
         --draft ~/.cache/mlx-lane/models/Qwen2.5-Coder-0.5B-Instruct --kind two-model
 """
 

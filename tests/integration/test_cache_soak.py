@@ -1,7 +1,13 @@
-"""200 requests with random shared prefixes under a small --cache-bytes: the cap holds, RSS stays bounded."""
+"""Requests with random shared prefixes under a small --cache-bytes: the cap holds, RSS stays bounded.
+
+200 requests in the suite; `make soak` runs 1,000 (MLX_LANE_SOAK_REQUESTS) and writes the RSS and
+cache-bytes curve to $MLX_LANE_SOAK_CURVE when set.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 
 import httpx
@@ -12,6 +18,7 @@ from tests.serverproc import ServerProc
 pytestmark = pytest.mark.model
 
 CAP = 48 << 20
+REQUESTS = int(os.environ.get("MLX_LANE_SOAK_REQUESTS", "200"))
 SYSTEMS = [
     "You are a terse code reviewer.",
     "You are a helpful shell assistant. Answer with one command.",
@@ -28,13 +35,14 @@ def rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_soak_200_requests_cap_and_rss(default_model_dir):
+def test_soak_requests_cap_and_rss(default_model_dir):
     rng = random.Random(7)
     srv = ServerProc("--model", "default", "--cache-bytes", str(CAP), "--no-ssd-cache")
     try:
         biggest_seen = 0
         rss_after_warmup = None
-        for i in range(200):
+        curve = []
+        for i in range(REQUESTS):
             system = rng.choice(SYSTEMS)
             user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40)))
             body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
@@ -48,7 +56,13 @@ def test_soak_200_requests_cap_and_rss(default_model_dir):
             biggest_seen = max(biggest_seen, pc["bytes"])
             if i == 49:
                 rss_after_warmup = rss_kib(srv.proc.pid)
+            if i % 10 == 9:
+                curve.append({"request": i + 1, "rss_mib": round(rss_kib(srv.proc.pid) / 1024, 1),
+                              "cache_bytes": pc["bytes"], "entries": pc["entries"]})
         final = httpx.get(srv.url + "/stats").json()["prompt_cache"]
+        if os.environ.get("MLX_LANE_SOAK_CURVE"):
+            with open(os.environ["MLX_LANE_SOAK_CURVE"], "w") as f:
+                json.dump({"requests": REQUESTS, "cap": CAP, "final": final, "curve": curve}, f, indent=1)
         assert final["evictions"] > 0  # the cap was actually exercised
         assert final["hits"] > 0  # shared system prompts were reused
         growth_mib = (rss_kib(srv.proc.pid) - rss_after_warmup) / 1024
