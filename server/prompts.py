@@ -107,10 +107,12 @@ def sampling_params(
         want_logprobs, top = req.logprobs is not None, (req.logprobs or 0)
 
     temperature = 1.0 if req.temperature is None else req.temperature
+    if req.top_p == 0.0:  # nucleus of zero mass: only the most likely token, i.e. greedy
+        temperature = 0.0
     return SamplingParams(
         max_tokens=requested,
         temperature=temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        top_p=1.0 if not req.top_p else req.top_p,
         top_k=req.top_k or 0,
         min_p=req.min_p or 0.0,
         seed=req.seed,

@@ -83,7 +83,7 @@ class SamplingFields(_Lenient):
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)  # 0 keeps only the most likely token
     top_k: Optional[int] = Field(default=None, ge=0)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**64 - 1)
@@ -95,8 +95,8 @@ class SamplingFields(_Lenient):
     n: Optional[int] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = Field(default=None, max_length=256)
-    prompt_cache_key: Optional[str] = Field(default=None, max_length=256)
+    user: Optional[str] = Field(default=None, max_length=1024)
+    prompt_cache_key: Optional[str] = Field(default=None, max_length=1024)
     # mlx-lane extension: cap the speculative draft length for this request (0 = decode plainly)
     num_draft_tokens: Optional[int] = Field(default=None, ge=0, le=64)
 

@@ -83,3 +83,18 @@ def test_tool_filter_without_call_releases_everything():
     rest, calls = f.finish()
     assert streamed + rest == "a <toolbox"
     assert calls == []
+
+
+def test_top_p_zero_means_greedy_and_defaults_follow_openai():
+    from server.prompts import sampling_params
+    from server.schemas import ChatCompletionRequest
+
+    msgs = [{"role": "user", "content": "hi"}]
+    greedy = sampling_params(ChatCompletionRequest(messages=msgs, top_p=0, temperature=0.8), 5, 100,
+                             default_max_tokens=50, vocab_size=1000)
+    assert greedy.temperature == 0.0 and greedy.top_p == 1.0
+    default = sampling_params(ChatCompletionRequest(messages=msgs), 5, 100, default_max_tokens=50, vocab_size=1000)
+    assert (default.temperature, default.top_p, default.max_tokens) == (1.0, 1.0, 50)
+    short_room = sampling_params(ChatCompletionRequest(messages=msgs), 90, 100, default_max_tokens=50,
+                                 vocab_size=1000)
+    assert short_room.max_tokens == 10  # never past the context
