@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, ServerProc, ensure_blas_here, free_port, git_rev, machine_facts
+from common import ROOT, ServerProc, ensure_blas_here, free_port, git_rev, machine_facts, sse_chunks
 
 MODEL_DIR = Path.home() / ".cache" / "mlx-lane" / "models" / "SmolLM2-135M-Instruct"
 
@@ -218,20 +218,15 @@ def stream_chat(client, url: str, messages: list[dict], max_tokens: int) -> dict
     ttft = None
     text = []
     usage = None
-    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=1200) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for ch in chunk.get("choices") or []:
-                piece = (ch.get("delta") or {}).get("content")
-                if piece:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    text.append(piece)
+    for elapsed, chunk in sse_chunks(client, url + "/v1/chat/completions", body, timeout=1200):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for ch in chunk.get("choices") or []:
+            piece = (ch.get("delta") or {}).get("content")
+            if piece:
+                if ttft is None:
+                    ttft = elapsed
+                text.append(piece)
     total = time.perf_counter() - t0
     if ttft is None:
         ttft = total

@@ -15,6 +15,19 @@ sys.path.insert(0, str(ROOT))
 from tests.serverproc import ServerProc, free_port  # noqa: E402,F401
 
 
+def sse_chunks(client, url: str, body: dict, timeout: float = 1200):
+    """POST a streaming request; yield (seconds since sent, parsed chunk) for every `data: {...}` event."""
+    import json
+    import time
+
+    t0 = time.perf_counter()
+    with client.stream("POST", url, json=body, timeout=timeout) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                yield time.perf_counter() - t0, json.loads(line[6:])
+
+
 def machine_facts() -> dict:
     cpu = platform.processor() or platform.machine()
     try:

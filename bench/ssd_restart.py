@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 import time
 
-from common import ServerProc, ensure_blas_here, git_rev, machine_facts, median_range
+from common import ServerProc, ensure_blas_here, git_rev, machine_facts, median_range, sse_chunks
 
 FILLER = (
     "    def handle(self, request):\n        # route the request to its handler and log the outcome\n"
@@ -50,18 +50,13 @@ def ttft(url: str, messages: list[dict], max_tokens: int = 4) -> tuple[float, di
 
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
     first, usage, parts = None, None, []
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=1800) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                first = first or time.perf_counter() - t0
-                parts.append(chunk["choices"][0]["delta"]["content"])
+    for elapsed, chunk in sse_chunks(httpx, url + "/v1/chat/completions", body, timeout=1800):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            first = first or elapsed
+            parts.append(chunk["choices"][0]["delta"]["content"])
     return first, usage, "".join(parts)
 
 

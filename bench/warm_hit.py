@@ -27,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import ROOT, ServerProc, ensure_blas_here, git_rev, machine_facts, median_range
+from common import ROOT, ServerProc, ensure_blas_here, git_rev, machine_facts, median_range, sse_chunks
 
 MODEL_DIR = Path.home() / ".cache" / "mlx-lane" / "models" / "SmolLM2-135M-Instruct"
 
@@ -42,20 +42,14 @@ BASE_TEXT = (
 def stream_completion(client, url: str, prompt: list[int], max_tokens: int, eos: list[int]):
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "logit_bias": {str(e): -100 for e in eos}}
-    t0 = time.perf_counter()
     stamps = []
     usage = {}
-    with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for ch in chunk.get("choices") or []:
-                if ch.get("text"):
-                    stamps.append(time.perf_counter() - t0)
+    for elapsed, chunk in sse_chunks(client, url + "/v1/completions", body, timeout=600):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for ch in chunk.get("choices") or []:
+            if ch.get("text"):
+                stamps.append(elapsed)
     return stamps, usage
 
 
