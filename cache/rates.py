@@ -8,6 +8,9 @@ machine (fed by the lane, `observe_prefill`) and SSD read bytes/s (fed by the SS
 a restore wins ~250x; on an H200 an 8B bf16 model recomputes 32k tokens in 2.0 s while reading their 4.3 GB of KV
 takes 4.0 s. The same rule decides prefetch.
 
+`mode` overrides the rule: "always" restores whenever the disk holds more tokens, "never" always recomputes
+(rates are still measured and reported), "auto" (default) applies it.
+
 Thread-safe: the lane observes prefill while I/O threads observe restores and the event loop asks.
 """
 
@@ -24,9 +27,15 @@ _MIN_SECONDS = 1e-6  # a sample timed below the clock's resolution says nothing 
 class CostModel:
     """Measured prefill and SSD read rates, and the restore-or-recompute decision built on them."""
 
-    def __init__(self, *, prefill_tok_s: float = 100.0, read_bytes_s: float = 500e6, alpha: float = 0.3) -> None:
+    MODES = ("auto", "always", "never")
+
+    def __init__(self, *, prefill_tok_s: float = 100.0, read_bytes_s: float = 500e6, alpha: float = 0.3,
+                 mode: str = "auto") -> None:
         if prefill_tok_s <= 0 or read_bytes_s <= 0 or not 0 < alpha <= 1:
             raise ValueError("rates must be > 0 and 0 < alpha <= 1")
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {', '.join(self.MODES)}, not {mode!r}")
+        self.mode = mode
         self._lock = threading.Lock()
         self._alpha = alpha
         self._prefill = float(prefill_tok_s)
@@ -55,7 +64,12 @@ class CostModel:
     def should_restore(self, nbytes: int, saved_tokens: int) -> bool:
         """True when reading `nbytes` is expected to beat prefilling `saved_tokens`. Counts the decision."""
         with self._lock:
-            restore = saved_tokens > 0 and nbytes / self._read < saved_tokens / self._prefill
+            if saved_tokens <= 0 or self.mode == "never":
+                restore = False
+            elif self.mode == "always":
+                restore = True
+            else:
+                restore = nbytes / self._read < saved_tokens / self._prefill
             if restore:
                 self._restore += 1
             else:
@@ -66,7 +80,7 @@ class CostModel:
         with self._lock:
             return {"prefill_tok_s": round(self._prefill, 2), "prefill_measured": self._prefill_samples > 0,
                     "read_mb_s": round(self._read / 1e6, 2), "read_measured": self._read_samples > 0,
-                    "decisions_restore": self._restore, "decisions_recompute": self._recompute}
+                    "mode": self.mode, "decisions_restore": self._restore, "decisions_recompute": self._recompute}
 
     def snapshot(self) -> dict[str, float]:
         """The measured rates (only those measured), to carry across a restart."""

@@ -85,6 +85,10 @@ def _serve_parser(sub) -> None:
                    help="seconds a cache entry must stay unchanged before it is written to SSD; a conversation "
                         "is written once per pause, never on the generation thread (default 1.0) "
                         "[MLX_LANE_WRITE_BEHIND_DEBOUNCE]")
+    p.add_argument("--ssd-restore", choices=["auto", "always", "never"], default=_env("ssd_restore", "auto"),
+                   help="when a longer prefix is on SSD: auto restores it only when reading is expected to beat "
+                        "recomputing (measured rates; the answer differs per machine), always restores, never "
+                        "recomputes (default auto) [MLX_LANE_SSD_RESTORE]")
     p.add_argument("--demote-idle", type=float, default=float(_env("demote_idle", "300")),
                    help="seconds after which an unused RAM entry is made durable and dropped from RAM; 0 keeps "
                         "entries until the RAM cap evicts them (default 300) [MLX_LANE_DEMOTE_IDLE]")

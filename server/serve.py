@@ -87,7 +87,7 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int):
     # large prefixes (an 8B model's 16k-token entry is over 2 GiB) without saving memory
     durability = DurabilityCoordinator(store, debounce_s=args.write_behind_debounce,
                                        max_pending_bytes=max(2 << 30, ram_bytes))
-    tiered = TieredCache.build(ram_bytes, store, durability, load_cost_model(fingerprint),
+    tiered = TieredCache.build(ram_bytes, store, durability, load_cost_model(fingerprint, args.ssd_restore),
                                demote_idle_s=args.demote_idle)
     s = store.stats()
     log.info("ssd cache %s | %d entries, %.2f GiB of %.2f GiB | removed at scan %d | debounce %.1fs | "
@@ -102,7 +102,7 @@ def _rates_path(fingerprint: str):
     return mlx_lane_home() / "rates" / f"{fingerprint}.json"
 
 
-def load_cost_model(fingerprint: str):
+def load_cost_model(fingerprint: str, mode: str = "auto"):
     """The restore-or-recompute model, seeded with the rates this model measured here last time: right after
     a restart (when the SSD tier matters most) the priors could pick a restore that a GPU recomputes faster."""
     import json
@@ -110,9 +110,9 @@ def load_cost_model(fingerprint: str):
     from cache.rates import CostModel
 
     try:
-        return CostModel.from_snapshot(json.loads(_rates_path(fingerprint).read_text()))
+        return CostModel.from_snapshot(json.loads(_rates_path(fingerprint).read_text()), mode=mode)
     except (OSError, ValueError, AttributeError):
-        return CostModel()
+        return CostModel(mode=mode)
 
 
 def save_cost_model(fingerprint: str, cost) -> None:

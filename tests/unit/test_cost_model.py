@@ -83,3 +83,19 @@ def test_snapshot_carries_measured_rates_across_a_restart():
     assert restarted.should_restore(int(4.3e9), 32768) is False
     assert CostModel().should_restore(int(4.3e9), 32768) is True  # what the priors alone would have done
     assert CostModel.from_snapshot({"prefill_tok_s": "x", "read_bytes_s": -1}).snapshot() == {}
+
+
+def test_mode_overrides_the_rule_but_rates_are_still_measured():
+    # a read this slow never wins under "auto"; "always" restores anyway, "never" recomputes a sure win
+    slow = {"prefill_tok_s": 1e6, "read_bytes_s": 1.0}
+    assert CostModel(**slow).should_restore(10**9, 10) is False
+    always = CostModel(**slow, mode="always")
+    assert always.should_restore(10**9, 10) is True
+    assert always.should_restore(10**9, 0) is False  # nothing to gain: never a restore
+    never = CostModel(prefill_tok_s=1.0, read_bytes_s=1e12, mode="never")
+    assert never.should_restore(1, 10**6) is False
+    never.observe_restore(10**6, 0.5)
+    assert never.stats()["read_measured"] and never.stats()["mode"] == "never"
+    assert CostModel.from_snapshot({"prefill_tok_s": 5.0}, mode="always").mode == "always"
+    with pytest.raises(ValueError):
+        CostModel(mode="sometimes")
