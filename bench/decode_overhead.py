@@ -2,7 +2,8 @@
 
 Same model directory, same prompt tokens, same greedy sampler, EOS suppressed by a logit
 bias on both sides so every run decodes exactly --tokens tokens. The two are alternated
-for --rounds rounds in one process run; we report medians and min-max, and the ratio.
+for --rounds rounds in one process run; we report medians and min-max, and the ratio. JSON (with a
+preflight of the machine before and after the rounds) in bench/results/decode_overhead.json.
 
     python bench/decode_overhead.py --rounds 5 --tokens 96
 """
@@ -14,7 +15,7 @@ import json
 import statistics
 import time
 
-from common import ServerProc, ensure_blas_here, git_rev, machine_facts, median_range
+from common import ROOT, ServerProc, ensure_blas_here, median_range, preflight, run_record, write_result
 
 PROMPT = [{"role": "user", "content": "Write a long, detailed story about a lighthouse keeper and the sea."}]
 
@@ -54,6 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_overhead.json"))
     args = ap.parse_args()
     ensure_blas_here()
 
@@ -66,6 +68,7 @@ def main() -> None:
     try:
         served_rate(srv.url, 8, eos)  # warm-up both
         raw_rate(loaded.model, loaded.tokenizer, 8)
+        pf = preflight()
         for i in range(args.rounds):
             pair = [("served", lambda: served_rate(srv.url, args.tokens, eos)),
                     ("raw", lambda: raw_rate(loaded.model, loaded.tokenizer, args.tokens))]
@@ -74,18 +77,22 @@ def main() -> None:
             for name, fn in pair:
                 (served if name == "served" else raw).append(fn())
             print(f"round {i + 1}: served {served[-1]:.2f} tok/s, raw {raw[-1]:.2f} tok/s", flush=True)
+        pf_end = preflight()
     finally:
         srv.stop()
     ratio = [s / r for s, r in zip(served, raw)]
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "git_rev": git_rev(),
-        "machine": machine_facts(),
+        **run_record(),
+        "preflight": pf,
+        "tokens": args.tokens,
+        "rounds": args.rounds,
         "served_tok_s": median_range(served),
         "raw_tok_s": median_range(raw),
         "ratio_median": round(statistics.median(ratio), 3),
         "ratio_per_round": [round(x, 3) for x in ratio],
+        "preflight_end": pf_end,
     }
+    write_result(result, args.out)
     print(json.dumps(result, indent=2))
 
 

@@ -5,7 +5,8 @@
 For each bit width: a plain quantization and a rotated one (auto = a pure Hadamard when the hidden size is a power
 of two, else the block rotation kron(H_p, random orthogonal)), all scored on the same held-out Python stdlib text
 against the same float32 reference. Also checks, on the float model, that the rotation alone leaves the logits
-unchanged (max |difference|). Table on stdout; JSON in bench/results/quant.json.
+unchanged (max |difference|). Table on stdout; JSON in bench/results/quant.json, with the command, date, git rev,
+machine facts and a preflight of the machine before and after (quality is what this measures, not speed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import preflight, run_record  # noqa: E402
 
 
 def rotation_check(src: str, kind: str) -> dict:
@@ -98,10 +101,12 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true",
                    help="only the power-of-two tiny-model Hadamard experiment (seconds; JSON in quant_tiny.json)")
     args = p.parse_args()
+    pf = preflight()
     if args.tiny:
         rows = tiny_outlier_rows(args.bits)
         print(format_table(rows))
-        write_json(rows, Path(args.out).with_name("quant_tiny.json"), model="tiny random llama, hidden 256")
+        write_json(rows, Path(args.out).with_name("quant_tiny.json"), **run_record(), preflight=pf,
+                   model="tiny random llama, hidden 256", preflight_end=preflight())
         return 0
 
     model_dir, _ = resolve_source(args.model)
@@ -125,8 +130,9 @@ def main() -> int:
     table = format_table(rows)
     print(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_json(rows, Path(args.out), model=args.model, hidden_size=hidden, group_size=args.group_size,
-               rotation=kind, rotation_float_check=check, seconds=round(time.monotonic() - t0, 1))
+    write_json(rows, Path(args.out), **run_record(), preflight=pf, model=args.model, hidden_size=hidden,
+               group_size=args.group_size, rotation=kind, rotation_float_check=check,
+               seconds=round(time.monotonic() - t0, 1), preflight_end=preflight())
     return 0
 
 

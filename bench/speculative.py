@@ -8,7 +8,8 @@ Two sources:
 
 Both sides start from the same prefilled caches (prefill is not timed), decode until EOS or
 --tokens, and must produce identical token ids (the script fails otherwise). Reported: decode
-tok/s medians (min-max) over --rounds, the speed-up, and acceptance counters.
+tok/s medians (min-max) over --rounds, the speed-up, and acceptance counters; JSON (with a preflight of the
+machine before and after the rounds) in bench/results/speculative_ngram.json or speculative_two_model.json.
 
     python bench/speculative.py --rounds 3 --tokens 200          # ngram, k=8
     # measured on the 2-core CPU while other jobs loaded it: k=8 2.79x median (2.17-3.67),
@@ -24,7 +25,7 @@ import json
 import statistics
 import time
 
-from common import ensure_blas_here, machine_facts, median_range
+from common import ROOT, ensure_blas_here, median_range, preflight, run_record, write_result
 
 FILE = '''import json
 from dataclasses import dataclass
@@ -114,6 +115,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=None, help="max draft tokens per round (default: 8 ngram, 4 two-model)")
     ap.add_argument("--fixed", action="store_true", help="fixed draft length k instead of the adaptive policy")
+    ap.add_argument("--out", default=None, help="default: bench/results/speculative_<kind>.json")
     args = ap.parse_args()
     ensure_blas_here()
 
@@ -136,6 +138,7 @@ def main() -> None:
     decode(loaded, prompt, 8)  # warm-up both paths
     decode(loaded, prompt, 8, provider, args.k)
     plain, spec, total = [], [], SpecStats()
+    pf = preflight()
     for i in range(args.rounds):
         order = ["plain", "spec"] if i % 2 == 0 else ["spec", "plain"]
         res = {}
@@ -152,9 +155,11 @@ def main() -> None:
         print(f"round {i + 1}: {len(p_ids)} tokens, plain {plain[-1]:.2f} tok/s, spec {spec[-1]:.2f} tok/s, "
               f"accepted {st.accepted}/{st.drafted} in {st.rounds} rounds{' (stopped)' if st.stopped else ''}",
               flush=True)
+    pf_end = preflight()
     ratios = [s / p for s, p in zip(spec, plain)]
     result = {
-        "machine": machine_facts(),
+        **run_record(),
+        "preflight": pf,
         "target": loaded.model_id,
         "kind": kind,
         "draft": args.draft,
@@ -172,7 +177,9 @@ def main() -> None:
         "mean_accepted_length": round(total.mean_accepted_length, 2),
         "from_draft_share": round(total.accepted / max(1, total.emitted), 3),
         "counters": {k: v for k, v in total.as_dict().items() if isinstance(v, int)},
+        "preflight_end": pf_end,
     }
+    write_result(result, args.out or ROOT / "bench" / "results" / f"speculative_{kind.replace('-', '_')}.json")
     print(json.dumps(result, indent=2))
     print("text:\n" + loaded.tokenizer.decode(p_ids))
 

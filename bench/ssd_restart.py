@@ -10,6 +10,8 @@
 3. write-behind overhead: decode tok/s with the SSD tier on vs off, two servers alternated, each
    request a new prompt so every request schedules a write. Target >= 0.98.
 
+JSON (with a preflight of the machine before the first round and after the last) in bench/results/ssd_restart.json.
+
     python bench/ssd_restart.py --rounds 3 --context 4000
 """
 
@@ -25,7 +27,7 @@ import subprocess
 import tempfile
 import time
 
-from common import ServerProc, ensure_blas_here, git_rev, machine_facts, median_range, sse_chunks
+from common import ROOT, ServerProc, ensure_blas_here, median_range, preflight, run_record, sse_chunks, write_result
 
 FILLER = (
     "    def handle(self, request):\n        # route the request to its handler and log the outcome\n"
@@ -148,6 +150,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4000)
     ap.add_argument("--wb-rounds", type=int, default=6)
     ap.add_argument("--wb-tokens", type=int, default=48)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ssd_restart.json"))
     args = ap.parse_args()
     ensure_blas_here()
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -159,6 +162,7 @@ def main() -> None:
     turn2 = turn1 + [{"role": "assistant", "content": "I read it."},
                      {"role": "user", "content": "Which method logs the request outcome? One word."}]
     restarts = []
+    pf = preflight()
     for i in range(args.rounds):
         root = tempfile.mkdtemp(prefix="mlx-lane-restart-")
         try:
@@ -167,10 +171,12 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
         print(json.dumps(restarts[-1]), flush=True)
     wb = write_behind(args.wb_rounds, args.wb_tokens, sorted(tok.eos_token_ids))
+    pf_end = preflight()
     ratios = [r["ratio"] for r in restarts]
     restore_vs_dd = [r["restore_mb_s"] / r["dd_mb_s"] for r in restarts if r["restore_mb_s"] and r["dd_mb_s"]]
-    print(json.dumps({
-        "machine": machine_facts(), "git": git_rev(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    result = {
+        **run_record(),
+        "preflight": pf,
         "restart_over_cold_median": round(statistics.median(ratios), 4),
         "restart_over_cold_per_round": [round(x, 4) for x in ratios],
         "restart_ttft_s": median_range([r["restart_ttft_s"] for r in restarts]),
@@ -178,7 +184,10 @@ def main() -> None:
         "restore_over_dd": [round(x, 3) for x in restore_vs_dd],
         "write_behind": wb,
         "rounds": restarts,
-    }, indent=2))
+        "preflight_end": pf_end,
+    }
+    write_result(result, args.out)
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ A base prompt of --context tokens (token ids, so the count is exact) is sent onc
          --decode-tokens generation on the same base prompt).
 
 The three are alternated every round (order rotated), --rounds rounds, medians and min-max.
-Target: hit TTFT <= 1.3x the plain decode step.
+Target: hit TTFT <= 1.3x the plain decode step. A preflight of the machine is recorded right before the rounds
+and after them.
 
     python bench/warm_hit.py --rounds 7 --context 1024
 """
@@ -27,7 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import ROOT, ServerProc, ensure_blas_here, git_rev, machine_facts, median_range, sse_chunks
+from common import ROOT, ServerProc, ensure_blas_here, median_range, preflight, run_record, sse_chunks, write_result
 
 MODEL_DIR = Path.home() / ".cache" / "mlx-lane" / "models" / "SmolLM2-135M-Instruct"
 
@@ -99,6 +100,7 @@ def main() -> None:
     try:
         stream_completion(client, srv.url, base, 1, eos)  # fill the prefix cache (cold prefill)
         stream_completion(client, srv.url, base + [vocab_words[-1]], 2, eos)  # warm the hit path once
+        pf = preflight()
         for r in range(args.rounds):
             new_tok = vocab_words[r % len(vocab_words)]
 
@@ -123,6 +125,7 @@ def main() -> None:
                 fn()
             print(f"round {r + 1}: hit TTFT {hits[-1] * 1000:7.1f} ms, raw step {steps[-1] * 1000:7.1f} ms, "
                   f"served inter-token {itls[-1] * 1000:7.1f} ms, cached ok {cached_ok[-1]}", flush=True)
+        pf_end = preflight()
         stats = client.get(srv.url + "/stats", timeout=30).json()
     finally:
         client.close()
@@ -130,10 +133,8 @@ def main() -> None:
     ratio_step = [h / s for h, s in zip(hits, steps)]
     ratio_itl = [h / i for h, i in zip(hits, itls)]
     result = {
-        "command": "python bench/warm_hit.py " + " ".join(os.sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "git_rev": git_rev(),
-        "machine": machine_facts(),
+        **run_record(),
+        "preflight": pf,
         "load_avg_end": os.getloadavg(),
         "context_tokens": len(base),
         "rounds": args.rounds,
@@ -146,10 +147,9 @@ def main() -> None:
         "all_hits_cached_full_base": all(cached_ok),
         "server_exit_code": code,
         "prompt_cache": stats.get("prompt_cache"),
+        "preflight_end": pf_end,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_result(result, args.out)
     print(json.dumps(result, indent=2))
 
 
