@@ -55,14 +55,19 @@ test-deps: venv
 test: venv blas model test-deps
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
-# CPU benchmarks, each alternated against its peer in one run; results land in bench/results/ and are
-# summarized by hand in BENCHMARKS.md (the agent replay against mlx_lm.server takes the longest).
+# CPU benchmarks, each alternated against its peer in one run; each script writes its JSON (with a preflight of
+# the machine's load, memory and busiest processes) into bench/results/, then report.py regenerates the
+# <!-- bench:NAME --> sections of BENCHMARKS.md from them (the agent replay against mlx_lm.server takes the
+# longest). pipefail: a failed script stops the run instead of hiding behind tee.
+bench: SHELL := bash
+bench: .SHELLFLAGS := -o pipefail -c
 bench: venv blas model
 	$(BIN)/python bench/decode_overhead.py --rounds 5 --tokens 64 | tee bench/results/decode_overhead.txt
 	$(BIN)/python bench/warm_hit.py --rounds 7 --context 1024 | tee bench/results/warm_hit.txt
 	$(BIN)/python bench/ssd_restart.py --rounds 3 --context 4000 | tee bench/results/ssd_restart.txt
 	$(BIN)/python bench/speculative.py --rounds 3 --tokens 200 | tee bench/results/speculative.txt
 	$(BIN)/python bench/agent_replay.py | tee bench/results/agent_replay.txt
+	$(BIN)/python bench/report.py --write BENCHMARKS.md
 
 # 1,000 requests under a 48 MiB RAM cache; the RSS / cache-bytes curve goes to bench/results/soak_curve.json
 soak: venv blas model

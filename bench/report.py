@@ -1,14 +1,336 @@
-"""Print the markdown tables of BENCHMARKS.md from the JSON results in bench/results/.
+"""The generated sections of BENCHMARKS.md, from the JSON results in bench/results/.
 
-    python bench/report.py agent_replay bench/results/agent_replay.json
-    python bench/report.py warm_hit bench/results/warm_hit.json
+    python bench/report.py --write BENCHMARKS.md                   # regenerate every marked section in place
+    python bench/report.py warm_hit bench/results/warm_hit.json    # print one result's table
+
+A generated section sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`. Its content is rebuilt from the
+results matching bench/results/NAME*.json, newest first by their "date" (undated ones last): busy warnings from
+their preflight, the table of RENDERERS[NAME], then one provenance line per run shown (file, exact command, date,
+git rev, machine facts, preflight). Text outside the markers is never touched. A NAME with no results is left as
+it is (with a note on stderr); a NAME with results but no renderer gets a key/value table of the newest one.
+
+Registering a renderer: `RENDERERS["name"] = fn`, where fn(runs: list[Run]) -> str renders the newest run
+(runs[0]). `Renderer(fn, pattern=..., pick=...)` instead chooses the files (a glob in bench/results/) and which
+runs fn gets (`newest(n)`, `newest_per(key)`, `every`); `provenance=False` drops the warnings and provenance lines.
+
+About 500 lines on purpose: each section's renderer sits next to the registry and the marker rewrite, so adding a
+section is one function and one RENDERERS entry in this file.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import statistics
 import sys
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ROOT, busy_row  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One result file and its parsed JSON."""
+
+    path: Path
+    data: dict
+
+    @property
+    def date(self) -> str | None:
+        return self.data.get("date")
+
+    @property
+    def git_rev(self) -> str | None:
+        return self.data.get("git_rev") or self.data.get("git")  # ssd_restart.py wrote "git" before
+
+
+Pick = Callable[[list[Run]], list[Run]]
+
+
+def newest(n: int = 1) -> Pick:
+    return lambda runs: runs[:n]
+
+
+def newest_per(key: str) -> Pick:
+    """The newest run of each distinct value of data[key], newest first."""
+    def pick(runs: list[Run]) -> list[Run]:
+        seen: dict = {}
+        for r in runs:
+            seen.setdefault(r.data.get(key), r)
+        return list(seen.values())
+    return pick
+
+
+def every(runs: list[Run]) -> list[Run]:
+    return runs
+
+
+@dataclass(frozen=True)
+class Renderer:
+    render: Callable[[list[Run]], str]
+    pattern: str | None = None  # glob in bench/results/; None means NAME*.json
+    pick: Pick = newest(1)
+    provenance: bool = True
+
+
+def load_runs(pattern: str, results: Path = RESULTS) -> list[Run]:
+    runs = [Run(p, json.loads(p.read_text())) for p in results.glob(pattern)]
+    return sorted(runs, key=lambda r: (_date_key(r.date), r.path.name), reverse=True)
+
+
+def _date_key(date: str | None) -> str:
+    m = re.match(r"(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d)(:\d\d)?", date or "")
+    return f"{m[1]} {m[2]}{m[3] or ':00'}" if m else ""
+
+
+# ---------------------------------------------------------------------------------------------- number formatting
+
+def num(x, nd: int = 2, sep: bool = False) -> str:
+    """x rounded half-up to nd decimals, as written (JSON numbers are decimals: 0.745 -> 0.75, not 0.74)."""
+    d = Decimal(repr(x) if isinstance(x, float) else str(x)).quantize(Decimal(1).scaleb(-nd), ROUND_HALF_UP)
+    return f"{d:,}" if sep else str(d)
+
+
+def pct(x, nd: int = 0) -> str:
+    return num(Decimal(repr(x)) * 100, nd) + "%"
+
+
+def mr(text: str, nd: int = 2) -> str:
+    """Re-round a common.median_range string "m (lo-hi)"."""
+    m = re.fullmatch(r"\s*([-\d.]+) \(([-\d.]+)-([-\d.]+)\)\s*", text or "")
+    return f"{num(m[1], nd)} ({num(m[2], nd)}-{num(m[3], nd)})" if m else str(text)
+
+
+def spread(values: list, nd: int = 2) -> str:
+    """Per-round values: both when there are two or fewer, else min-max."""
+    if len(values) <= 2:
+        return ", ".join(num(v, nd) for v in sorted(values))
+    return f"{num(min(values), nd)}-{num(max(values), nd)}"
+
+
+def table(head: list[str], rows: list[list]) -> str:
+    def line(cells: list) -> str:
+        return "|" + "|".join(f" {c} " if str(c) else " " for c in cells) + "|"
+    return "\n".join([line(head), "|" + "---|" * len(head)] + [line(row) for row in rows])
+
+
+def rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+# ------------------------------------------------------------------------------------------------------ provenance
+
+def machine_line(m: dict | None, full: bool = False) -> str:
+    if not m:
+        return "machine not recorded"
+    blas = str(m.get("blas", "?")) if full else str(m.get("blas", "?")).split(" (")[0]
+    return (f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('ram_gib', '?')} GiB RAM, BLAS {blas}, "
+            f"mlx {m.get('mlx', '?')}, mlx-lm {m.get('mlx_lm', '?')}, Python {m.get('python', '?')}")
+
+
+def preflight_note(run: Run) -> str:
+    pf = run.data.get("preflight")
+    if not pf:
+        end = run.data.get("load_avg_end")
+        return "no preflight recorded" + (
+            f" (load average at the end {' / '.join(num(x) for x in end)})" if end else "")
+    state = "busy (warning above)" if pf.get("busy") else "quiet"
+    mem = pf.get("mem_available_mib")
+    return (f"preflight: {state}, load {' / '.join(num(x) for x in pf.get('load_avg', []))} on "
+            f"{pf.get('cores')} cores" + (f", {num(mem / 1024, 1)} GiB available" if mem is not None else "")
+            + (f", swap used {num(pf['swap_used_mib'], 0)} MiB" if pf.get("swap_used_mib") is not None else ""))
+
+
+def provenance(runs: list[Run]) -> str:
+    lines = []
+    for r in runs:
+        cmd = f"`{r.data['command']}`" if r.data.get("command") else "command not recorded"
+        lines.append(f"- `{rel(r.path)}`: {cmd}; {r.date or 'date not recorded'}; "
+                     f"git {r.git_rev or 'rev not recorded'}; {machine_line(r.data.get('machine'))}; "
+                     f"{preflight_note(r)}.")
+    return "\n".join(lines)
+
+
+def warnings(runs: list[Run]) -> str:
+    out = []
+    for r in runs:
+        for key, when in (("preflight", "before the measurement"), ("preflight_end", "at the end")):
+            row = busy_row(r.data.get(key) or {}, when=f"{when} of `{r.path.name}`")
+            if row:
+                out.append(row)
+    return "\n\n".join(out)
+
+
+def run_label(run: Run, i: int) -> str:
+    when = run.date[:16] + " UTC" if run.date else None
+    what = ", ".join(x for x in (f"git {run.git_rev}" if run.git_rev else None, when) if x) or \
+        f"`{run.path.name}`, undated"
+    busy = " (busy)" if (run.data.get("preflight") or {}).get("busy") else ""
+    return f"{'latest' if i == 0 else 'previous'}: {what}{busy}"
+
+
+# ------------------------------------------------------------------------------------------------------- renderers
+
+def render_machine(runs: list[Run]) -> str:
+    # the CPU suite's machine: GPU results describe another machine
+    facts = [r for r in runs if isinstance(r.data.get("machine"), dict) and not r.path.name.startswith("gpu")]
+    if not facts:
+        return "No result in bench/results/ records machine facts."
+    top, m = facts[0], facts[0].data["machine"]
+    differ = [r.path.name for r in facts[1:] if r.data["machine"] != m]
+    return (f"**Machine facts** of the newest result (`{rel(top.path)}`, {top.date or 'undated'}; "
+            f"`bench/common.py machine_facts`): {machine_line(m, full=True)}. "
+            + (f"Different on: {', '.join(differ)}." if differ else
+               f"The same in all {len(facts)} results that record machine facts."))
+
+
+def render_decode_overhead(runs: list[Run]) -> str:
+    d = [r.data for r in runs]
+
+    def ratio(x, i):
+        v = num(x["ratio_median"], 3)
+        return f"{f'**{v}**' if i == 0 else v} (per round {', '.join(num(y) for y in x['ratio_per_round'])})"
+    tokens = [f" ({x['tokens']} tokens)" if x.get("tokens") else "" for x in d]
+    return table([""] + [run_label(r, i) + tokens[i] for i, r in enumerate(runs)], [
+        ["served decode (tok/s)"] + [mr(x["served_tok_s"]) for x in d],
+        ["raw mlx_lm decode (tok/s)"] + [mr(x["raw_tok_s"]) for x in d],
+        ["**served / raw** (target >= 0.98)"] + [ratio(x, i) for i, x in enumerate(d)],
+    ])
+
+
+def render_warm_hit(runs: list[Run]) -> str:
+    d = [r.data for r in runs]
+    key = [mr(x["ttft_over_raw_step"]) for x in d]
+    return table([""] + [run_label(r, i) for i, r in enumerate(runs)], [
+        ["warm-hit TTFT, 1 new token (ms)"] + [mr(x["hit_ttft_ms"], 0) for x in d],
+        [f"one raw decode step at {num(d[0]['context_tokens'], 0, sep=True)} context (ms)"]
+        + [mr(x["raw_decode_step_ms"], 0) for x in d],
+        ["served inter-token time (ms)"] + [mr(x["served_inter_token_ms"], 0) for x in d],
+        ["**TTFT / raw decode step** (target <= 1.3)"] + [f"**{key[0]}**"] + key[1:],
+        ["TTFT / served inter-token time"] + [mr(x["ttft_over_served_inter_token"]) for x in d],
+    ])
+
+
+def render_ssd_restart(runs: list[Run]) -> str:
+    d, rounds = runs[0].data, runs[0].data.get("rounds") or []
+    wb = d["write_behind"]
+    cached = ", ".join(sorted({f"{num(r['cached_tokens'], 0, True)} of {num(r['prompt_tokens'], 0, True)}"
+                               for r in rounds}))
+    restored = [r for r in rounds if r.get("restore_mb_s") and r.get("restore_ms_last")]
+    mb = statistics.mean(r["restore_mb_s"] * r["restore_ms_last"] / 1000 for r in restored) if restored else None
+    ms = [r["restore_ms_last"] for r in restored]
+    ms_range = f"{num(min(ms), 0)}-{num(max(ms), 0)}" if ms else "?"
+    dd = [r for r in rounds if r.get("dd_mb_s")]
+    dropped = "" if all(r.get("page_cache_dropped") for r in rounds) else " (page cache NOT dropped on every round)"
+    return table(["", "median (min-max)"], [
+        ["next-turn TTFT after a restart (s)", mr(d["restart_ttft_s"]) + (f"; cached_tokens {cached}" if cached
+                                                                           else "")],
+        ["same next turn on a cold server (s)", mr(d["cold_ttft_s"])],
+        ["**restart / cold** (target <= 1.5%)", f"**{pct(d['restart_over_cold_median'], 1)}** (per round "
+         f"{', '.join(pct(x, 1) for x in d['restart_over_cold_per_round'])})"],
+        [f"restore: {num(mb, 0) if mb else '?'} MB in {ms_range} ms, MB/s (server's /stats)",
+         " / ".join(num(r["restore_mb_s"], 0, True) for r in restored) or "-"],
+        ["disk sequential read of the same file with `dd` after dropping the page cache, MB/s" + dropped,
+         " / ".join(num(r["dd_mb_s"], 0, True) for r in dd) or "-"],
+        ["**restore / dd** (target >= 0.5)", f"**{' / '.join(num(x) for x in d['restore_over_dd'])}**"
+         if d.get("restore_over_dd") else "-"],
+        ["decode tok/s, SSD tier on vs off", f"{mr(wb['on_tok_s'])} vs {mr(wb['off_tok_s'])}"],
+        ["**write-behind overhead: on / off** (target >= 0.98)",
+         f"**{num(wb['ratio_median'], 3)}** (per round {spread(wb['ratio_per_round'])})"],
+    ])
+
+
+SPEC_TARGETS = {"ngram": 2.0, "two-model": 1.5}
+SPEC_PROMPTS = {"repeat": '"repeat this file with one change"', "code": "coding prompt"}
+
+
+def render_speculative(runs: list[Run]) -> str:
+    rows = []
+    for x in (r.data for r in runs):
+        model = x["target"] + (f" + {Path(x['draft']).name} draft" if x.get("draft") else "")
+        label = (f"{'n-gram' if x['kind'] == 'ngram' else x['kind']}, {model}, k<={x['k']}"
+                 + (", fixed k" if x.get("policy") == "fixed" else "")
+                 + f", {SPEC_PROMPTS.get(x['prompt'], x['prompt'])}, {x['generated_tokens']} tokens, "
+                 f"{len(x['speedup_per_round'])} rounds")
+        target = SPEC_TARGETS.get(x["kind"])
+        verdict = f" (>= {target:g}x: {'met' if x['speedup_median'] >= target else 'missed'})" if target else ""
+        rows.append([label, mr(x["plain_tok_s"]), mr(x["spec_tok_s"]),
+                     f"**{num(x['speedup_median'])}x** ({spread(x['speedup_per_round'])}){verdict}",
+                     pct(x["acceptance_rate"]), pct(x["from_draft_share"]),
+                     "identical" if x.get("text_identical") else "DIFFERENT"])
+    return table(["", "plain tok/s", "speculative tok/s", "**speed-up** (target)", "acceptance",
+                  "tokens from drafts", "text"], rows)
+
+
+def render_quant(runs: list[Run]) -> str:
+    parts = []
+    for r in runs:
+        x = r.data
+        what = f"Model `{x.get('model')}`" + (f" (hidden {x['hidden_size']})" if x.get("hidden_size") else "")
+        if x.get("group_size"):
+            what += f", group size {x['group_size']}, rotation {x.get('rotation')}"
+        chk = x.get("rotation_float_check")
+        if chk:
+            what += (f"; the rotation alone on the float model: max |logit diff| {chk['max_abs_diff']:.1e} "
+                     f"(max |logit| {num(chk['max_abs_logit'], 1)}), "
+                     f"same argmax: {'yes' if chk['same_argmax'] else 'NO'}")
+        if x.get("seconds"):
+            what += f"; {num(x['seconds'], 0, True)} s"
+        parts.append(f"{what} (`{r.path.name}`):\n\n" + table(
+            ["config", "bpw", "size MB", "KL (nats)", "top-1", "ppl", "ppl float", "tokens"],
+            [[q["config"], "-" if q.get("bits_per_weight") is None else q["bits_per_weight"],
+              "-" if q.get("size_mb") is None else q["size_mb"], num(q["kl"], 4), num(q["top1"], 3),
+              num(q["ppl"], 3), num(q["ppl_float"], 3), q["tokens"]] for q in x["rows"]]))
+    return "\n\n".join(parts)
+
+
+def render_soak(runs: list[Run]) -> str:
+    d = runs[0].data
+    curve, final = d["curve"], d["final"]
+    at = {c["request"]: c["rss_mib"] for c in curve}
+    points = [p for p in dict.fromkeys((curve[0]["request"], 50, d["requests"] // 2, d["requests"])) if p in at]
+    return ("Written by `make soak` (tests/integration/test_cache_soak.py).\n\n" + table(["", "value"], [
+        [f"RAM tier bytes, max over the {len(curve)} sampled checks (every {curve[0]['request']}th request)",
+         f"{num(max(c['cache_bytes'] for c in curve), 0, True)} of {num(d['cap'], 0, True)} (the test asserts "
+         f"bytes <= cap after every request before it writes this file)"],
+        ["evictions / request hit rate / token hit rate",
+         f"{final['evictions']} / {num(final['request_hit_rate'], 3)} / {num(final['token_hit_rate'], 3)}"],
+        [f"RSS after {' / '.join(num(p, 0, True) for p in points)} requests (MiB)",
+         " / ".join(num(at[p], 0, True) for p in points)],
+    ]))
+
+
+def render_generic(runs: list[Run]) -> str:
+    """The newest run's scalar fields (one level of nesting flattened), for a NAME without its own renderer."""
+    skip = {"command", "date", "git_rev", "git", "machine", "preflight", "preflight_end", "records"}
+    rows = []
+
+    def add(key: str, v) -> None:
+        if isinstance(v, list) and (len(v) > 10 or any(isinstance(e, (dict, list)) for e in v)):
+            return
+        rows.append([key, json.dumps(v) if isinstance(v, (list, bool)) or v is None else str(v).replace("|", "\\|")])
+
+    for k, v in runs[0].data.items():
+        if k in skip:
+            continue
+        if isinstance(v, dict):
+            for k2, v2 in v.items():
+                if not isinstance(v2, dict):
+                    add(f"{k}.{k2}", v2)
+        else:
+            add(k, v)
+    return table(["key", "value"], rows)
 
 
 def agent_replay(res: dict) -> str:
@@ -84,14 +406,93 @@ def agent_replay(res: dict) -> str:
     return text
 
 
-def main() -> None:
-    kind, path = sys.argv[1], sys.argv[2]
-    res = json.load(open(path))
-    if kind == "agent_replay":
-        print(agent_replay(res))
-    else:
-        print(json.dumps({k: v for k, v in res.items() if k != "records"}, indent=2))
+RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
+    "machine": Renderer(render_machine, pattern="*.json", pick=every, provenance=False),
+    "decode_overhead": Renderer(render_decode_overhead, pick=newest(2)),
+    "warm_hit": Renderer(render_warm_hit, pick=newest(2)),
+    "ssd_restart": render_ssd_restart,
+    "speculative": Renderer(render_speculative, pick=lambda runs: sorted(  # n-gram row first
+        newest_per("kind")(runs), key=lambda r: r.data.get("kind") != "ngram")),
+    "quant": Renderer(render_quant, pick=lambda runs: sorted(  # quant.json, then quant_tiny.json
+        newest_per("model")(runs), key=lambda r: r.path.name)),
+    "soak": render_soak,
+    "agent_replay": lambda runs: agent_replay(runs[0].data),
+}
+
+
+def renderer(name: str) -> Renderer:
+    r = RENDERERS.get(name, render_generic)
+    return r if isinstance(r, Renderer) else Renderer(r)
+
+
+# ---------------------------------------------------------------------------------------------- BENCHMARKS.md
+
+OPEN = re.compile(r"<!-- bench:([\w.-]+) -->")
+SECTION = re.compile(r"<!-- bench:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /bench:(?P=name) -->", re.S)
+
+
+def section(name: str, results: Path = RESULTS) -> str | None:
+    """The generated content of section NAME, or None when no result matches."""
+    spec = renderer(name)
+    pattern = spec.pattern or f"{name}*.json"
+    runs = load_runs(pattern, results)
+    if not runs:
+        return None
+    shown = spec.pick(runs)
+    parts = [f"<!-- generated by `python bench/report.py --write BENCHMARKS.md` from {rel(results)}/{pattern}; "
+             "edits between the markers are overwritten -->"]
+    parts += [warnings(shown), spec.render(shown), provenance(shown)] if spec.provenance else [spec.render(shown)]
+    return "\n\n".join(p for p in parts if p)
+
+
+def rewrite(text: str, results: Path = RESULTS) -> tuple[str, list[str], list[str]]:
+    """(new text, sections regenerated, notes on sections left alone). Raises ValueError on broken markers."""
+    opened = OPEN.findall(text)
+    found = [m["name"] for m in SECTION.finditer(text)]
+    if opened != found or any(OPEN.search(m["body"]) for m in SECTION.finditer(text)):
+        raise ValueError(f"unbalanced or nested markers: opened {opened}, closed in order {found}")
+    done, notes = [], []
+
+    def sub(m: re.Match) -> str:
+        name = m["name"]
+        content = section(name, results)
+        if content is None:
+            notes.append(f"bench:{name}: no {rel(results)}/{renderer(name).pattern or name + '*.json'}; "
+                         "section left as it was")
+            return m[0]
+        done.append(name)
+        return f"<!-- bench:{name} -->\n{content}\n\n<!-- /bench:{name} -->"
+
+    return SECTION.sub(sub, text), done, notes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("name", nargs="?", help="print the table of one result file: NAME FILE")
+    ap.add_argument("file", nargs="?")
+    ap.add_argument("--write", metavar="MD", help="regenerate the marked sections of this markdown file in place")
+    ap.add_argument("--results", default=str(RESULTS), help="results folder (default bench/results)")
+    args = ap.parse_args()
+    if args.write:
+        path = Path(args.write)
+        old = path.read_text()
+        try:
+            new, done, notes = rewrite(old, Path(args.results))
+        except ValueError as e:
+            print(f"{path}: {e}", file=sys.stderr)
+            return 1
+        for note in notes:
+            print(note, file=sys.stderr)
+        if new != old:
+            path.write_text(new)
+        print(f"{path}: regenerated {', '.join(done) or 'nothing'}" + ("" if new != old else " (no change)"),
+              file=sys.stderr)
+        return 0
+    if not (args.name and args.file):
+        ap.error("give NAME FILE, or --write MD")
+    print(renderer(args.name).render([Run(Path(args.file), json.loads(Path(args.file).read_text()))]))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
