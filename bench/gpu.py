@@ -1,29 +1,28 @@
 """GPU benchmark (issue 6, item 3): mlx-lane on a random-weight Llama-3-8B-shaped bf16 model.
 
 Runs on the device machine (NVIDIA H200, MLX's CUDA build); `bench/gpu.sh` installs the carried wheels and calls
-this. Everything happens in one process run, in this order:
+this. Servers are plain `python -m server.cli serve` processes (tests.serverproc.ServerProc) sharing one
+MLX_LANE_HOME under OUT, so measured cache rates persist from server to server as across a user's restarts.
+Phases (--phases), in this order:
 
-  1. build the model on the spot (mlx_lm.models.llama, random normal weights * 0.02, bf16), save it as an mlx-lm
+  0. build the model on the spot (mlx_lm.models.llama, random normal weights * 0.02, bf16), save it as an mlx-lm
      directory (config.json + safetensors + the default model's tokenizer files) on tmpfs when there is room;
-  2. server A (RAM tier only): served decode tok/s (HTTP streaming) vs raw mlx_lm generate_step in this process,
-     alternated for --rounds rounds, same prompt length and token count, EOS suppressed on both sides;
-     raw mlx_lm cold prefill (TTFT) for each --lengths in this process (same-run baseline for the served cold);
-  3. server A: cold vs RAM-hit TTFT for each length (fresh random token-id prompt, then it + 1 token), alternated;
-  4. SSD tier: server B writes each length's KV (POST /admin/cache/flush, timed) -> write GB/s; the page cache of
-     the KV files is dropped; server C restarts on the same directory with the cost model on its priors (no
-     prefill measured yet) and is sent prompt + 1 token -> what it chose, restore GB/s, restart TTFT; a second pass
-     repeats it with this process's kernels warm (RAM cleared, page cache dropped again); server D restarts the same
-     way but first serves two unrelated 4k-token prompts (its prefill rate is measured) -> what it chose, restart
-     TTFT, and a warm second pass. Target: restart TTFT <= min(cold, restore);
-  5. if time is left (--deadline), cold TTFT with the server's default --prefill-chunk (512).
-
-Servers start through this file (`--serve-patched`) with workarounds for three server problems found on CUDA
-(see serve_patched; --patches picks them, --no-patch starts `python -m server.cli serve` as is).
+  decode: server A (RAM tier only): served decode tok/s (HTTP streaming) vs raw mlx_lm generate_step in this
+     process, alternated for --rounds rounds, same prompt length and token count, EOS suppressed on both sides;
+  ttft: raw mlx_lm cold prefill for each --lengths in this process, then server A: cold vs RAM-hit TTFT
+     (fresh random token-id prompt, then it + 1 token);
+  quant: `mlx-lane quantize`'s code path to 4-bit (group 64); raw decode bf16 vs 4-bit alternated; 4-bit served;
+  ssd / ssd_kv8 (bf16 KV / --kv-bits 8): server B writes each length's KV (timed POST /admin/cache/flush) ->
+     write GB/s, bytes per token; page cache dropped; server C restarts with --ssd-restore always -> restore
+     TTFT and GB/s, fresh process and warm; server D restarts with --ssd-restore auto on the rates B and C
+     persisted -> what the cost model chose on the first request after a restart. Target: restart TTFT <=
+     min(cold, restore).
 
 Results go to OUT/gpu.json (written after every phase), a log to OUT/gpu.log, server log tails to OUT/servers.log.
 
     bench/gpu.sh                                       # the H200 run (installs the carried wheels first)
-    python bench/gpu.py --out /tmp/g --shape tiny --lengths 256,1024 --dtype float32   # logic check on a CPU
+    python bench/gpu.py --out /tmp/g --shape tiny --lengths 256,1024 --dtype float32 --decode-tokens 16 \
+        --rounds 2 --quant-rounds 2                    # logic check on a CPU
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ REQUEST_TIMEOUT = 120.0  # the SmolLM2 tokenizer's ids: prompts use ids in [3, 4
 T0 = time.monotonic()
 R: dict = {"script": "bench/gpu.py", "started_unix": int(time.time())}
 OUT = Path(".")
+HOME = Path(".")  # MLX_LANE_HOME shared by this run's servers (set in main)
 LOG = None
 
 
@@ -237,156 +237,23 @@ def raw_run(model, prompt: list[int], max_tokens: int, eos: list[int]) -> dict:
 
 # ------------------------------------------------------------------------------------------------- served
 
-# Workaround for a server bug seen on CUDA (bench run of 2026-11-29): with the SSD tier on, the durability writer
-# thread enters `with mx.stream(<cpu stream>)` for its whole life before the lane starts, and MLX's default device
-# is process-wide, so `Engine.bind_stream` (`mx.new_stream(mx.default_device())` on the lane thread) gets a CPU
-# stream and the whole model runs on the CPU ("device cpu" in the start-up log line). The bench does not edit the
-# server: it starts it through this file (`--serve-patched`), which makes bind_stream pick the GPU when there is
-# one, and reports the same device in the start-up line and /stats. --no-patch runs the server unpatched.
-PATCH = True
-
-
-def _gpu_available() -> bool:
-    import mlx.core as mx
-
-    try:
-        return bool(mx.is_available(mx.gpu))
-    except Exception:
-        return mx.default_device().type == mx.DeviceType.gpu
-
-
-class _NoStreamSwitch:
-    """`mlx.core` for the SSD-tier modules, except that `mx.stream(s)` does nothing. MLX's default stream is
-    process-wide: the writer's life-long `with mx.stream(cpu)` and every prefetch/restore/demotion `with` flip the
-    lane's default device to the CPU (at start, and mid-request when an I/O thread leaves its `with` after the lane
-    entered its own). With this, those threads no longer touch the default: kvfile.load still reads on the explicit
-    CPU stream it is given; writes run on the default (GPU) stream."""
-
-    def __init__(self, mx):
-        self._mx = mx
-
-    def stream(self, s):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def __getattr__(self, name):
-        return getattr(self._mx, name)
-
-
-def serve_patched(argv: list[str]) -> int:
-    import mlx.core as mx
-
-    import models
-    import server.engine
-
-    patches = set(filter(None, os.environ.get("MLX_LANE_BENCH_PATCHES", "lane_stream").split(",")))
-    if "lane_stream" in patches and _gpu_available():
-        def bind_stream(self) -> None:
-            self.stream = mx.new_stream(mx.gpu)
-
-        server.engine.Engine.bind_stream = bind_stream
-        models.device_name = lambda: "gpu"
-    if "ssd_threads" in patches:
-        import cache.durability
-        import cache.ssd_store
-        import cache.tiered
-
-        for mod in (cache.durability, cache.ssd_store, cache.tiered):
-            mod.mx = _NoStreamSwitch(mx)
-    if "pending_bytes" in patches:
-        import cache.durability
-
-        dc = cache.durability.DurabilityCoordinator
-        orig_init = dc.__init__
-        budget = int(os.environ.get("MLX_LANE_BENCH_PENDING_BYTES", str(12 << 30)))
-
-        def init(self, store, **kw):
-            kw.setdefault("max_pending_bytes", budget)
-            orig_init(self, store, **kw)
-
-        dc.__init__ = init
-    from server.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-class PatchedServerProc:
-    """Like tests.serverproc.ServerProc, but the server runs through `serve_patched` (see above)."""
-
-    def __init__(self, *args: str, startup_timeout: float = 600.0):
-        import tempfile
-
-        from tests.serverproc import free_port
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="mlx-lane-", suffix=".log")[1])
-        # no OpenBLAS re-exec: it would restart `-m server.cli` without the patch (BLAS is unused on the GPU)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", MLX_LANE_BLAS_REEXEC="1")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-patched", "serve", "--port", str(self.port),
-               *args]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        self._wait_ready(startup_timeout)
-
-    def _wait_ready(self, timeout: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.proc.kill()
-        raise RuntimeError(f"server did not become ready in {timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-20000:]
-
-    def kill(self) -> int:
-        self.proc.kill()
-        self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-    def stop(self, timeout: float = 60.0) -> int:
-        import signal
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-
-def _plain_proc(*args: str):
-    from tests.serverproc import ServerProc
-
-    return ServerProc(*args, startup_timeout=600)
-
-
 class Server:
-    """One `python -m server.cli serve` (via tests.serverproc.ServerProc), with its start time and log."""
+    """One `python -m server.cli serve` (tests.serverproc.ServerProc, unpatched), with its start time and log.
+    Every server of a run shares one MLX_LANE_HOME, so measured cache rates persist from one to the next exactly
+    as they would across a user's restarts."""
 
     def __init__(self, name: str, *args: str):
+        from tests.serverproc import ServerProc
+
         self.name = name
         t = time.perf_counter()
-        self.proc = PatchedServerProc(*args, startup_timeout=600) if PATCH else _plain_proc(*args)
+        self.proc = ServerProc(*args, env={"MLX_LANE_HOME": str(HOME)}, startup_timeout=600)
         self.start_s = time.perf_counter() - t
         self.url = self.proc.url
-        log(f"server {name} up in {self.start_s:.1f}s: {' '.join(args)}")
+        first = next((ln for ln in self.proc.log().splitlines() if "| device " in ln), "")
+        log(f"server {name} up in {self.start_s:.1f}s: {' '.join(args)}\n    {first.strip()}")
         R.setdefault("servers", {})[name] = {"args": list(args), "start_s": round(self.start_s, 1),
-                                             "lane_stream_patch": PATCH}
+                                             "startup_line": first.strip()[-300:]}
 
     def stats(self) -> dict:
         import httpx
@@ -556,19 +423,30 @@ def phase_ttft(srv: Server, args, rng) -> None:
         save()
 
 
-def phase_ssd(args, model_dir: Path, kv_dir: Path, drop_all: bool, rng) -> None:
+def phase_ssd(args, model_dir: Path, kv_root: Path, drop_all: bool, rng, kv_bits: int | None = None) -> None:
+    """SSD tier for one KV scheme (bf16 KV, or --kv-bits 8): write, restart + forced restore, restart + auto.
+
+    B writes each length's KV (timed flush; B's own cold TTFT recorded). C restarts with `--ssd-restore always`:
+    restore TTFT with the page cache dropped, fresh process and again warm. D restarts with `--ssd-restore auto`
+    on the rates B and C measured (persisted in MLX_LANE_HOME/rates at their SIGTERM, as for a user): what the
+    cost model chose on the first request after a restart, and its TTFT."""
+    tag = "bf16_kv" if kv_bits is None else f"kv{kv_bits}"
+    kv_dir = kv_root / tag
+    shutil.rmtree(kv_dir, ignore_errors=True)
+    kv_dir.mkdir(parents=True)
     common = ["--model", str(model_dir), "--dtype", args.dtype, "--cache-bytes", args.cache_bytes,
-              "--ssd-cache", str(kv_dir), "--ssd-cache-bytes", "24G", "--write-behind-debounce", "3600",
+              "--ssd-cache", str(kv_dir), "--ssd-cache-bytes", "40G", "--write-behind-debounce", "3600",
               "--demote-idle", "0", "--prefill-chunk", str(args.prefill_chunk)]
-    S: dict = {"kv_dir": str(kv_dir), "kv_dir_fs": fs_type(str(kv_dir)), "lengths": {},
-               "patches": os.environ.get("MLX_LANE_BENCH_PATCHES", "lane_stream")}
-    R["ssd"] = S
+    if kv_bits:
+        common += ["--kv-bits", str(kv_bits)]
+    S: dict = {"kv_dir": str(kv_dir), "kv_dir_fs": fs_type(str(kv_dir)), "kv_bits": kv_bits, "lengths": {}}
+    R.setdefault("ssd", {})[tag] = S
     prompts = {L: rand_prompt(rng, L) for L in args.lengths}
 
-    # B: write each length's KV, timed through the flush endpoint
-    b = Server("B_write", *common)
+    b = Server(f"B_write_{tag}", *common)
     try:
         b.complete(rand_prompt(rng, min(4096, max(args.lengths))), 1)  # JIT warm-up
+        b.complete(rand_prompt(rng, min(4096, max(args.lengths))), 1)
         b.post("/admin/cache/flush?timeout=300")
         for L in args.lengths:
             c = b.complete(prompts[L], 1)
@@ -580,76 +458,99 @@ def phase_ssd(args, model_dir: Path, kv_dir: Path, drop_all: bool, rng) -> None:
             nbytes = (after.get("bytes") or 0) - (before.get("bytes") or 0)
             wms = after.get("write_ms_last") or 0
             row = {"cold_ttft_s": c["ttft_s"], "flush_status": r.status_code, "flush_s": round(dt, 3),
-                   "file_bytes": nbytes, "writes_delta": (after.get("writes") or 0) - (before.get("writes") or 0),
+                   "file_bytes": nbytes, "bytes_per_token": round(nbytes / L) if nbytes else None,
+                   "writes_delta": (after.get("writes") or 0) - (before.get("writes") or 0),
                    "write_ms_last": wms,
                    "write_gb_s_flush": round(nbytes / dt / 1e9, 3) if dt > 0 else None,
                    "write_gb_s_server": round(nbytes / (wms / 1e3) / 1e9, 3) if wms else None}
             S["lengths"].setdefault(str(L), {})["write"] = row
-            log(f"ssd write {L}: {nbytes / 1e9:.2f} GB, flush {dt:.2f}s, server write {wms:.0f} ms "
-                f"-> {row['write_gb_s_server']} GB/s")
+            log(f"[{tag}] cold {L}: {c['ttft_s']:.3f}s; ssd write {nbytes / 1e9:.2f} GB, flush {dt:.2f}s "
+                f"(HTTP {r.status_code}), server write {wms:.0f} ms -> {row['write_gb_s_server']} GB/s")
         S["after_write"] = ssd_block(b.stats())
+        S["kv_cache_stats"] = b.stats().get("kv_cache")
         save()
     finally:
-        b.stop()
+        b.stop()  # SIGTERM: persists the measured prefill rate; exit status recorded (0 expected)
 
-    # C: restart, cost model on its priors (nothing measured yet in this process)
     S["evict_before_C"] = evict_kv(kv_dir, drop_all)
-    c_srv = Server("C_restart_priors", *common)
+    c_srv = Server(f"C_restore_{tag}", *common, "--ssd-restore", "always")
     try:
         c_srv.complete([5, 6, 7, 8, 9, 10, 11, 12], 2)  # generation path warm-up, too short to feed the cost model
-        S["C_cost_model_at_start"] = ssd_block(c_srv.stats()).get("cost_model")
-        for tag in ("restart_priors", "restart_priors_pass2"):
-            if tag.endswith("pass2"):  # same files again, this process's kernels warm: RAM emptied, page cache dropped
+        for rtag in ("restore_fresh", "restore_warm"):
+            if rtag == "restore_warm":  # same files again, kernels warm: RAM emptied, page cache dropped again
                 c_srv.post("/admin/cache/clear")
-                S["evict_before_C_pass2"] = evict_kv(kv_dir, drop_all)
+                S["evict_before_C_warm"] = evict_kv(kv_dir, drop_all)
             for L in args.lengths:
                 r = c_srv.complete(prompts[L] + [rng.randrange(3, PROMPT_VOCAB)], 1)
                 st = ssd_block(c_srv.stats())
-                S["lengths"][str(L)][tag] = {**r, "ssd_after": st}
-                log(f"{tag} {L}: TTFT {r['ttft_s']:.3f}s cached {r['cached_tokens']} | restores "
-                    f"{st.get('restores')} restore_ms_last {st.get('restore_ms_last')} {st.get('restore_mb_s')} MB/s"
-                    f" | cost {st.get('cost_model')}")
+                S["lengths"][str(L)][rtag] = {**r, "restore_ms_last": st.get("restore_ms_last"),
+                                              "restore_mb_s": st.get("restore_mb_s"), "ssd_after": st}
+                log(f"[{tag}] {rtag} {L}: TTFT {r['ttft_s']:.3f}s cached {r['cached_tokens']} | restore "
+                    f"{st.get('restore_ms_last')} ms, {st.get('restore_mb_s')} MB/s")
             save()
     finally:
-        c_srv.stop(kill=True)  # nothing new to write (debounce 3600): a kill keeps the directory as B left it
+        c_srv.stop()  # SIGTERM: persists the measured read rate
 
-    # D: restart, two unrelated 4k prompts first so the cost model has measured this machine's prefill rate
     S["evict_before_D"] = evict_kv(kv_dir, drop_all)
-    d = Server("D_restart_measured", *common)
+    d = Server(f"D_auto_{tag}", *common)
     try:
+        S["D_cost_model_at_start"] = ssd_block(d.stats()).get("cost_model")
         d.complete([5, 6, 7, 8, 9, 10, 11, 12], 2)
-        for _ in range(2):
-            d.complete(rand_prompt(rng, min(4096, max(args.lengths))), 1)
-        S["D_cost_model_before"] = ssd_block(d.stats()).get("cost_model")
-        for tag in ("restart_measured", "restart_measured_pass2"):
-            if tag.endswith("pass2"):
-                d.post("/admin/cache/clear")
-                S["evict_before_D_pass2"] = evict_kv(kv_dir, drop_all)
-            for L in args.lengths:
-                r = d.complete(prompts[L] + [rng.randrange(3, PROMPT_VOCAB)], 1)
-                st = ssd_block(d.stats())
-                S["lengths"][str(L)][tag] = {**r, "ssd_after": st}
-                log(f"{tag} {L}: TTFT {r['ttft_s']:.3f}s cached {r['cached_tokens']} | cost {st.get('cost_model')}")
-            save()
+        for L in args.lengths:
+            before = ssd_block(d.stats()).get("cost_model") or {}
+            r = d.complete(prompts[L] + [rng.randrange(3, PROMPT_VOCAB)], 1)
+            cm = ssd_block(d.stats()).get("cost_model") or {}
+            chose = ("restore" if cm.get("decisions_restore", 0) > before.get("decisions_restore", 0)
+                     else "recompute")
+            S["lengths"][str(L)]["auto_fresh"] = {**r, "chose": chose, "cost_model": cm}
+            log(f"[{tag}] auto (fresh restart) {L}: chose {chose}, TTFT {r['ttft_s']:.3f}s cached "
+                f"{r['cached_tokens']} | cost {cm}")
+        save()
     finally:
         d.stop(kill=True)
 
 
-def phase_default_chunk(args, model_dir: Path, rng) -> None:
-    """Cold TTFT with the server's default --prefill-chunk (512), RAM tier only: what plain flags give."""
-    e = Server("E_default_chunk", "--model", str(model_dir), "--dtype", args.dtype, "--cache-bytes", args.cache_bytes,
-               "--no-ssd-cache")
-    out = {}
+def phase_quant_weights(args, model_dir: Path, rng, eos) -> None:
+    """Decode tok/s of bf16 vs 4-bit weights (`mlx-lane quantize`'s code path, group 64), raw mlx_lm in this
+    process, alternated; then the 4-bit model served (HTTP streaming) for the same prompts."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from models.quantize import QuantSpec, quantize_dir
+
+    qdir = model_dir.parent / (model_dir.name + "-4bit")
+    shutil.rmtree(qdir, ignore_errors=True)
+    t = time.perf_counter()
+    res = quantize_dir(str(model_dir), qdir, QuantSpec(bits=4, group_size=64))
+    Q: dict = {"quantize_s": round(time.perf_counter() - t, 1), "bits_per_weight": round(res.bits_per_weight, 3),
+               "safetensors_gb": round(sum(f.stat().st_size for f in qdir.glob("*.safetensors")) / 1e9, 2)}
+    R["quant_weights"] = Q
+    log(f"quantized to 4-bit in {Q['quantize_s']}s: {Q['bits_per_weight']} bpw, {Q['safetensors_gb']} GB")
+    models = {"bf16": load(str(model_dir))[0], "q4": load(str(qdir))[0]}
+    for m in models.values():
+        raw_run(m, rand_prompt(rng, args.decode_prompt), 64, eos)  # JIT warm-up
+    rates: dict = {"bf16": [], "q4": []}
+    for i in range(args.quant_rounds):
+        for who in (("bf16", "q4") if i % 2 == 0 else ("q4", "bf16")):
+            r = raw_run(models[who], rand_prompt(rng, args.decode_prompt), args.decode_tokens, eos)
+            rates[who].append(r["decode_tok_s"])
+            log(f"quant decode round {i} {who}: {r['decode_tok_s']:.1f} tok/s")
+    Q["raw_decode_tok_s"] = {k: summary(v) for k, v in rates.items()}
+    Q["q4_over_bf16"] = round(med(rates["q4"]) / med(rates["bf16"]), 3)
+    save()
+    del models
+    mx.clear_cache()
+    srv = Server("E_q4_served", "--model", str(qdir), "--cache-bytes", "8G", "--no-ssd-cache")
     try:
-        for L in args.lengths:
-            e.complete(rand_prompt(rng, L), 1)  # warm-up
-            ts = [e.complete(rand_prompt(rng, L), 1)["ttft_s"] for _ in range(2)]
-            out[str(L)] = summary(ts)
-            log(f"default --prefill-chunk 512, cold {L}: {ts}")
-            R["default_chunk_cold_ttft_s"] = out
-            save()
+        bias = {str(e): -100 for e in eos}
+        srv.complete(rand_prompt(rng, args.decode_prompt), 64, logit_bias=bias)
+        served = [srv.complete(rand_prompt(rng, args.decode_prompt), args.decode_tokens, logit_bias=bias)["decode_tok_s"]
+                  for _ in range(max(2, args.quant_rounds // 2))]
+        Q["served_q4_decode_tok_s"] = summary(served)
+        log(f"served 4-bit decode: {served}")
+        save()
     finally:
-        e.stop(kill=True)
+        srv.stop(kill=True)
 
 
 def guarded(name: str, fn, *a) -> None:
@@ -666,54 +567,57 @@ def guarded(name: str, fn, *a) -> None:
 
 
 def verdicts() -> None:
+    """Per KV scheme and length: cold (recompute) vs forced restore vs what auto chose on a fresh restart."""
     v = {}
-    for L, row in (R.get("ssd") or {}).get("lengths", {}).items():
-        cold = ((R.get("ttft") or {}).get(L) or {}).get("cold_s", {}).get("median")
-        pri = (row.get("restart_priors") or {})
-        restore_ttft = pri.get("ttft_s") if (pri.get("cached_tokens") or 0) > 0 else None
-        mea = (row.get("restart_measured") or {}).get("ttft_s")
-        best = min(x for x in (cold, restore_ttft) if x is not None) if (cold or restore_ttft) else None
-        v[L] = {"cold_median_s": cold, "restore_ttft_s": restore_ttft,
-                "restart_ttft_priors_s": pri.get("ttft_s"), "restart_ttft_measured_s": mea,
-                "min_cold_restore_s": best,
-                "measured_restart_within_10pct_of_min": (mea <= 1.1 * best) if (mea and best) else None,
-                "priors_restart_within_10pct_of_min": (pri.get("ttft_s") <= 1.1 * best)
-                if (pri.get("ttft_s") and best) else None}
+    for tag, S in (R.get("ssd") or {}).items():
+        for L, row in S.get("lengths", {}).items():
+            cold = ((R.get("ttft") or {}).get(L) or {}).get("cold_s", {}).get("median") if tag == "bf16_kv" else None
+            cold = cold or (row.get("write") or {}).get("cold_ttft_s")  # B's own cold prefill of that prompt
+            fresh = (row.get("restore_fresh") or {}).get("ttft_s")
+            warm = (row.get("restore_warm") or {}).get("ttft_s")
+            auto = row.get("auto_fresh") or {}
+            best = min(x for x in (cold, fresh) if x is not None) if (cold or fresh) else None
+            v[f"{tag}/{L}"] = {"cold_s": cold, "restore_fresh_s": fresh, "restore_warm_s": warm,
+                               "auto_chose": auto.get("chose"), "auto_ttft_s": auto.get("ttft_s"),
+                               "restore_beats_recompute": (fresh < cold) if (fresh and cold) else None,
+                               "auto_within_10pct_of_min_cold_restore": (auto["ttft_s"] <= 1.1 * best)
+                               if (auto.get("ttft_s") and best) else None}
     R["verdicts"] = v
 
 
 def main() -> int:
-    global OUT, LOG, PATCH
+    global OUT, LOG, HOME
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".bench" / "gpu-out")))
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--rounds", type=int, default=8, help="decode comparison rounds")
+    ap.add_argument("--quant-rounds", type=int, default=6, help="bf16 vs 4-bit decode rounds")
     ap.add_argument("--decode-prompt", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--ttft-reps", type=int, default=3)
     ap.add_argument("--raw-reps", type=int, default=2)
     ap.add_argument("--prefill-chunk", type=int, default=2048,
-                    help="server --prefill-chunk (2048 = mlx_lm's prefill step, as in the raw figures)")
+                    help="server --prefill-chunk (2048: the server's GPU default and mlx_lm's prefill step)")
     ap.add_argument("--cache-bytes", default="40G")
     ap.add_argument("--tokenizer-dir", default=str(ROOT / ".whl" / "tok"))
     ap.add_argument("--model-dir")
     ap.add_argument("--kv-dir")
-    ap.add_argument("--skip", default="", help="comma list of phases to skip: decode,ttft,ssd,default_chunk")
-    ap.add_argument("--deadline", type=float, default=420,
-                    help="seconds after which the optional last phase (default --prefill-chunk) is skipped")
-    ap.add_argument("--no-patch", action="store_true", help="start servers unpatched (see PATCH)")
-    ap.add_argument("--patches", default="lane_stream,ssd_threads,pending_bytes",
-                    help="server workarounds (see serve_patched): lane_stream, ssd_threads, pending_bytes")
+    ap.add_argument("--reuse-model", action="store_true",
+                    help="use the model already in --model-dir / the default place when its config.json exists")
+    ap.add_argument("--phases", default="decode,ttft,quant,ssd,ssd_kv8",
+                    help="comma list, in this order: decode, ttft, quant (4-bit weights), ssd (bf16 KV), "
+                         "ssd_kv8 (8-bit KV)")
     args = ap.parse_args()
-    PATCH = not args.no_patch
-    os.environ["MLX_LANE_BENCH_PATCHES"] = args.patches
     args.lengths = [int(x) for x in args.lengths.split(",")]
-    skip = set(filter(None, args.skip.split(",")))
+    phases = set(filter(None, args.phases.split(",")))
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)
     LOG = open(OUT / "gpu.log", "a")
+    HOME = OUT / "mlx-lane-home"
+    shutil.rmtree(HOME, ignore_errors=True)
+    HOME.mkdir(parents=True)
 
     import mlx.core as mx
     import mlx_lm
@@ -737,22 +641,28 @@ def main() -> int:
                  "kv_free_gib": round(free_gib(str(kv_dir)), 1), "drop_caches_spares_model": drop_all}
     save()
     rng = random.Random(1234)
-    model = build_model(model_dir, args.shape, args.dtype, tok_dir)
+    if args.reuse_model and (model_dir / "config.json").is_file():
+        from mlx_lm import load
+
+        model = load(str(model_dir))[0]
+        R.setdefault("notes", []).append(f"reused the model already in {model_dir}")
+    else:
+        model = build_model(model_dir, args.shape, args.dtype, tok_dir)
     eos = eos_ids(model_dir)
     R["eos_ids"] = eos
     save()
 
-    if not {"decode", "ttft"} <= skip:
+    if phases & {"decode", "ttft"}:
         a = Server("A_ram", "--model", str(model_dir), "--dtype", args.dtype, "--cache-bytes", args.cache_bytes,
                    "--no-ssd-cache", "--prefill-chunk", str(args.prefill_chunk))
         try:
-            if "decode" not in skip:
+            if "decode" in phases:
                 guarded("decode", phase_decode, a, model, args, rng, eos)
-            if "ttft" not in skip:
+            if "ttft" in phases:
                 guarded("raw_prefill", phase_raw_prefill, model, args, rng)
             del model
             mx.clear_cache()
-            if "ttft" not in skip:
+            if "ttft" in phases:
                 guarded("ttft", phase_ttft, a, args, rng)
             R["A_stats_end"] = {k: a.stats().get(k) for k in ("lane", "prompt_cache", "device", "dtype")}
         finally:
@@ -761,12 +671,12 @@ def main() -> int:
         del model
         mx.clear_cache()
     save()
-    if "ssd" not in skip:
+    if "quant" in phases:
+        guarded("quant", phase_quant_weights, args, model_dir, rng, eos)
+    if "ssd" in phases:
         guarded("ssd", phase_ssd, args, model_dir, kv_dir, drop_all, rng)
-    if "default_chunk" not in skip and time.monotonic() - T0 < args.deadline:
-        guarded("default_chunk", phase_default_chunk, args, model_dir, rng)
-    elif "default_chunk" not in skip:
-        R.setdefault("notes", []).append("default-chunk phase skipped: past --deadline")
+    if "ssd_kv8" in phases:
+        guarded("ssd_kv8", phase_ssd, args, model_dir, kv_dir, drop_all, rng, 8)
     verdicts()
     R["meminfo_at_end"] = meminfo()
     R["complete"] = True
@@ -776,6 +686,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--serve-patched":
-        sys.exit(serve_patched(sys.argv[2:]))
     sys.exit(main())
