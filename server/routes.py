@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from server.errors import APIError, InvalidRequest, ModelNotFound, PayloadTooLarge
 from server.jobrun import JobRun
 from server.jobs import Delta, Failed, Finished, Progress
+from server.lane import ShuttingDown
 from server.prompts import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     render_chat,
@@ -101,6 +102,15 @@ def _internal(ev: Failed) -> APIError:
     return APIError("The server failed while generating this response. The error was logged; please retry.")
 
 
+def _cut_short(run: JobRun, ev: Finished) -> APIError:
+    """The error that ends a response whose job was cancelled while its client was still reading: only the server
+    does that (a client that left reads nothing), when its --shutdown-timeout ran out (Lane.abort)."""
+    if run.lane.aborted:
+        return ShuttingDown(f"The server is shutting down: its --shutdown-timeout ended this response after "
+                            f"{ev.completion_tokens} tokens. Retry in a moment.", retry_after_s=5)
+    return APIError("The server cancelled this response. Please retry.", code="cancelled")
+
+
 def _prepare(state, request: Request, req, prompt: list[int], params, formatter, id_prefix: str):
     """Session, SSD prefetch (starts while the job waits for the lane), request id, formatter, job run."""
     session = session_of(request.headers.get("x-session-id"), req)
@@ -152,6 +162,8 @@ async def _collect(run: JobRun, stats, t0: float):
             lps.extend(ev.logprobs)
         elif isinstance(ev, Failed):
             raise _internal(ev)
+        elif isinstance(ev, Finished) and ev.finish_reason == "cancelled":
+            raise _cut_short(run, ev)
         elif isinstance(ev, Finished):
             stats.observe_e2e(time.monotonic() - t0)
             return "".join(parts), lps, ev
@@ -175,6 +187,9 @@ async def _chat_stream(run: JobRun, fmt: ChatFormatter, include_usage: bool, too
                     yield sse(fmt.content_chunk(text, list(ev.logprobs)))
             elif isinstance(ev, Failed):
                 yield sse(_internal(ev).body())
+                break
+            elif isinstance(ev, Finished) and ev.finish_reason == "cancelled":
+                yield sse(_cut_short(run, ev).body())  # then [DONE]: a well-formed end, not a cut connection
                 break
             elif isinstance(ev, Finished):
                 stats.observe_e2e(time.monotonic() - t0)
@@ -230,6 +245,9 @@ async def _completion_stream(run: JobRun, fmt: CompletionFormatter, include_usag
                     offset += len(ev.text)
             elif isinstance(ev, Failed):
                 yield sse(_internal(ev).body())
+                break
+            elif isinstance(ev, Finished) and ev.finish_reason == "cancelled":
+                yield sse(_cut_short(run, ev).body())
                 break
             elif isinstance(ev, Finished):
                 stats.observe_e2e(time.monotonic() - t0)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
 import os
 import sys
+import time
 
 import uvicorn
 
@@ -36,7 +39,7 @@ def build_state(args):
         from server.speculation import SpecTotals
 
         stats.spec = SpecTotals(engine.speculation.kind, engine.speculation.num_draft_tokens)
-    lane = Lane(engine, max_queue=args.max_queue)
+    lane = Lane(engine, max_queue=args.max_queue, token_delay_s=_token_delay_from_env())
     lane.start()
     lane.ready.wait()
     blas = blas_info()
@@ -82,7 +85,7 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int):
         return None
     root = os.path.expanduser(args.ssd_cache) if args.ssd_cache else str(mlx_lane_home() / "kv")
     max_bytes = default_ssd_cache_bytes(root) if args.ssd_cache_bytes is None else args.ssd_cache_bytes
-    store = SSDStore(root, fingerprint, max_bytes, before_rename=_write_delay_from_env())
+    store = SSDStore(root, fingerprint, max_bytes, before_rename=_write_seams_from_env())
     # pending snapshots mostly share arrays with RAM entries: a budget below the RAM cap would drop writes of
     # large prefixes (an 8B model's 16k-token entry is over 2 GiB) without saving memory
     durability = DurabilityCoordinator(store, debounce_s=args.write_behind_debounce,
@@ -131,17 +134,40 @@ def save_cost_model(fingerprint: str, cost) -> None:
         log.warning("could not save the measured cache rates to %s: %s", path, exc)
 
 
-def _write_delay_from_env():
-    """Test seam: MLX_LANE_TEST_WRITE_DELAY=<seconds> makes every SSD write pause that long between fsync and
-    rename, so a test can kill -9 the server while a `*.tmp` exists. Never set it in production."""
-    raw = os.environ.get("MLX_LANE_TEST_WRITE_DELAY")
-    if not raw:
-        return None
-    delay = float(raw)
-    log.warning("ssd cache writes slowed by %.1fs (MLX_LANE_TEST_WRITE_DELAY test seam)", delay)
-    import time
+def _write_seams_from_env():
+    """Test seams on the SSD writer, run between the temp file's fsync and its rename. Never set them in production.
 
-    return lambda: time.sleep(delay)
+    MLX_LANE_TEST_WRITE_DELAY=<seconds>  every write pauses that long, so a test can kill -9 the server while a
+                                         `*.tmp` exists.
+    MLX_LANE_TEST_DISK_FULL=<path>       while <path> exists, every write fails with ENOSPC, as on a full disk
+                                         (the temp file is removed and the error counted); delete it and the
+                                         space is back.
+    """
+    delay = float(os.environ.get("MLX_LANE_TEST_WRITE_DELAY") or 0)
+    full_flag = os.environ.get("MLX_LANE_TEST_DISK_FULL")
+    if delay:
+        log.warning("ssd cache writes slowed by %.1fs (MLX_LANE_TEST_WRITE_DELAY test seam)", delay)
+    if full_flag:
+        log.warning("ssd cache writes fail while %s exists (MLX_LANE_TEST_DISK_FULL test seam)", full_flag)
+    if not delay and not full_flag:
+        return None
+
+    def before_rename() -> None:
+        if delay:
+            time.sleep(delay)
+        if full_flag and os.path.exists(full_flag):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (MLX_LANE_TEST_DISK_FULL)")
+
+    return before_rename
+
+
+def _token_delay_from_env() -> float:
+    """Test seam: MLX_LANE_TEST_TOKEN_DELAY=<seconds> makes the lane pause after every generated token, so a
+    test can SIGTERM the server while streams are surely in flight. Never set it in production."""
+    delay = float(os.environ.get("MLX_LANE_TEST_TOKEN_DELAY") or 0)
+    if delay:
+        log.warning("generation slowed by %.2fs per token (MLX_LANE_TEST_TOKEN_DELAY test seam)", delay)
+    return delay
 
 
 def _speculation(args, loaded):
@@ -191,13 +217,50 @@ def _fault_hook_from_env(tokenizer):
     return hook
 
 
+# uvicorn's own graceful-shutdown timeout, past --shutdown-timeout: time for the lane to stop the jobs it was told
+# to cancel (one decode step or prefill chunk) and for their responses to send a final event. A backstop only.
+_CUT_GRACE_S = 5.0
+
+
 class GracefulServer(uvicorn.Server):
-    """uvicorn re-raises SIGTERM/SIGINT after a graceful shutdown (exit status -15); a
-    shutdown that was asked for and completed cleanly exits 0 instead."""
+    """Shutdown on SIGTERM/SIGINT:
+
+    1. uvicorn closes the listener and idle connections; the lane refuses new jobs (503 server_shutting_down);
+    2. queued and running requests go on, streams to their final chunk and `data: [DONE]`, for up to `drain_s`
+       (--shutdown-timeout);
+    3. past it, the lane cancels what is left: each response ends with a server_shutting_down error event and
+       `data: [DONE]` (a non-streaming one with a 503), not with a cut connection. uvicorn's own timeout
+       (`drain_s` + _CUT_GRACE_S) cancels whatever still hangs (a client that stopped reading);
+    4. the lifespan stops the lane and flushes the SSD tier (its own --shutdown-timeout; server.app).
+
+    A shutdown that was asked for and completed exits 0 (uvicorn re-raises the signal: status -15).
+    """
+
+    def __init__(self, config: uvicorn.Config, lane, drain_s: float):
+        super().__init__(config)
+        self.lane = lane
+        self.drain_s = drain_s
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
+
+    async def shutdown(self, sockets=None) -> None:
+        busy = self.lane.drain()
+        if busy:
+            log.info("shutdown: letting %d queued or running requests finish (up to %gs, --shutdown-timeout)",
+                     busy, self.drain_s)
+        expire = asyncio.get_running_loop().call_later(self.drain_s, self._drain_expired)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            expire.cancel()
+
+    def _drain_expired(self) -> None:
+        cut = self.lane.abort()
+        if cut:
+            log.warning("shutdown: --shutdown-timeout (%gs) expired; ending %d requests with a "
+                        "server_shutting_down error", self.drain_s, cut)
 
 
 def serve(args) -> int:
@@ -217,9 +280,9 @@ def serve(args) -> int:
     log.info("serving on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=args.shutdown_timeout + _CUT_GRACE_S, access_log=args.log_level == "debug",
     )
-    GracefulServer(config).run()
+    GracefulServer(config, state.lane, args.shutdown_timeout).run()
     if state.ssd is not None:
         save_cost_model(state.loaded.fingerprint, state.ssd.cost_model)
     # Shutdown is complete: the lane has stopped and the SSD tier was flushed (fsynced) in the lifespan.
