@@ -57,6 +57,8 @@ class Engine:
         self.fault_hook = None  # tests may set a callable(job) that raises inside a generation
         self._eos = set(self.tokenizer.eos_token_ids or [])
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        if kv_bits is not None:
+            self._check_kv_quantization()
         self.speculation = None  # server.speculation.Speculation when a draft is configured
         self.kv_bytes_per_token = 0.0  # of the last stored entry, all layers (see kv_stats)
 
@@ -72,6 +74,24 @@ class Engine:
             mx.eval(self.model(mx.array([[0, 1]]), cache=caches))
 
     # -- KV-cache quantization (issue 8; see kv_namespace below) ------------------------
+    def _check_kv_quantization(self) -> None:
+        """Refuse to start when this device's MLX cannot attend over a quantized KV cache.
+
+        Seen on the H200 (mlx-cuda 0.32.4): `quantized_matmul` has no CUDA kernel for the attention shapes
+        ("No implementation for problem shape"), so every request would fail with a 500. A few-token forward
+        (odd lengths, as real prompts have) on the default device finds out before the port opens."""
+        from models import ModelLoadError
+
+        caches = self._new_caches()
+        try:
+            for n in (3, 5):
+                mx.eval(self.model(mx.array([list(range(1, n + 1))]), cache=caches))
+        except (RuntimeError, ValueError) as exc:
+            raise ModelLoadError(
+                f"--kv-bits {self.kv_bits} is not supported by mlx {mx.__version__} on this device "
+                f"({mx.default_device()}): {str(exc).splitlines()[0][:200]}. Start without --kv-bits "
+                "(the KV cache then stays in the model's dtype).") from exc
+
     def _new_caches(self) -> list:
         caches = make_prompt_cache(self.model)
         return caches if self.kv_bits is None else _quantize_fresh(caches, self.kv_bits, self.kv_group_size)

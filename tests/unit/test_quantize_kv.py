@@ -109,3 +109,33 @@ def test_unquantizable_layers_stay_as_they_are():
     mixed = [KVCache(), RotatingKVCache(max_size=8)]
     out = _quantize_fresh(mixed, 8, 64)
     assert isinstance(out[0], QuantizedKVCache) and out[1] is mixed[1]
+
+
+def _engine(model_obj, bits):
+    from types import SimpleNamespace
+
+    from server.engine import Engine
+
+    loaded = SimpleNamespace(model=model_obj, tokenizer=SimpleNamespace(eos_token_ids=[2]), fingerprint=FP)
+    return Engine(loaded, prompt_cache=None, stats=None, kv_bits=bits, kv_group_size=32)
+
+
+def test_engine_starts_with_kv_bits_where_quantized_attention_works(model):
+    assert _engine(model, 8).kv_bits == 8
+
+
+def test_engine_refuses_kv_bits_where_the_device_cannot_attend_over_quantized_kv(model):
+    # what mlx-cuda 0.32.4 does on an H200: quantized_matmul has no kernel for the attention shapes
+    from models import ModelLoadError
+
+    class NoQuantizedAttention:
+        layers = model.layers
+
+        def __call__(self, tokens, cache=None):
+            if any(isinstance(c, QuantizedKVCache) for c in cache):
+                raise RuntimeError("[quantized_matmul] No implementation for problem shape: 2x2x128x32")
+            return model(tokens, cache=cache)
+
+    with pytest.raises(ModelLoadError, match="--kv-bits 8 is not supported.*Start without --kv-bits"):
+        _engine(NoQuantizedAttention(), 8)
+    assert _engine(NoQuantizedAttention(), None).kv_bits is None  # without --kv-bits nothing is probed
