@@ -510,6 +510,55 @@ def phase_ssd(args, model_dir: Path, kv_root: Path, drop_all: bool, rng, kv_bits
         d.stop(kill=True)
 
 
+def phase_kv_files(args, kv_root: Path, drop_all: bool) -> None:
+    """SSD restore of the KV of an 8B-shaped model, bf16 vs 8-bit (q8, group 64), at the file level: the cache
+    classes the server stores (mlx-lm KVCache / QuantizedKVCache, 32 layers x 8 KV heads x 128), written with
+    cache.kvfile.save (fsync), page cache dropped, read back with cache.kvfile.load as a restore does (on a CPU
+    stream). Measured here because the server cannot serve --kv-bits on this device (see the startup probe in
+    server/engine.py): no request-level TTFT, but the read that a restore TTFT consists of."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    from cache import kvfile
+
+    out: dict = {}
+    R["kv_files"] = out
+    d = kv_root / "kvfiles"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    cpu = mx.new_stream(mx.cpu)
+    for L in args.lengths:
+        for scheme in ("bf16", "q8g64"):
+            caches = []
+            for _ in range(32):
+                k = mx.random.normal((1, 8, L, 128), dtype=mx.bfloat16)
+                v = mx.random.normal((1, 8, L, 128), dtype=mx.bfloat16)
+                c = KVCache() if scheme == "bf16" else QuantizedKVCache(group_size=64, bits=8)
+                c.update_and_fetch(k, v)
+                mx.eval(c.state)
+                caches.append(c)
+            path = d / f"{scheme}-{L}.safetensors"
+            t = time.perf_counter()
+            nbytes = kvfile.save(path, list(range(L)), caches, fingerprint="f" * 64, ns="bench")
+            write_s = time.perf_counter() - t
+            del caches
+            mx.clear_cache()
+            reads = []
+            for _ in range(2):
+                evict_kv(d, drop_all)
+                t = time.perf_counter()
+                kvfile.load(path, stream=cpu)
+                reads.append(time.perf_counter() - t)
+            row = {"file_bytes": nbytes, "bytes_per_token": round(nbytes / L), "write_s": round(write_s, 3),
+                   "write_gb_s": round(nbytes / write_s / 1e9, 3), "read_s": summary(reads),
+                   "read_gb_s": round(nbytes / med(reads) / 1e9, 3)}
+            out.setdefault(str(L), {})[scheme] = row
+            log(f"kv file {scheme} {L}: {nbytes / 1e9:.2f} GB ({row['bytes_per_token']} B/token), write "
+                f"{write_s:.2f}s, read (page cache dropped) {reads}")
+            path.unlink()
+            save()
+
+
 def phase_quant_weights(args, model_dir: Path, rng, eos) -> None:
     """Decode tok/s of bf16 vs 4-bit weights (`mlx-lane quantize`'s code path, group 64), raw mlx_lm in this
     process, alternated; then the 4-bit model served (HTTP streaming) for the same prompts."""
@@ -606,9 +655,9 @@ def main() -> int:
     ap.add_argument("--kv-dir")
     ap.add_argument("--reuse-model", action="store_true",
                     help="use the model already in --model-dir / the default place when its config.json exists")
-    ap.add_argument("--phases", default="decode,ttft,quant,ssd,ssd_kv8",
+    ap.add_argument("--phases", default="decode,ttft,quant,ssd,ssd_kv8,kv_files",
                     help="comma list, in this order: decode, ttft, quant (4-bit weights), ssd (bf16 KV), "
-                         "ssd_kv8 (8-bit KV)")
+                         "ssd_kv8 (8-bit KV through the server), kv_files (bf16 vs 8-bit KV file write/read)")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     phases = set(filter(None, args.phases.split(",")))
@@ -677,6 +726,8 @@ def main() -> int:
         guarded("ssd", phase_ssd, args, model_dir, kv_dir, drop_all, rng)
     if "ssd_kv8" in phases:
         guarded("ssd_kv8", phase_ssd, args, model_dir, kv_dir, drop_all, rng, 8)
+    if "kv_files" in phases:
+        guarded("kv_files", phase_kv_files, args, kv_dir, drop_all)
     verdicts()
     R["meminfo_at_end"] = meminfo()
     R["complete"] = True
