@@ -69,10 +69,12 @@ bench: venv blas model
 	$(BIN)/python bench/agent_replay.py | tee bench/results/agent_replay.txt
 	$(BIN)/python bench/report.py --write BENCHMARKS.md
 
-# 1,000 requests under a 48 MiB RAM cache; the RSS / cache-bytes curve goes to bench/results/soak_curve.json
+# 1,000 requests under a 48 MiB RAM cache; the RSS / cache-bytes curve goes to bench/results/soak_curve.json.
+# Then 10 kill -9 trials during SSD writes (make test runs 3); -s prints where each kill landed.
 soak: venv blas model
 	MLX_LANE_SOAK_REQUESTS=1000 MLX_LANE_SOAK_CURVE=bench/results/soak_curve.json \
 		$(BIN)/python -m pytest -q tests/integration/test_cache_soak.py
+	MLX_LANE_KILL_TRIALS=10 $(BIN)/python -m pytest -q -s tests/reliability/test_kill_ssd.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
