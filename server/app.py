@@ -70,11 +70,14 @@ def create_app(state: ServerState) -> FastAPI:
         state.lane.stop()
         if state.ssd is not None:  # after the lane: its last put is scheduled before the flush starts
             durable = await asyncio.to_thread(state.ssd.close, state.shutdown_timeout_s)
-            left = len(state.ssd.pending())
-            if durable:
+            left = state.ssd.pending()  # also RAM entries no file covers: a write given up, a file evicted
+            if durable and not left:
                 log.info("ssd cache flushed: every cache entry is durable")
+            elif durable:
+                log.warning("ssd cache flushed; %d RAM entries have no file (a write that failed for good, or a "
+                            "file evicted by --ssd-cache-bytes): see /stats ssd_cache", len(left))
             else:
-                log.warning("ssd cache: %d entries not written within %.0fs (--shutdown-timeout)", left,
+                log.warning("ssd cache: %d entries not written within %.0fs (--shutdown-timeout)", len(left),
                             state.shutdown_timeout_s)
 
     app = FastAPI(title="mlx-lane", lifespan=lifespan, docs_url=None, redoc_url=None)
