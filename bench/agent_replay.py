@@ -1,15 +1,18 @@
-"""Agent replay: K interleaved coding-agent conversations x T turns, mlx-lane vs mlx_lm.server.
+"""Agent replay: K interleaved coding-agent conversations x T turns, mlx-lane vs its peers (bench/peers.py).
 
 Every conversation = one shared system prompt + its own task. Each turn appends the assistant's
 reply to the previous turn and a tool-output-sized user chunk (150-400 tokens of code / test
 logs / grep output, deterministic from --seed), then asks for --max-tokens tokens at
 temperature 0 (streamed, include_usage). Conversations go round-robin, so they interleave.
 
-Both servers are started by this script on free loopback ports on the same model directory
-(`mlx-lane serve --model DIR` and `python -m mlx_lm server --model DIR`, both with OpenBLAS
-preloaded). They are ALTERNATED PER REQUEST: every (turn, conversation) step is sent to both
-servers back to back, the order flipping every step; each server keeps its own conversation
-history (its own replies; the script reports whether the two replies ever differed).
+The servers (--servers: ours, mlx_lm, llama_cpp; see bench/peers.py) are started by this script on
+free loopback ports: mlx-lane and mlx_lm.server on the same converted directory (OpenBLAS preloaded),
+llama.cpp's server on the original GGUF with its prompt cache on. They are ALTERNATED PER REQUEST:
+every (turn, conversation) step is sent to every server back to back, the order rotating every step;
+each server keeps its own conversation history (its own replies; the script reports whether the
+replies ever differed). With --restart-after-turn N every server is restarted (SIGTERM, start
+again) after turn N: mlx-lane with its SSD tier on, llama.cpp with `--cache_type disk`, mlx_lm.server
+with nothing to keep. Peak RSS per server (VmHWM) is read before each stop.
 
 Measured per request: TTFT (request sent -> first non-empty content chunk), prompt tokens,
 cached tokens (each server's usage.prompt_tokens_details.cached_tokens), reusable tokens
@@ -20,7 +23,8 @@ prefill rate is measured in this process with raw mlx_lm (same model, OpenBLAS, 
 chunks) on the same conversations' new tokens at the same context offsets, interleaved with the
 replay (so it sees the same machine load).
 
-    python bench/agent_replay.py                      # K=16, T=6 (the issue's sizes)
+    python bench/agent_replay.py                      # K=16, T=6 (the issue's sizes), ours vs mlx_lm
+    python bench/agent_replay.py --servers ours,mlx_lm,llama_cpp --restart-after-turn 3
     python bench/agent_replay.py --convs 2 --turns 2  # quick check
 """
 
@@ -32,13 +36,13 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, ServerProc, ensure_blas_here, free_port, git_rev, machine_facts, sse_chunks
+import peers as peer_servers
+from common import ROOT, ensure_blas_here, git_rev, machine_facts, preflight, sse_chunks
 
 MODEL_DIR = Path.home() / ".cache" / "mlx-lane" / "models" / "SmolLM2-135M-Instruct"
 
@@ -182,35 +186,6 @@ def tool_chunk(rng: random.Random, tokenizer, lo: int = 150, hi: int = 400) -> s
 
 # ------------------------------------------------------------------------------------ servers
 
-def start_mlx_lm_server(model_dir: Path) -> tuple[subprocess.Popen, str, Path]:
-    from models.runtime import blas_preload_env, find_openblas
-
-    port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    lib = find_openblas()
-    if lib:
-        env = blas_preload_env(env, lib)
-    log = Path(tempfile.mkstemp(prefix="mlx-lm-server-", suffix=".log")[1])
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
-                             "--port", str(port), "--log-level", "WARNING"],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mlx_lm.server exited: {log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("mlx_lm.server did not come up")
-
-
 def stream_chat(client, url: str, messages: list[dict], max_tokens: int) -> dict:
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -298,7 +273,11 @@ def main() -> None:
     ap.add_argument("--calib-convs", type=int, default=2,
                     help="conversations whose new tokens are re-prefilled raw each turn for the rate (default 2)")
     ap.add_argument("--model-dir", default=str(MODEL_DIR))
-    ap.add_argument("--only", choices=["both", "ours", "mlx_lm"], default="both")
+    ap.add_argument("--servers", default="ours,mlx_lm",
+                    help=f"comma list of servers to compare, ours first (from: {', '.join(peer_servers.ALL)})")
+    ap.add_argument("--restart-after-turn", type=int, default=0,
+                    help="restart every server after this turn (0 = never); mlx-lane then runs with its SSD tier "
+                         "and llama.cpp with --cache_type disk")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_replay.json"))
     ap.add_argument("--plot", default=str(ROOT / "bench" / "agent_replay_ttft.png"))
     ap.add_argument("--from-log", help="rebuild the results from the per-request lines of an interrupted run's "
@@ -319,18 +298,15 @@ def main() -> None:
     tasks = [TASKS[k % len(TASKS)] + ("" if k < len(TASKS) else f" (variant {k // len(TASKS)})") for k in range(K)]
     chunks = [[tool_chunk(rng, tokenizer, args.chunk_min, args.chunk_max) for _ in range(T)] for _ in range(K)]
 
-    servers: dict[str, str] = {}
-    procs = []
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    workdir = Path(tempfile.mkdtemp(prefix="agent-replay-"))
+    peers = {p.name: p for p in peer_servers.make(names, workdir, persistent=args.restart_after_turn > 0)}
     t_start = time.perf_counter()
-    if args.only in ("both", "ours"):
-        ours = ServerProc("--model", str(model_dir), "--log-level", "warning")
-        procs.append(("ours", ours))
-        servers["ours"] = ours.url
-    if args.only in ("both", "mlx_lm"):
-        p, url, log = start_mlx_lm_server(model_dir)
-        procs.append(("mlx_lm", p))
-        servers["mlx_lm"] = url
-    names = list(servers)
+    for p in peers.values():
+        p.start()
+    servers = {n: p.url for n, p in peers.items()}
+    restarts: dict[str, float] = {}
+    pf = preflight()
     histories = {n: [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in range(K)] for n in names}
     seen = {n: [] for n in names}  # earlier prompt and prompt+completion token lists per server
     raws = [RawPrefill(model) for _ in range(min(args.calib_convs, K))]
@@ -350,7 +326,7 @@ def main() -> None:
         replay_t0 = time.perf_counter()
         for t in range(T):
             for k in range(K):
-                order = names if step % 2 == 0 else names[::-1]
+                order = names[step % len(names):] + names[:step % len(names)]
                 step += 1
                 texts = {}
                 for n in order:
@@ -374,11 +350,12 @@ def main() -> None:
                     texts[n] = r["text"]
                     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                     rec = {"server": n, "conv": k, "turn": t + 1, "step": step, "ttft_s": round(r["ttft"], 4),
+                           "after_restart": args.restart_after_turn > 0 and t + 1 == args.restart_after_turn + 1,
                            "total_s": round(r["total"], 4), "prompt_tokens": len(prompt),
                            "server_prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": cached,
                            "reusable_tokens": reuse, "new_tokens": len(prompt) - reuse}
                     records.append(rec)
-                    print(f"t{t + 1} c{k:02d} {n:6s} prompt {len(prompt):5d} reusable {reuse:5d} "
+                    print(f"t{t + 1} c{k:02d} {n:9s} prompt {len(prompt):5d} reusable {reuse:5d} "
                           f"cached {cached!s:>5} ttft {r['ttft']:7.2f}s total {r['total']:7.2f}s", flush=True)
                 if len(set(texts.values())) > 1:
                     replies_differ += 1
@@ -388,22 +365,20 @@ def main() -> None:
                     prompt = tokenizer.apply_chat_template(histories[names[0]][k][:-1], add_generation_prompt=True)
                     n_new, dt = raw.measure(prompt)
                     rates.setdefault(t + 1, []).append(n_new / dt)
-                    print(f"t{t + 1} c{k:02d} raw    new {n_new:5d} prefill {dt:7.2f}s = {n_new / dt:6.1f} tok/s",
+                    print(f"t{t + 1} c{k:02d} raw       new {n_new:5d} prefill {dt:7.2f}s = {n_new / dt:6.1f} tok/s",
                           flush=True)
+            if t + 1 == args.restart_after_turn and t + 1 < T:
+                for n in names:
+                    restarts[n] = round(peers[n].restart(), 2)
+                    servers[n] = peers[n].url
+                    print(f"restart {n}: ready again in {restarts[n]:.1f}s", flush=True)
         replay_wall = time.perf_counter() - replay_t0
         if "ours" in servers:
             stats = client.get(servers["ours"] + "/stats", timeout=30).json()
     finally:
         client.close()
-        for n, p in procs:
-            if n == "ours":
-                p.stop()
-            else:
-                p.terminate()
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        for p in peers.values():
+            p.stop()
 
     summary, ratios = summarize(records, rates, names, T)
     result = {
@@ -412,10 +387,16 @@ def main() -> None:
         "git_rev": git_rev(),
         "machine": machine_facts(),
         "load_avg_end": os.getloadavg(),
+        "preflight": pf,
+        "preflight_end": preflight(),
         "config": {"convs": K, "turns": T, "max_tokens": args.max_tokens, "chunk_tokens": [args.chunk_min, args.chunk_max],
                    "seed": args.seed, "system_prompt_tokens": len(tokenizer.encode(SYSTEM_PROMPT)),
-                   "alternation": "per request: each (turn, conversation) step goes to both servers back to back, "
-                                  "order flipped every step"},
+                   "servers": {n: peers[n].label for n in names},
+                   "restart_after_turn": args.restart_after_turn,
+                   "alternation": "per request: each (turn, conversation) step goes to every server back to back, "
+                                  "order rotated every step"},
+        "restart_ready_s": restarts,
+        "peak_rss_mib": {n: round(p.peak_rss_mib, 1) if p.peak_rss_mib else None for n, p in peers.items()},
         "raw_prefill_tok_s_by_turn": {t: [round(x, 1) for x in v] for t, v in rates.items()},
         "replay_wall_s": round(replay_wall, 1),
         "script_wall_s": round(time.perf_counter() - t_start, 1),
@@ -432,13 +413,13 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "records"}, indent=2))
     print(f"wrote {out}")
     try:
-        plot(records, names, K, Path(args.plot))
+        plot(records, names, K, Path(args.plot), args.restart_after_turn)
         print(f"wrote {args.plot}")
     except ImportError:
         print("matplotlib not installed: no plot")
 
 
-_LINE = re.compile(r"t(\d+) c(\d+) (ours|mlx_lm)\s+prompt\s+(\d+) reusable\s+(\d+) cached\s+(\S+) "
+_LINE = re.compile(r"t(\d+) c(\d+) (ours|mlx_lm|llama_cpp)\s+prompt\s+(\d+) reusable\s+(\d+) cached\s+(\S+) "
                    r"ttft\s+([\d.]+)s total\s+([\d.]+)s")
 _RAW = re.compile(r"t(\d+) c(\d+) raw\s+new\s+(\d+) prefill\s+([\d.]+)s")
 
@@ -449,7 +430,7 @@ def from_log(args) -> None:
         m = _LINE.match(line)
         if m:
             t, k, n, prompt, reuse, cached, ttft, total = m.groups()
-            records.append({"server": n, "conv": int(k), "turn": int(t), "step": len(records) // 2 + 1,
+            records.append({"server": n, "conv": int(k), "turn": int(t), "step": None,
                             "ttft_s": float(ttft), "total_s": float(total), "prompt_tokens": int(prompt),
                             "server_prompt_tokens": None, "cached_tokens": None if cached == "None" else int(cached),
                             "reusable_tokens": int(reuse), "new_tokens": int(prompt) - int(reuse)})
@@ -457,7 +438,7 @@ def from_log(args) -> None:
         if m:
             t, _k, n_new, dt = m.groups()
             rates.setdefault(int(t), []).append(int(n_new) / float(dt))
-    names = [n for n in ("ours", "mlx_lm") if any(r["server"] == n for r in records)]
+    names = [n for n in peer_servers.ALL if any(r["server"] == n for r in records)]
     K = max(r["conv"] for r in records) + 1
     complete = [t for t in sorted({r["turn"] for r in records})
                 if all(sum(1 for r in records if r["turn"] == t and r["server"] == n) == K for n in names)]
@@ -520,34 +501,43 @@ def summarize(records: list[dict], rates: dict, names: list[str], T: int) -> tup
             "mean_ttft_over_ideal": round(statistics.mean(ttft) / statistics.mean(ideal), 3) if ideal else None,
             "prompt_token_mismatches": sum(1 for r in rs if r["server_prompt_tokens"] not in (None, r["prompt_tokens"])),
         }
+        after = [r["ttft_s"] for r in rs if r.get("after_restart")]
+        if after:
+            summary[n]["ttft_mean_after_restart_s"] = round(statistics.mean(after), 3)
+            summary[n]["ttft_p95_after_restart_s"] = round(pct(after, 0.95), 3)
     ratios = {}
-    if len(names) == 2:
+    if "ours" in names:
         ours_r = {(r["conv"], r["turn"]): r for r in records if r["server"] == "ours"}
-        peer_r = {(r["conv"], r["turn"]): r for r in records if r["server"] == "mlx_lm"}
-        per_step = [ours_r[key]["ttft_s"] / peer_r[key]["ttft_s"] for key in ours_r]
-        ratios = {
-            "mean_ttft_ours_over_mlx_lm": round(summary["ours"]["ttft_mean_s"] / summary["mlx_lm"]["ttft_mean_s"], 3),
-            "p95_ttft_ours_over_mlx_lm": round(summary["ours"]["ttft_p95_s"] / summary["mlx_lm"]["ttft_p95_s"], 3),
-            "per_request_ratio_median": round(statistics.median(per_step), 3),
-            "per_request_ratio_min": round(min(per_step), 3),
-            "per_request_ratio_max": round(max(per_step), 3),
-            "per_request_ratio_later_turns_median": (round(statistics.median(
-                ours_r[key]["ttft_s"] / peer_r[key]["ttft_s"] for key in ours_r if key[1] > 1), 3) if T > 1 else None),
-            "total_time_ours_over_mlx_lm": round(summary["ours"]["total_request_time_s"]
-                                                 / summary["mlx_lm"]["total_request_time_s"], 3),
-        }
+        for peer in (n for n in names if n != "ours"):
+            peer_r = {(r["conv"], r["turn"]): r for r in records if r["server"] == peer}
+            keys = [key for key in ours_r if key in peer_r]
+            per_step = [ours_r[key]["ttft_s"] / peer_r[key]["ttft_s"] for key in keys]
+            later = [ours_r[key]["ttft_s"] / peer_r[key]["ttft_s"] for key in keys if key[1] > 1]
+            so, sp = summary["ours"], summary[peer]
+            ratios[peer] = {
+                "mean_ttft_ours_over_peer": round(so["ttft_mean_s"] / sp["ttft_mean_s"], 3),
+                "p95_ttft_ours_over_peer": round(so["ttft_p95_s"] / sp["ttft_p95_s"], 3),
+                "per_request_ratio_median": round(statistics.median(per_step), 3),
+                "per_request_ratio_min": round(min(per_step), 3),
+                "per_request_ratio_max": round(max(per_step), 3),
+                "per_request_ratio_later_turns_median": round(statistics.median(later), 3) if later else None,
+                "total_time_ours_over_peer": round(so["total_request_time_s"] / sp["total_request_time_s"], 3),
+            }
+            if so.get("ttft_mean_after_restart_s") and sp.get("ttft_mean_after_restart_s"):
+                ratios[peer]["after_restart_mean_ttft_ours_over_peer"] = round(
+                    so["ttft_mean_after_restart_s"] / sp["ttft_mean_after_restart_s"], 3)
     return summary, ratios
 
 
-def plot(records, names, K, path: Path) -> None:
+def plot(records, names, K, path: Path, restart_after: int = 0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {"ours": "tab:blue", "mlx_lm": "tab:orange"}
-    labels = {"ours": "mlx-lane", "mlx_lm": "mlx_lm.server"}
+    colors = {"ours": "tab:blue", "mlx_lm": "tab:orange", "llama_cpp": "tab:green"}
+    labels = {"ours": "mlx-lane", "mlx_lm": "mlx_lm.server", "llama_cpp": "llama.cpp server (Q4_1 GGUF)"}
     for n in names:
         rs = sorted((r for r in records if r["server"] == n), key=lambda r: (r["turn"], r["conv"]))
         a1.plot(range(len(rs)), [r["ttft_s"] for r in rs], ".-", lw=0.6, color=colors[n], label=labels[n])
@@ -562,6 +552,9 @@ def plot(records, names, K, path: Path) -> None:
                 "k--", label="ideal (new tokens / raw prefill rate)")
     for t in range(1, max(r["turn"] for r in records)):
         a1.axvline(t * K - 0.5, color="grey", lw=0.4)
+    if restart_after:
+        a1.axvline(restart_after * K - 0.5, color="red", lw=1.2, ls="--", label="restart of every server")
+        a2.axvline(restart_after + 0.5, color="red", lw=1.2, ls="--", label="restart")
     a1.set_xlabel(f"request (turn-major, {K} conversations per turn)")
     a1.set_ylabel("TTFT (s)")
     a1.set_title("TTFT per request")
@@ -571,7 +564,7 @@ def plot(records, names, K, path: Path) -> None:
     for a in (a1, a2):
         a.grid(alpha=0.3)
         a.legend()
-    fig.suptitle("agent replay, SmolLM2-135M-Instruct fp32, 2-core CPU (shared machine)")
+    fig.suptitle("agent replay, SmolLM2-135M-Instruct (fp32 for MLX servers), 2-core CPU")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
