@@ -1,0 +1,135 @@
+"""Single-request speed, one request at a time: cold prefill tok/s and decode tok/s of each server (bench/peers.py).
+
+Every round sends to every server, the order rotating each round:
+  prefill  a ~N-token prompt no server has seen (a unique first line), max_tokens 1, streamed:
+           prefill tok/s = prompt tokens / time to the first streamed chunk with content or a finish reason;
+  decode   a short prompt, --decode-tokens tokens at temperature 0 with the EOS token banned (logit_bias -100),
+           streamed: decode tok/s = (tokens - 1) / (last token time - first token time); tokens from the usage
+           chunk where the server sends one, else the number of content chunks (llama-cpp-python streams one
+           token per chunk and sends no usage).
+Prompt tokens are counted with the default model's tokenizer and chat template (llama.cpp applies the same
+template from the GGUF). Peak RSS (VmHWM) of each server is read when it stops.
+
+    python bench/single_request.py --servers ours,mlx_lm,llama_cpp --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import peers as peer_servers
+from common import ROOT, ensure_blas_here, preflight, run_record, sse_chunks, write_result
+
+FILLER = ("The build system reads the manifest, resolves every dependency to a pinned version, fetches what is "
+          "missing into the local cache and then compiles each package in topological order. ")
+
+
+def stream(client, url: str, messages: list[dict], max_tokens: int, logit_bias: dict | None = None) -> dict:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if logit_bias:
+        body["logit_bias"] = logit_bias
+    stamps, usage, first = [], None, None
+    for elapsed, chunk in sse_chunks(client, url + "/v1/chat/completions", body, timeout=1200):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for ch in chunk.get("choices") or []:
+            if (ch.get("delta") or {}).get("content"):
+                stamps.append(elapsed)
+            if first is None and ((ch.get("delta") or {}).get("content") or ch.get("finish_reason")):
+                first = elapsed
+    n = (usage or {}).get("completion_tokens") or len(stamps)
+    rate = (n - 1) / (stamps[-1] - stamps[0]) if n > 1 and len(stamps) > 1 and stamps[-1] > stamps[0] else None
+    return {"ttft_s": first, "decode_tok_s": rate, "completion_tokens": n, "usage": usage}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", default="ours,mlx_lm,llama_cpp")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=1000)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "single_request.json"))
+    args = ap.parse_args()
+    ensure_blas_here()
+
+    import httpx
+    from mlx_lm.utils import load_tokenizer
+
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    workdir = Path(tempfile.mkdtemp(prefix="single-request-"))
+    servers = peer_servers.make(names, workdir)
+    tokenizer = load_tokenizer(servers[0].model_dir if hasattr(servers[0], "model_dir") else peer_servers.default_paths()[0])
+    eos = sorted(int(e) for e in (tokenizer.eos_token_ids or []))
+    filler = FILLER * (args.prompt_tokens // 30 + 2)
+    rows: list[dict] = []
+    for s in servers:
+        s.start()
+    pf = preflight()
+    client = httpx.Client()
+    try:
+        for s in servers:  # warm-up: kernels, allocator, the server's own first-request costs
+            stream(client, s.url, [{"role": "user", "content": "Say hi."}], 4)
+        for i in range(args.rounds):
+            order = servers[i % len(servers):] + servers[:i % len(servers)]
+            for s in order:
+                # a first line no server has seen: no prefix cache can serve this prompt
+                text = f"Round {i} for {s.name} at {time.time_ns()}: summarise this log.\n" + filler
+                ids = tokenizer.encode(text)[: args.prompt_tokens]
+                msgs = [{"role": "user", "content": tokenizer.decode(ids)}]
+                n_prompt = len(tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+                p = stream(client, s.url, msgs, 1)
+                d = stream(client, s.url, [{"role": "user", "content": f"Write a long story about a lighthouse "
+                                            f"keeper (version {i})."}], args.decode_tokens,
+                           logit_bias={str(e): -100 for e in eos})
+                row = {"round": i, "server": s.name, "prompt_tokens": n_prompt, "prefill_ttft_s": round(p["ttft_s"], 3),
+                       "prefill_tok_s": round(n_prompt / p["ttft_s"], 1), "decode_tok_s": round(d["decode_tok_s"], 2)
+                       if d["decode_tok_s"] else None, "decode_tokens": d["completion_tokens"],
+                       "cached_tokens": ((p["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
+                rows.append(row)
+                print(f"round {i} {s.name:9s} prefill {n_prompt} tokens in {p['ttft_s']:.2f}s = "
+                      f"{row['prefill_tok_s']:.1f} tok/s | decode {row['decode_tok_s']} tok/s "
+                      f"({d['completion_tokens']} tokens)", flush=True)
+    finally:
+        client.close()
+        for s in servers:
+            s.stop()
+
+    summary = {}
+    for s in servers:
+        rs = [r for r in rows if r["server"] == s.name]
+        pre = [r["prefill_tok_s"] for r in rs]
+        dec = [r["decode_tok_s"] for r in rs if r["decode_tok_s"]]
+        summary[s.name] = {
+            "label": s.label,
+            "prefill_tok_s": {"median": statistics.median(pre), "min": min(pre), "max": max(pre)},
+            "decode_tok_s": {"median": statistics.median(dec), "min": min(dec), "max": max(dec)} if dec else None,
+            "peak_rss_mib": round(s.peak_rss_mib, 1) if s.peak_rss_mib else None,
+        }
+    ratios = {}
+    if "ours" in summary:
+        for n, v in summary.items():
+            if n != "ours":
+                o = summary["ours"]
+                ratios[n] = {"prefill_ours_over_peer": round(o["prefill_tok_s"]["median"] / v["prefill_tok_s"]["median"], 3),
+                             "decode_ours_over_peer": round(o["decode_tok_s"]["median"] / v["decode_tok_s"]["median"], 3)
+                             if o["decode_tok_s"] and v["decode_tok_s"] else None,
+                             "peak_rss_ours_over_peer": round(o["peak_rss_mib"] / v["peak_rss_mib"], 3)
+                             if o["peak_rss_mib"] and v["peak_rss_mib"] else None}
+    result = {**run_record(), "preflight": pf, "preflight_end": preflight(),
+              "config": {"servers": {s.name: s.label for s in servers}, "rounds": args.rounds,
+                         "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
+                         "alternation": "every round sends to every server, order rotated each round"},
+              "summary": summary, "ratios": ratios, "rows": rows}
+    write_result(result, args.out)
+    import json
+
+    print(json.dumps({k: result[k] for k in ("summary", "ratios")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
