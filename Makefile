@@ -55,10 +55,13 @@ test-deps: venv
 test: venv blas model test-deps
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
-# CPU benchmarks, each alternated against its peer in one run; each script writes its JSON (with a preflight of
+# CPU benchmarks, each alternated against its peers in one run; each script writes its JSON (with a preflight of
 # the machine's load, memory and busiest processes) into bench/results/, then report.py regenerates the
-# <!-- bench:NAME --> sections of BENCHMARKS.md from them (the agent replay against mlx_lm.server takes the
-# longest). pipefail: a failed script stops the run instead of hiding behind tee.
+# <!-- bench:NAME --> sections of BENCHMARKS.md from them. The peers: mlx_lm.server, and llama.cpp's server
+# (bench/llamacpp_peer.sh compiles llama-cpp-python once, ~19 min on 2 cores, kept under ~/.cache/mlx-lane/bench).
+# Whole run: about 1.5 h on 2 cores (the agent replays take the longest). pipefail: a failed script stops the
+# run instead of hiding behind tee. AGENT_REPLAY sets the replay's size.
+AGENT_REPLAY ?= --convs 8 --turns 6
 bench: SHELL := bash
 bench: .SHELLFLAGS := -o pipefail -c
 bench: venv blas model
@@ -66,7 +69,12 @@ bench: venv blas model
 	$(BIN)/python bench/warm_hit.py --rounds 7 --context 1024 | tee bench/results/warm_hit.txt
 	$(BIN)/python bench/ssd_restart.py --rounds 3 --context 4000 | tee bench/results/ssd_restart.txt
 	$(BIN)/python bench/speculative.py --rounds 3 --tokens 200 | tee bench/results/speculative.txt
-	$(BIN)/python bench/agent_replay.py | tee bench/results/agent_replay.txt
+	bash bench/llamacpp_peer.sh
+	$(BIN)/python bench/single_request.py --servers ours,mlx_lm,llama_cpp --rounds 3 | tee bench/results/single_request.txt
+	$(BIN)/python bench/agent_replay.py --servers ours,mlx_lm,llama_cpp $(AGENT_REPLAY) | tee bench/results/agent_replay.txt
+	$(BIN)/python bench/agent_replay.py --servers ours,mlx_lm,llama_cpp --convs 4 --turns 4 --restart-after-turn 2 \
+		--out bench/results/agent_replay_restart.json --plot bench/agent_replay_restart_ttft.png \
+		| tee bench/results/agent_replay_restart.txt
 	$(BIN)/python bench/report.py --write BENCHMARKS.md
 
 # 1,000 requests under a 48 MiB RAM cache; the RSS / cache-bytes curve goes to bench/results/soak_curve.json.

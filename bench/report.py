@@ -333,68 +333,101 @@ def render_generic(runs: list[Run]) -> str:
     return table(["key", "value"], rows)
 
 
+AR_LABELS = {"ours": "mlx-lane", "mlx_lm": "mlx_lm.server", "llama_cpp": "llama.cpp server"}
+
+
+def _ar_ratios(res: dict) -> dict:
+    """Ratios per peer; older two-server results kept them flat (ours vs mlx_lm)."""
+    r = res.get("ratios") or {}
+    if "per_request_ratio_median" in r:
+        return {"mlx_lm": {"per_request_ratio_median": r["per_request_ratio_median"],
+                           "per_request_ratio_min": r["per_request_ratio_min"],
+                           "per_request_ratio_max": r["per_request_ratio_max"],
+                           "per_request_ratio_later_turns_median": r.get("per_request_ratio_later_turns_median")}}
+    return r
+
+
 def agent_replay(res: dict) -> str:
-    s, r = res["summary"], res.get("ratios", {})
-    names = [n for n in ("ours", "mlx_lm") if n in s]
-    label = {"ours": "mlx-lane", "mlx_lm": "mlx_lm.server"}
-    out = ["| | " + " | ".join(label[n] for n in names) + (" | ours / mlx_lm |" if len(names) == 2 else " |"),
-           "|---|" + "---|" * len(names) + ("---|" if len(names) == 2 else "")]
+    s = res["summary"]
+    names = [n for n in AR_LABELS if n in s]
+    peers = [n for n in names if n != "ours"]
+    ratios = _ar_ratios(res)
+    cfg = res.get("config") or {}
+    head = ["", *(AR_LABELS[n] for n in names), *(f"ours / {n}" for n in peers if "ours" in s)]
+    rows = []
 
     def row(title, key, fmt="{:.2f}", ratio=True):
-        vals = [s[n][key] for n in names]
+        vals = [s[n].get(key) for n in names]
+        if all(v is None for v in vals):
+            return
         cells = [fmt.format(v) if v is not None else "-" for v in vals]
-        tail = ""
-        if len(names) == 2:
-            tail = f" {vals[0] / vals[1]:.3f} |" if ratio and vals[1] else " |"
-        out.append(f"| {title} | " + " | ".join(cells) + " |" + tail)
+        if "ours" in s:
+            for p in peers:
+                o, v = s["ours"].get(key), s[p].get(key)
+                cells.append(f"{o / v:.3f}" if ratio and o is not None and v else "")
+        rows.append([title, *cells])
 
     row("mean TTFT (s)", "ttft_mean_s")
     row("median TTFT (s)", "ttft_median_s")
     row("p95 TTFT (s)", "ttft_p95_s")
-    row("min-max TTFT (s)", "ttft_min_s")
-    out[-1] = out[-1].split("|")[0] + "| min-max TTFT (s) | " + " | ".join(
-        f"{s[n]['ttft_min_s']:.2f}-{s[n]['ttft_max_s']:.2f}" for n in names) + " |" + (" |" if len(names) == 2 else "")
+    rows.append(["min-max TTFT (s)", *(f"{s[n]['ttft_min_s']:.2f}-{s[n]['ttft_max_s']:.2f}" for n in names),
+                 *("" for p in peers if "ours" in s)])
     row("mean TTFT, turn 1 (s)", "ttft_mean_turn1_s")
-    if s[names[0]].get("ttft_mean_later_turns_s") is not None:
-        row("mean TTFT, turns 2+ (s)", "ttft_mean_later_turns_s")
+    row("mean TTFT, turns 2+ (s)", "ttft_mean_later_turns_s")
+    row(f"mean TTFT, turn {cfg.get('restart_after_turn', 0) + 1} right after the restart (s)",
+        "ttft_mean_after_restart_s")
+    row("p95 TTFT right after the restart (s)", "ttft_p95_after_restart_s")
     row("sum of request times (s)", "total_request_time_s", "{:.1f}")
     row("prompt tokens", "prompt_tokens", "{:d}", ratio=False)
     row("reusable tokens", "reusable_tokens", "{:d}", ratio=False)
-    row("cached tokens (server's usage)", "cached_tokens", "{:d}", ratio=False)
+    row("cached tokens (server's usage; llama.cpp reports none)", "cached_tokens", "{:d}", ratio=False)
     row("cache efficiency = cached / reusable", "cache_efficiency", "{:.3f}", ratio=False)
     row("mean TTFT / ideal mean TTFT", "mean_ttft_over_ideal", "{:.2f}", ratio=False)
-    text = "\n".join(out)
-    if r:
-        text += ("\n\nPer-request TTFT ratio ours/mlx_lm (same step, back to back): median "
-                 f"{r['per_request_ratio_median']:.3f} (min-max {r['per_request_ratio_min']:.3f}-"
-                 f"{r['per_request_ratio_max']:.3f})")
-        if r.get("per_request_ratio_later_turns_median") is not None:
-            text += f"; turns 2+ only: median {r['per_request_ratio_later_turns_median']:.3f}"
-        text += "."
-    # per-turn table
+    if res.get("peak_rss_mib"):
+        rss = res["peak_rss_mib"]
+        rows.append(["peak RSS (MiB, VmHWM)", *(f"{rss[n]:.0f}" if rss.get(n) else "-" for n in names),
+                     *(f"{rss['ours'] / rss[p]:.3f}" if rss.get("ours") and rss.get(p) else "" for p in peers
+                       if "ours" in s)])
+    if res.get("restart_ready_s"):
+        rows.append(["restart: seconds until ready again", *(f"{res['restart_ready_s'].get(n, 0):.1f}" for n in names),
+                     *("" for p in peers if "ours" in s)])
+    text = table(head, rows)
+    notes = []
+    for p in peers:
+        r = ratios.get(p) or {}
+        if r:
+            note = (f"per-request TTFT ratio ours/{p} (same step, back to back): median "
+                    f"{r['per_request_ratio_median']:.3f} (min-max {r['per_request_ratio_min']:.3f}-"
+                    f"{r['per_request_ratio_max']:.3f})")
+            if r.get("per_request_ratio_later_turns_median") is not None:
+                note += f"; turns 2+ only: median {r['per_request_ratio_later_turns_median']:.3f}"
+            notes.append(note)
+    if notes:
+        joined = "; ".join(notes)
+        text += "\n\n" + joined[0].upper() + joined[1:] + "."
+    # per-turn table: mean TTFT per server, ours' new/reusable tokens, the ideal and the raw prefill rate
     recs = res["records"]
     turns = sorted({x["turn"] for x in recs})
-    lines = ["| turn | mean new tokens (ours) | mean reusable | mean TTFT ours (s) | mean TTFT mlx_lm (s) | "
-             "ratio | mean ideal (s) | raw prefill tok/s | cached/reusable ours | cached/reusable mlx_lm |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [["turn", "mean new tokens (ours)", "mean reusable", *(f"mean TTFT {AR_LABELS[n]} (s)" for n in names),
+              "mean ideal (s)", "raw prefill tok/s", *(f"cached/reusable {AR_LABELS[n]}" for n in names
+                                                       if n != "llama_cpp")]]
     for t in turns:
         def sel(n):
             return [x for x in recs if x["turn"] == t and x["server"] == n]
-        o, m = sel("ours"), sel("mlx_lm")
-        mo = statistics.mean(x["ttft_s"] for x in o) if o else None
-        mm = statistics.mean(x["ttft_s"] for x in m) if m else None
-        ideal = [x["ideal_s"] for x in o if x["ideal_s"] is not None]
-        rates = res["raw_prefill_tok_s_by_turn"].get(str(t)) or res["raw_prefill_tok_s_by_turn"].get(t) or []
 
         def eff(rs):
             reuse = sum(x["reusable_tokens"] for x in rs)
             return f"{sum(x['cached_tokens'] or 0 for x in rs) / reuse:.3f}" if reuse else "-"
-        lines.append(
-            f"| {t} | {statistics.mean(x['new_tokens'] for x in o):.0f} | "
-            f"{statistics.mean(x['reusable_tokens'] for x in o):.0f} | "
-            f"{mo:.2f} | {mm:.2f} | {mo / mm:.3f} | "
-            f"{statistics.mean(ideal):.2f} | {', '.join(f'{x:.0f}' for x in rates)} | {eff(o)} | {eff(m)} |")
-    text += "\n\n" + "\n".join(lines)
+        base = sel(names[0])
+        ideal = [x["ideal_s"] for x in base if x.get("ideal_s") is not None]
+        rates = res["raw_prefill_tok_s_by_turn"].get(str(t)) or res["raw_prefill_tok_s_by_turn"].get(t) or []
+        mark = " (after restart)" if any(x.get("after_restart") for x in base) else ""
+        lines.append([f"{t}{mark}", f"{statistics.mean(x['new_tokens'] for x in base):.0f}",
+                      f"{statistics.mean(x['reusable_tokens'] for x in base):.0f}",
+                      *(f"{statistics.mean(x['ttft_s'] for x in sel(n)):.2f}" if sel(n) else "-" for n in names),
+                      f"{statistics.mean(ideal):.2f}" if ideal else "-", ", ".join(f"{x:.0f}" for x in rates),
+                      *(eff(sel(n)) for n in names if n != "llama_cpp")])
+    text += "\n\n" + table(lines[0], lines[1:])
     pc = res.get("ours_stats_prompt_cache") or {}
     if pc:
         text += ("\n\nmlx-lane `/stats` `prompt_cache` after the replay: "
@@ -404,6 +437,25 @@ def agent_replay(res: dict) -> str:
                  f"{pc.get('entries')}, bytes {pc.get('bytes')} of max {pc.get('max_bytes')}, evictions "
                  f"{pc.get('evictions')}, superseded {pc.get('superseded')}.")
     return text
+
+
+def render_single_request(runs: list[Run]) -> str:
+    d = runs[0].data
+    s, ratios = d["summary"], d.get("ratios") or {}
+    names = [n for n in AR_LABELS if n in s]
+    peers = [n for n in names if n != "ours"]
+
+    def mmm(x, nd=1):
+        return f"{x['median']:.{nd}f} ({x['min']:.{nd}f}-{x['max']:.{nd}f})" if x else "-"
+    rows = [["cold prefill tok/s, ~" + str(d["config"]["prompt_tokens"]) + "-token prompt",
+             *(mmm(s[n]["prefill_tok_s"]) for n in names),
+             *(num(ratios.get(p, {}).get("prefill_ours_over_peer"), 3) for p in peers)],
+            [f"decode tok/s, {d['config']['decode_tokens']} tokens", *(mmm(s[n]["decode_tok_s"], 2) for n in names),
+             *(num(ratios.get(p, {}).get("decode_ours_over_peer"), 3) for p in peers)],
+            ["peak RSS (MiB, VmHWM)", *(num(s[n].get("peak_rss_mib"), 0) for n in names),
+             *(num(ratios.get(p, {}).get("peak_rss_ours_over_peer"), 3) for p in peers)]]
+    return (f"Median (min-max) of {d['config']['rounds']} rounds, every server in every round, order rotated:\n\n"
+            + table(["", *(AR_LABELS[n] for n in names), *(f"ours / {p}" for p in peers)], rows))
 
 
 RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
@@ -416,7 +468,9 @@ RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
     "quant": Renderer(render_quant, pick=lambda runs: sorted(  # quant.json, then quant_tiny.json
         newest_per("model")(runs), key=lambda r: r.path.name)),
     "soak": render_soak,
-    "agent_replay": lambda runs: agent_replay(runs[0].data),
+    "agent_replay": Renderer(lambda runs: agent_replay(runs[0].data), pattern="agent_replay.json"),
+    "agent_replay_restart": Renderer(lambda runs: agent_replay(runs[0].data), pattern="agent_replay_restart*.json"),
+    "single_request": render_single_request,
 }
 
 
