@@ -458,6 +458,19 @@ def render_single_request(runs: list[Run]) -> str:
             + table(["", *(AR_LABELS[n] for n in names), *(f"ours / {p}" for p in peers)], rows))
 
 
+def render_quant_speed(runs: list[Run]) -> str:
+    d = runs[0].data
+    s = d["summary"]
+    rows = [[n, v["size_mb"], f"{v['prefill_tok_s']['median']:.1f} ({v['prefill_tok_s']['min']:.1f}-"
+             f"{v['prefill_tok_s']['max']:.1f})", f"{v['prefill_vs_float32']:.2f}x",
+             f"{v['decode_tok_s']['median']:.2f} ({v['decode_tok_s']['min']:.2f}-{v['decode_tok_s']['max']:.2f})",
+             f"{v['decode_vs_float32']:.2f}x"] for n, v in s.items()]
+    c = d["config"]
+    return (f"Model `{d['model']}`, raw mlx-lm on this CPU, {c['prompt_tokens']}-token prefill + {c['tokens']} "
+            f"decode tokens, median (min-max) of {c['rounds']} rounds, configurations alternated:\n\n"
+            + table(["weights", "size MB", "prefill tok/s", "vs float32", "decode tok/s", "vs float32"], rows))
+
+
 RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
     "machine": Renderer(render_machine, pattern="*.json", pick=every, provenance=False),
     "decode_overhead": Renderer(render_decode_overhead, pick=newest(2)),
@@ -471,6 +484,7 @@ RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
     "agent_replay": Renderer(lambda runs: agent_replay(runs[0].data), pattern="agent_replay.json"),
     "agent_replay_restart": Renderer(lambda runs: agent_replay(runs[0].data), pattern="agent_replay_restart*.json"),
     "single_request": render_single_request,
+    "quant_speed": render_quant_speed,
 }
 
 
