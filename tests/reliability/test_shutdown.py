@@ -110,6 +110,7 @@ def test_sigterm_past_the_shutdown_timeout_ends_every_response_well_formed(defau
     srv = ServerProc("--model", "default", "--shutdown-timeout", "2", env={"MLX_LANE_TEST_TOKEN_DELAY": "1.0"})
     try:
         streams = [start_stream(srv.url, conversation(q), max_tokens=16) for q in QUESTIONS[:2]]
+        wait_for_lane(srv.url, queued=1)  # both streams are in the lane before the plain request is sent
         # queued behind the two streams: a non-streaming request that will not get its turn
         plain: dict = {}
 
