@@ -69,6 +69,7 @@ bench: venv blas model
 	$(BIN)/python bench/warm_hit.py --rounds 7 --context 1024 | tee bench/results/warm_hit.txt
 	$(BIN)/python bench/ssd_restart.py --rounds 3 --context 4000 | tee bench/results/ssd_restart.txt
 	$(BIN)/python bench/speculative.py --rounds 3 --tokens 200 | tee bench/results/speculative.txt
+	$(BIN)/python bench/quant_speed.py --rounds 3 --tokens 64 --prompt-tokens 256 | tee bench/results/quant_speed.txt
 	bash bench/llamacpp_peer.sh
 	$(BIN)/python bench/single_request.py --servers ours,mlx_lm,llama_cpp --rounds 3 | tee bench/results/single_request.txt
 	$(BIN)/python bench/agent_replay.py --servers ours,mlx_lm,llama_cpp $(AGENT_REPLAY) | tee bench/results/agent_replay.txt
