@@ -84,6 +84,14 @@ class QueueFull(APIError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
+
+class ShuttingDown(QueueFull):
+    """503: the server is draining for a shutdown (a new request), or its --shutdown-timeout ended this one."""
+
+    status_code = 503
+    type = "server_error"
+    code = "server_shutting_down"
+
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
 

@@ -20,18 +20,10 @@ import threading
 import time
 from typing import Optional
 
-from server.errors import QueueFull
+from server.errors import QueueFull, ShuttingDown
 from server.jobs import Delta, Finished, Job
 
 log = logging.getLogger("mlx_lane.lane")
-
-
-class ShuttingDown(QueueFull):
-    """503: the server is draining for a shutdown (a new request), or its --shutdown-timeout ended this one."""
-
-    status_code = 503
-    type = "server_error"
-    code = "server_shutting_down"
 
 
 class Lane:

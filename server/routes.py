@@ -15,10 +15,9 @@ from starlette.concurrency import run_in_threadpool
 
 from pydantic import ValidationError
 
-from server.errors import APIError, InvalidRequest, ModelNotFound, PayloadTooLarge
+from server.errors import APIError, InvalidRequest, ModelNotFound, PayloadTooLarge, ShuttingDown
 from server.jobrun import JobRun
 from server.jobs import Delta, Failed, Finished, Progress
-from server.lane import ShuttingDown
 from server.prompts import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     render_chat,
