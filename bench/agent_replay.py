@@ -306,6 +306,7 @@ def main() -> None:
         p.start()
     servers = {n: p.url for n, p in peers.items()}
     restarts: dict[str, float] = {}
+    failures: list[dict] = []
     pf = preflight()
     histories = {n: [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in range(K)] for n in names}
     seen = {n: [] for n in names}  # earlier prompt and prompt+completion token lists per server
@@ -337,7 +338,20 @@ def main() -> None:
                         msgs.append({"role": "user", "content": chunks[k][t]})
                     prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
                     reuse = reusable(prompt, seen[n])
-                    r = stream_chat(client, servers[n], msgs, args.max_tokens)
+                    try:
+                        r = stream_chat(client, servers[n], msgs, args.max_tokens)
+                    except httpx.HTTPError as exc:
+                        # a peer that fails mid-run is a result, not the end of the run: record it, restart the
+                        # server if it died (its cache is gone), and retry this request once
+                        alive = peers[n].pid() is not None
+                        failures.append({"server": n, "conv": k, "turn": t + 1, "error": f"{type(exc).__name__}: {exc}",
+                                         "process_alive": alive, "exit_code": None if alive else peers[n].exit_code()})
+                        print(f"t{t + 1} c{k:02d} {n:9s} FAILED ({type(exc).__name__}: {exc}); process "
+                              f"{'alive' if alive else 'dead, exit ' + str(failures[-1]['exit_code'])}", flush=True)
+                        if not alive:
+                            peers[n].restart()
+                            servers[n] = peers[n].url
+                        r = stream_chat(client, servers[n], msgs, args.max_tokens)
                     usage = r["usage"]
                     msgs.append({"role": "assistant", "content": r["text"]})
                     # the completion's token ids as the next prompt will carry them (the templated reply,
@@ -396,6 +410,7 @@ def main() -> None:
                    "alternation": "per request: each (turn, conversation) step goes to every server back to back, "
                                   "order rotated every step"},
         "restart_ready_s": restarts,
+        "failures": failures,
         "peak_rss_mib": {n: round(p.peak_rss_mib, 1) if p.peak_rss_mib else None for n, p in peers.items()},
         "raw_prefill_tok_s_by_turn": {t: [round(x, 1) for x in v] for t, v in rates.items()},
         "replay_wall_s": round(replay_wall, 1),

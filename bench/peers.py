@@ -97,6 +97,12 @@ class Peer:
         self.restarts.append(round(dt, 2))
         return dt
 
+    def exit_code(self) -> int | None:
+        """The exit status of a server process that has ended (negative: killed by that signal)."""
+        proc = getattr(self, "proc", None)
+        proc = getattr(proc, "proc", proc)  # Ours wraps a ServerProc
+        return proc.poll() if proc is not None else None
+
     def rss_now_mib(self) -> float | None:
         pid = self.pid()
         return vm_hwm_mib(pid) if pid else None

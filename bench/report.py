@@ -428,6 +428,11 @@ def agent_replay(res: dict) -> str:
                       f"{statistics.mean(ideal):.2f}" if ideal else "-", ", ".join(f"{x:.0f}" for x in rates),
                       *(eff(sel(n)) for n in names if n != "llama_cpp")])
     text += "\n\n" + table(lines[0], lines[1:])
+    for f in res.get("failures") or []:
+        text += (f"\n\n**Failure**: {AR_LABELS.get(f['server'], f['server'])}, turn {f['turn']} conversation "
+                 f"{f['conv']}: `{f['error'][:160]}`; process "
+                 + ("still alive" if f["process_alive"] else f"dead (exit status {f['exit_code']}), restarted")
+                 + "; the request was retried once.")
     pc = res.get("ours_stats_prompt_cache") or {}
     if pc:
         text += ("\n\nmlx-lane `/stats` `prompt_cache` after the replay: "
