@@ -483,8 +483,8 @@ RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
     "ssd_restart": render_ssd_restart,
     "speculative": Renderer(render_speculative, pick=lambda runs: sorted(  # n-gram row first
         newest_per("kind")(runs), key=lambda r: r.data.get("kind") != "ngram")),
-    "quant": Renderer(render_quant, pick=lambda runs: sorted(  # quant.json, then quant_tiny.json
-        newest_per("model")(runs), key=lambda r: r.path.name)),
+    "quant": Renderer(render_quant, pick=lambda runs: sorted(  # quant.json, quant_qwen05.json, quant_tiny.json
+        newest_per("model")([r for r in runs if "rows" in r.data]), key=lambda r: r.path.name)),
     "soak": render_soak,
     "agent_replay": Renderer(lambda runs: agent_replay(runs[0].data), pattern="agent_replay.json"),
     "agent_replay_restart": Renderer(lambda runs: agent_replay(runs[0].data), pattern="agent_replay_restart*.json"),
