@@ -9,6 +9,7 @@ Hierarchy (every one maps to ``{"error": {"message", "type", "param", "code"}}``
     ├── ModelNotFound             404 model_not_found
     ├── PayloadTooLarge           413
     └── QueueFull                 429 (with Retry-After)
+        └── ShuttingDown          503 (with Retry-After): draining for a shutdown
 
 Low-level failures are mapped to these at the boundary (``raise ... from exc``); the
 body never carries a stack trace or a file path.
@@ -24,6 +25,7 @@ __all__ = [
     "ModelNotFound",
     "PayloadTooLarge",
     "QueueFull",
+    "ShuttingDown",
     "error_body",
 ]
 
@@ -84,16 +86,17 @@ class QueueFull(APIError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
 
 class ShuttingDown(QueueFull):
-    """503: the server is draining for a shutdown (a new request), or its --shutdown-timeout ended this one."""
+    """503 (with Retry-After): the server is draining for a shutdown (a new request), or its --shutdown-timeout
+    ended this one."""
 
     status_code = 503
     type = "server_error"
     code = "server_shutting_down"
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)}
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
