@@ -58,6 +58,11 @@ def machine_facts() -> dict:
     }
 
 
+def spread(values: list[float]) -> dict:
+    """{"median", "min", "max", "values"} of per-round measurements (the shape the report renders)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": list(values)}
+
+
 def median_range(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 

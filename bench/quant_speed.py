@@ -11,7 +11,6 @@ slower than float32 with OpenBLAS: this measures by how much.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, ensure_blas_here, preflight, run_record, write_result  # noqa: E402
+from common import ROOT, ensure_blas_here, preflight, run_record, spread, write_result  # noqa: E402
 
 
 def run_once(model, prompt: list[int], tokens: int, eos: list[int]) -> tuple[float, float]:
@@ -79,9 +78,7 @@ def main() -> None:
             dec[n].append(round(d, 2))
             print(f"round {i} {n:8s} prefill {p:7.1f} tok/s  decode {d:6.2f} tok/s", flush=True)
 
-    def mm(xs):
-        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "values": xs}
-    summary = {n: {"prefill_tok_s": mm(pre[n]), "decode_tok_s": mm(dec[n]),
+    summary = {n: {"prefill_tok_s": spread(pre[n]), "decode_tok_s": spread(dec[n]),
                    "size_mb": round(sum(f.stat().st_size for f in Path(dirs[n]).glob("*.safetensors")) / 1e6, 1)}
                for n in names}
     for n in names:

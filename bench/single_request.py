@@ -16,13 +16,12 @@ template from the GGUF). Peak RSS (VmHWM) of each server is read when it stops.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import peers as peer_servers
-from common import ROOT, ensure_blas_here, preflight, run_record, sse_chunks, write_result
+from common import ROOT, ensure_blas_here, preflight, run_record, spread, sse_chunks, write_result
 
 FILLER = ("The build system reads the manifest, resolves every dependency to a pinned version, fetches what is "
           "missing into the local cache and then compiles each package in topological order. ")
@@ -106,8 +105,8 @@ def main() -> None:
         dec = [r["decode_tok_s"] for r in rs if r["decode_tok_s"]]
         summary[s.name] = {
             "label": s.label,
-            "prefill_tok_s": {"median": statistics.median(pre), "min": min(pre), "max": max(pre)},
-            "decode_tok_s": {"median": statistics.median(dec), "min": min(dec), "max": max(dec)} if dec else None,
+            "prefill_tok_s": spread(pre),
+            "decode_tok_s": spread(dec) if dec else None,
             "peak_rss_mib": round(s.peak_rss_mib, 1) if s.peak_rss_mib else None,
         }
     ratios = {}
