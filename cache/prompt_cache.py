@@ -178,6 +178,28 @@ class PromptCache:
                 self._on_evict(victim.ns, victim.tokens, victim.caches)
         return entry not in evicted
 
+    def make_room(self, nbytes: int) -> int:
+        """Evict least-recently-used entries (session-bound last, as the byte cap does) until `nbytes` are freed
+        or the tier is empty; evicted entries go to `on_evict` (the SSD tier spills them). Returns bytes freed.
+        The lane's memory-budget admission calls this: the RAM tier yields before a sequence is kept waiting."""
+        freed = 0
+        evicted = []
+        with self._lock:
+            while freed < nbytes and self._bytes > 0:
+                victim = self._policy.victim()
+                if victim is None:
+                    break
+                ns, tokens = victim
+                gone = self._by_ns[ns][tokens]
+                self._drop(gone)
+                evicted.append(gone)
+                freed += gone.nbytes
+                self._evictions += 1
+        if self._on_evict is not None:
+            for victim in evicted:
+                self._on_evict(victim.ns, victim.tokens, victim.caches)
+        return freed
+
     def peek(self, tokens: Sequence[int], ns: str, session: str | None = None) -> int:
         """The prefix length `take` would return now (0 for a miss). Touches no counter and no LRU time."""
         prompt = _as_ids(tokens)
@@ -342,6 +364,9 @@ class NullPromptCache:
 
     def prefetch(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:
         return False
+
+    def make_room(self, nbytes: int) -> int:
+        return 0
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         return None

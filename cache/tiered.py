@@ -140,6 +140,20 @@ class TieredCache:
             log.exception("ssd cache: scheduling a write failed")
         return self._ram.put(tokens, caches, ns, session)
 
+    def ready(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:
+        """False while a prefetch of this prompt's SSD prefix is still reading (index-only, never blocks): the lane
+        keeps such a request waiting outside the batch instead of letting `take` wait for the read on its clock."""
+        match = self._store.find(tokens, ns)
+        if match is None:
+            return True
+        with self._lock:
+            fut = self._inflight.get(match.path)
+        return fut is None or fut.done()
+
+    def make_room(self, nbytes: int) -> int:
+        """The RAM tier yields `nbytes` (LRU entries spill to SSD as on any eviction). Returns bytes freed."""
+        return self._ram.make_room(nbytes)
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The lane prefilled `tokens` in `seconds`: feeds the cost model's prefill rate."""
         if tokens >= _MIN_PREFILL_SAMPLE:

@@ -178,7 +178,10 @@ def _model_card(state: ServerState, name: str) -> dict:
 
 def stats_body(state: ServerState) -> dict:
     lane = state.stats.lane_block()
-    lane.update({"queue_depth": state.lane.queue_depth, "active_request": state.lane.active_job_id})
+    lane.update(state.stats.batch_block())
+    lane.update({"queue_depth": state.lane.queue_depth, "active_request": state.lane.active_job_id,
+                 "running_requests": list(state.lane.running_ids), "max_batch": state.lane.scheduler.limits.max_batch,
+                 "state": state.lane.state.value})
     return {
         "model": state.loaded.model_id,
         "fingerprint": state.loaded.fingerprint,

@@ -10,31 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 
+from server.sizes import parse_bytes
+
 log = logging.getLogger("mlx_lane")
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """'512M', '8GiB', '1073741824' -> bytes (binary units)."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 0, 512M, 8G)")
-    unit = (m.group(2) or "").lower()[:1]
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-def default_cache_bytes() -> int:
-    try:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        physical = 16 << 30
-    return min(8 << 30, physical // 4)
-
 
 def _env(name: str, default=None):
     return os.environ.get("MLX_LANE_" + name.upper().replace("-", "_"), default)
@@ -42,20 +22,6 @@ def _env(name: str, default=None):
 
 def _env_flag(name: str) -> bool:
     return str(_env(name, "")).strip().lower() in ("1", "true", "yes", "on")
-
-
-def default_ssd_cache_bytes(path: str) -> int:
-    """min(32 GiB, 25% of the free space on the file system that holds `path` (or its nearest existing parent))."""
-    import shutil
-
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe)
-    try:
-        free = shutil.disk_usage(probe).free
-    except OSError:
-        free = 0
-    return min(32 << 30, free // 4)
 
 
 def _serve_parser(sub) -> None:
@@ -120,6 +86,14 @@ def _serve_parser(sub) -> None:
                    default=int(_env("prefill_chunk")) if _env("prefill_chunk") else None,
                    help="prompt tokens per prefill step: cancel and keep-alive granularity (default 512 on the "
                         "CPU, 2048 on a GPU, where small chunks cost 23-37%% of cold TTFT) [MLX_LANE_PREFILL_CHUNK]")
+    p.add_argument("--max-batch", type=int, default=int(_env("max_batch")) if _env("max_batch") else None,
+                   help="sequences the lane runs at once (prefilling + decoding; each decode step is one batched "
+                        "forward for all of them). Default 8 on the CPU, 32 on a GPU [MLX_LANE_MAX_BATCH]")
+    p.add_argument("--memory-budget", type=parse_bytes, default=_env("memory_budget"),
+                   help="bytes the model, the running sequences' KV and the RAM prefix cache may use together: a "
+                        "request joins only when its KV for prompt + max_tokens fits (the RAM cache yields first), "
+                        "else it waits; one that can never fit is a 400. 0 turns the check off. Default: 75%% of "
+                        "RAM on the CPU, 90%% of the GPU's memory [MLX_LANE_MEMORY_BUDGET]")
     p.add_argument("--keepalive", type=float, default=float(_env("keepalive", "10")),
                    help="seconds between SSE keep-alive comments while waiting (default 10)")
     p.add_argument("--shutdown-timeout", type=float, default=float(_env("shutdown_timeout", "30")),

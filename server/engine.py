@@ -1,44 +1,62 @@
-"""One generation, run on the lane thread: cache take -> chunked prefill -> decode -> cache put.
+"""What the lane does to one sequence with the model: admit (cache take), prefill a chunk, decode solo, store.
 
-Contract of ``Engine.run(job)``:
-- emits ``Progress`` while prefilling, one ``Delta`` per decoded token (text already passed
-  through the stop-string matcher, so a partial stop string is never emitted), and exactly
-  one ``Finished`` (or ``Failed`` if an exception escaped the model);
-- checks ``job.cancel`` between prefill chunks and after every decoded token;
-- stores what it computed in the prompt cache, also after a cancellation, and a
-  prompt-boundary snapshot before decoding when some layer's cache cannot be trimmed
-  (so the next turn of a sliding-window model still hits).
+The lane (server.lane) runs many sequences at once; this module holds the per-sequence model work, the decode
+batch lives in server.batch, the policy in server.scheduler. Contract of the verbs (lane thread only: they own the
+model, the MLX stream and the caches):
 
-Only the lane thread may call ``run``: it owns the model, the MLX stream and the caches.
+- ``admit(job) -> Active``: the prefix-cache ``take`` (namespace from ``namespace_for``, the one place that decides
+  it), the request's sampler / processors / speculative plan, a ``Sequence`` in state PREFILL.
+- ``prefill_step(a) -> bool``: one chunk of ``prompt[done:-1]`` (at most ``prefill_chunk`` tokens), a ``Progress``
+  event; True once the caches cover ``prompt[:-1]`` (then a prompt-boundary snapshot is stored when some layer's
+  cache cannot be trimmed, so the next turn of a sliding-window model still hits).
+- ``solo_step(a)``: one token of a sequence decoding on its own (a speculative one, one whose caches cannot join a
+  batch, or the only running sequence: plain ``generate_step`` is faster than a batch of one).
+- ``batch_entry(a) -> (caches, history)``: hand a sequence's caches to the batch (from prefill, or migrating from
+  solo decoding: the caches are trimmed back so that ``history[-1]`` is the next input).
+- ``finish(a, reason, covered=None)``: store what was computed (also after a cancellation), send ``Finished``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence as Seq
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from server.jobs import Delta, Failed, Finished, Job, Progress
-from server.sampling import build_logits_processors, build_sampler, token_logprobs
+from server.batch import can_batch
 from server.decode_steps import PlainDecode
+from server.jobs import Failed, Job, Progress
+from server.sampling import build_logits_processors, build_sampler, token_logprobs
+from server.sequence import SeqState, Sequence
 from server.speculation import SpecPlan, speculative_decode
-from server.stops import StopMatcher
 
 log = logging.getLogger("mlx_lane.engine")
 
 
 @dataclass
-class Timings:
-    prefill_tokens: int = 0
+class Active:
+    """A sequence's model-side state while the lane runs it."""
+
+    seq: Sequence
+    ns: str
+    caches: Optional[list]  # own caches while prefilling / solo; None while the batch holds them
+    done: int  # prompt tokens the caches cover (during prefill)
+    plan: Optional[SpecPlan] = None
+    decoder: Optional[object] = None  # the solo decoder (PlainDecode or a speculative generator)
+    steps: Optional[object] = None  # its iterator
+    in_batch: bool = False
     prefill_s: float = 0.0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
+    sampler: Optional[object] = None  # built once: a seeded sampler's key chain goes on across solo <-> batch moves
+    solo_base: Optional[list] = None  # the history the solo decoder was opened with (None: the prompt)
+    solo_gen0: int = 0  # generated tokens already in solo_base
+
+    @property
+    def job(self) -> Job:
+        return self.seq.job
 
 
 class Engine:
@@ -55,7 +73,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.stream = None  # created on the lane thread by bind_stream()
         self.fault_hook = None  # tests may set a callable(job) that raises inside a generation
-        self._eos = set(self.tokenizer.eos_token_ids or [])
+        self._eos = frozenset(self.tokenizer.eos_token_ids or [])
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         if kv_bits is not None:
             self._check_kv_quantization()
@@ -67,11 +85,24 @@ class Engine:
         self.stream = mx.new_stream(mx.default_device())
 
     def warmup(self) -> None:
-        """Page the weights in and compile kernels before the first request (lane thread)."""
+        """Page the weights in and compile kernels before the first request (lane thread): a prefill chunk, a
+        one-token step over a cache, and a batched step of two rows, so the first request pays none of it."""
+        from server.batch import DecodeBatch
+
         with mx.stream(self.stream):
             mx.eval(self.model.parameters())
             caches = self._new_caches()
-            mx.eval(self.model(mx.array([[0, 1]]), cache=caches))
+            mx.eval(self.model(mx.array([list(range(1, 9))]), cache=caches))
+            mx.eval(self.model(mx.array([[1]]), cache=caches))
+            if can_batch(caches):
+                batch = DecodeBatch(self.model)
+                for n in (3, 5):
+                    c = self._new_caches()
+                    mx.eval(self.model(mx.array([list(range(1, n))]), cache=c))
+                    batch.add(object(), c, list(range(1, n + 1)))
+                for _ in range(2):
+                    batch.step()
+                batch.remove(batch.sequences)
 
     # -- KV-cache quantization (issue 8; see kv_namespace below) ------------------------
     def _check_kv_quantization(self) -> None:
@@ -96,176 +127,229 @@ class Engine:
         caches = make_prompt_cache(self.model)
         return caches if self.kv_bits is None else _quantize_fresh(caches, self.kv_bits, self.kv_group_size)
 
+    def weights_nbytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+    def kv_bytes_per_token_estimate(self) -> float:
+        """KV bytes one cached token costs in this model (all layers), measured on a one-token forward."""
+        caches = self._new_caches()
+        mx.eval(self.model(mx.array([[1]]), cache=caches))
+        return float(_state_nbytes(caches))
+
     def kv_stats(self) -> dict:
         """The `kv_cache` block of /stats: the scheme and the measured bytes per cached token (all layers)."""
         return {"scheme": kv_scheme(self.kv_bits, self.kv_group_size), "bits": self.kv_bits,
                 "group_size": self.kv_group_size if self.kv_bits else None,
                 "bytes_per_token": round(self.kv_bytes_per_token, 1)}
 
-    # -- the job --------------------------------------------------------------------
-    def run(self, job: Job) -> None:
-        started = time.monotonic()
-        try:
-            with mx.stream(self.stream):
-                finished = self._generate(job, started)
-        except Exception as exc:  # the lane must survive anything a generation raises
-            log.exception("generation %s failed", job.id)
-            self.stats.on_failure()
-            job.sink(Failed(exc))
-            return
-        self.stats.on_finished(finished)
-        job.sink(finished)
-
-    def _generate(self, job: Job, started: float) -> Finished:
-        prompt = job.prompt
+    # -- namespace: the one place that decides it --------------------------------------
+    def draft_tokens(self, params) -> int:
         spec = self.speculation
-        n_draft = spec.wanted(job.params.num_draft_tokens) if spec is not None else 0
-        ns = spec.namespace(self.namespace, True) if n_draft else self.namespace
+        return spec.wanted(params.num_draft_tokens) if spec is not None else 0
+
+    def namespace_for(self, params) -> str:
+        """The cache namespace of a request: the model fingerprint (KV scheme included), plus the draft's identity
+        when the request speculates with a draft that keeps KV (its entries hold the draft's layers too). Used by
+        the lane's take/put and by the handler's SSD prefetch alike."""
+        if self.draft_tokens(params):
+            return self.speculation.namespace(self.namespace, True)
+        return self.namespace
+
+    # -- the verbs ----------------------------------------------------------------------
+    def admit(self, job: Job) -> Active:
+        prompt = job.prompt
+        params = job.params
+        n_draft = self.draft_tokens(params)
+        ns = self.namespace_for(params)
+        seq = Sequence(job, self.tokenizer.detokenizer, self._eos,
+                       logprob_of=self._logprob_of(params) if params.logprobs else None)
+        seq.timings.admitted_at = time.monotonic()
         hit = self.prompt_cache.take(prompt, ns, job.session)
-        cached = hit.length if hit is not None else 0
+        seq.cached = hit.length if hit is not None else 0
         plan = None
         if n_draft:  # an entry holds the target's layers, then the draft's
-            target_caches, draft_caches = spec.split(hit.caches if hit is not None else None)
+            target_caches, draft_caches = self.speculation.split(hit.caches if hit is not None else None)
             caches = target_caches if target_caches is not None else self._new_caches()
-            plan = spec.open(draft_caches, prompt[:cached], n_draft)
+            plan = self.speculation.open(draft_caches, prompt[: seq.cached], n_draft)
         else:
             caches = hit.caches if hit is not None else self._new_caches()
+        seq.state = SeqState.PREFILL
+        seq.timings.prefill_started = time.monotonic()
+        active = Active(seq, ns, caches, seq.cached, plan, sampler=build_sampler(params))
         if self.fault_hook is not None:
             self.fault_hook(job)
+        return active
 
-        t0 = time.monotonic()
-        done = self._prefill(prompt, cached, caches, job)
-        if done > cached:  # feeds the restore-or-recompute decision of the SSD tier
-            self.prompt_cache.observe_prefill(done - cached, time.monotonic() - t0)
-        if plan is not None:
-            plan.source.prefill(prompt[:done])
-        if done < len(prompt) - 1:  # cancelled during prefill
-            self._store(prompt[:done], caches, job, ns, plan)
-            return self._finish(job, "cancelled", 0, cached, started, Timings())
-        if not all(c.is_trimmable() for c in caches):
-            self._store(prompt[:-1], caches, job, ns, plan)  # prompt-boundary snapshot
-
-        generated, fed, reason, timings = self._decode(job, caches, t0, plan)
-        timings.prefill_tokens = len(prompt) - cached
-        self._store(prompt + generated[:fed], caches, job, ns, plan)
-        finished = self._finish(job, reason, len(generated), cached, started, timings)
-        if plan is not None:
-            self.stats.on_spec(plan.stats)
-            finished = dataclasses.replace(finished, spec=plan.stats.as_dict())
-        return finished
-
-    def _prefill(self, prompt: Sequence[int], start: int, caches: list, job: Job) -> int:
-        """Feed prompt[start:-1] in chunks; return how many prompt tokens the caches cover."""
+    def prefill_step(self, a: Active) -> bool:
+        prompt = a.seq.prompt
         end = len(prompt) - 1
-        pos = start
-        while pos < end:
-            if job.cancel.is_set():
-                return pos
-            n = min(self.prefill_chunk, end - pos)
-            self.model(mx.array(prompt[pos : pos + n])[None], cache=caches)
-            mx.eval([c.state for c in caches])
-            pos += n
-            job.sink(Progress(pos, len(prompt)))
-        return pos
+        if a.done < end:
+            t0 = time.monotonic()
+            n = min(self.prefill_chunk, end - a.done)
+            with mx.stream(self.stream):
+                self.model(mx.array(prompt[a.done : a.done + n])[None], cache=a.caches)
+                mx.eval([c.state for c in a.caches])
+            a.done += n
+            a.prefill_s += time.monotonic() - t0
+            a.job.sink(Progress(a.done, len(prompt)))
+            if a.done < end:
+                return False
+        if a.done > a.seq.cached:  # feeds the restore-or-recompute decision of the SSD tier
+            self.prompt_cache.observe_prefill(a.done - a.seq.cached, a.prefill_s)
+        if a.plan is not None:
+            with mx.stream(self.stream):
+                a.plan.source.prefill(prompt[: a.done])
+        if not all(c.is_trimmable() for c in a.caches):
+            self._store(prompt[:-1], a.caches, a, snapshot=True)  # prompt-boundary snapshot
+        a.seq.state = SeqState.DECODE
+        return True
 
-    def _decode(self, job: Job, caches: list, t0: float, plan: SpecPlan | None = None):
-        params = job.params
-        prompt = job.prompt
-        if params.seed is not None:
-            mx.random.seed(params.seed % (2**64))
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        stops = StopMatcher(list(params.stop))
-        generated: list[int] = []
-        reason = "length"
-        timings = Timings()
-        t_first = None
-        sampler = build_sampler(params)
-        if plan is not None:
-            steps = speculative_decode(
-                self.model, caches, prompt[-1], plan.source, sampler=sampler,
+    def batchable(self, a: Active) -> bool:
+        return a.plan is None and can_batch(a.caches if a.caches is not None else [])
+
+    def row_sampler(self, a: Active):
+        """The sampler of a batch row; None for greedy (the batch samples all greedy rows in one argmax)."""
+        return None if a.job.params.temperature == 0 else a.sampler
+
+    def batch_processors(self, params) -> list:
+        """Per-row logits processors for the batch: the batch hands each the row's whole token history."""
+        return build_logits_processors(params, ())
+
+    def solo_step(self, a: Active):
+        """(token, logprobs) of the next token of a solo sequence, or None when its decoder is exhausted."""
+        with mx.stream(self.stream):
+            if a.decoder is None:
+                a.decoder = self._open_solo(a)
+                a.steps = iter(a.decoder)
+            try:
+                token, logprobs, *_ = next(a.steps)  # speculative steps also say whether the token was drafted
+            except StopIteration:
+                return None
+        return token, logprobs
+
+    def _open_solo(self, a: Active):
+        params = a.job.params
+        prompt = a.seq.prompt
+        sampler = a.sampler
+        if a.plan is not None:
+            return speculative_decode(
+                self.model, a.caches, prompt[-1], a.plan.source, sampler=sampler,
                 logits_processors=build_logits_processors(params, prompt[:-1]),
-                max_tokens=params.max_tokens, num_draft_tokens=plan.num_draft_tokens, stream=self.stream,
-                policy=self.speculation.policy(plan.num_draft_tokens), stats=plan.stats,
+                max_tokens=params.max_tokens, num_draft_tokens=a.plan.num_draft_tokens, stream=self.stream,
+                policy=self.speculation.policy(a.plan.num_draft_tokens), stats=a.plan.stats,
             )
-        else:
-            steps = PlainDecode(
-                self.model, caches, prompt, max_tokens=params.max_tokens, sampler=sampler, stream=self.stream,
-                processors_for=lambda history: build_logits_processors(params, history),
-            )
+        base = a.solo_base if a.solo_base is not None else list(prompt)
+        return PlainDecode(
+            self.model, a.caches, base, max_tokens=params.max_tokens - a.solo_gen0, sampler=sampler,
+            stream=self.stream, processors_for=lambda history: build_logits_processors(params, history),
+        )
+
+    def _close_solo(self, a: Active) -> list:
+        """Close the solo decoder; return the tokens its caches cover (PlainDecode's account; speculative steps
+        feed every token they yield)."""
+        decoder = a.decoder
+        base = a.solo_base if a.solo_base is not None else list(a.seq.prompt)
+        if decoder is None:
+            return base
+        if a.steps is not decoder:
+            a.steps.close()
+        decoder.close()
+        a.decoder = a.steps = None
+        g0 = a.solo_gen0
+        fed = decoder.fed_generated if isinstance(decoder, PlainDecode) else len(a.seq.generated) - g0
+        return base + a.seq.generated[g0 : g0 + fed]
+
+    def resume_solo(self, a: Active, tokens: list, caches: list) -> None:
+        """A batch row goes on solo: ``caches`` cover ``tokens`` (prompt + every generated token); trimmed by one,
+        so that the solo decoder feeds the last generated token and samples the next."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        trim_prompt_cache(caches, 1)
+        a.caches, a.in_batch = caches, False
+        a.solo_base, a.solo_gen0 = list(tokens), len(a.seq.generated)
+
+    def batch_entry(self, a: Active) -> tuple[list, list]:
+        """(caches, history) for DecodeBatch.add: the caches cover history[:-1]; history[-1] is the next input."""
+        caches = a.caches
+        history = list(a.seq.prompt) + list(a.seq.generated)
+        if a.decoder is not None:  # migrating from solo decoding
+            extra = len(self._close_solo(a)) - (len(history) - 1)
+            if extra > 0:
+                from mlx_lm.models.cache import trim_prompt_cache
+
+                trim_prompt_cache(caches, extra)
+        a.caches = None
+        a.in_batch = True
+        return caches, history
+
+    def can_migrate(self, a: Active) -> bool:
+        """A solo plain sequence can join the batch when its caches can be trimmed back by the one token that
+        generate_step has already fed ahead."""
+        return self.batchable(a) and all(c.is_trimmable() for c in a.caches)
+
+    def finish(self, a: Active, reason: str, covered: Optional[tuple[list, list]] = None) -> None:
+        """Store what was computed and send ``Finished``. ``covered`` = (tokens, caches) when the batch held the
+        sequence (from DecodeBatch.remove); otherwise the sequence's own caches are stored."""
+        seq = a.seq
         try:
-            for token, logprobs, *_ in steps:  # speculative steps also say whether the token was drafted
-                now = time.monotonic()
-                if t_first is None:
-                    t_first = now
-                    timings.prefill_s = now - t0
-                generated.append(token)
-                if token in self._eos:
-                    reason = "stop"
-                    break
-                detok.add_token(token)
-                text = stops.feed(detok.last_segment)
-                lp = ()
-                if params.logprobs:
-                    lp = (token_logprobs(logprobs, token, params.top_logprobs, self._decode_one),)
-                job.sink(Delta(text, lp, first_token=len(generated) == 1))
-                if stops.stopped:
-                    reason = "stop"
-                    break
-                if job.cancel.is_set():
-                    reason = "cancelled"
-                    break
-            else:
-                detok.finalize()
-                tail = stops.feed(detok.last_segment) + stops.flush()
-                if tail:
-                    job.sink(Delta(tail))
-        finally:
-            steps.close()
-        if reason == "stop" and not stops.stopped:  # EOS: release held-back text
-            detok.finalize()
-            tail = stops.feed(detok.last_segment) + stops.flush()
-            if tail:
-                job.sink(Delta(tail))
-        if t_first is not None:
-            timings.decode_tokens = max(0, len(generated) - 1)
-            timings.decode_s = time.monotonic() - t_first
-        # the caches cover prompt + generated[:fed] (see PlainDecode; speculative steps feed every token)
-        fed = steps.fed_generated if isinstance(steps, PlainDecode) else len(generated)
-        return generated, fed, reason, timings
+            with mx.stream(self.stream):
+                if covered is not None:
+                    tokens, caches = covered
+                    self._store(tokens, caches, a)
+                elif a.caches is not None:
+                    if seq.state == SeqState.PREFILL:  # cancelled during prefill
+                        self._store(seq.prompt[: a.done], a.caches, a)
+                    else:
+                        self._store(self._close_solo(a), a.caches, a)
+        except Exception:  # caching is an optimisation: never fail the request for it
+            log.exception("storing %s failed", a.job.id)
+        if a.plan is not None:
+            seq.spec = a.plan.stats.as_dict()
+            self.stats.on_spec(a.plan.stats)
+        finished = seq.finished(reason)
+        self.stats.on_finished(finished)
+        a.job.sink(finished)
+
+    def fail(self, a: Active, exc: BaseException) -> None:
+        """The sequence's model work raised: it ends with ``Failed`` (a 500); the lane serves on."""
+        if a.decoder is not None:
+            try:
+                self._close_solo(a)
+            except Exception:
+                log.exception("closing the decoder of %s failed", a.job.id)
+        a.seq.state = SeqState.FINISHED
+        self.fail_job(a.job, exc)
+
+    def fail_job(self, job: Job, exc: BaseException) -> None:
+        self.stats.on_failure()
+        job.sink(Failed(exc))
+
+    def _logprob_of(self, params):
+        top = params.top_logprobs
+        return lambda logprobs, token: token_logprobs(logprobs, token, top, self._decode_one)
 
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
     # -- cache ------------------------------------------------------------------------
-    def _store(self, tokens: Sequence[int], caches: list, job: Job, ns: str, plan: SpecPlan | None = None) -> None:
+    def _store(self, tokens: Seq[int], caches: list, a: Active, snapshot: bool = False) -> None:
         if not tokens:
             return
+        plan = a.plan
         if plan is not None and plan.source.caches is not None:
             plan.source.prefill(tokens)  # bring the draft's caches to exactly `tokens`
             caches = list(caches) + list(plan.source.caches)
         covered = _covered_length(caches)
         if covered is not None and covered != len(tokens):
-            log.warning("not caching %s: caches cover %d tokens, expected %d", job.id, covered, len(tokens))
+            log.warning("not caching %s: caches cover %d tokens, expected %d", a.job.id, covered, len(tokens))
             return
         self.kv_bytes_per_token = _state_nbytes(caches) / len(tokens)
         try:
-            self.prompt_cache.put(list(tokens), caches, ns, job.session)
+            self.prompt_cache.put(list(tokens), caches, a.ns, a.job.session)
         except Exception:  # caching is an optimisation: never fail the request for it
             log.exception("prompt cache put failed")
-
-    def _finish(self, job, reason, n_generated, cached, started, timings: Timings) -> Finished:
-        return Finished(
-            finish_reason=reason,
-            prompt_tokens=len(job.prompt),
-            completion_tokens=n_generated,
-            cached_tokens=cached,
-            prefill_tokens=timings.prefill_tokens,
-            prefill_s=timings.prefill_s,
-            decode_tokens=timings.decode_tokens,
-            decode_s=timings.decode_s,
-            queued_s=started - job.enqueued_at,
-        )
 
 
 # -- KV-cache quantization (issue 8) ----------------------------------------------------------------------------

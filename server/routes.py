@@ -87,10 +87,11 @@ def _check_model(state, requested: Optional[str]) -> None:
         )
 
 
-def _prefetch(state, prompt: list[int], session: Optional[str]) -> None:
-    """Start reading an SSD-cached prefix now, while the job waits for the lane (index lookups only here)."""
+def _prefetch(state, prompt: list[int], params, session: Optional[str]) -> None:
+    """Start reading an SSD-cached prefix now, while the job waits for the lane (index lookups only here), in the
+    namespace the lane will take from (the engine decides it: a speculating request's includes the draft)."""
     try:
-        state.prompt_cache.prefetch(prompt, state.loaded.fingerprint, session)
+        state.prompt_cache.prefetch(prompt, state.lane.engine.namespace_for(params), session)
     except Exception:  # an optimisation: never fail the request for it
         log.exception("prefetch failed")
 
@@ -113,7 +114,8 @@ def _cut_short(run: JobRun, ev: Finished) -> APIError:
 def _prepare(state, request: Request, req, prompt: list[int], params, formatter, id_prefix: str):
     """Session, SSD prefetch (starts while the job waits for the lane), request id, formatter, job run."""
     session = session_of(request.headers.get("x-session-id"), req)
-    _prefetch(state, prompt, session)
+    state.lane.check_fits(len(prompt), params.max_tokens)  # 400 when the memory budget can never admit it
+    _prefetch(state, prompt, params, session)
     rid = request_id(request, id_prefix)
     fmt = formatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint, id=rid)
     run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s, request_id=rid)

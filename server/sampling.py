@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from server.jobs import SamplingParams, TokenLogprob
 
@@ -14,12 +14,32 @@ PENALTY_CONTEXT = 64
 
 
 def build_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
-    return make_sampler(
-        temp=params.temperature,
-        top_p=params.top_p if params.top_p < 1.0 else 0.0,
-        min_p=params.min_p,
-        top_k=params.top_k,
-    )
+    """mlx-lm's sampler for the request; with a ``seed``, the same filters but a random key of the request's own
+    (split once per token), so the text depends on the seed alone, not on what else the batch is sampling."""
+    top_p = params.top_p if params.top_p < 1.0 else 0.0
+    if params.seed is None or params.temperature == 0:
+        return make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p, top_k=params.top_k)
+    return _seeded_sampler(params.temperature, top_p, params.min_p, params.top_k, params.seed)
+
+
+def _seeded_sampler(temp: float, top_p: float, min_p: float, top_k: int, seed: int):
+    filters = []  # the order of mlx-lm's make_sampler
+    if 0 < top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, top_p))
+    if min_p != 0.0:
+        filters.append(lambda x: apply_min_p(x, min_p, 1))
+    if top_k > 0:
+        filters.append(lambda x: apply_top_k(x, top_k))
+    key = mx.random.key(seed % (2**64))
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        for f in filters:
+            logprobs = f(logprobs)
+        return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
+
+    return sample
 
 
 def build_logits_processors(params: SamplingParams, history: Sequence[int]) -> list:

@@ -19,7 +19,7 @@ def build_state(args):
     from cache.prompt_cache import make_prompt_cache
     from models import blas_info, device_name, load_model
     from server.app import ServerState
-    from server.cli import default_cache_bytes
+    from server.sizes import default_cache_bytes
     from server.engine import Engine
     from server.lane import Lane
     from server.stats import ServingStats
@@ -39,7 +39,9 @@ def build_state(args):
         from server.speculation import SpecTotals
 
         stats.spec = SpecTotals(engine.speculation.kind, engine.speculation.num_draft_tokens)
-    lane = Lane(engine, max_queue=args.max_queue, token_delay_s=_token_delay_from_env())
+    max_batch = args.max_batch or (8 if device_name() == "cpu" else 32)
+    lane = Lane(engine, max_queue=args.max_queue, token_delay_s=_token_delay_from_env(), max_batch=max_batch,
+                budget=_memory_budget(args, engine, prompt_cache))
     lane.start()
     lane.ready.wait()
     blas = blas_info()
@@ -54,6 +56,26 @@ def build_state(args):
         max_body_bytes=args.max_body_bytes, model_names={"default"} if args.model == "default" else set(),
         ssd=tiered, shutdown_timeout_s=args.shutdown_timeout,
     )
+
+
+def _memory_budget(args, engine, prompt_cache):
+    """Admission by memory (server.scheduler.MemoryBudget): --memory-budget, or the device's default."""
+    from server.scheduler import MemoryBudget
+    from server.sizes import default_memory_budget
+
+    if args.memory_budget is None:
+        budget, why = default_memory_budget()
+    else:
+        budget, why = args.memory_budget, "--memory-budget"
+    weights = engine.weights_nbytes()
+    per_token = engine.kv_bytes_per_token_estimate()
+    if budget:
+        log.info("memory budget %.2f GiB (%s): weights %.2f GiB, KV %.1f KiB per token; a request waits until its "
+                 "KV for prompt + max_tokens fits", budget / (1 << 30), why, weights / (1 << 30), per_token / 1024)
+    stats = getattr(prompt_cache, "stats", lambda: {})
+    return MemoryBudget(budget, per_token, fixed_bytes=weights,
+                        cache_bytes=lambda: int(stats().get("bytes", 0) or 0),
+                        make_room=getattr(prompt_cache, "make_room", lambda n: 0))
 
 
 def _with_kv_scheme(loaded, args):
@@ -77,7 +99,7 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int):
     from cache.ssd_store import SSDStore
     from cache.tiered import TieredCache
     from models.home import mlx_lane_home
-    from server.cli import default_ssd_cache_bytes
+    from server.sizes import default_ssd_cache_bytes
 
     if args.no_ssd_cache or ram_bytes == 0:
         if not args.no_ssd_cache:

@@ -79,14 +79,76 @@ class ServingStats:
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
         self.queue_depth = Gauge("mlx_lane:num_requests_waiting", "Requests waiting", registry=self.registry)
+        # the batching lane (issue 12): what each tick did
+        self.ticks = 0
+        self.batch_now = 0
+        self.running_now = 0
+        self.batch_hist: collections.Counter = collections.Counter()  # batch size -> decode ticks
+        self.batch_rows = 0  # sum of batch sizes over decode ticks
+        self.prefill_tick_tokens = 0
+        self.decode_tick_tokens = 0
+        self.prefill_ticks = 0
+        self.decode_ticks = 0
+        self.queue_wait = _Mean()
+        self.ttft = _Mean()  # lane-side: enqueued -> first token
+        self._m_running = Gauge("mlx_lane:num_requests_running", "Sequences admitted to the lane (prefilling or "
+                                "decoding)", registry=self.registry)
+        self._m_batch = Histogram("mlx_lane:batch_size", "Sequences in the batched decode step, per tick",
+                                  buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=self.registry)
+        self._m_tick_tokens = Counter("mlx_lane:tick_tokens", "Tokens computed by the lane's ticks", ["phase"],
+                                      registry=self.registry)
 
     # -- lane thread ------------------------------------------------------------------
     def on_started(self, job_id: str) -> None:
         with self._lock:
             self.recent_started.append(job_id)
 
+    def on_tick(self, *, batch: int, prefill_tokens: int, decode_tokens: int, running: int) -> None:
+        with self._lock:
+            self.ticks += 1
+            self.batch_now, self.running_now = batch, running
+            if batch:
+                self.batch_hist[batch] += 1
+                self.batch_rows += batch
+            if prefill_tokens:
+                self.prefill_ticks += 1
+                self.prefill_tick_tokens += prefill_tokens
+            if decode_tokens:
+                self.decode_ticks += 1
+                self.decode_tick_tokens += decode_tokens
+        self._m_running.set(running)
+        if batch:
+            self._m_batch.observe(batch)
+        if prefill_tokens:
+            self._m_tick_tokens.labels("prefill").inc(prefill_tokens)
+        if decode_tokens:
+            self._m_tick_tokens.labels("decode").inc(decode_tokens)
+
+    def batch_block(self) -> dict:
+        """The batching part of /stats' lane block."""
+        with self._lock:
+            ticks_with_batch = sum(self.batch_hist.values())
+            return {
+                "running": self.running_now,
+                "batch_size": {
+                    "current": self.batch_now,
+                    "mean": round(self.batch_rows / ticks_with_batch, 3) if ticks_with_batch else None,
+                    "histogram": {str(k): v for k, v in sorted(self.batch_hist.items())},
+                },
+                "ticks": self.ticks,
+                "prefill_tokens_per_tick": round(self.prefill_tick_tokens / self.prefill_ticks, 2)
+                if self.prefill_ticks else None,
+                "decode_tokens_per_tick": round(self.decode_tick_tokens / self.decode_ticks, 2)
+                if self.decode_ticks else None,
+                "queue_wait_s": self.queue_wait.as_dict(),
+                "ttft_s": self.ttft.as_dict(),
+            }
+
     def on_finished(self, f: Finished) -> None:
         with self._lock:
+            self.queue_wait.add(f.queued_s)
+            if f.completion_tokens:
+                self.ttft.add(f.queued_s + f.prefill_s)
             if f.finish_reason == "cancelled":
                 self.requests_cancelled += 1
             else:

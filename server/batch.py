@@ -1,0 +1,86 @@
+"""The decode batch: mlx-lm's ``GenerationBatch`` (continuous batching), wrapped for the lane.
+
+mlx-lm does the work: ``_merge_caches`` turns a sequence's own per-layer caches into batch caches
+(``BatchKVCache`` / ``BatchRotatingKVCache``, left-padded), ``GenerationBatch`` runs one forward for all rows per
+step with per-row samplers and logits processors (pipelined: the step that returns token k has already fed k and
+started computing k+1), ``extend`` merges a new row in, ``extract_cache(i)`` / ``filter`` take a finished row out.
+
+What this wrapper adds, and why:
+- rows are keyed by our sequences, not uids; stopping is ours (stop strings, cancellation, max_tokens live in
+  ``server.sequence.Sequence``), so rows are given an unreachable max_tokens and no stop sequences, and leave
+  through ``remove``;
+- ``add(seq, caches, history)``: the caches cover ``history[:-1]`` and ``history[-1]`` is the next input (the last
+  prompt token for a fresh sequence, the last generated token for one that migrates from solo decoding);
+- ``remove(seq)`` returns ``(tokens, caches)``: the row's own single-sequence caches and exactly the tokens they
+  cover (``GenerationBatch.tokens[i]``), ready for the prefix cache's ``put``.
+
+Only the lane thread touches a batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, StopSequences, _merge_caches
+from mlx_lm.sample_utils import greedy_sampler
+
+_NO_LIMIT = 1 << 62
+
+
+def can_batch(caches: list) -> bool:
+    """True when every layer's cache class can join a batch (mlx-lm's ``merge``; QuantizedKVCache cannot)."""
+    return all(hasattr(type(c), "merge") for c in caches)
+
+
+class DecodeBatch:
+    def __init__(self, model):
+        self.model = model
+        self._gen = GenerationBatch.empty(model, greedy_sampler)
+        self._rows: list = []  # sequences, in the batch's row order
+        self.steps = 0
+        self.row_steps = 0  # sum of batch sizes over steps (mean batch size = row_steps / steps)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, seq) -> bool:
+        return any(s is seq for s in self._rows)
+
+    @property
+    def sequences(self) -> list:
+        return list(self._rows)
+
+    def add(self, seq, caches: list, history: list, sampler=None, processors: Optional[list] = None) -> None:
+        """Join ``seq``; ``caches`` (its own, consumed) cover ``history[:-1]``; ``sampler`` None means greedy."""
+        row = GenerationBatch(
+            self.model, [id(seq)], mx.array(history[-1:]), _merge_caches([caches]), [list(history[:-1])],
+            [sampler], greedy_sampler, [tuple(processors or ())], [StopSequences()], [_NO_LIMIT],
+        )
+        self._gen.extend(row)
+        self._rows.append(seq)
+
+    def step(self) -> list:
+        """One decode step for every row: ``[(seq, token, logprobs), ...]`` in row order."""
+        if not self._rows:
+            return []
+        responses = self._gen.next()
+        self.steps += 1
+        self.row_steps += len(self._rows)
+        return [(seq, r.token, r.logprobs) for seq, r in zip(self._rows, responses)]
+
+    def remove(self, seqs: list) -> list:
+        """Take these rows out; returns ``[(tokens, caches), ...]`` in the order given."""
+        index = {id(s): i for i, s in enumerate(self._rows)}
+        out = []
+        for seq in seqs:
+            i = index[id(seq)]
+            caches = self._gen.extract_cache(i)
+            out.append((list(self._gen.tokens[i]), caches))
+        gone = {id(s) for s in seqs}
+        keep = [i for i, s in enumerate(self._rows) if id(s) not in gone]
+        if out:
+            mx.eval([c.state for _, caches in out for c in caches])
+        self._gen.filter(keep)
+        self._rows = [self._rows[i] for i in keep]
+        return out

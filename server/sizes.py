@@ -1,0 +1,69 @@
+"""Byte sizes on the command line and the defaults derived from this machine (RAM, disk, device memory)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'512M', '8GiB', '1073741824' -> bytes (binary units)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 0, 512M, 8G)")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def physical_ram() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+def default_cache_bytes() -> int:
+    """RAM prefix-cache cap: min(8 GiB, 25% of RAM)."""
+    return min(8 << 30, physical_ram() // 4)
+
+
+def default_ssd_cache_bytes(path: str) -> int:
+    """min(32 GiB, 25% of the free space on the file system that holds `path` (or its nearest existing parent))."""
+    import shutil
+
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        free = 0
+    return min(32 << 30, free // 4)
+
+
+def device_memory() -> tuple[int, str]:
+    """(bytes, where from) of the memory the model's arrays live in: the GPU's own memory on CUDA / Metal when MLX
+    reports it, else this machine's RAM (CPU, and Apple's unified memory)."""
+    try:
+        import mlx.core as mx
+
+        if mx.default_device() != mx.cpu:
+            info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+            for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+                if info.get(key):
+                    return int(info[key]), f"device {key}"
+    except Exception:  # noqa: BLE001 - an introspection failure falls back to RAM
+        pass
+    return physical_ram(), "physical RAM"
+
+
+def default_memory_budget() -> tuple[int, str]:
+    """--memory-budget default: 90% of a GPU's memory, 75% of RAM on a CPU (the OS, the HTTP layer and the SSD
+    tier's write-behind buffers need the rest; an OOM kill loses every stream at once)."""
+    total, source = device_memory()
+    share = 0.75 if source == "physical RAM" else 0.90
+    return int(total * share), f"{int(share * 100)}% of {source}"
