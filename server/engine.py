@@ -27,7 +27,7 @@ from typing import Optional, Sequence as Seq
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from server.batch import can_batch
+from server.batch import DecodeBatch, can_batch
 from server.decode_steps import PlainDecode
 from server.jobs import Failed, Job, Progress
 from server.sampling import build_logits_processors, build_sampler, token_logprobs
@@ -87,8 +87,6 @@ class Engine:
     def warmup(self) -> None:
         """Page the weights in and compile kernels before the first request (lane thread): a prefill chunk, a
         one-token step over a cache, and a batched step of two rows, so the first request pays none of it."""
-        from server.batch import DecodeBatch
-
         with mx.stream(self.stream):
             mx.eval(self.model.parameters())
             caches = self._new_caches()
@@ -205,6 +203,9 @@ class Engine:
             self._store(prompt[:-1], a.caches, a, snapshot=True)  # prompt-boundary snapshot
         a.seq.state = SeqState.DECODE
         return True
+
+    def new_batch(self) -> DecodeBatch:
+        return DecodeBatch(self.model)
 
     def batchable(self, a: Active) -> bool:
         return a.plan is None and can_batch(a.caches if a.caches is not None else [])

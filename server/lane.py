@@ -33,7 +33,6 @@ import threading
 import time
 from typing import Optional
 
-from server.batch import DecodeBatch
 from server.engine import Active
 from server.errors import InvalidRequest, QueueFull, ShuttingDown
 from server.jobs import Delta, Finished, Job
@@ -61,7 +60,7 @@ class Lane:
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Active] = []  # admitted sequences, in admission order (lane thread only)
         self._running_ids: tuple[str, ...] = ()  # a snapshot for readers on other threads
-        self._batch: Optional[DecodeBatch] = None
+        self._batch = None  # server.batch.DecodeBatch, made on the lane thread (engine.new_batch)
         self._cond = threading.Condition()
         self.state = LaneState.STARTING
         self.aborted = False  # set by abort(): a cancelled job was ended by the shutdown, not by its client
@@ -145,7 +144,7 @@ class Lane:
             self.engine.warmup()
         except Exception:
             log.exception("warm-up failed; serving anyway")
-        self._batch = DecodeBatch(self.engine.model)
+        self._batch = self.engine.new_batch()
         with self._cond:
             if self.state == LaneState.STARTING:
                 self.state = LaneState.SERVING
@@ -156,12 +155,20 @@ class Lane:
                     self._cond.wait()
                 if not self._waiting and not self._active:
                     return  # stopped and nothing left
-                jobs = self.scheduler.admit(self._waiting, self._active, ready=self._prefix_ready)
-            try:
-                self._tick(jobs)
-            except Exception:  # each step reports its own failures; this is a last resort
-                log.exception("lane tick failed")
-            self._running_ids = tuple(a.job.id for a in self._active)
+            self.tick()
+
+    def tick(self) -> None:
+        """One scheduling round (admit, cancel, one prefill chunk, one decode step). The thread calls it in a loop;
+        the model-free tests call it directly, tick by tick, on a lane that was never started."""
+        if self._batch is None:
+            self._batch = self.engine.new_batch()
+        with self._cond:
+            jobs = self.scheduler.admit(self._waiting, self._active, ready=self._prefix_ready)
+        try:
+            self._tick(jobs)
+        except Exception:  # each step reports its own failures; this is a last resort
+            log.exception("lane tick failed")
+        self._running_ids = tuple(a.job.id for a in self._active)
 
     def _prefix_ready(self, job: Job) -> bool:
         ready = getattr(self.engine.prompt_cache, "ready", None)
@@ -227,7 +234,7 @@ class Lane:
                 for a in self._batch.sequences:
                     self._drop(a)
                     self.engine.fail(a, exc)
-                self._batch = DecodeBatch(self.engine.model)
+                self._batch = self.engine.new_batch()
                 rows = []
             ending = []
             for a, token, logprobs in rows:
