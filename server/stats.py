@@ -83,6 +83,7 @@ class ServingStats:
         self.ticks = 0
         self.batch_now = 0
         self.running_now = 0
+        self.running_max = 0
         self.batch_hist: collections.Counter = collections.Counter()  # batch size -> decode ticks
         self.batch_rows = 0  # sum of batch sizes over decode ticks
         self.prefill_tick_tokens = 0
@@ -107,6 +108,7 @@ class ServingStats:
         with self._lock:
             self.ticks += 1
             self.batch_now, self.running_now = batch, running
+            self.running_max = max(self.running_max, running)
             if batch:
                 self.batch_hist[batch] += 1
                 self.batch_rows += batch
@@ -130,6 +132,7 @@ class ServingStats:
             ticks_with_batch = sum(self.batch_hist.values())
             return {
                 "running": self.running_now,
+                "running_max": self.running_max,
                 "batch_size": {
                     "current": self.batch_now,
                     "mean": round(self.batch_rows / ticks_with_batch, 3) if ticks_with_batch else None,

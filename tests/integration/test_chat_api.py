@@ -22,8 +22,12 @@ def test_chat_json(client):
     assert r.usage.completion_tokens >= 1
     assert r.usage.prompt_tokens > 5
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    assert r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens  # the last token is always computed
     assert r.model == "SmolLM2-135M-Instruct"
+    again = client.chat.completions.create(model="default", messages=HI, max_tokens=12, temperature=0)
+    # the same prompt again: everything but its last token comes from the prefix cache, and the text is the same
+    assert again.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == choice.message.content
 
 
 def test_chat_stream_with_usage(client):

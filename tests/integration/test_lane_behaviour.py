@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -58,17 +59,48 @@ def test_non_streaming_disconnect_also_cancels(server):
     assert wait_for(lambda: httpx.get(server.url + "/stats").json()["lane"]["requests_cancelled"] > before)
 
 
-def test_tools_reach_the_chat_template(client):
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tools_template_server(default_model_dir, tmp_path_factory):
+    """The default model behind a chat template that renders the tool names (SmolLM2's own ignores tools)."""
+    d = tmp_path_factory.mktemp("tools-template-model")
+    for f in Path(default_model_dir).iterdir():
+        (d / f.name).symlink_to(f)
+    cfg = json.loads((Path(default_model_dir) / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TOOLS_TEMPLATE
+    (d / "tokenizer_config.json").unlink()
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    srv = ServerProc("--model", str(d), "--cache-bytes", "64M")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_tools_reach_the_chat_template(tools_template_server):
+    from openai import OpenAI
+
+    from models import ensure_default_model
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    client = OpenAI(base_url=tools_template_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
-    plain = client.chat.completions.create(model="default", messages=msgs, max_tokens=2, temperature=0)
-    with_tools = client.chat.completions.create(model="default", messages=msgs, tools=tools, max_tokens=2,
+    model = client.models.list().data[0].id
+    plain = client.chat.completions.create(model=model, messages=msgs, max_tokens=2, temperature=0)
+    with_tools = client.chat.completions.create(model=model, messages=msgs, tools=tools, max_tokens=2,
                                                 temperature=0)
-    # SmolLM2's template has no tools section, so the prompt is unchanged; a template that renders
-    # tools would make it longer. Either way the request is accepted and answered.
-    assert with_tools.usage.prompt_tokens >= plain.usage.prompt_tokens
-    assert with_tools.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    none = client.chat.completions.create(model=model, messages=msgs, tools=tools, tool_choice="none",
+                                          max_tokens=2, temperature=0)
+    tok = load_tokenizer(Path(ensure_default_model(progress=False)))
+    tools_part = len(tok.encode("<|im_start|>system\nTools: get_weather<|im_end|>\n"))
+    # the template rendered the tool's name: exactly that many more prompt tokens; tool_choice "none" hides them
+    assert with_tools.usage.prompt_tokens == plain.usage.prompt_tokens + tools_part
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
 
 
 def test_tool_and_assistant_tool_call_messages_are_accepted(client):
