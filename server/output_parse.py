@@ -185,6 +185,14 @@ class OutputParser:
             self._ws = ""
         return self._drain(), list(self._calls)
 
+    def complete(self, text: str) -> tuple[str, str, list[dict]]:
+        """A whole reply at once: (reasoning, content, calls) = feed(text) + finish(), joined by kind."""
+        pieces = self.feed(text)
+        rest, calls = self.finish()
+        pieces += rest
+        return ("".join(p.text for p in pieces if p.kind == "reasoning"),
+                "".join(p.text for p in pieces if p.kind == "text"), calls)
+
     # -- internals ------------------------------------------------------------------------------------------
     def _take_segments(self, segments: list[tuple[Optional[str], str]]) -> None:
         for i, (where, text) in enumerate(segments):
@@ -269,10 +277,4 @@ def make_output_parser(tokenizer, *, tools: bool, in_reasoning: bool = False,
 def parse_complete(tokenizer, text: str, *, tools: bool, in_reasoning: bool = False,
                    tool_specs: Optional[list[dict]] = None) -> tuple[str, str, list[dict]]:
     """(reasoning, content, calls) of a finished reply: ``feed(text)`` + ``finish()`` joined by kind."""
-    parser = make_output_parser(tokenizer, tools=tools, in_reasoning=in_reasoning, tool_specs=tool_specs)
-    pieces = parser.feed(text)
-    rest, calls = parser.finish()
-    pieces += rest
-    reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
-    content = "".join(p.text for p in pieces if p.kind == "text")
-    return reasoning, content, calls
+    return make_output_parser(tokenizer, tools=tools, in_reasoning=in_reasoning, tool_specs=tool_specs).complete(text)

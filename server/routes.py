@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from server.errors import APIError, InvalidRequest, ModelNotFound, PayloadTooLarge, ShuttingDown
 from server.jobrun import JobRun
 from server.jobs import Delta, Failed, Finished, Progress
+from server.output_parse import OutputParser, make_output_parser, prompt_opens_thinking
 from server.prompts import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     render_chat,
@@ -27,7 +28,6 @@ from server.prompts import (
 )
 from server.responses import SSE_DONE, SSE_KEEPALIVE, ChatFormatter, CompletionFormatter, sse
 from server.schemas import ChatCompletionRequest, CompletionRequest
-from server.output_parse import OutputParser, make_output_parser, prompt_opens_thinking
 
 router = APIRouter()
 log = logging.getLogger("mlx_lane.routes")
@@ -142,10 +142,7 @@ async def chat_completions(request: Request):
         )
     async with run:
         text, lps, finished = await _collect(run, state.stats, t0)
-    pieces = parser.feed(text)
-    rest, calls = parser.finish()
-    reasoning = "".join(p.text for p in pieces + rest if p.kind == "reasoning")
-    content = "".join(p.text for p in pieces + rest if p.kind == "text")
+    reasoning, content, calls = parser.complete(text)
     reason = "tool_calls" if calls else finished.finish_reason
     return _json(fmt.completion(content, calls, lps if params.logprobs else None, reason, finished,
                                 reasoning=reasoning), headers={"X-Request-Id": rid})
@@ -188,10 +185,8 @@ async def _chat_stream(run: JobRun, fmt: ChatFormatter, include_usage: bool, par
             if isinstance(ev, Delta):
                 if ev.first_token:
                     stats.observe_ttft(time.monotonic() - t0)
-                pieces = parser.feed(ev.text)
-                if pieces or ev.logprobs:
-                    for chunk in fmt.piece_chunks(pieces, list(ev.logprobs)):
-                        yield sse(chunk)
+                for chunk in fmt.piece_chunks(parser.feed(ev.text), list(ev.logprobs)):
+                    yield sse(chunk)
             elif isinstance(ev, Failed):
                 yield sse(_internal(ev).body())
                 break
