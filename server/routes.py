@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from server.errors import APIError, InvalidRequest, ModelNotFound, PayloadTooLarge, ShuttingDown
 from server.jobrun import JobRun
 from server.jobs import Delta, Failed, Finished, Progress
+from server.output_parse import OutputParser, make_output_parser, prompt_opens_thinking
 from server.prompts import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     render_chat,
@@ -27,7 +28,6 @@ from server.prompts import (
 )
 from server.responses import SSE_DONE, SSE_KEEPALIVE, ChatFormatter, CompletionFormatter, sse
 from server.schemas import ChatCompletionRequest, CompletionRequest
-from server.tool_calls import ToolCallFilter, parse_tool_calls
 
 router = APIRouter()
 log = logging.getLogger("mlx_lane.routes")
@@ -133,23 +133,28 @@ async def chat_completions(request: Request):
         req.model_copy(update={"max_tokens": req.requested_max_tokens()}), len(prompt),
         state.loaded.context_length, default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size,
     )
+    parser = _output_parser(tok, req, prompt)
     run, fmt, rid, t0 = _prepare(state, request, req, prompt, params, ChatFormatter, "chatcmpl-")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         await run.__aenter__()
         return StreamingResponse(
-            _chat_stream(run, fmt, include_usage, req.tools_enabled(), state.stats, t0),
+            _chat_stream(run, fmt, include_usage, parser, state.stats, t0),
             media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": rid},
         )
     async with run:
         text, lps, finished = await _collect(run, state.stats, t0)
-    if req.tools_enabled():
-        content, calls = parse_tool_calls(text)
-    else:
-        content, calls = text, []
+    reasoning, content, calls = parser.complete(text)
     reason = "tool_calls" if calls else finished.finish_reason
-    return _json(fmt.completion(content, calls, lps if params.logprobs else None, reason, finished),
-                 headers={"X-Request-Id": rid})
+    return _json(fmt.completion(content, calls, lps if params.logprobs else None, reason, finished,
+                                reasoning=reasoning), headers={"X-Request-Id": rid})
+
+
+def _output_parser(tok, req: ChatCompletionRequest, prompt: list[int]) -> OutputParser:
+    """Splits the reply into text, reasoning and tool calls in the model family's format (server.output_parse)."""
+    tools = req.tools_enabled()
+    specs = [t.model_dump(exclude_none=True) for t in req.tools] if tools else None
+    return make_output_parser(tok, tools=tools, in_reasoning=prompt_opens_thinking(tok, prompt), tool_specs=specs)
 
 
 async def _collect(run: JobRun, stats, t0: float):
@@ -171,8 +176,7 @@ async def _collect(run: JobRun, stats, t0: float):
     raise APIError("generation ended without a result")
 
 
-async def _chat_stream(run: JobRun, fmt: ChatFormatter, include_usage: bool, tools: bool, stats, t0):
-    tool_filter = ToolCallFilter() if tools else None
+async def _chat_stream(run: JobRun, fmt: ChatFormatter, include_usage: bool, parser: OutputParser, stats, t0):
     try:
         yield sse(fmt.role_chunk())
         async for ev in run.events():
@@ -183,9 +187,8 @@ async def _chat_stream(run: JobRun, fmt: ChatFormatter, include_usage: bool, too
             if isinstance(ev, Delta):
                 if ev.first_token:
                     stats.observe_ttft(time.monotonic() - t0)
-                text = tool_filter.feed(ev.text) if tool_filter else ev.text
-                if text or ev.logprobs:
-                    yield sse(fmt.content_chunk(text, list(ev.logprobs)))
+                for chunk in fmt.piece_chunks(parser.feed(ev.text), list(ev.logprobs)):
+                    yield sse(chunk)
             elif isinstance(ev, Failed):
                 yield sse(_internal(ev).body())
                 break
@@ -195,13 +198,12 @@ async def _chat_stream(run: JobRun, fmt: ChatFormatter, include_usage: bool, too
             elif isinstance(ev, Finished):
                 stats.observe_e2e(time.monotonic() - t0)
                 reason = ev.finish_reason
-                if tool_filter:
-                    rest, calls = tool_filter.finish()
-                    if rest:
-                        yield sse(fmt.content_chunk(rest, []))
-                    if calls:
-                        yield sse(fmt.tool_calls_chunk(calls))
-                        reason = "tool_calls"
+                rest, calls = parser.finish()
+                for chunk in fmt.piece_chunks(rest, []):
+                    yield sse(chunk)
+                if calls:
+                    yield sse(fmt.tool_calls_chunk(calls))
+                    reason = "tool_calls"
                 yield sse(fmt.finish_chunk(reason))
                 if include_usage:
                     yield sse(fmt.usage_chunk(ev))
