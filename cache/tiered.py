@@ -38,6 +38,7 @@ feed the cost model (restore bytes/seconds here, prefill tokens/seconds from the
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -57,6 +58,7 @@ __all__ = ["TieredCache"]
 
 log = logging.getLogger(__name__)
 
+_MAX_LANDED = 64  # finished prefetches remembered until their take (bounded: a request may never come)
 _MIN_PREFILL_SAMPLE = 16  # shorter prefills are mostly fixed overhead: they say little about the rate
 
 
@@ -82,6 +84,10 @@ class TieredCache:
         self._idle_s = float(demote_idle_s)
         self._lock = threading.Lock()
         self._inflight: dict[str, Future] = {}  # file path -> restore in flight
+        # file path -> prefetch that finished before its request reached the lane (the batching lane keeps such a
+        # request waiting until the read is done): its take still counts as an SSD hit
+        self._landed: collections.OrderedDict[str, Future] = collections.OrderedDict()
+        self._joined: set[Future] = set()  # in-flight reads a take already joined (they never land)
         self._c = dict(prefetches=0, prefetch_coalesced=0, prefetch_skipped=0, ssd_hits=0, ssd_tokens_hit=0,
                        restores_on_lane=0, restores_failed=0, spills=0, spill_failed=0, demotions=0)
         self._pool = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="mlx-lane-ssd-io")
@@ -114,6 +120,10 @@ class TieredCache:
         if match is not None:
             with self._lock:
                 fut = self._inflight.get(match.path)
+                if fut is not None:
+                    self._joined.add(fut)
+                else:
+                    fut = self._landed.pop(match.path, None)
             if fut is not None:
                 loaded = fut.result()  # a prefetch of this file: join it (never raises, see _load)
             ram_len = self._ram.peek(tokens, ns, session)
@@ -314,6 +324,12 @@ class TieredCache:
         with self._lock:
             if self._inflight.get(path) is fut:
                 del self._inflight[path]
+                if fut in self._joined:
+                    self._joined.discard(fut)
+                    return
+                self._landed[path] = fut
+                while len(self._landed) > _MAX_LANDED:
+                    self._landed.popitem(last=False)
 
     def _count_ssd_hit(self, length: int) -> None:
         with self._lock:
