@@ -138,11 +138,13 @@ class _Popen(Peer):
     def __init__(self, workdir: Path, persistent: bool = False):
         super().__init__(workdir, persistent)
         self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None  # the server's stdout + stderr, once started
 
     def _spawn(self, cmd: list[str], env: dict, ready_path: str, cwd: Path | None = None) -> None:
         port = free_port()
         cmd = [c.replace("{port}", str(port)) for c in cmd]
         log = Path(tempfile.mkstemp(prefix=f"{self.name}-", suffix=".log")[1])
+        self.log_path = log
         self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=cwd)
         self.url = f"http://127.0.0.1:{port}"
         _wait_http(self.url + ready_path, self.proc, log)
