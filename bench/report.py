@@ -515,7 +515,8 @@ def render_concurrent_agents(runs: list[Run]) -> str:
     if last:
         flat = [f"{k} {json.dumps(x)}" for k, x in last["lane_after"].items()
                 if isinstance(x, (int, float, str)) and not isinstance(x, bool)]
-        text += f"\n\nmlx-lane `/stats` `lane` after the K={last['k']} run (round {last['round']}): " + ", ".join(flat) + "."
+        text += (f"\n\nmlx-lane `/stats` `lane` after the K={last['k']} run (round {last['round']}): "
+                 + ", ".join(flat) + ".")
     return text
 
 
@@ -566,8 +567,11 @@ def render_gpu_batch(runs: list[Run]) -> str:
         single = {**label, "raw": "raw mlx-lm generate_step"}
         text += ("\n\nSingle stream decode tok/s: " + ", ".join(f"{single[s]} {_mmm(dec.get(s), 1)}" for s in names
                                                              if s in dec)
-                 + (f"; **served / raw generate_step: mlx-lane {num(ss['ours_over_raw'], 3)}**" if ss.get("ours_over_raw")
-                    else "") + (f", mlx_lm.server {num(ss['mlx_lm_over_raw'], 3)}" if ss.get("mlx_lm_over_raw") else "")
+                 + (f"; **served / raw generate_step: mlx-lane {num(ss['ours_over_raw'], 3)}**"
+                    if ss.get("ours_over_raw") else "")
+                 + (f", mlx_lm.server {num(ss['mlx_lm_over_raw'], 3)}" if ss.get("mlx_lm_over_raw") else "")
+                 + (f" (mlx-lane's own `/stats` lane decode rate: {_mmm(ss['ours_lane_decode_tok_s'], 1)})"
+                    if (ss.get("ours_lane_decode_tok_s") or {}).get("median") else "")
                  + ".")
     for note in d.get("notes") or []:
         text += f"\n\nNote: {note}."
