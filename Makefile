@@ -59,7 +59,8 @@ test: venv blas model test-deps
 # the machine's load, memory and busiest processes) into bench/results/, then report.py regenerates the
 # <!-- bench:NAME --> sections of BENCHMARKS.md from them. The peers: mlx_lm.server, and llama.cpp's server
 # (bench/llamacpp_peer.sh compiles llama-cpp-python once, ~19 min on 2 cores, kept under ~/.cache/mlx-lane/bench).
-# Whole run: about 1.5 h on 2 cores (the agent replays take the longest). pipefail: a failed script stops the
+# Whole run: about 1.5 h on 2 cores before concurrent_agents (~50 min more while mlx-lane's lane is serial, 2
+# rounds of K 1,4,8,16) and batch_text_match (~5 min). pipefail: a failed script stops the
 # run instead of hiding behind tee. AGENT_REPLAY sets the replay's size.
 AGENT_REPLAY ?= --convs 8 --turns 6
 bench: SHELL := bash
@@ -76,6 +77,10 @@ bench: venv blas model
 	$(BIN)/python bench/agent_replay.py --servers ours,mlx_lm,llama_cpp --convs 4 --turns 4 --restart-after-turn 2 \
 		--out bench/results/agent_replay_restart.json --plot bench/agent_replay_restart_ttft.png \
 		| tee bench/results/agent_replay_restart.txt
+	$(BIN)/python bench/concurrent_agents.py --servers ours,mlx_lm,llama_cpp --k 1,4,8,16 --turns 3 --max-tokens 64 \
+		--rounds 2 | tee bench/results/concurrent_agents.txt
+	$(BIN)/python bench/batch_text_match.py --servers ours --n 24 --max-tokens 32 --repeat-alone \
+		| tee bench/results/batch_text_match.txt
 	$(BIN)/python bench/report.py --write BENCHMARKS.md
 
 # 1,000 requests under a 48 MiB RAM cache; the RSS / cache-bytes curve goes to bench/results/soak_curve.json.

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU benchmark (issue 6, item 3) on the device machine: install the carried wheels, then run bench/gpu.py.
+# GPU benchmarks on the device machine: install the carried wheels, then run bench/gpu.py (issue 6, item 3)
+# or, with `batch` first, bench/gpu_batch.py (issue 12: concurrent requests).
 #
 # Wheels (made on the dev machine, git-ignored, carried with the call):
 #   .whl/*.whl                 mlx==0.32.4, mlx-lm==0.32.2 and the server deps missing on the device image
@@ -10,6 +11,7 @@
 #                              earlier call while the machine is warm; or a whole .whl/mlx_cuda_13-*.whl
 #
 #   OUT=/some/dir bench/gpu.sh [bench/gpu.py flags...]
+#   OUT=/some/dir bench/gpu.sh batch [bench/gpu_batch.py flags...]    # issue 12's batching benchmark instead
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHL=${WHL:-.whl}
@@ -31,4 +33,9 @@ fi
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader || true
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-python3 bench/gpu.py --out "$OUT" "$@"
+SCRIPT=bench/gpu.py
+if [ "${1:-}" = batch ]; then
+  SCRIPT=bench/gpu_batch.py
+  shift
+fi
+python3 "$SCRIPT" --out "$OUT" "$@"

@@ -138,11 +138,13 @@ class _Popen(Peer):
     def __init__(self, workdir: Path, persistent: bool = False):
         super().__init__(workdir, persistent)
         self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None  # the server's stdout + stderr, once started
 
     def _spawn(self, cmd: list[str], env: dict, ready_path: str, cwd: Path | None = None) -> None:
         port = free_port()
         cmd = [c.replace("{port}", str(port)) for c in cmd]
         log = Path(tempfile.mkstemp(prefix=f"{self.name}-", suffix=".log")[1])
+        self.log_path = log
         self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=cwd)
         self.url = f"http://127.0.0.1:{port}"
         _wait_http(self.url + ready_path, self.proc, log)
@@ -164,9 +166,10 @@ class _Popen(Peer):
 class MlxLm(_Popen):
     name = "mlx_lm"
 
-    def __init__(self, workdir: Path, model_dir: Path, persistent: bool = False):
+    def __init__(self, workdir: Path, model_dir: Path, persistent: bool = False, extra: tuple[str, ...] = ()):
         super().__init__(workdir, persistent)
         self.model_dir = model_dir
+        self.extra = extra
 
     def start(self) -> None:
         from models.runtime import blas_preload_env, find_openblas
@@ -176,16 +179,18 @@ class MlxLm(_Popen):
         if lib:
             env = blas_preload_env(env, lib)
         self._spawn([sys.executable, "-m", "mlx_lm", "server", "--model", str(self.model_dir), "--port", "{port}",
-                     "--log-level", "WARNING"], env, "/health")
+                     "--log-level", "WARNING", *self.extra], env, "/health")
 
 
 class LlamaCpp(_Popen):
     name = "llama_cpp"
 
-    def __init__(self, workdir: Path, gguf: Path, persistent: bool = False, python: str | None = None):
+    def __init__(self, workdir: Path, gguf: Path, persistent: bool = False, python: str | None = None,
+                 extra: tuple[str, ...] = ()):
         super().__init__(workdir, persistent)
         self.gguf = gguf
         self.python = python or llamacpp_python()
+        self.extra = extra
 
     def start(self) -> None:
         threads = str(os.cpu_count() or 1)  # its default is half the cores; MLX uses all of them
@@ -194,6 +199,7 @@ class LlamaCpp(_Popen):
                "--cache", "true", "--verbose", "false"]
         if self.persistent:
             cmd += ["--cache_type", "disk"]  # LlamaDiskCache under ./.cache/llama_cache of its working dir
+        cmd += list(self.extra)
         cwd = self.workdir / "llama-cwd"
         cwd.mkdir(parents=True, exist_ok=True)
         self._spawn(cmd, dict(os.environ, PYTHONUNBUFFERED="1"), "/v1/models", cwd=cwd)
@@ -215,16 +221,19 @@ def default_paths() -> tuple[Path, Path]:
     return model_dir, gguf
 
 
-def make(names: list[str], workdir: Path, persistent: bool = False) -> list[Peer]:
+def make(names: list[str], workdir: Path, persistent: bool = False,
+         extra: dict[str, tuple[str, ...]] | None = None) -> list[Peer]:
+    """The named peers (not started yet); `extra` maps a name to command-line arguments appended to its server's."""
     model_dir, gguf = default_paths()
+    extra = extra or {}
     out: list[Peer] = []
     for n in names:
         if n == "ours":
-            out.append(Ours(workdir, model_dir, persistent))
+            out.append(Ours(workdir, model_dir, persistent, extra=tuple(extra.get(n, ()))))
         elif n == "mlx_lm":
-            out.append(MlxLm(workdir, model_dir, persistent))
+            out.append(MlxLm(workdir, model_dir, persistent, extra=tuple(extra.get(n, ()))))
         elif n == "llama_cpp":
-            out.append(LlamaCpp(workdir, gguf, persistent))
+            out.append(LlamaCpp(workdir, gguf, persistent, extra=tuple(extra.get(n, ()))))
         else:
             raise SystemExit(f"unknown server {n!r}: choose from {', '.join(ALL)}")
     return out

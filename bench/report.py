@@ -476,6 +476,108 @@ def render_quant_speed(runs: list[Run]) -> str:
             + table(["weights", "size MB", "prefill tok/s", "vs float32", "decode tok/s", "vs float32"], rows))
 
 
+def _mmm(x: dict | None, nd: int = 2) -> str:
+    """A common.spread / gpu.summary dict as "median (min-max)", or the median alone for one value."""
+    if not x or x.get("median") is None:
+        return "-"
+    if x.get("min") == x.get("max"):
+        return num(x["median"], nd)
+    return f"{num(x['median'], nd)} ({num(x['min'], nd)}-{num(x['max'], nd)})"
+
+
+def render_concurrent_agents(runs: list[Run]) -> str:
+    d = runs[0].data
+    s, ratios, c, v = d["summary"], d.get("ratios") or {}, d["config"], d.get("target") or {}
+    rows = []
+    for K, per in s.items():
+        for n, x in per.items():
+            r = (ratios.get(K) or {}).get(n) or {}
+            rows.append([K, AR_LABELS.get(n, n), _mmm(x.get("wall_s"), 1), _mmm(x.get("ttft_mean_s")),
+                         _mmm(x.get("ttft_p95_s")), _mmm(x.get("tok_s")),
+                         num(statistics.median(x["cached_tokens"]), 0, True), x["requests_failed"],
+                         num(r["wall_ours_over_peer"], 3) if r.get("wall_ours_over_peer") else "",
+                         num(r["ttft_mean_ours_over_peer"], 3) if r.get("ttft_mean_ours_over_peer") else "",
+                         num(x["replies_equal_ours"], 2) if x.get("replies_equal_ours") is not None else ""])
+    text = (f"K agents x {c['turns']} turns, all at once, each turn right after its previous reply; "
+            f"{c['max_tokens']}-token greedy replies; median (min-max) of {c['rounds']} round(s); servers one after "
+            "the other, started fresh for each K, order rotated:\n\n" + table(
+                ["K", "server", "wall (s)", "mean TTFT (s)", "p95 TTFT (s)", "generated tok/s (all / wall)",
+                 "cached prompt tokens", "failed", "wall ours/peer", "mean TTFT ours/peer", "replies = ours"], rows))
+    if v.get("met") is not None:
+        cond = "" if v.get("conditions_as_issue") else " (this run's T / tokens differ from the issue's 3 / 64)"
+        text += (f"\n\n**Issue 12 target at K={v['k']}{cond}**: wall ours/mlx_lm.server {num(v['wall_ratio'], 3)} "
+                 f"(<= {v['wall_target']}), mean TTFT {num(v['ttft_mean_ratio'], 3)} (<= {v['ttft_mean_target']}): "
+                 f"**{'met' if v['met'] else 'missed'}**.")
+    if "llama_cpp" in c.get("servers", {}):
+        text += f"\n\nllama.cpp's server: {c.get('llama_cpp_parallel')}."
+    last = max((r for r in d.get("runs") or [] if r["server"] == "ours" and r.get("lane_after")),
+               key=lambda r: (r["k"], r["round"]), default=None)
+    if last:
+        flat = [f"{k} {json.dumps(x)}" for k, x in last["lane_after"].items()
+                if isinstance(x, (int, float, str)) and not isinstance(x, bool)]
+        text += (f"\n\nmlx-lane `/stats` `lane` after the K={last['k']} run (round {last['round']}): "
+                 + ", ".join(flat) + ".")
+    return text
+
+
+def render_batch_text_match(runs: list[Run]) -> str:
+    d = runs[0].data
+    c = d["config"]
+    rows = []
+    for name, x in d["servers"].items():
+        if "error" in x:
+            rows.append([AR_LABELS.get(name, name), f"error: {x['error'][:120]}", "", "", "", ""])
+            continue
+        mm = x.get("mismatches") or []
+        rep = x.get("alone_repeat")
+        rows.append([AR_LABELS.get(name, name), f"**{x['matched']} / {x['compared']}** ({pct(x['match_rate'])})",
+                     ", ".join(str(m["first_diff_token"]) for m in mm) or "-",
+                     f"{num(x['alone_wall_s'], 1)} / {num(x['batch_wall_s'], 1)}",
+                     "yes" if x.get("cache_cleared") else "no",
+                     f"{rep['matched']} / {rep['compared']}" if rep else "not run"])
+    return (f"{c['n']} chat prompts ({num(c['prompt_tokens_mean'], 0)} tokens on average, "
+            f"{c['prompt_tokens_range'][0]}-{c['prompt_tokens_range'][1]}), {c['max_tokens']} greedy tokens each, "
+            "first one at a time, then all at once:\n\n" + table(
+                ["server", "batch text = alone text", "first differing token of each mismatch",
+                 "seconds alone / all at once", "RAM cache cleared before each", "alone = alone again"], rows))
+
+
+def render_gpu_batch(runs: list[Run]) -> str:
+    d = runs[0].data
+    a, lv, ratios = d.get("args") or {}, d.get("levels") or {}, d.get("ratios") or {}
+    names = [n for n in ("raw", "mlx_lm", "ours") if any(n in per for per in lv.values())]
+    label = {"raw": "raw BatchGenerator", "mlx_lm": "mlx_lm.server", "ours": "mlx-lane"}
+    rows = []
+    for n, per in sorted(lv.items(), key=lambda kv: int(kv[0])):
+        r = ratios.get(n) or {}
+        rows.append([n, *(_mmm((per.get(s) or {}).get("tok_s"), 0) for s in names),
+                     *(_mmm((per.get(s) or {}).get("ttft_mean_s"), 2) for s in names),
+                     num(r["mlx_lm"]["tok_s_ours_over_peer"], 2) if "mlx_lm" in r else "",
+                     num(r["raw"]["tok_s_ours_over_peer"], 2) if "raw" in r else "",
+                     num(r["mlx_lm"]["ttft_mean_ours_over_peer"], 2) if "mlx_lm" in r else ""])
+    text = (f"{(d.get('facts') or {}).get('nvidia_smi', 'device not recorded')}; random-weight "
+            f"{a.get('shape', '?')} {a.get('dtype', '?')}; N distinct {a.get('prompt_tokens')}-token prompts at once, "
+            f"{a.get('max_tokens')} greedy tokens each (EOS suppressed); median (min-max) of the rounds run "
+            f"({a.get('rounds')} asked):\n\n" + table(
+                ["N", *(f"{label[s]} tok/s" for s in names), *(f"{label[s]} mean TTFT (s)" for s in names),
+                 "tok/s ours / mlx_lm", "tok/s ours / raw", "TTFT ours / mlx_lm"], rows))
+    ss = d.get("single_stream") or {}
+    if ss:
+        dec = ss.get("decode_tok_s") or {}
+        single = {**label, "raw": "raw mlx-lm generate_step"}
+        text += ("\n\nSingle stream decode tok/s: " + ", ".join(f"{single[s]} {_mmm(dec.get(s), 1)}" for s in names
+                                                             if s in dec)
+                 + (f"; **served / raw generate_step: mlx-lane {num(ss['ours_over_raw'], 3)}**"
+                    if ss.get("ours_over_raw") else "")
+                 + (f", mlx_lm.server {num(ss['mlx_lm_over_raw'], 3)}" if ss.get("mlx_lm_over_raw") else "")
+                 + (f" (mlx-lane's own `/stats` lane decode rate: {_mmm(ss['ours_lane_decode_tok_s'], 1)})"
+                    if (ss.get("ours_lane_decode_tok_s") or {}).get("median") else "")
+                 + ".")
+    for note in d.get("notes") or []:
+        text += f"\n\nNote: {note}."
+    return text
+
+
 RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
     "machine": Renderer(render_machine, pattern="*.json", pick=every, provenance=False),
     "decode_overhead": Renderer(render_decode_overhead, pick=newest(2)),
@@ -490,6 +592,9 @@ RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
     "agent_replay_restart": Renderer(lambda runs: agent_replay(runs[0].data), pattern="agent_replay_restart*.json"),
     "single_request": render_single_request,
     "quant_speed": render_quant_speed,
+    "concurrent_agents": render_concurrent_agents,
+    "batch_text_match": render_batch_text_match,
+    "gpu_batch": render_gpu_batch,
 }
 
 
