@@ -181,6 +181,7 @@ class Engine:
         timings = Timings()
         t_first = None
         sampler = build_sampler(params)
+        grammar = params.grammar.processor() if params.grammar is not None else None  # ONE per request (stateful)
         if plan is not None:
             steps = speculative_decode(
                 self.model, caches, prompt[-1], plan.source, sampler=sampler,
@@ -191,7 +192,7 @@ class Engine:
         else:
             steps = PlainDecode(
                 self.model, caches, prompt, max_tokens=params.max_tokens, sampler=sampler, stream=self.stream,
-                processors_for=lambda history: build_logits_processors(params, history),
+                processors_for=lambda history: build_logits_processors(params, history, grammar),
             )
         try:
             for token, logprobs, *_ in steps:  # speculative steps also say whether the token was drafted
