@@ -129,3 +129,14 @@ def test_uncompilable_schema_is_a_400_with_the_reason(client):
     assert err.value.status_code == 400
     body = err.value.body
     assert body["param"] == "response_format" and "stardate" in body["message"], body
+
+
+def test_strict_tool_with_auto_choice_answers_or_calls_validly(client):
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    text, reason, calls = ask(client, "What is the weather in Paris? Use the tools.", False, tools=strict,
+                              tool_choice="auto", parallel_tool_calls=False)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), schemas[name])
+    assert "<tool_call>" not in text, text  # a started call always completes into a parsed one
+    assert (reason == "tool_calls") == bool(calls), (text, reason, calls)  # a text answer may run to max_tokens
