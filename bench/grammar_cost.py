@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, ServerProc, ensure_blas_here, preflight, run_record, spread, sse_chunks, write_result  # noqa: E402,E501
+from common import (  # noqa: E402
+    ROOT, ServerProc, ensure_blas_here, preflight, run_record, spread, sse_chunks, write_result)
 
 PROMPT = "List the employees of a small company as JSON: name, age and whether they work remotely."
 SCHEMA = {
