@@ -327,9 +327,8 @@ def test_random_model_output_under_a_schema_validates(tok, random_model, schema)
     from mlx_lm.sample_utils import make_sampler
 
     from server.decode_steps import PlainDecode
-    from server.sampling import build_logits_processors
-
     from server.jobs import SamplingParams
+    from server.sampling import build_logits_processors
 
     prompt = tok.encode("json please")
     caches = make_prompt_cache(random_model)
