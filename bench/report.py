@@ -578,6 +578,22 @@ def render_gpu_batch(runs: list[Run]) -> str:
     return text
 
 
+def render_grammar_cost(runs: list[Run]) -> str:
+    d = runs[0].data
+    s, c = d["summary"], d["config"]
+    pairs = zip(s["plain"]["decode_tok_s"]["values"], s["schema"]["decode_tok_s"]["values"])
+
+    def mmm(x, nd=2):
+        return f"{num(x['median'], nd)} ({num(x['min'], nd)}-{num(x['max'], nd)})"
+    rows = [[k, mmm(s[k]["decode_tok_s"]), mmm(s[k]["ttft_s"], 3)] for k in ("plain", "schema")]
+    note = f" {d['note']}." if d.get("note") else ""
+    return (f"Model `{d['model']}`, one live server, {c['tokens']} decode tokens (EOS banned), median (min-max) of "
+            f"{c['rounds']} rounds, both kinds in every round, order rotated.{note} Schema / plain decode: "
+            f"**{d['schema_over_plain_decode']:.3f}** (per round: "
+            + ", ".join(f"{b / a:.2f}" for a, b in pairs) + "):\n\n"
+            + table(["request", "decode tok/s", "TTFT s (grammar compiled in it)"], rows))
+
+
 RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
     "machine": Renderer(render_machine, pattern="*.json", pick=every, provenance=False),
     "decode_overhead": Renderer(render_decode_overhead, pick=newest(2)),
@@ -595,6 +611,7 @@ RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
     "concurrent_agents": render_concurrent_agents,
     "batch_text_match": render_batch_text_match,
     "gpu_batch": render_gpu_batch,
+    "grammar_cost": render_grammar_cost,
 }
 
 

@@ -53,6 +53,7 @@ class Active:
     sampler: Optional[object] = None  # built once: a seeded sampler's key chain goes on across solo <-> batch moves
     solo_base: Optional[list] = None  # the history the solo decoder was opened with (None: the prompt)
     solo_gen0: int = 0  # generated tokens already in solo_base
+    grammar: Optional[object] = None  # the request's ONE grammar processor (stateful: one call per sampled token)
 
     @property
     def job(self) -> Job:
@@ -175,7 +176,8 @@ class Engine:
             caches = hit.caches if hit is not None else self._new_caches()
         seq.state = SeqState.PREFILL
         seq.timings.prefill_started = time.monotonic()
-        active = Active(seq, ns, caches, seq.cached, plan, sampler=build_sampler(params))
+        grammar = params.grammar.processor() if params.grammar is not None else None
+        active = Active(seq, ns, caches, seq.cached, plan, sampler=build_sampler(params), grammar=grammar)
         if self.fault_hook is not None:
             self.fault_hook(job)
         return active
@@ -214,9 +216,9 @@ class Engine:
         """The sampler of a batch row; None for greedy (the batch samples all greedy rows in one argmax)."""
         return None if a.job.params.temperature == 0 else a.sampler
 
-    def batch_processors(self, params) -> list:
+    def batch_processors(self, a: Active) -> list:
         """Per-row logits processors for the batch: the batch hands each the row's whole token history."""
-        return build_logits_processors(params, ())
+        return build_logits_processors(a.job.params, (), a.grammar)
 
     def solo_step(self, a: Active):
         """(token, logprobs) of the next token of a solo sequence, or None when its decoder is exhausted."""
@@ -244,7 +246,7 @@ class Engine:
         base = a.solo_base if a.solo_base is not None else list(prompt)
         return PlainDecode(
             self.model, a.caches, base, max_tokens=params.max_tokens - a.solo_gen0, sampler=sampler,
-            stream=self.stream, processors_for=lambda history: build_logits_processors(params, history),
+            stream=self.stream, processors_for=lambda history: build_logits_processors(params, history, a.grammar),
         )
 
     def _close_solo(self, a: Active) -> list:
@@ -286,9 +288,11 @@ class Engine:
         return caches, history
 
     def can_migrate(self, a: Active) -> bool:
-        """A solo plain sequence can join the batch when its caches can be trimmed back by the one token that
-        generate_step has already fed ahead."""
-        return self.batchable(a) and all(c.is_trimmable() for c in a.caches)
+        """A decoding sequence may move between solo and the batch when its caches can be trimmed back by the one
+        token the pipelined decoder fed ahead, and it has no grammar: the move recomputes that token's logits, and
+        a grammar processor must see each sampled token exactly once."""
+        return (a.grammar is None and self.batchable(a)
+                and all(c.is_trimmable() for c in (a.caches if a.caches is not None else [])))
 
     def finish(self, a: Active, reason: str, covered: Optional[tuple[list, list]] = None) -> None:
         """Store what was computed and send ``Finished``. ``covered`` = (tokens, caches) when the batch held the

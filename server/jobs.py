@@ -12,7 +12,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from server.grammar import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     num_draft_tokens: Optional[int] = None  # None: the server's setting; 0: no speculation
+    grammar: Optional[GrammarSpec] = None  # constrained decoding: one grammar.processor() per request
 
 
 @dataclass(frozen=True)

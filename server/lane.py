@@ -222,7 +222,7 @@ class Lane:
         self._batch.add(a, *self.engine.batch_entry(a), **self._row(a))
 
     def _row(self, a: Active) -> dict:
-        return {"sampler": self.engine.row_sampler(a), "processors": self.engine.batch_processors(a.job.params)}
+        return {"sampler": self.engine.row_sampler(a), "processors": self.engine.batch_processors(a)}
 
     def _decode_step(self) -> int:
         produced = 0
@@ -267,6 +267,8 @@ class Lane:
         if len(self._batch) != 1 or self._solo() or any(a.seq.state == SeqState.PREFILL for a in self._active):
             return
         a = self._batch.sequences[0]
+        if a.grammar is not None:  # see Engine.can_migrate
+            return
         (tokens, caches), = self._batch.remove([a])
         self.engine.resume_solo(a, tokens, caches)
 

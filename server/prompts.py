@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Optional
 
 from server.errors import ContextLengthExceeded, InvalidRequest
+from server.grammar import TOOL_CALL_OPEN, GrammarSpec, json_schema_grammar, tool_call_grammar
 from server.jobs import SamplingParams
 from server.schemas import ChatCompletionRequest, CompletionRequest, Message
 
 # OpenAI's legacy /v1/completions default.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+log = logging.getLogger("mlx_lane.prompts")
 
 
 def _message_dict(m: Message) -> dict:
@@ -55,6 +59,63 @@ def render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
     return list(ids)
 
 
+def chat_grammar(tokenizer, req: ChatCompletionRequest) -> Optional[GrammarSpec]:
+    """The grammar a chat request's output must follow, or None for free text (compiled here, off the lane).
+
+    - ``tool_choice`` names a function: exactly one call to it; ``"required"``: one call, or several (one per
+      line) unless ``parallel_tool_calls`` is false. Arguments follow each function's ``parameters``.
+    - ``tool_choice`` auto (or omitted) with a ``strict`` tool: the answer (free text, or the response_format's
+      JSON) or calls; strict tools' arguments follow their schema, the others' are any JSON object.
+    - otherwise ``response_format`` json_object / json_schema: one JSON value.
+    Calls use the Hermes ``<tool_call>{json}</tool_call>`` format (server/tool_calls.py). Raises InvalidRequest
+    for a schema that does not compile, a tool_choice naming an unknown function, or a forced call on a model
+    whose chat template uses another tool-call format.
+    """
+    answer = req.response_format.target_schema() if req.response_format is not None else None
+    forced, choice = req.forced_tool(), req.tool_choice
+    names = [t.function.name for t in req.tools or ()]
+    if forced is not None and forced not in names:
+        raise InvalidRequest(f"tool_choice names the function '{forced}', which is not in 'tools'",
+                             param="tool_choice")
+    if choice == "required" and not names:
+        raise InvalidRequest("tool_choice 'required' needs at least one tool in 'tools'", param="tool_choice")
+    required = forced is not None or choice == "required"
+    strict = req.tools_enabled() and any(t.function.strict for t in req.tools)
+    if (required or strict) and not _hermes(tokenizer):
+        if required:
+            raise InvalidRequest(
+                f"this model's chat template writes tool calls as '{tokenizer.tool_call_start}...', which mlx-lane "
+                "cannot constrain yet; use tool_choice 'auto'", param="tool_choice")
+        log.info("strict tools are not enforced for this model's tool-call format")
+        strict = False
+    if required or strict:
+        if forced is not None:
+            tools = [(t.function.name, t.function.parameters) for t in req.tools if t.function.name == forced][:1]
+        else:
+            tools = [(t.function.name, t.function.parameters if (t.function.strict or required) else {"type": "object"})
+                     for t in req.tools]
+        parallel = forced is None and req.parallel_tool_calls is not False
+        grammar = _build(tool_call_grammar, tools, answer=None if required else (answer or "text"), parallel=parallel)
+        return GrammarSpec.compile(tokenizer, grammar, param="tools")
+    if answer is not None:
+        return GrammarSpec.compile(tokenizer, _build(json_schema_grammar, answer), param="response_format")
+    return None
+
+
+def _hermes(tokenizer) -> bool:
+    """True when the model's tool calls (as mlx-lm detected them from the chat template) are Hermes ones, or
+    unknown (then server/tool_calls.py parses the Hermes format)."""
+    start = getattr(tokenizer, "tool_call_start", None)
+    return start is None or start == TOOL_CALL_OPEN
+
+
+def _build(fn, *args, **kwargs) -> str:
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, TypeError) as exc:  # llguidance refuses JSON it cannot serialize
+        raise InvalidRequest(f"Invalid schema: {exc}", param="response_format") from exc
+
+
 def tokenize_completion(tokenizer, req: CompletionRequest, vocab_size: int) -> list[int]:
     if isinstance(req.prompt, str):
         return list(tokenizer.encode(req.prompt))
@@ -72,8 +133,11 @@ def sampling_params(
     *,
     default_max_tokens: int,
     vocab_size: int,
+    grammar: Optional[GrammarSpec] = None,
 ) -> SamplingParams:
-    """Validate lengths against the context and build the lane's parameters."""
+    """Validate lengths against the context and build the lane's parameters.
+
+    A request with a ``grammar`` does not speculate (drafts are not verified under the grammar's mask)."""
     if prompt_len == 0:
         raise InvalidRequest("the prompt is empty after tokenization", param="messages")
     if prompt_len >= context_length:
@@ -123,7 +187,8 @@ def sampling_params(
         logit_bias=logit_bias,
         logprobs=want_logprobs,
         top_logprobs=top,
-        num_draft_tokens=req.num_draft_tokens,
+        num_draft_tokens=0 if grammar is not None else req.num_draft_tokens,
+        grammar=grammar,
     )
 
 

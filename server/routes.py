@@ -21,6 +21,7 @@ from server.jobs import Delta, Failed, Finished, Progress
 from server.output_parse import OutputParser, make_output_parser, prompt_opens_thinking
 from server.prompts import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    chat_grammar,
     render_chat,
     sampling_params,
     session_of,
@@ -129,9 +130,11 @@ async def chat_completions(request: Request):
     _check_model(state, req.model)
     tok = state.loaded.tokenizer
     prompt = await run_in_threadpool(render_chat, tok, req)
+    grammar = await run_in_threadpool(chat_grammar, tok, req)  # response_format / forced tool calls, or None
     params = sampling_params(
         req.model_copy(update={"max_tokens": req.requested_max_tokens()}), len(prompt),
         state.loaded.context_length, default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size,
+        grammar=grammar,
     )
     parser = _output_parser(tok, req, prompt)
     run, fmt, rid, t0 = _prepare(state, request, req, prompt, params, ChatFormatter, "chatcmpl-")

@@ -42,12 +42,15 @@ def _seeded_sampler(temp: float, top_p: float, min_p: float, top_k: int, seed: i
     return sample
 
 
-def build_logits_processors(params: SamplingParams, history: Sequence[int]) -> list:
+def build_logits_processors(params: SamplingParams, history: Sequence[int], grammar=None) -> list:
     """Processors that see the whole token history, not only what the decode loop fed.
 
     The lane prefills the prompt itself and hands mlx-lm's ``generate_step`` only the last
     prompt token, so processors are wrapped to prepend the tail of the prompt.
+    ``grammar`` (the request's ONE ``params.grammar.processor()``, stateful) goes last, unwrapped: it only reads
+    ``tokens[-1]``, and masking after bias/penalties keeps its -inf final.
     """
+    tail = [grammar] if grammar is not None else []
     processors = make_logits_processors(
         logit_bias=params.logit_bias,
         repetition_penalty=params.repetition_penalty,
@@ -58,7 +61,7 @@ def build_logits_processors(params: SamplingParams, history: Sequence[int]) -> l
         frequency_context_size=PENALTY_CONTEXT,
     )
     if not processors or not history:
-        return processors
+        return processors + tail
     prefix = mx.array(list(history[-PENALTY_CONTEXT:]), dtype=mx.uint32)
 
     def with_history(proc):
@@ -67,7 +70,7 @@ def build_logits_processors(params: SamplingParams, history: Sequence[int]) -> l
 
         return wrapped
 
-    return [with_history(p) for p in processors]
+    return [with_history(p) for p in processors] + tail
 
 
 def token_logprobs(

@@ -3,8 +3,9 @@
 Unknown fields are accepted and ignored (clients send many: ``store``, ``metadata``,
 ``parallel_tool_calls`` ...); known fields are validated strictly enough that a wrong
 type or an out-of-range value is a 400 naming the parameter. Fields we do not
-implement in a way that would change the output (``n`` > 1, ``response_format`` other
-than text) are refused explicitly rather than ignored.
+implement in a way that would change the output (``n`` > 1, an unknown ``response_format``
+type) are refused explicitly rather than ignored. ``response_format`` json_object / json_schema
+and forced or strict tool calls are enforced by constrained decoding (server/grammar.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGIT_BIAS_ENTRIES = 1024
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 class _Lenient(BaseModel):
@@ -62,6 +64,7 @@ class FunctionDef(_Lenient):
     name: str = Field(min_length=1, max_length=128)
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None  # true: a call's arguments are constrained to `parameters`
 
 
 class Tool(_Lenient):
@@ -73,8 +76,40 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Lenient):
+    """``response_format.json_schema``; the schema is enforced whether ``strict`` is set or not."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
 class ResponseFormat(_Lenient):
     type: str
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _known(self) -> "ResponseFormat":
+        if self.type not in RESPONSE_FORMATS:
+            raise ValueError(f"response_format type '{self.type}' is not supported; use one of "
+                             f"{', '.join(RESPONSE_FORMATS)}")
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format type 'json_schema' needs a 'json_schema' object "
+                             "({\"name\": ..., \"schema\": {...}})")
+        return self
+
+    def target_schema(self) -> Optional[dict[str, Any]]:
+        """The JSON schema to enforce, or None for plain text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            return self.json_schema.schema_ if self.json_schema.schema_ is not None else {"type": "object"}
+        return None
 
 
 class SamplingFields(_Lenient):
@@ -145,15 +180,19 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[list[Tool]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
     response_format: Optional[ResponseFormat] = None
 
-    @field_validator("response_format")
+    @field_validator("tool_choice")
     @classmethod
-    def _response_format(cls, v):
-        if v is not None and v.type != "text":
-            raise ValueError(
-                f"response_format type '{v.type}' is not supported yet; use 'text' or omit it"
-            )
+    def _tool_choice(cls, v):
+        if isinstance(v, str) and v not in TOOL_CHOICES:
+            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or "
+                             '{"type": "function", "function": {"name": ...}}')
+        if isinstance(v, dict):
+            fn = v.get("function")
+            if v.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError('a tool_choice object must be {"type": "function", "function": {"name": ...}}')
         return v
 
     @model_validator(mode="after")
@@ -161,6 +200,12 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
+
+    def forced_tool(self) -> Optional[str]:
+        """The function name when ``tool_choice`` names one, else None."""
+        if isinstance(self.tool_choice, dict):
+            return self.tool_choice["function"]["name"]
+        return None
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -184,3 +184,25 @@ def test_memory_budget_queues_instead_of_overcommitting_and_refuses_what_never_f
         assert "--memory-budget" in r.json()["error"]["message"]
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def test_structured_output_inside_a_batch_each_row_keeps_its_own_grammar(batch_server):
+    import jsonschema
+
+    schemas = [
+        {"type": "object", "additionalProperties": False, "required": ["color"],
+         "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}}},
+        {"type": "object", "additionalProperties": False, "required": ["n"],
+         "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}},
+        {"type": "object", "additionalProperties": False, "required": ["ok"], "properties": {"ok": {"type": "boolean"}}},
+    ]
+    bodies = [{"messages": msgs(t), "max_tokens": 24, "temperature": 0,
+               "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": s}}}
+              for i, (t, s) in enumerate(zip(TOPICS, schemas))]
+    plain = [{"messages": msgs(t), "max_tokens": 12, "temperature": 0} for t in TOPICS[3:6]]
+    results = concurrently(lambda b: chat(batch_server.url, b), [(b,) for b in bodies + plain])
+    for schema, r in zip(schemas, results):
+        assert r["choices"][0]["finish_reason"] == "stop", r
+        jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
+    for r in results[len(schemas):]:  # the plain rows beside them are not constrained
+        assert not r["choices"][0]["message"]["content"].startswith("{")

@@ -48,7 +48,9 @@ def assert_error(r, status, code=None, param=None):
         ({"messages": MSG, "temperature": 5}, "temperature"),
         ({"messages": MSG, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"messages": MSG, "n": 2}, "n"),
-        ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": MSG, "response_format": {"type": "yaml"}}, "response_format"),
+        ({"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format"),
+        ({"messages": MSG, "tool_choice": "always"}, "tool_choice"),
         ({"messages": MSG, "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"messages": MSG, "stop": ["a"] * 40}, "stop"),
     ],
@@ -62,8 +64,8 @@ def test_bad_requests_are_400(server, body, param):
 
 def test_n_and_response_format_messages_say_why(server):
     assert "n=1" in assert_error(post(server, {"messages": MSG, "n": 3}), 400)["message"]
-    msg = assert_error(post(server, {"messages": MSG, "response_format": {"type": "json_schema"}}), 400)["message"]
-    assert "not supported" in msg
+    msg = assert_error(post(server, {"messages": MSG, "response_format": {"type": "yaml"}}), 400)["message"]
+    assert "not supported" in msg and "json_schema" in msg
 
 
 def test_context_length_exceeded(server):
