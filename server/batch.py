@@ -53,12 +53,22 @@ class DecodeBatch:
 
     def add(self, seq, caches: list, history: list, sampler=None, processors: Optional[list] = None) -> None:
         """Join ``seq``; ``caches`` (its own, consumed) cover ``history[:-1]``; ``sampler`` None means greedy."""
-        row = GenerationBatch(
-            self.model, [id(seq)], mx.array(history[-1:]), _merge_caches([caches]), [list(history[:-1])],
-            [sampler], greedy_sampler, [tuple(processors or ())], [StopSequences()], [_NO_LIMIT],
+        self.add_many([(seq, caches, history, {"sampler": sampler, "processors": processors})])
+
+    def add_many(self, rows: list) -> None:
+        """Join several sequences at once: ``[(seq, caches, history, {"sampler", "processors"}), ...]``. One
+        GenerationBatch for all of them: one first step and one merge into the batch, not one per sequence."""
+        if not rows:
+            return
+        group = GenerationBatch(
+            self.model, [id(seq) for seq, *_ in rows], mx.array([h[-1] for _, _, h, _ in rows]),
+            _merge_caches([c for _, c, _, _ in rows]), [list(h[:-1]) for _, _, h, _ in rows],
+            [o.get("sampler") for *_, o in rows], greedy_sampler,
+            [tuple(o.get("processors") or ()) for *_, o in rows], [StopSequences() for _ in rows],
+            [_NO_LIMIT] * len(rows),
         )
-        self._gen.extend(row)
-        self._rows.append(seq)
+        self._gen.extend(group)
+        self._rows.extend(seq for seq, *_ in rows)
 
     def step(self) -> list:
         """One decode step for every row: ``[(seq, token, logprobs), ...]`` in row order."""
@@ -83,4 +93,5 @@ class DecodeBatch:
             mx.eval([c.state for _, caches in out for c in caches])
         self._gen.filter(keep)
         self._rows = [self._rows[i] for i in keep]
+        mx.clear_cache()  # the old batch arrays: give them back rather than grow MLX's buffer cache
         return out

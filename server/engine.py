@@ -37,7 +37,7 @@ from server.speculation import SpecPlan, speculative_decode
 log = logging.getLogger("mlx_lane.engine")
 
 
-@dataclass
+@dataclass(eq=False)
 class Active:
     """A sequence's model-side state while the lane runs it."""
 
@@ -95,10 +95,12 @@ class Engine:
             mx.eval(self.model(mx.array([[1]]), cache=caches))
             if can_batch(caches):
                 batch = DecodeBatch(self.model)
+                rows = []
                 for n in (3, 5):
                     c = self._new_caches()
                     mx.eval(self.model(mx.array([list(range(1, n))]), cache=c))
-                    batch.add(object(), c, list(range(1, n + 1)))
+                    rows.append((object(), c, list(range(1, n + 1)), {}))
+                batch.add_many(rows)
                 for _ in range(2):
                     batch.step()
                 batch.remove(batch.sequences)
@@ -182,15 +184,22 @@ class Engine:
             self.fault_hook(job)
         return active
 
-    def prefill_step(self, a: Active) -> bool:
+    def prefill_left(self, a: Active) -> int:
+        """Prompt tokens still to prefill (the last prompt token is the first decode step's input)."""
+        return max(0, len(a.seq.prompt) - 1 - a.done)
+
+    def prefill_step(self, a: Active, n: Optional[int] = None) -> bool:
+        """Prefill ``n`` more prompt tokens (default: one chunk); True once the prefill is complete."""
         prompt = a.seq.prompt
         end = len(prompt) - 1
-        if a.done < end:
+        n = self.prefill_chunk if n is None else n
+        if a.done < end and n > 0:
             t0 = time.monotonic()
-            n = min(self.prefill_chunk, end - a.done)
+            n = min(n, end - a.done)
             with mx.stream(self.stream):
                 self.model(mx.array(prompt[a.done : a.done + n])[None], cache=a.caches)
                 mx.eval([c.state for c in a.caches])
+                mx.clear_cache()  # as mlx-lm's batch prefill does: freed activations go back to the device
             a.done += n
             a.prefill_s += time.monotonic() - t0
             a.job.sink(Progress(a.done, len(prompt)))

@@ -190,18 +190,21 @@ class Lane:
                 self.engine.fail_job(job, exc)
         for a in [a for a in self._active if a.job.cancel.is_set()]:
             self._end(a, "cancelled")
-        prefill = self.scheduler.next_prefill(a for a in self._active if a.seq.state == SeqState.PREFILL)
-        prefilled = 0
-        if prefill is not None:
-            before = prefill.done
+        plan = self.scheduler.prefill_plan((a for a in self._active if a.seq.state == SeqState.PREFILL),
+                                           self.engine.prefill_left)
+        prefilled, ready = 0, []
+        for a, n in plan:
+            before = a.done
             try:
-                if self.engine.prefill_step(prefill):
-                    self._start_decode(prefill)
-                prefilled = prefill.done - before
+                if self.engine.prefill_step(a, n):
+                    ready.append(a)
+                prefilled += a.done - before
             except Exception as exc:
-                log.exception("prefill of %s failed", prefill.job.id)
-                self._drop(prefill)
-                self.engine.fail(prefill, exc)
+                log.exception("prefill of %s failed", a.job.id)
+                self._drop(a)
+                self.engine.fail(a, exc)
+        if ready:
+            self._start_decode(ready)
         decoded = self._decode_step()
         stats.on_tick(batch=len(self._batch), prefill_tokens=prefilled, decode_tokens=decoded,
                       running=len(self._active))
@@ -210,16 +213,17 @@ class Lane:
     def _solo(self) -> list[Active]:
         return [a for a in self._active if a.seq.state == SeqState.DECODE and not a.in_batch]
 
-    def _start_decode(self, a: Active) -> None:
-        """A sequence finished its prefill: decode it solo or in the batch (see the module docstring)."""
-        if not self.engine.batchable(a):
-            return  # solo
-        others = [s for s in self._solo() if s is not a and self.engine.can_migrate(s)]
-        if not len(self._batch) and not others:
+    def _start_decode(self, ready: list[Active]) -> None:
+        """Sequences that finished their prefill this tick: solo or the batch (see the module docstring). Those
+        that join the batch join together, in one step."""
+        plain = [a for a in ready if self.engine.batchable(a)]
+        if not plain:
+            return  # all solo
+        others = [s for s in self._solo() if s not in ready and self.engine.can_migrate(s)]
+        if len(plain) == 1 and not len(self._batch) and not others:
             return  # the only plain decoding sequence: the fast solo path
-        for s in others:
-            self._batch.add(s, *self.engine.batch_entry(s), **self._row(s))
-        self._batch.add(a, *self.engine.batch_entry(a), **self._row(a))
+        joining = others + plain
+        self._batch.add_many([(a, *self.engine.batch_entry(a), self._row(a)) for a in joining])
 
     def _row(self, a: Active) -> dict:
         return {"sampler": self.engine.row_sampler(a), "processors": self.engine.batch_processors(a)}

@@ -8,8 +8,10 @@ Rules, in the order the lane applies them each tick:
    (see ``MemoryBudget``). The first job that does not fit stops admission (no overtaking: a large request is not
    starved by a stream of small ones). A job whose cache prefix is still being read from SSD (``ready(job)`` is
    False) waits outside and does not block the jobs behind it: its read is not on the lane's clock.
-2. At most ONE prefill chunk per tick, for the oldest admitted sequence still prefilling: a long prompt delays the
-   running decodes by at most one chunk per tick.
+2. At most one chunk's worth of prompt tokens (``prefill_chunk``) per tick, oldest admitted sequence first: a long
+   prompt delays the running decodes by at most one chunk per tick; short prompts share the tick's budget (several
+   finish their prefill together and join the batch in one step, instead of one join - one extra forward and one
+   copy of the batch's KV - per tick).
 3. Then one decode step for every decoding sequence (the lane's business: the batch, plus solo sequences).
 """
 
@@ -101,9 +103,19 @@ class Scheduler:
         waiting.extendleft(reversed(skipped))  # they keep their place at the head
         return admitted
 
-    @staticmethod
-    def next_prefill(prefilling: Iterable) -> Optional[object]:
-        """The oldest admitted sequence still prefilling (admission order), or None."""
+    def prefill_plan(self, prefilling: Iterable, remaining: Callable[[object], int]) -> list:
+        """``[(seq, tokens), ...]`` to prefill this tick: admission order, at most ``prefill_chunk`` tokens in all.
+        ``remaining(seq)`` is how many prompt tokens a sequence still has to compute (0: only its last token, which
+        the decode step computes; it is planned with 0 so it moves on to decoding this tick)."""
+        budget = self.limits.prefill_chunk
+        plan = []
         for seq in prefilling:
-            return seq
-        return None
+            left = remaining(seq)
+            if left and budget <= 0:
+                break
+            n = min(left, budget)
+            plan.append((seq, n))
+            budget -= n
+            if n < left:
+                break
+        return plan

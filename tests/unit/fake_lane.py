@@ -58,6 +58,10 @@ class FakeBatch:
         self._rows.append(a)
         self.log.append(("join", a.job.id))
 
+    def add_many(self, rows):
+        for a, caches, history, opts in rows:
+            self.add(a, caches, history, **opts)
+
     def step(self):
         self.log.append(("batch", tuple(a.job.id for a in self._rows)))
         out = []
@@ -102,10 +106,14 @@ class FakeEngine:
         self.log.append(("admit", job.id))
         return Active(seq, "ns", caches=[], done=0)
 
-    def prefill_step(self, a: Active) -> bool:
+    def prefill_left(self, a: Active) -> int:
+        return max(0, len(a.seq.prompt) - 1 - a.done)
+
+    def prefill_step(self, a: Active, n=None) -> bool:
         end = len(a.seq.prompt) - 1
-        if a.done < end:
-            a.done = min(end, a.done + self.prefill_chunk)
+        n = self.prefill_chunk if n is None else n
+        if a.done < end and n > 0:
+            a.done = min(end, a.done + n)
             self.log.append(("prefill", a.job.id, a.done))
             if a.done < end:
                 return False

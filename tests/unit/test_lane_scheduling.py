@@ -89,14 +89,13 @@ def test_solo_sequences_run_beside_the_batch_each_tick_without_a_drain():
     engine.solo_only.add("s")
     for name, p0, n in (("a", 1, 20), ("b", 2, 20), ("s", 3, 4)):
         lane.submit(job(name, [p0, 9], max_tokens=n)[0])
-    for _ in range(6):  # a, b, s prefill in ticks 1, 2, 3; s then decodes in ticks 3..6
+    for _ in range(4):  # the three short prompts share tick 1's prefill budget; then four decode ticks
         lane.tick()
     batch_steps = kinds(engine.log, "batch")
     assert batch_steps and all("s" not in e[1] for e in batch_steps)
     assert engine.finished["s"][1] == [301, 302, 303, 304]  # one solo step per tick
     assert "a" not in engine.finished and "b" not in engine.finished  # ... while the batch kept running
-    after_s = engine.log[engine.log.index(("prefill", "s", 1)):]
-    assert len([e for e in after_s if e[0] == "batch"]) == 4  # no drain: the batch stepped in those ticks too
+    assert len(batch_steps) == 4  # no drain: the batch stepped in every one of those ticks too
 
 
 def test_cancelling_one_sequence_mid_batch_leaves_the_others_untouched():
@@ -198,3 +197,17 @@ def test_the_ram_tier_yields_before_a_sequence_waits():
     assert held["bytes"] == 180
     assert not budget.fits(400, running=0)  # more than the whole room: the cache is not emptied for nothing
     assert held["bytes"] == 180
+
+
+def test_short_prompts_share_a_ticks_prefill_budget_and_join_the_batch_together():
+    lane, engine = make_lane(chunk=8)
+    for name, p0 in (("a", 1), ("b", 2), ("c", 3)):
+        lane.submit(job(name, [p0, 5, 6, 9], max_tokens=3)[0])  # 3 tokens to prefill each: 8 per tick
+    lane.tick()
+    prefills = kinds(engine.log, "prefill")
+    assert [(e[1], e[2]) for e in prefills] == [("a", 3), ("b", 3), ("c", 2)]  # 3 + 3 + 2 = the tick's budget
+    assert [e[1] for e in kinds(engine.log, "join")] == ["a", "b"]  # both finished: they joined in one go
+    lane.tick()
+    assert ("prefill", "c", 3) in engine.log and ("join", "c") in engine.log
+    run_until_idle(lane)
+    assert all(engine.finished[n][0].finish_reason == "length" for n in "abc")
