@@ -35,20 +35,21 @@ def wait_for_log(srv: ServerProc, text: str, bound_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def wait_for_lane(url: str, queued: int, bound_s: float = 180.0) -> None:
-    """Wait (bounded) until one job is generating tokens and `queued` more wait behind it."""
+def wait_for_lane(url: str, running: int, queued: int = 0, bound_s: float = 180.0) -> None:
+    """Wait (bounded) until `running` jobs are admitted to the lane (the batch) and `queued` more wait for room."""
     deadline = time.monotonic() + bound_s
     while True:
         lane = httpx.get(url + "/stats").json()["lane"]
-        if lane["queue_depth"] == queued and lane["active_request"]:
+        if lane["queue_depth"] == queued and len(lane["running_requests"]) == running:
             return
-        assert time.monotonic() < deadline, f"the lane never held 1 + {queued} jobs: {lane}"
+        assert time.monotonic() < deadline, f"the lane never held {running} + {queued} jobs: {lane}"
         time.sleep(0.05)
 
 
-def sigterm_mid_stream(srv: ServerProc, streams, queued: int) -> None:
-    """SIGTERM once a stream has its first token and `queued` requests wait behind it; all must be in flight."""
-    wait_for_lane(srv.url, queued)
+def sigterm_mid_stream(srv: ServerProc, streams, running: int, queued: int = 0) -> None:
+    """SIGTERM once a stream has its first token, `running` jobs are in the lane and `queued` wait; all streams
+    must be in flight."""
+    wait_for_lane(srv.url, running, queued)
     deadline = time.monotonic() + 180
     while not any(s.text for s in streams):
         assert time.monotonic() < deadline, f"no stream got a token:\n{srv.log()}"
@@ -65,7 +66,7 @@ def test_sigterm_lets_in_flight_streams_finish_then_flushes_them_to_ssd(tmp_path
                      "--shutdown-timeout", "300", env={"MLX_LANE_TEST_TOKEN_DELAY": "0.25"})
     try:
         streams = [start_stream(srv.url, conversation(q), max_tokens=8) for q in QUESTIONS]
-        sigterm_mid_stream(srv, streams, queued=2)  # one stream is generating, two wait in the lane
+        sigterm_mid_stream(srv, streams, running=3)  # the three streams generate together, in one batch
         wait_for_log(srv, "shutdown: letting 3 queued or running requests finish")
         try:  # a new request: the listener is closed (refused) or the lane turns it away with a 503
             late = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
@@ -106,11 +107,13 @@ def test_sigterm_lets_in_flight_streams_finish_then_flushes_them_to_ssd(tmp_path
 
 
 def test_sigterm_past_the_shutdown_timeout_ends_every_response_well_formed(default_model_dir):
-    # 16 tokens at >= 1 s each cannot fit in a 2 s drain: the timeout path is certain, whatever the machine
-    srv = ServerProc("--model", "default", "--shutdown-timeout", "2", env={"MLX_LANE_TEST_TOKEN_DELAY": "1.0"})
+    # 16 tokens at >= 1 s each cannot fit in a 2 s drain: the timeout path is certain, whatever the machine.
+    # --max-batch 2: the two streams fill the lane, so the plain request waits in the queue
+    srv = ServerProc("--model", "default", "--shutdown-timeout", "2", "--max-batch", "2",
+                     env={"MLX_LANE_TEST_TOKEN_DELAY": "1.0"})
     try:
         streams = [start_stream(srv.url, conversation(q), max_tokens=16) for q in QUESTIONS[:2]]
-        wait_for_lane(srv.url, queued=1)  # both streams are in the lane before the plain request is sent
+        wait_for_lane(srv.url, running=2)  # both streams are in the lane before the plain request is sent
         # queued behind the two streams: a non-streaming request that will not get its turn
         plain: dict = {}
 
@@ -123,7 +126,7 @@ def test_sigterm_past_the_shutdown_timeout_ends_every_response_well_formed(defau
 
         t = threading.Thread(target=post_plain, daemon=True)
         t.start()
-        sigterm_mid_stream(srv, streams, queued=2)  # one stream generates; a stream and the plain request wait
+        sigterm_mid_stream(srv, streams, running=2, queued=1)  # two streams generate; the plain request waits
         for s in streams:
             assert s.ended.wait(120), f"a stream never ended:\n{srv.log()}"
         t.join(120)
@@ -138,7 +141,7 @@ def test_sigterm_past_the_shutdown_timeout_ends_every_response_well_formed(defau
         assert s.finish_reasons == [], s.data
         assert [e["code"] for e in s.errors] == ["server_shutting_down"], s.data
         assert s.errors[0]["type"] == "server_error" and s.errors[0]["message"]
-    assert sum(1 for s in streams if s.text) == 1  # the one that was generating was cut mid-answer
+    assert all(s.text for s in streams)  # both were generating, together, and were cut mid-answer
     assert "--shutdown-timeout (2s) expired; ending 3 requests" in log
     assert "error" not in plain, plain
     r = plain["r"]
