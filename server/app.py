@@ -125,7 +125,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        # the port opens only after the lane's warm-up (server.serve waits for lane.ready): "ok" means warm
+        return {"status": "ok", "warm": state.lane.ready.is_set(), "lane": state.lane.state.value}
 
     @app.get("/v1/models")
     async def models():
