@@ -151,14 +151,19 @@ class TieredCache:
         return self._ram.put(tokens, caches, ns, session)
 
     def ready(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:
-        """False while a prefetch of this prompt's SSD prefix is still reading (index-only, never blocks): the lane
-        keeps such a request waiting outside the batch instead of letting `take` wait for the read on its clock."""
+        """False while this prompt's SSD prefix is being read (index-only, never blocks). The lane asks before it
+        admits a request and keeps it waiting outside the batch until the read is done, so `take` never reads on
+        the lane's clock: when no read is in flight but one is worth it (the handler's prefetch was skipped, or
+        RAM lost the entry since), this starts it and answers False."""
         match = self._store.find(tokens, ns)
         if match is None:
             return True
         with self._lock:
             fut = self._inflight.get(match.path)
-        return fut is None or fut.done()
+            landed = match.path in self._landed
+        if fut is not None:
+            return fut.done()
+        return landed or not self.prefetch(tokens, ns, session)
 
     def make_room(self, nbytes: int) -> int:
         """The RAM tier yields `nbytes` (LRU entries spill to SSD as on any eviction). Returns bytes freed."""

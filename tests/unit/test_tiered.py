@@ -291,3 +291,23 @@ def test_namespaces_never_mix(make):
     assert tier.flush(5)
     tier.clear()
     assert tier.take(A + [99], "other-ns") is None
+
+
+def test_ready_starts_a_read_the_lane_would_otherwise_do_on_its_own_clock(make):
+    tier, store = make()
+    tier.put(A, kv(A), NS)
+    assert tier.flush(5)
+    tier.clear()  # RAM lost it: only the file has the prefix
+    store.gate.clear()  # hold the read
+    assert tier.ready(A + [99], NS) is False  # a read was started, off the lane
+    assert tier.ssd_stats()["prefetches"] == 1
+    assert tier.ready(A + [99], NS) is False  # still reading: the request keeps waiting
+    store.gate.set()
+    for _ in range(100):
+        if tier.ready(A + [99], NS):
+            break
+        time.sleep(0.05)
+    assert tier.ready(A + [99], NS) is True
+    hit = tier.take(A + [99], NS)
+    assert hit.source == "ssd" and hit.length == 20 and store.restores == 1  # the take joined it: no lane read
+    assert tier.ready([5, 5, 5], NS) is True  # nothing on disk: nothing to wait for
