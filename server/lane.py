@@ -155,20 +155,26 @@ class Lane:
                     self._cond.wait()
                 if not self._waiting and not self._active:
                     return  # stopped and nothing left
-            self.tick()
+            if not self.tick():
+                with self._cond:  # only jobs whose SSD prefix is still being read: wait for it, do not spin
+                    self._cond.wait(0.005)
 
-    def tick(self) -> None:
-        """One scheduling round (admit, cancel, one prefill chunk, one decode step). The thread calls it in a loop;
-        the model-free tests call it directly, tick by tick, on a lane that was never started."""
+    def tick(self) -> bool:
+        """One scheduling round (admit, cancel, one prefill chunk, one decode step); False when there was nothing to
+        do. The thread calls it in a loop; the model-free tests call it directly, tick by tick, on a lane that was
+        never started."""
         if self._batch is None:
             self._batch = self.engine.new_batch()
         with self._cond:
             jobs = self.scheduler.admit(self._waiting, self._active, ready=self._prefix_ready)
+        if not jobs and not self._active:
+            return False
         try:
             self._tick(jobs)
         except Exception:  # each step reports its own failures; this is a last resort
             log.exception("lane tick failed")
         self._running_ids = tuple(a.job.id for a in self._active)
+        return True
 
     def _prefix_ready(self, job: Job) -> bool:
         ready = getattr(self.engine.prompt_cache, "ready", None)
