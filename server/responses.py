@@ -78,6 +78,10 @@ class ChatFormatter:
         lp = {"content": [chat_logprob(x) for x in logprobs]} if logprobs else None
         return self._chunk([{"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}])
 
+    def reasoning_chunk(self, text: str) -> dict:
+        """The model's thinking, split off by its output parser (vLLM's ``reasoning_content`` field)."""
+        return self._chunk([{"index": 0, "delta": {"reasoning_content": text}, "logprobs": None, "finish_reason": None}])
+
     def tool_calls_chunk(self, calls: list[dict]) -> dict:
         delta = {"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}
         return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
@@ -88,8 +92,11 @@ class ChatFormatter:
     def usage_chunk(self, f: Finished) -> dict:
         return self._chunk([], usage=usage(f))
 
-    def completion(self, text: str, calls: list[dict], logprobs, reason: str, f: Finished) -> dict:
+    def completion(self, text: str, calls: list[dict], logprobs, reason: str, f: Finished,
+                   reasoning: str = "") -> dict:
         message: dict = {"role": "assistant", "content": text if (text or not calls) else None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
         return {
