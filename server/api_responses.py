@@ -50,7 +50,7 @@ async def create_response(request: Request):
                                  headers={**SSE_HEADERS, "X-Request-Id": gen.id})
     async with gen:
         res = await gen.collect()
-    output = output_to_items(res.text, res.reasoning, res.calls)
+    output = output_to_items(res.text, res.reasoning, res.calls, status=status_of(res.reason))
     obj = response_object(base, output, status_of(res.reason), finished=res.finished,
                           reasoning_tokens=await _count_tokens(state, res.reasoning))
     _store(state, req, obj, conversation)

@@ -67,7 +67,8 @@ def _tool_choice_echo(req: ResponsesRequest):
 def response_usage(f: Finished, reasoning_tokens: int = 0) -> dict:
     return {
         "input_tokens": f.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": f.cached_tokens},
+        # cache_write_tokens: OpenAI's explicit-caching writes; this server caches every prompt implicitly
+        "input_tokens_details": {"cached_tokens": f.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": f.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, f.completion_tokens)},
         "total_tokens": f.prompt_tokens + f.completion_tokens,
@@ -83,7 +84,9 @@ def response_object(base: dict, output: list[dict], status: str, *, finished: Op
     if status == "incomplete":
         obj["incomplete_details"] = {"reason": "max_output_tokens"}
     if error is not None:
-        obj["error"] = {"code": error.code or "server_error", "message": error.message}
+        # the SDK knows a fixed set of codes: a full queue is rate_limit_exceeded, everything else server_error
+        code = "rate_limit_exceeded" if error.status_code == 429 else "server_error"
+        obj["error"] = {"code": code, "message": error.message}
     return obj
 
 
@@ -142,14 +145,14 @@ class ResponsesStream:
                 self._event("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
                             part=part)]
 
-    def _close(self) -> list[bytes]:
+    def _close(self, status: str = "completed") -> list[bytes]:
         if self._open is None:
             return []
         kind, item, text = self._open["kind"], self._open["item"], "".join(self._open["parts"])
         self._open = None
         idx = len(self.output)
         if kind == "message":
-            done = message_item(text, item_id=item["id"])
+            done = message_item(text, item_id=item["id"], status=status)
             part = done["content"][0]
             events = [self._event("response.output_text.done", item_id=item["id"], output_index=idx,
                                   content_index=0, text=text, logprobs=[])]
@@ -181,10 +184,10 @@ class ResponsesStream:
 
     def finish(self, finished: Finished, reason: str, reasoning_tokens: int = 0) -> tuple[list[bytes], dict]:
         """The closing events and the final response object."""
-        out = self._close()
-        if not self.output:  # a response always has its message, even an empty one (OpenAI does the same)
-            out += self._begin("message") + self._close()
         status = status_of(reason)
+        out = self._close(status)
+        if not self.output:  # a response always has its message, even an empty one (OpenAI does the same)
+            out += self._begin("message") + self._close(status)
         obj = response_object(self.base, self.output, status, finished=finished, reasoning_tokens=reasoning_tokens)
         out.append(self._event("response.completed" if status == "completed" else "response.incomplete",
                                response=obj))

@@ -65,12 +65,12 @@ _BRANCH_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "constra
 
 
 def _clean_loc(loc) -> list[str]:
-    """A pydantic error location as the client's parameter path: union branch labels
-    (``list[tagged-union[...]]``, ``str``) and the tag after a tagged-union index are not part of it."""
+    """A pydantic error location as the client's parameter path: union branch labels (``list[tagged-union[...]]``,
+    ``str``, a model's class name) and the tag after a tagged-union index are not part of it."""
     out: list[str] = []
     raw = [p for p in loc if p != "body"]
     for i, part in enumerate(raw):
-        if isinstance(part, str) and ("[" in part or part in _BRANCH_NAMES):
+        if isinstance(part, str) and ("[" in part or part in _BRANCH_NAMES or part[:1].isupper()):
             continue
         if isinstance(part, str) and i >= 2 and isinstance(raw[i - 1], int) and "tagged-union" in str(raw[i - 2]):
             continue

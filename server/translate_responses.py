@@ -110,14 +110,14 @@ def responses_to_chat(req: ResponsesRequest, history=()) -> ChatCompletionReques
         raise InvalidRequest(message.replace("'response_format'", "'text.format'"), param=param) from None
 
 
-def output_to_items(text: str, reasoning: str, calls) -> list[dict]:
+def output_to_items(text: str, reasoning: str, calls, status: str = "completed") -> list[dict]:
     """What the model produced as Responses output items (reasoning, then the message, then the calls),
-    each with a fresh id and ``status: completed``."""
+    each with a fresh id; ``status`` is the message's (``incomplete`` when max_output_tokens cut it)."""
     items: list[dict] = []
     if reasoning:
         items.append(reasoning_item(reasoning))
     if text or not (reasoning or calls):
-        items.append(message_item(text))
+        items.append(message_item(text, status=status))
     for call in calls:
         items.append(function_call_item(call))
     return items
