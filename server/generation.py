@@ -29,7 +29,7 @@ from server.errors import APIError, ShuttingDown
 from server.http_util import request_id
 from server.jobrun import JobRun
 from server.jobs import Delta, Failed, Finished, SamplingParams, TokenLogprob
-from server.output_fallback import make_output_parser
+from server.output_parse import make_output_parser, prompt_opens_thinking
 from server.prompts import render_chat, sampling_params, session_of
 from server.schemas import ChatCompletionRequest
 
@@ -192,7 +192,10 @@ async def chat_generation(state, request: Request, req: ChatCompletionRequest, i
         state.loaded.context_length, default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size,
     )
     session = session or session_of(request.headers.get("x-session-id"), req)
-    parser = make_output_parser(state.loaded.tokenizer, tools=req.tools_enabled())
+    tok, tools = state.loaded.tokenizer, req.tools_enabled()
+    parser = make_output_parser(  # the model family's tool-call format and thinking tags (server.output_parse)
+        tok, tools=tools, in_reasoning=prompt_opens_thinking(tok, prompt),
+        tool_specs=[t.model_dump(exclude_none=True) for t in req.tools] if tools else None)
     return Generation(state, request, prompt, params, session=session, id_prefix=id_prefix, parser=parser)
 
 

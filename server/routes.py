@@ -47,7 +47,7 @@ async def _chat_stream(gen: Generation, fmt: ChatFormatter, include_usage: bool)
             elif isinstance(ev, TextOut):
                 yield sse(fmt.content_chunk(ev.text, list(ev.logprobs)))
             elif isinstance(ev, ReasoningOut):
-                yield sse(fmt.reasoning_chunk(ev.text))
+                yield sse(fmt.reasoning_chunk(ev.text, []))
             elif isinstance(ev, Error):
                 yield sse(ev.error.body())  # then [DONE]: a well-formed end, not a cut connection
             elif isinstance(ev, Done):
