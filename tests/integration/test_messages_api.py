@@ -223,3 +223,39 @@ def test_auth_alias_size_and_faults(guarded):
     assert lines[-2] == "event: response.failed"
     assert json.loads(lines[-1][6:])["response"]["status"] == "failed"
     assert c.messages.create(model="claude-x", **ok).usage.output_tokens >= 1  # still serving
+
+
+# A few-shot conversation that makes the default model (greedy) reply with a real Hermes tool call
+# (the same one tests/integration/test_tool_calls_live.py uses for chat completions).
+CALL = '<tool_call>{"name": "now"}</tool_call>'
+FEW_SHOT = [
+    {"role": "user", "content": "What time is it?"},
+    {"role": "assistant", "content": CALL},
+    {"role": "user", "content": "And now?"},
+    {"role": "assistant", "content": CALL},
+    {"role": "user", "content": "Tell me the time please."},
+]
+NOW = [{"name": "now", "description": "The current time", "input_schema": {"type": "object", "properties": {}}}]
+
+
+def test_real_tool_use_json_stream_and_round_trip(claude):
+    kw = dict(model="default", system="You call tools. Reply only with " + CALL, messages=FEW_SHOT, tools=NOW,
+              max_tokens=16, extra_body=GREEDY)
+    m = claude.messages.create(**kw)
+    assert m.stop_reason == "tool_use"
+    [block] = m.content
+    assert block.type == "tool_use" and block.name == "now" and block.input == {} and block.id.startswith("toolu_")
+    with claude.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in events]
+    assert ("content_block_delta", "input_json_delta") in kinds and ("content_block_delta", "text_delta") not in kinds
+    assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
+    assert final.content[0].name == "now" and final.content[0].input == {}
+    # turn 2: the tool_use goes back in the assistant turn, its result in the next user turn
+    history = FEW_SHOT + [{"role": "assistant", "content": [block.model_dump()]},
+                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id,
+                                                        "content": "It is 10:42."}]}]
+    follow = claude.messages.create(**dict(kw, messages=history, max_tokens=8))
+    assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert follow.usage.cache_read_input_tokens > (m.usage.input_tokens + m.usage.cache_read_input_tokens) / 2

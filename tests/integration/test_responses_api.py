@@ -156,3 +156,43 @@ def test_unknown_model_oversize_and_the_server_keeps_serving(server, client):
     r = httpx.post(server.url + "/v1/responses", content=big, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
     assert client.responses.create(model="default", input="Hi", max_output_tokens=2).output_text is not None
+
+
+# A few-shot conversation that makes the default model (greedy) reply with a real Hermes tool call
+# (the same one tests/integration/test_tool_calls_live.py uses for chat completions).
+CALL = '<tool_call>{"name": "now"}</tool_call>'
+FEW_SHOT = [
+    {"role": "user", "content": "What time is it?"},
+    {"role": "assistant", "content": CALL},
+    {"role": "user", "content": "And now?"},
+    {"role": "assistant", "content": CALL},
+    {"role": "user", "content": "Tell me the time please."},
+]
+NOW = [{"type": "function", "name": "now", "description": "The current time",
+        "parameters": {"type": "object", "properties": {}}}]
+
+
+def test_real_function_call_json_stream_and_round_trip(client):
+    kw = dict(model="default", instructions="You call tools. Reply only with " + CALL, input=FEW_SHOT, tools=NOW,
+              max_output_tokens=16, temperature=0)
+    r = client.responses.create(**kw)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert [c.name for c in calls] == ["now"] and json.loads(calls[0].arguments) == {}
+    assert calls[0].call_id.startswith("call_") and calls[0].status == "completed"
+    assert "<tool_call>" not in r.output_text
+    events = list(client.responses.create(stream=True, **kw))
+    types = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in types and "response.output_text.delta" not in types
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments) == {}
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert added[-1].item.type == "function_call" and added[-1].item.name == "now"
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and [i.type for i in final.output] == ["function_call"]
+    # turn 2: the call and its output go back as items, chained through previous_response_id
+    follow = client.responses.create(model="default", previous_response_id=r.id, tools=NOW, max_output_tokens=8,
+                                     input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                             "output": "It is 10:42."}],
+                                     instructions=kw["instructions"], temperature=0)
+    assert follow.status in ("completed", "incomplete")
+    assert follow.usage.input_tokens_details.cached_tokens > r.usage.input_tokens / 2
