@@ -21,7 +21,9 @@ from server.model_names import check_model
 from server.response_store import StoredResponse
 from server.responses import SSE_KEEPALIVE
 from server.schemas_responses import ResponsesRequest
-from server.translate_responses import input_items, items_for_history, output_to_items, responses_to_chat
+from server.translate_responses import (
+    input_items, items_for_history, output_to_items, responses_to_chat, tool_namespaces,
+)
 
 router = APIRouter()
 
@@ -50,7 +52,8 @@ async def create_response(request: Request):
                                  headers={**SSE_HEADERS, "X-Request-Id": gen.id})
     async with gen:
         res = await gen.collect()
-    output = output_to_items(res.text, res.reasoning, res.calls, status=status_of(res.reason))
+    output = output_to_items(res.text, res.reasoning, res.calls, status=status_of(res.reason),
+                             namespaces=tool_namespaces(req))
     obj = response_object(base, output, status_of(res.reason), finished=res.finished,
                           reasoning_tokens=await _count_tokens(state, res.reasoning))
     _store(state, req, obj, conversation)
@@ -58,7 +61,7 @@ async def create_response(request: Request):
 
 
 async def _stream(state, gen: Generation, req: ResponsesRequest, base: dict, conversation: tuple):
-    fmt = ResponsesStream(base)
+    fmt = ResponsesStream(base, tool_namespaces(req))
     reasoning: list[str] = []
     try:
         for chunk in fmt.start():

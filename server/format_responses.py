@@ -98,8 +98,9 @@ class ResponsesStream:
     """Stateful formatter of one streamed response (see the module docstring). ``output`` holds the finished
     output items, for the final object and the response store."""
 
-    def __init__(self, base: dict):
+    def __init__(self, base: dict, namespaces: Optional[dict] = None):
         self.base = base
+        self.namespaces = namespaces  # function name -> namespace group (translate_responses.tool_namespaces)
         self.output: list[dict] = []
         self._seq = 0
         self._open: Optional[dict] = None  # the item being streamed: {"kind", "item", "parts"}
@@ -170,7 +171,7 @@ class ResponsesStream:
     def calls(self, calls) -> list[bytes]:
         out = self._close()
         for call in calls:
-            done = function_call_item(call)
+            done = function_call_item(call, namespaces=self.namespaces)
             idx = len(self.output)
             out.append(self._event("response.output_item.added", output_index=idx,
                                    item=dict(done, arguments="", status="in_progress")))

@@ -3,8 +3,12 @@
 Input items are a tagged union on ``type`` (a message may omit it when it has a ``role``, as the SDK's
 "easy input message" does): ``message`` (input_text / output_text / refusal parts), ``function_call``,
 ``function_call_output`` and ``reasoning`` (accepted, not rendered: chat templates drop past thinking).
-An unknown item or part type, an image or file part, a non-function tool or a wrong type is a 400 naming
-the parameter. Unknown top-level fields (``include``, ``truncation``, ``service_tier`` ...) are ignored.
+An unknown item or part type, an image or file part, a malformed function tool or a wrong type is a 400
+naming the parameter. Tools: ``function`` tools, and ``namespace`` groups of them (Codex CLI sends both);
+tools the model could only use through OpenAI's own servers or a client-side grammar (``web_search``,
+``file_search``, ``code_interpreter``, ``mcp``, ``custom``, ``local_shell`` ...) are not offered to the model:
+Codex CLI always sends ``web_search``, and refusing it would refuse every Codex request. Unknown top-level
+fields (``include``, ``truncation``, ``service_tier`` ...) are ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 
 __all__ = [
     "InputText", "OutputText", "Refusal", "MessageItem", "FunctionCallItem", "FunctionCallOutputItem",
-    "ReasoningItem", "InputItem", "FunctionTool", "ToolChoiceFunction", "TextFormat", "TextConfig",
+    "ReasoningItem", "InputItem", "FunctionTool", "NamespaceTool", "ToolChoiceFunction", "TextFormat", "TextConfig",
     "ResponsesRequest", "INPUT_ITEMS",
 ]
 
@@ -136,6 +140,18 @@ class FunctionTool(_Lenient):
     strict: Optional[bool] = None
 
 
+class NamespaceTool(_Lenient):
+    """A named group of function tools; a call to one of them comes back with ``namespace`` set."""
+
+    type: Literal["namespace"]
+    name: str = Field(min_length=1, max_length=128)
+    description: Optional[str] = None
+    tools: list[FunctionTool] = Field(max_length=512)
+
+
+OFFERED_TOOL_TYPES = ("function", "namespace")
+
+
 class ToolChoiceFunction(_Lenient):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=128)
@@ -157,7 +173,8 @@ class ResponsesRequest(_Lenient):
     model: Optional[str] = None
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None
-    tools: Optional[list[FunctionTool]] = Field(default=None, max_length=512)
+    tools: Optional[list[Annotated[Union[FunctionTool, NamespaceTool], Field(discriminator="type")]]] = Field(
+        default=None, max_length=512)
     tool_choice: Union[Literal["auto", "none", "required"], ToolChoiceFunction, None] = None
     parallel_tool_calls: Optional[bool] = None
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
@@ -175,13 +192,12 @@ class ResponsesRequest(_Lenient):
 
     @field_validator("tools", mode="before")
     @classmethod
-    def _function_tools_only(cls, v):
+    def _offered_tools_only(cls, v):
+        """Drop the tools this server cannot offer the model (see the module docstring); keep anything
+        malformed for validation to refuse."""
         if isinstance(v, list):
-            for tool in v:
-                kind = tool.get("type") if isinstance(tool, dict) else None
-                if kind not in ("function", None):
-                    raise ValueError(f"tool type '{kind}' is not supported: this server runs no hosted tools; "
-                                     "declare function tools ({\"type\": \"function\", \"name\", \"parameters\"})")
+            return [t for t in v if not (isinstance(t, dict) and isinstance(t.get("type"), str)
+                                         and t["type"] not in OFFERED_TOOL_TYPES)]
         return v
 
     @field_validator("background")

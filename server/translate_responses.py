@@ -20,10 +20,12 @@ from server.errors import InvalidRequest
 from server.http_util import validation_message
 from server.schemas import ChatCompletionRequest
 from server.schemas_responses import (
-    INPUT_ITEMS, FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem, ResponsesRequest,
+    INPUT_ITEMS, FunctionCallItem, FunctionCallOutputItem, FunctionTool, MessageItem, NamespaceTool, ReasoningItem,
+    ResponsesRequest,
 )
 
-__all__ = ["input_items", "items_to_messages", "response_format_of", "responses_to_chat", "output_to_items"]
+__all__ = ["input_items", "items_to_messages", "response_format_of", "responses_to_chat", "output_to_items",
+           "function_tools", "tool_namespaces"]
 
 
 def input_items(req: ResponsesRequest) -> list:
@@ -77,6 +79,19 @@ def _tool_choice(choice):
     return {"type": "function", "function": {"name": choice.name}}
 
 
+def function_tools(req: ResponsesRequest) -> list[FunctionTool]:
+    """Every function the model is offered: top-level function tools and the members of namespace groups."""
+    out: list[FunctionTool] = []
+    for tool in req.tools or ():
+        out.extend(tool.tools if isinstance(tool, NamespaceTool) else [tool])
+    return out
+
+
+def tool_namespaces(req: ResponsesRequest) -> dict[str, str]:
+    """Function name -> its namespace, for the ``namespace`` field of the calls the model makes."""
+    return {f.name: tool.name for tool in req.tools or () if isinstance(tool, NamespaceTool) for f in tool.tools}
+
+
 def responses_to_chat(req: ResponsesRequest, history=()) -> ChatCompletionRequest:
     """The internal request for ``req`` continuing ``history`` (items of the previous responses)."""
     messages: list[dict] = []
@@ -93,11 +108,12 @@ def responses_to_chat(req: ResponsesRequest, history=()) -> ChatCompletionReques
         "tool_choice": _tool_choice(req.tool_choice),
         "response_format": response_format_of(req),
     }
-    if req.tools:
+    tools = function_tools(req)
+    if tools:
         body["tools"] = [
             {"type": "function", "function": {k: v for k, v in (("name", t.name), ("description", t.description),
                                                                 ("parameters", t.parameters)) if v is not None}}
-            for t in req.tools
+            for t in tools
         ]
     try:
         return ChatCompletionRequest.model_validate(body)
@@ -110,7 +126,8 @@ def responses_to_chat(req: ResponsesRequest, history=()) -> ChatCompletionReques
         raise InvalidRequest(message.replace("'response_format'", "'text.format'"), param=param) from None
 
 
-def output_to_items(text: str, reasoning: str, calls, status: str = "completed") -> list[dict]:
+def output_to_items(text: str, reasoning: str, calls, status: str = "completed",
+                    namespaces: Optional[dict] = None) -> list[dict]:
     """What the model produced as Responses output items (reasoning, then the message, then the calls),
     each with a fresh id; ``status`` is the message's (``incomplete`` when max_output_tokens cut it)."""
     items: list[dict] = []
@@ -119,7 +136,7 @@ def output_to_items(text: str, reasoning: str, calls, status: str = "completed")
     if text or not (reasoning or calls):
         items.append(message_item(text, status=status))
     for call in calls:
-        items.append(function_call_item(call))
+        items.append(function_call_item(call, namespaces=namespaces))
     return items
 
 
@@ -134,10 +151,15 @@ def message_item(text: str, item_id: Optional[str] = None, status: str = "comple
             "content": content}
 
 
-def function_call_item(call: dict, status: str = "completed") -> dict:
-    """An OpenAI chat ``tool_call`` dict as a Responses ``function_call`` item (its call id kept)."""
-    return {"id": _new_id("fc_"), "type": "function_call", "call_id": call["id"],
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+def function_call_item(call: dict, status: str = "completed", namespaces: Optional[dict] = None) -> dict:
+    """An OpenAI chat ``tool_call`` dict as a Responses ``function_call`` item (its call id kept; ``namespace``
+    set when the function came from a namespace group)."""
+    name = call["function"]["name"]
+    item = {"id": _new_id("fc_"), "type": "function_call", "call_id": call["id"], "name": name,
+            "arguments": call["function"]["arguments"], "status": status}
+    if namespaces and name in namespaces:
+        item["namespace"] = namespaces[name]
+    return item
 
 
 def items_for_history(output: list[dict]) -> list:

@@ -128,7 +128,7 @@ def test_store_get_and_previous_response_not_found(client, server):
     ({"input": [{"role": "user", "content": [{"type": "nope"}]}]}, "input.0.content.0"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": 7, "arguments": "{}"}]}, "input.0.name"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
-    ({"input": "x", "tools": [{"type": "file_search"}]}, "tools"),
+    ({"input": "x", "tools": [{"type": "function", "name": ""}]}, "tools.0.function.name"),
     ({"input": "x", "tools": "get_weather"}, "tools"),
     ({"input": "x", "tool_choice": 3}, "tool_choice"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),

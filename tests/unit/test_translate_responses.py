@@ -10,7 +10,7 @@ from server.http_util import validation_message
 from server.schemas import ChatCompletionRequest
 from server.schemas_responses import ResponsesRequest
 from server.translate_responses import (
-    items_for_history, output_to_items, response_format_of, responses_to_chat,
+    function_tools, items_for_history, output_to_items, response_format_of, responses_to_chat, tool_namespaces,
 )
 
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather of a city",
@@ -60,6 +60,21 @@ def test_previous_response_history_equals_a_full_resend():
     resent = [{"role": "user", "content": "Hello"}, *output, {"role": "user", "content": "More"}]
     assert chat_messages({"input": "More", "instructions": "I"}, history) == chat_messages(
         {"input": resent, "instructions": "I"})
+
+
+def test_namespaces_are_flattened_and_hosted_tools_not_offered():
+    """What Codex CLI sends: function tools, a namespace group of functions, and OpenAI's hosted web_search."""
+    req = ResponsesRequest.model_validate({"input": "x", "tools": [
+        TOOL, {"type": "web_search", "external_web_access": False}, {"type": "custom", "name": "apply_patch"},
+        {"type": "namespace", "name": "agents", "description": "Sub-agents", "tools": [
+            {"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}]}]})
+    assert [t.name for t in function_tools(req)] == ["get_weather", "spawn_agent"]
+    assert [t.function.name for t in responses_to_chat(req).tools] == ["get_weather", "spawn_agent"]
+    assert tool_namespaces(req) == {"spawn_agent": "agents"}
+    calls = [{"id": "call_1", "type": "function", "function": {"name": n, "arguments": "{}"}}
+             for n in ("spawn_agent", "get_weather")]
+    items = output_to_items("", "", calls, namespaces=tool_namespaces(req))
+    assert items[0]["namespace"] == "agents" and "namespace" not in items[1]
 
 
 def test_sampling_tools_and_choice_map_onto_the_chat_request():
@@ -112,7 +127,8 @@ def test_output_items_shapes():
     ({"input": [{"role": "user", "content": [{"type": "bogus", "text": "x"}]}]}, "input.0.content.0", "bogus"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input.0.call_id", "required"),
     ({"input": [{"role": "wizard", "content": "x"}]}, "input.0.role", None),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "web_search"),
+    ({"input": "x", "tools": [{"type": "function", "parameters": {}}]}, "tools.0.function.name", "required"),
+    ({"input": "x", "tools": [{"name": "no_type"}]}, "tools.0", "type"),
     ({"input": "x", "tool_choice": "always"}, "tool_choice", None),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", None),
     ({"input": "x", "background": True}, "background", "background"),
