@@ -182,13 +182,18 @@ class Generation:
 
 
 async def chat_generation(state, request: Request, req: ChatCompletionRequest, id_prefix: str, *,
-                          session: Optional[str] = None) -> Generation:
+                          session: Optional[str] = None, fit_max_tokens: bool = False) -> Generation:
     """Render, size and open a generation for a chat-shaped internal request (not yet submitted).
 
-    ``session`` overrides the cache session derived from ``X-Session-Id`` / ``prompt_cache_key`` / ``user``."""
+    ``session`` overrides the cache session derived from ``X-Session-Id`` / ``prompt_cache_key`` / ``user``.
+    ``fit_max_tokens``: a ``max_tokens`` larger than the room left in the context is lowered to that room
+    instead of being a 400 (Anthropic clients always send one, sized for Claude: Claude Code asks for 64,000)."""
     prompt = await run_in_threadpool(render_chat, state.loaded.tokenizer, req)
+    max_tokens = req.requested_max_tokens()
+    if fit_max_tokens:
+        max_tokens = fit_to_context(max_tokens, len(prompt), state.loaded.context_length)
     params = sampling_params(
-        req.model_copy(update={"max_tokens": req.requested_max_tokens()}), len(prompt),
+        req.model_copy(update={"max_tokens": max_tokens}), len(prompt),
         state.loaded.context_length, default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size,
     )
     session = session or session_of(request.headers.get("x-session-id"), req)
@@ -197,6 +202,14 @@ async def chat_generation(state, request: Request, req: ChatCompletionRequest, i
         tok, tools=tools, in_reasoning=prompt_opens_thinking(tok, prompt),
         tool_specs=[t.model_dump(exclude_none=True) for t in req.tools] if tools else None)
     return Generation(state, request, prompt, params, session=session, id_prefix=id_prefix, parser=parser)
+
+
+def fit_to_context(max_tokens: Optional[int], prompt_len: int, context_length: int) -> Optional[int]:
+    """``max_tokens`` lowered to the room the prompt leaves in the context (at least 1: a prompt that fills the
+    context is still refused, by ``sampling_params``, with a message saying so)."""
+    if max_tokens is None:
+        return None
+    return min(max_tokens, max(1, context_length - prompt_len))
 
 
 def _matched_stop(raw: str, stops) -> Optional[str]:

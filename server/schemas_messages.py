@@ -1,6 +1,7 @@
 """Request types of Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``).
 
-Content blocks are a tagged union on ``type``: ``text``, ``tool_use``, ``tool_result`` (content a string
+A turn's role is user, assistant or system (a system turn mid-conversation, as Claude Code sends them; its
+text blocks only). Content blocks are a tagged union on ``type``: ``text``, ``tool_use``, ``tool_result`` (content a string
 or text blocks), ``thinking`` / ``redacted_thinking`` (accepted from history, not rendered). Image and
 document blocks are refused with a message saying why; an unknown block type, a wrong type, a missing
 ``max_tokens`` or ``model`` is a 400 in Anthropic's error shape (mapped at the app boundary). Unknown
@@ -79,7 +80,8 @@ Block = Annotated[
 
 
 class MessageParam(_Lenient):
-    role: Literal["user", "assistant"]
+    # "system" mid-conversation: Claude Code sends it (anthropic-beta mid-conversation-system-2026-04-07)
+    role: Literal["user", "assistant", "system"]
     content: Union[str, list[Block]]
 
     @field_validator("content", mode="before")

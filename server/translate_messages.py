@@ -5,7 +5,8 @@ turn's ``tool_result`` blocks to ``tool`` messages (before the turn's text, the 
 an assistant turn's ``tool_use`` blocks to ``tool_calls`` (input as JSON text); ``thinking`` blocks are
 dropped (chat templates drop past thinking). Text blocks of one turn join with a newline. The same
 conversation therefore renders the same tokens every turn, so the prefix cache hits across turns.
-``metadata.user_id`` becomes the cache session; ``stop_sequences`` the stop strings.
+A system turn mid-conversation joins the user message before it (see ``_append``). ``metadata.user_id``
+becomes the cache session; ``stop_sequences`` the stop strings.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def turn_to_messages(turn: MessageParam) -> list[dict]:
     if isinstance(turn.content, str):
         return [{"role": turn.role, "content": turn.content}]
     texts = [b.text for b in turn.content if isinstance(b, TextBlock)]
+    if turn.role == "system":
+        if len(texts) != len(turn.content):
+            raise InvalidRequest("a system turn holds text blocks only", param="messages")
+        return [{"role": "system", "content": "\n".join(texts)}]
     if turn.role == "assistant":
         calls = [
             {"id": b.id, "type": "function",
@@ -59,6 +64,19 @@ def turn_to_messages(turn: MessageParam) -> list[dict]:
     return out
 
 
+def _append(messages: list[dict], message: dict) -> None:
+    """Append one chat message; a system turn mid-conversation joins the user message before it (or the
+    system prompt when it comes first). Many chat templates refuse a system message anywhere but first, or
+    two user messages in a row (Gemma, Qwen3); joining keeps the rendering valid and, because it only ever
+    changes the message before it, the same every turn (the prefix cache still hits). A system turn after
+    an assistant turn stays a system message."""
+    last = messages[-1] if messages else None
+    if message["role"] == "system" and messages and last["role"] in ("user", "system") and not last.get("tool_call_id"):
+        last["content"] = (last["content"] or "") + "\n\n" + message["content"]
+    else:
+        messages.append(message)
+
+
 def tool_choice_of(req: CountTokensRequest):
     choice = req.tool_choice
     if choice is None:
@@ -75,7 +93,8 @@ def messages_to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
     if system:
         messages.append({"role": "system", "content": system})
     for turn in req.messages:
-        messages.extend(turn_to_messages(turn))
+        for message in turn_to_messages(turn):
+            _append(messages, message)
     body: dict = {"messages": messages, "tool_choice": tool_choice_of(req)}
     if req.tools:
         body["tools"] = [

@@ -143,7 +143,9 @@ OK = [{"role": "user", "content": "hi"}]
     {"model": "default", "max_tokens": "five", "messages": OK},
     {"model": "default", "max_tokens": 5, "messages": []},
     {"model": "default", "max_tokens": 5, "messages": "hi"},
-    {"model": "default", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+    {"model": "default", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]},
+    {"model": "default", "max_tokens": 5, "messages": [{"role": "system", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]},
     {"model": "default", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "hologram"}]}]},
     {"model": "default", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image",
                                                                                      "source": {}}]}]},
@@ -158,7 +160,7 @@ OK = [{"role": "user", "content": "hi"}]
     {"model": "default", "max_tokens": 5, "messages": OK, "temperature": 3},
     {"model": "default", "max_tokens": 5, "messages": OK, "stop_sequences": ["x"] * 40},
     {"model": "default", "max_tokens": 5, "messages": OK, "system": [{"type": "text"}]},
-    {"model": "default", "max_tokens": 10**9, "messages": OK},  # past the context
+    {"model": "default", "max_tokens": 5, "messages": [{"role": "user", "content": "word " * 9000}]},  # > context
 ])
 def test_hostile_input_is_a_400_in_anthropic_shape(server, body):
     content = body if isinstance(body, bytes) else json.dumps(body)

@@ -13,7 +13,7 @@ from server.error_shapes import anthropic_error_body, shaped_error_body
 from server.errors import APIError, InvalidRequest, ModelNotFound, PayloadTooLarge, QueueFull
 from server.format_messages import MessagesStream, message_object, message_usage, stop_reason_of, tool_use_block
 from server.format_responses import ResponsesStream, response_base, response_object
-from server.generation import _matched_stop
+from server.generation import _matched_stop, fit_to_context
 from server.jobs import Finished
 from server.model_names import is_served
 from server.response_store import ResponseStore, StoredResponse
@@ -187,3 +187,9 @@ def test_response_store_is_an_lru_by_count():
     assert store.delete("a") and store.get("a") is None and not store.delete("a")
     with pytest.raises(ValueError):
         ResponseStore(0)
+
+
+@pytest.mark.parametrize("asked,prompt,context,expected", [
+    (64000, 100, 8192, 8092), (16, 100, 8192, 16), (None, 100, 8192, None), (5, 8192, 8192, 1)])
+def test_fit_to_context(asked, prompt, context, expected):
+    assert fit_to_context(asked, prompt, context) == expected

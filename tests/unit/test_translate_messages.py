@@ -104,7 +104,7 @@ OK = [{"role": "user", "content": "hi"}]
     ({"max_tokens": 5, "messages": OK}, "model", "required"),
     ({"model": "m", "max_tokens": 0, "messages": OK}, "max_tokens", None),
     ({"model": "m", "max_tokens": 5, "messages": []}, "messages", None),
-    ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role", None),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", None),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
      "messages.0.content.0", "video"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
@@ -127,3 +127,20 @@ def test_hostile_requests_name_the_parameter(body, param, words):
     assert got == param, message
     if words:
         assert words in message
+
+
+def test_mid_conversation_system_turn_stays_in_place():
+    """Claude Code sends system turns between user turns (anthropic-beta mid-conversation-system)."""
+    req = translate(system="Top.", messages=[
+        {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "system", "content": "Agent types: ..."},
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "system", "content": "Later."}])
+    assert [(m["role"], m["content"]) for m in dump(req)] == [
+        ("system", "Top."), ("user", "hi\n\nAgent types: ..."), ("user", "go"), ("assistant", "ok"),
+        ("system", "Later.")]
+    first = translate(messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "u"}])
+    assert [(m["role"], m["content"]) for m in dump(first)] == [("system", "S"), ("user", "u")]
+    with pytest.raises(InvalidRequest):
+        translate(messages=[{"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]}])
