@@ -23,9 +23,12 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.error_shapes import shaped_body, shaped_error_body
 from server.errors import APIError, AuthenticationError, PayloadTooLarge, error_body
 from server.lane import Lane
-from server.routes import router, validation_message
+from server.http_util import validation_message
+from server.response_store import ResponseStore
+from server.routes import router
 from server.stats import ServingStats
 
 log = logging.getLogger("mlx_lane.app")
@@ -44,9 +47,11 @@ class ServerState:
     default_max_tokens: int = 2048
     max_body_bytes: int = 8 * 1024 * 1024
     model_names: set = field(default_factory=set)
+    model_aliases: tuple = ()  # --model-alias glob patterns answered by the served model (server/model_names.py)
     ssd: Optional[object] = None  # cache.tiered.TieredCache (the same object as prompt_cache) or None
     shutdown_timeout_s: float = 30.0
     created: int = field(default_factory=lambda: int(time.time()))
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses previous_response_id
 
     @property
     def vocab_size(self) -> int:
@@ -83,15 +88,23 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="mlx-lane", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.lane_state = state
     app.include_router(router)
+    from server.api_messages import router as messages_router  # noqa: E402 (after the core routes)
+    from server.api_responses import router as responses_router
+
+    app.include_router(responses_router)
+    app.include_router(messages_router)
+
+    def _error(request: Request, err: APIError, headers: Optional[dict] = None) -> Response:
+        """``err`` in the error shape of the API the request went to (OpenAI's, or Anthropic's)."""
+        return _json(shaped_error_body(request.url.path, err), err.status_code, {**err.headers(), **(headers or {})})
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
         if state.api_key and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            given = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), state.api_key.encode()):
-                err = AuthenticationError("Incorrect or missing API key. Send 'Authorization: Bearer <key>'.")
-                return _json(err.body(), err.status_code, {"WWW-Authenticate": "Bearer"})
+            if not hmac.compare_digest(_given_key(request).encode(), state.api_key.encode()):
+                err = AuthenticationError("Incorrect or missing API key. Send 'Authorization: Bearer <key>' "
+                                          "(or 'x-api-key: <key>').")
+                return _error(request, err, {"WWW-Authenticate": "Bearer"})
         length = request.headers.get("content-length")
         if length is not None:
             try:
@@ -99,29 +112,28 @@ def create_app(state: ServerState) -> FastAPI:
             except ValueError:
                 too_big = True
             if too_big:
-                err = PayloadTooLarge(f"The request body is larger than {state.max_body_bytes} bytes.")
-                return _json(err.body(), err.status_code)
+                return _error(request, PayloadTooLarge(f"The request body is larger than {state.max_body_bytes} bytes."))
         return await call_next(request)
 
     @app.exception_handler(APIError)
-    async def api_error(_request: Request, exc: APIError):
-        return _json(exc.body(), exc.status_code, exc.headers())
+    async def api_error(request: Request, exc: APIError):
+        return _error(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, exc: RequestValidationError):
+    async def invalid(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc.errors())
-        return _json(error_body(message, "invalid_request_error", param, None), 400)
+        return _json(shaped_body(request.url.path, 400, message, "invalid_request_error", param, None), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException):
+    async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found" if exc.status_code == 404 else None
-        return _json(error_body(str(exc.detail), "invalid_request_error", None, kind), exc.status_code)
+        body = shaped_body(request.url.path, exc.status_code, str(exc.detail), "invalid_request_error", None, kind)
+        return _json(body, exc.status_code)
 
     @app.exception_handler(Exception)
-    async def internal(_request: Request, exc: Exception):
+    async def internal(request: Request, exc: Exception):
         log.exception("unhandled error")
-        err = APIError("The server had an internal error. It was logged; please retry.")
-        return _json(err.body(), 500)
+        return _error(request, APIError("The server had an internal error. It was logged; please retry."))
 
     @app.get("/health")
     async def health():
@@ -170,6 +182,15 @@ def create_app(state: ServerState) -> FastAPI:
         return _json(body, 503)
 
     return app
+
+
+def _given_key(request: Request) -> str:
+    """The API key a client sent: OpenAI clients send ``Authorization: Bearer KEY``, Anthropic's send
+    ``x-api-key: KEY`` (Claude Code sends either, depending on how it was configured)."""
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        return header[7:]
+    return request.headers.get("x-api-key", "")
 
 
 def _model_card(state: ServerState, name: str) -> dict:

@@ -24,12 +24,26 @@ def _env_flag(name: str) -> bool:
     return str(_env(name, "")).strip().lower() in ("1", "true", "yes", "on")
 
 
+class _AppendOverEnv(argparse.Action):
+    """A repeatable flag whose default comes from the environment: the first flag given replaces that default
+    (the command line wins over the environment) and later ones append."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, [*([] if current is self.default else current), values])
+
+
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="start the OpenAI-compatible server",
                        description="Start the server. Every flag may also be set as MLX_LANE_<FLAG>.")
     p.add_argument("--model", default=_env("model", "default"),
                    help="'default' (offline SmolLM2-135M-Instruct), an mlx-lm model directory, a .gguf file, "
                         "or a Hugging Face repo id (needs a reachable hub) [MLX_LANE_MODEL]")
+    p.add_argument("--model-alias", action=_AppendOverEnv, metavar="PATTERN",
+                   default=[a.strip() for a in str(_env("model_alias", "")).split(",") if a.strip()],
+                   help="also answer requests for model names matching this glob (fnmatch, case-sensitive) with "
+                        "the served model, e.g. 'claude-*' for Claude Code or 'gpt-*'; repeatable. Unknown names "
+                        "are a 404 otherwise [MLX_LANE_MODEL_ALIAS, comma-separated]")
     p.add_argument("--host", default=_env("host", "127.0.0.1"), help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=int(_env("port", "8080")), help="port (default 8080)")
     p.add_argument("--api-key", default=_env("api_key"),

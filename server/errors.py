@@ -6,7 +6,8 @@ Hierarchy (every one maps to ``{"error": {"message", "type", "param", "code"}}``
     ├── InvalidRequest            400 invalid_request_error   (bad JSON, wrong types, bad values)
     │   └── ContextLengthExceeded 400 code=context_length_exceeded
     ├── AuthenticationError       401 invalid_api_key
-    ├── ModelNotFound             404 model_not_found
+    ├── NotFound                  404 not_found (or a code naming what, e.g. previous_response_not_found)
+    │   └── ModelNotFound         404 model_not_found
     ├── PayloadTooLarge           413
     └── QueueFull                 429 (with Retry-After)
         └── ShuttingDown          503 (with Retry-After): draining for a shutdown
@@ -22,6 +23,7 @@ __all__ = [
     "InvalidRequest",
     "ContextLengthExceeded",
     "AuthenticationError",
+    "NotFound",
     "ModelNotFound",
     "PayloadTooLarge",
     "QueueFull",
@@ -65,9 +67,13 @@ class AuthenticationError(APIError):
     code = "invalid_api_key"
 
 
-class ModelNotFound(APIError):
+class NotFound(APIError):
     status_code = 404
     type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
     code = "model_not_found"
 
 

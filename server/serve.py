@@ -54,7 +54,7 @@ def build_state(args):
         loaded=loaded, lane=lane, stats=stats, prompt_cache=prompt_cache, device=device_name(), blas=blas,
         api_key=args.api_key, keepalive_s=args.keepalive, default_max_tokens=args.default_max_tokens,
         max_body_bytes=args.max_body_bytes, model_names={"default"} if args.model == "default" else set(),
-        ssd=tiered, shutdown_timeout_s=args.shutdown_timeout,
+        ssd=tiered, shutdown_timeout_s=args.shutdown_timeout, model_aliases=tuple(getattr(args, "model_alias", None) or ()),
     )
 
 

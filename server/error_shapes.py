@@ -1,0 +1,53 @@
+"""Each API's own error body, chosen by the request path at the app boundary.
+
+Errors are raised once, as ``server.errors.APIError`` subclasses; only their shape differs per API:
+
+- OpenAI (chat, completions, responses, everything else): ``{"error": {"message", "type", "param", "code"}}``
+- Anthropic (everything under ``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}``, the
+  ``error.type`` derived from the HTTP status the way Anthropic maps them (400 invalid_request_error,
+  401 authentication_error, 403 permission_error, 404 not_found_error, 413 request_too_large,
+  429 rate_limit_error, 500 api_error, 503/529 overloaded_error).
+"""
+
+from __future__ import annotations
+
+from server.errors import APIError, error_body
+
+__all__ = ["is_anthropic_path", "anthropic_error_body", "shaped_error_body", "shaped_body"]
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    kind = _ANTHROPIC_TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def shaped_error_body(path: str, err: APIError) -> dict:
+    """``err`` in the error shape of the API that serves ``path``."""
+    if is_anthropic_path(path):
+        return anthropic_error_body(err.status_code, err.message)
+    return err.body()
+
+
+def shaped_body(path: str, status: int, message: str, type_: str, param=None, code=None) -> dict:
+    """An error that is not an ``APIError`` (framework 404/405, validation) in the shape of ``path``'s API."""
+    if is_anthropic_path(path):
+        return anthropic_error_body(status, message)
+    return error_body(message, type_, param, code)

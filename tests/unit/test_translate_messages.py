@@ -1,0 +1,146 @@
+"""Anthropic Messages API -> internal chat request (pure functions, no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pydantic
+import pytest
+
+from server.errors import InvalidRequest
+from server.http_util import validation_message
+from server.schemas import ChatCompletionRequest
+from server.schemas_messages import CountTokensRequest, MessagesRequest
+from server.translate_messages import messages_to_chat
+
+TOOL = {"name": "get_weather", "description": "Weather of a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def translate(**body):
+    return messages_to_chat(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, **body}))
+
+
+def dump(req: ChatCompletionRequest) -> list[dict]:
+    return [m.model_dump(exclude_none=True) for m in req.messages]
+
+
+def test_tool_round_trip_renders_like_the_same_chat_conversation():
+    req = translate(
+        system=[{"type": "text", "text": "Rules."}, {"type": "text", "text": "More rules.", "cache_control": {}}],
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hmm", "signature": "s"},
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18C"}]},
+                {"type": "text", "text": "And tomorrow?"}]},
+        ])
+    chat = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "system", "content": "Rules.\nMore rules."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [{"id": "toolu_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "18C"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]})
+    assert dump(req) == dump(chat)
+
+
+def test_tool_result_only_turn_has_no_empty_user_message():
+    req = translate(messages=[
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok", "is_error": True}]},
+    ])
+    assert [m["role"] for m in dump(req)] == ["user", "assistant", "tool"]
+    assert dump(req)[1].get("content") is None
+
+
+def test_sampling_session_stops_and_tools():
+    req = translate(messages=[{"role": "user", "content": "x"}], temperature=0.5, top_p=0.8, top_k=40,
+                    stop_sequences=["END"], metadata={"user_id": "sess-1"}, tools=[TOOL],
+                    tool_choice={"type": "tool", "name": "get_weather"})
+    assert (req.max_tokens, req.temperature, req.top_p, req.top_k) == (5, 0.5, 0.8, 40)
+    assert req.stop == ["END"] and req.logprobs is True  # logprobs: to tell which stop sequence fired
+    assert req.user == "sess-1"
+    assert req.tools[0].function.parameters == TOOL["input_schema"]
+    assert req.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert translate(messages=[{"role": "user", "content": "x"}]).logprobs is False
+
+
+@pytest.mark.parametrize("choice,expected", [
+    ({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none")])
+def test_tool_choice(choice, expected):
+    req = translate(messages=[{"role": "user", "content": "x"}], tools=[TOOL], tool_choice=choice)
+    assert req.tool_choice == expected
+    assert req.tools_enabled() is (expected != "none")
+
+
+def test_count_tokens_request_needs_no_max_tokens():
+    req = messages_to_chat(CountTokensRequest.model_validate({"model": "m", "messages": [{"role": "user",
+                                                                                          "content": "x"}]}))
+    assert dump(req) == [{"role": "user", "content": "x"}]
+
+
+def test_tool_use_in_a_user_turn_is_refused():
+    with pytest.raises(InvalidRequest):
+        translate(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}])
+
+
+def test_too_many_stop_sequences_name_stop_sequences():
+    with pytest.raises(InvalidRequest) as exc:
+        translate(messages=[{"role": "user", "content": "x"}], stop_sequences=[f"s{i}" for i in range(40)])
+    assert exc.value.param == "stop_sequences"
+
+
+OK = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"model": "m", "messages": OK}, "max_tokens", "required"),
+    ({"max_tokens": 5, "messages": OK}, "model", "required"),
+    ({"model": "m", "max_tokens": 0, "messages": OK}, "max_tokens", None),
+    ({"model": "m", "max_tokens": 5, "messages": []}, "messages", None),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", None),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+     "messages.0.content.0", "video"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages.0.content", "text-only"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": 5}]}, "messages.0.content", None),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]},
+     "messages.0.content.0.content", "text-only"),
+    ({"model": "m", "max_tokens": 5, "messages": OK, "tools": [{"type": "bash_20250124", "name": "bash"}]},
+     "tools", "server tool"),
+    ({"model": "m", "max_tokens": 5, "messages": OK, "tools": [{"name": "f"}]}, "tools.0.input_schema", None),
+    ({"model": "m", "max_tokens": 5, "messages": OK, "tool_choice": {"type": "tool"}}, "tool_choice", "name"),
+    ({"model": "m", "max_tokens": 5, "messages": OK, "temperature": 1.5}, "temperature", None),
+    ({"model": "m", "max_tokens": 5, "messages": OK, "system": 7}, "system", None),
+])
+def test_hostile_requests_name_the_parameter(body, param, words):
+    with pytest.raises(pydantic.ValidationError) as exc:
+        MessagesRequest.model_validate(body)
+    message, got = validation_message(exc.value.errors())
+    assert got == param, message
+    if words:
+        assert words in message
+
+
+def test_mid_conversation_system_turn_stays_in_place():
+    """Claude Code sends system turns between user turns (anthropic-beta mid-conversation-system)."""
+    req = translate(system="Top.", messages=[
+        {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "system", "content": "Agent types: ..."},
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "system", "content": "Later."}])
+    assert [(m["role"], m["content"]) for m in dump(req)] == [
+        ("system", "Top."), ("user", "hi\n\nAgent types: ..."), ("user", "go"), ("assistant", "ok"),
+        ("system", "Later.")]
+    first = translate(messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "u"}])
+    assert [(m["role"], m["content"]) for m in dump(first)] == [("system", "S"), ("user", "u")]
+    with pytest.raises(InvalidRequest):
+        translate(messages=[{"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]}])
