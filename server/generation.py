@@ -61,7 +61,7 @@ class Done:
     finished: Finished
     reason: str  # "stop" | "length" | "tool_calls"
     calls: tuple[dict, ...] = ()
-    stop_sequence: Optional[str] = None  # which stop string ended it, when known (see _matched_stop)
+    stop_sequence: Optional[str] = None  # which stop string ended it (the lane's stop matcher says)
 
 
 @dataclass(frozen=True)
@@ -108,16 +108,13 @@ class Generation:
         await self.run.__aexit__(*exc)
 
     async def events(self) -> AsyncIterator[GenEvent]:
-        stats, raw = self.state.stats, []
-        track_stops = bool(self.params.stop and self.params.logprobs)
+        stats = self.state.stats
         async for ev in self.run.events():
             if ev is None:
                 yield KeepAlive()
             elif isinstance(ev, Delta):
                 if ev.first_token:
                     stats.observe_ttft(time.monotonic() - self.t0)
-                if track_stops:
-                    raw.extend(lp.token for lp in ev.logprobs)
                 for out in self._pieces(self.parser.feed(ev.text) if self.parser else None, ev):
                     yield out
             elif isinstance(ev, Failed):
@@ -134,8 +131,7 @@ class Generation:
                     for out in self._pieces(rest, None):
                         yield out
                 reason = "tool_calls" if calls else ev.finish_reason
-                stop = _matched_stop("".join(raw), self.params.stop) if track_stops and reason == "stop" else None
-                yield Done(ev, reason, tuple(calls), stop)
+                yield Done(ev, reason, tuple(calls), ev.stop_sequence if reason == "stop" else None)
                 return
             # Progress events carry nothing a client is sent
 
@@ -213,18 +209,6 @@ def fit_to_context(max_tokens: Optional[int], prompt_len: int, context_length: i
     if max_tokens is None:
         return None
     return min(max_tokens, max(1, context_length - prompt_len))
-
-
-def _matched_stop(raw: str, stops) -> Optional[str]:
-    """The stop string that ended a generation, found in the raw text of its tokens (the lane cuts the stop
-    string out of the text it emits, and says only "stop" for both EOS and a stop string; the per-token
-    strings of the logprobs still hold it). None: the model ended with EOS."""
-    best, where = None, None
-    for s in stops:
-        i = raw.find(s)
-        if i != -1 and (where is None or i < where):
-            best, where = s, i
-    return best
 
 
 def _internal(ev: Failed) -> APIError:

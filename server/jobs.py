@@ -70,6 +70,7 @@ class Finished:
     decode_s: float
     queued_s: float
     spec: Optional[dict] = None  # speculative decoding counters of this request, when it speculated
+    stop_sequence: Optional[str] = None  # the stop string that ended it (None: EOS, length, or no stop strings)
 
 
 @dataclass(frozen=True)

@@ -120,4 +120,5 @@ class Sequence:
             decode_s=(now - first) if first is not None else 0.0,
             queued_s=max(0.0, (t.admitted_at or now) - self.job.enqueued_at),
             spec=self.spec,
+            stop_sequence=self._stops.matched if reason == "stop" else None,
         )

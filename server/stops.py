@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 class StopMatcher:
     stops: list[str]
     stopped: bool = False
+    matched: str | None = None  # the stop string that ended the text, once stopped
     _pending: str = field(default="", repr=False)
 
     def feed(self, text: str) -> str:
@@ -29,7 +30,7 @@ class StopMatcher:
         for s in self.stops:
             i = buf.find(s)
             if i != -1 and (first is None or i < first):
-                first = i
+                first, self.matched = i, s
         if first is not None:
             self.stopped = True
             self._pending = ""

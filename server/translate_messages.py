@@ -105,9 +105,6 @@ def messages_to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     stop=req.stop_sequences,
-                    # the per-token strings of the logprobs tell which stop sequence ended the text
-                    # (generation._matched_stop): Anthropic reports it, the lane does not
-                    logprobs=bool(req.stop_sequences),
                     user=req.metadata.user_id if req.metadata else None)
     try:
         return ChatCompletionRequest.model_validate(body)

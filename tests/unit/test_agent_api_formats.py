@@ -13,7 +13,7 @@ from server.error_shapes import anthropic_error_body, shaped_error_body
 from server.errors import APIError, InvalidRequest, ModelNotFound, PayloadTooLarge, QueueFull
 from server.format_messages import MessagesStream, message_object, message_usage, stop_reason_of, tool_use_block
 from server.format_responses import ResponsesStream, response_base, response_object
-from server.generation import _matched_stop, fit_to_context
+from server.generation import fit_to_context
 from server.jobs import Finished
 from server.model_names import is_served
 from server.response_store import ResponseStore, StoredResponse
@@ -162,10 +162,16 @@ def test_error_shapes_by_path(err, status, kind):
     assert anthropic_error_body(503, "x")["error"]["type"] == "overloaded_error"
 
 
-@pytest.mark.parametrize("raw,stops,expected", [
-    ("Hello world!", ["!"], "!"), ("Hello world", ["!"], None), ("a STOP b END", ["END", "STOP"], "STOP")])
-def test_matched_stop(raw, stops, expected):
-    assert _matched_stop(raw, stops) == expected
+@pytest.mark.parametrize("chunks,stops,expected", [
+    (["Hello", " world", "!"], ["!"], "!"), (["Hello", " world"], ["!"], None),
+    (["a ST", "OP b E", "ND"], ["END", "STOP"], "STOP")])
+def test_the_stop_matcher_says_which_stop_string_fired(chunks, stops, expected):
+    from server.stops import StopMatcher
+
+    m = StopMatcher(stops)
+    for c in chunks:
+        m.feed(c)
+    assert m.matched == expected and m.stopped == (expected is not None)
 
 
 def test_model_aliases():

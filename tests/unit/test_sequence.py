@@ -45,6 +45,7 @@ def test_a_stop_string_is_never_emitted_even_split_across_tokens():
     assert texts(rec) == "<5>"
     assert s.on_token(8) == "stop"
     assert texts(rec) == "<5>"
+    assert s.finished("stop").stop_sequence == "<7><8>"  # Anthropic's stop_sequence comes from here
 
 
 def test_held_back_text_is_released_when_generation_ends_otherwise():

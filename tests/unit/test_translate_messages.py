@@ -64,7 +64,7 @@ def test_sampling_session_stops_and_tools():
                     stop_sequences=["END"], metadata={"user_id": "sess-1"}, tools=[TOOL],
                     tool_choice={"type": "tool", "name": "get_weather"})
     assert (req.max_tokens, req.temperature, req.top_p, req.top_k) == (5, 0.5, 0.8, 40)
-    assert req.stop == ["END"] and req.logprobs is True  # logprobs: to tell which stop sequence fired
+    assert req.stop == ["END"] and req.logprobs is False  # the lane reports which stop string fired
     assert req.user == "sess-1"
     assert req.tools[0].function.parameters == TOOL["input_schema"]
     assert req.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
