@@ -18,18 +18,18 @@ model, the MLX stream and the caches):
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence as Seq
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from server.batch import DecodeBatch, can_batch
 from server.decode_steps import PlainDecode
 from server.jobs import Failed, Job, Progress
+from server.kv_layout import _covered_length, _quantize_fresh, _state_nbytes, kv_scheme
 from server.sampling import build_logits_processors, build_sampler, token_logprobs
 from server.sequence import SeqState, Sequence
 from server.speculation import SpecPlan, speculative_decode
@@ -370,51 +370,3 @@ class Engine:
             self.prompt_cache.put(list(tokens), caches, a.ns, a.job.session)
         except Exception:  # caching is an optimisation: never fail the request for it
             log.exception("prompt cache put failed")
-
-
-# -- KV-cache quantization (issue 8) ----------------------------------------------------------------------------
-# With kv_bits set, every plain KVCache layer is a QuantizedKVCache (mlx-lm) from the FIRST prompt token: prefill,
-# decode, a RAM hit and an SSD restore all attend over the same quantized keys/values (each token's K/V is quantized
-# on its own, along head_dim), so a cache hit computes what a cold request computes. Converting after prefill
-# instead would give cold requests float attention over the prompt and hits quantized attention over the prefix.
-# Other cache classes (RotatingKVCache, ArraysCache) stay as they are; mlx-lm cannot quantize them. The scheme is
-# part of the namespace (kv_namespace), so an entry of one scheme never seeds another, in RAM or on SSD.
-
-
-def kv_scheme(kv_bits: int | None, kv_group_size: int = 64) -> str:
-    return "float" if kv_bits is None else f"q{kv_bits}g{kv_group_size}"
-
-
-def kv_namespace(fingerprint: str, kv_bits: int | None, kv_group_size: int = 64) -> str:
-    """The model fingerprint itself for float KV; else a hex digest of (fingerprint, KV scheme)."""
-    if kv_bits is None:
-        return fingerprint
-    return hashlib.sha256(f"{fingerprint}\0kv\0{kv_scheme(kv_bits, kv_group_size)}".encode()).hexdigest()
-
-
-def _state_nbytes(caches: list) -> int:
-    """Bytes the caches hold for their tokens (KV buffers are allocated in steps of 256 tokens; the padding past
-    `offset` on the token axis is not counted)."""
-    from mlx.utils import tree_flatten
-
-    total = 0
-    for c in caches:
-        n = getattr(c, "offset", None)
-        for _, x in tree_flatten(c.state):
-            if not isinstance(x, mx.array):
-                continue
-            if x.ndim == 4 and isinstance(n, int) and 0 < n < x.shape[2]:
-                total += x.nbytes // x.shape[2] * n
-            else:
-                total += x.nbytes
-    return total
-
-
-def _quantize_fresh(caches: list, bits: int, group_size: int) -> list:
-    return [QuantizedKVCache(group_size=group_size, bits=bits) if type(c) is KVCache else c for c in caches]
-
-
-def _covered_length(caches: list) -> int | None:
-    offsets = {getattr(c, "offset", None) for c in caches}
-    offsets.discard(None)
-    return offsets.pop() if len(offsets) == 1 else None

@@ -83,7 +83,7 @@ def _with_kv_scheme(loaded, args):
     (<ssd>/<namespace>/), prefetch and system_fingerprint never mix entries of two schemes."""
     from dataclasses import replace
 
-    from server.engine import kv_namespace, kv_scheme
+    from server.kv_layout import kv_namespace, kv_scheme
 
     bits, group = getattr(args, "kv_bits", None), getattr(args, "kv_group_size", 64)
     if bits is None:

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from cache.copying import fork
 from cache.ssd_store import SSDStore
-from server.engine import _quantize_fresh, _state_nbytes, kv_namespace, kv_scheme
+from server.kv_layout import _quantize_fresh, _state_nbytes, kv_namespace, kv_scheme
 
 FP = "ab" * 32
 PROMPT = [3, 17, 42, 9, 100, 7, 7, 81, 5, 250, 33, 12, 64, 2]
