@@ -10,11 +10,51 @@ the job if it has not finished, whatever the reason (error, disconnect, task can
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 from typing import AsyncIterator, Optional
 
 from starlette.requests import Request
 
 from server.jobs import Event, Failed, Finished, Job, SamplingParams
+
+
+class _EventPump:
+    """Hands the lane's events to one event loop with one wake-up per burst, not one per event.
+
+    The batching lane produces a token for every running request each tick; ``call_soon_threadsafe`` per event
+    would wake the loop (a write to its self-pipe, a GIL hand-over) once per request per tick. Events are queued
+    here and the first event of a burst schedules one ``_drain``; those that arrive before it runs ride along.
+    Order per request is kept (one list, appended in the lane's order)."""
+
+    _pumps: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _EventPump]" = weakref.WeakKeyDictionary()
+    _pumps_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "_EventPump":
+        with cls._pumps_lock:
+            pump = cls._pumps.get(loop)
+            if pump is None:
+                pump = cls._pumps[loop] = cls(loop)
+            return pump
+
+    def put(self, queue: asyncio.Queue, event) -> None:  # any thread
+        with self._lock:
+            self._pending.append((queue, event))
+            first = len(self._pending) == 1
+        if first:
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:  # the loop's thread
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for queue, event in batch:
+            queue.put_nowait(event)
 
 
 class JobRun:
@@ -23,7 +63,7 @@ class JobRun:
         self.lane = lane
         self.request = request
         self.keepalive_s = keepalive_s
-        self._loop = asyncio.get_running_loop()
+        self._pump = _EventPump.of(asyncio.get_running_loop())
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self.job = Job(prompt=prompt, params=params, sink=self._sink, session=session)
         if request_id:
@@ -32,7 +72,7 @@ class JobRun:
         self.done = False
 
     def _sink(self, event: Event) -> None:  # called on the lane thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        self._pump.put(self._queue, event)
 
     async def __aenter__(self) -> "JobRun":
         self.lane.submit(self.job)  # may raise QueueFull before anything else starts
