@@ -165,6 +165,10 @@ class TieredCache:
             return fut.done()
         return landed or not self.prefetch(tokens, ns, session)
 
+    def peek(self, tokens: Sequence[int], ns: str, session: str | None = None) -> int:
+        """The prefix length a RAM take would return now (index-only; no counter, no LRU time)."""
+        return self._ram.peek(tokens, ns, session)
+
     def make_room(self, nbytes: int) -> int:
         """The RAM tier yields `nbytes` (LRU entries spill to SSD as on any eviction). Returns bytes freed."""
         return self._ram.make_room(nbytes)

@@ -194,8 +194,11 @@ class Engine:
         """Prompt tokens still to prefill (the last prompt token is the first decode step's input)."""
         return max(0, len(a.seq.prompt) - 1 - a.done)
 
-    def prefill_step(self, a: Active, n: Optional[int] = None) -> bool:
-        """Prefill ``n`` more prompt tokens (default: one chunk); True once the prefill is complete."""
+    def prefill_step(self, a: Active, n: Optional[int] = None, share=lambda: False) -> bool:
+        """Prefill ``n`` more prompt tokens (default: one chunk); True once the prefill is complete. ``share()``
+        (asked when the prefill completes): other requests wait or prefill beside this one, so the prompt goes into
+        the prefix cache at once (a prompt-boundary entry) for them to take (see ``retake``), not only when this
+        request ends."""
         prompt = a.seq.prompt
         end = len(prompt) - 1
         n = self.prefill_chunk if n is None else n
@@ -216,9 +219,27 @@ class Engine:
         if a.plan is not None:
             with mx.stream(self.stream):
                 a.plan.source.prefill(prompt[: a.done])
-        if not all(c.is_trimmable() for c in a.caches):
-            self._store(prompt[:-1], a.caches, a, snapshot=True)  # prompt-boundary snapshot
+        if not all(c.is_trimmable() for c in a.caches) or (a.done > a.seq.cached and share()):
+            # a prompt-boundary entry: the next turn of a sliding-window model needs it (its caches cannot be
+            # trimmed back to the prompt later), and requests beside this one may share its prefix now; for
+            # trimmable caches the final put supersedes it
+            self._store(prompt[:-1], a.caches, a, snapshot=True)
         a.seq.state = SeqState.DECODE
+        return True
+
+    def retake(self, a: Active) -> bool:
+        """Before a sequence's first prefill chunk: take again when the prefix cache now holds a longer prefix
+        than it had at admission (agents sent at once share a system prompt: the first one's prompt-boundary
+        entry serves the others, instead of each prefilling it). True when the caches were replaced."""
+        if a.plan is not None or a.done != a.seq.cached or a.done >= len(a.seq.prompt) - 1:
+            return False
+        peek = getattr(self.prompt_cache, "peek", None)
+        if peek is None or peek(a.seq.prompt, a.ns, a.job.session) <= a.done:
+            return False
+        hit = self.prompt_cache.take(a.seq.prompt, a.ns, a.job.session)
+        if hit is None or hit.length <= a.done:
+            return False
+        a.caches, a.done, a.seq.cached = hit.caches, hit.length, hit.length
         return True
 
     def new_batch(self) -> DecodeBatch:

@@ -202,7 +202,10 @@ class Lane:
         for a, n in plan:
             before = a.done
             try:
-                if self.engine.prefill_step(a, n):
+                if self.engine.retake(a):  # an entry put this tick (or since admission) covers more of its prompt
+                    n = min(n, self.engine.prefill_left(a))
+                    before = a.done
+                if self.engine.prefill_step(a, n, share=self._others_need_prefill):
                     ready.append(a)
                 prefilled += a.done - before
             except Exception as exc:
@@ -214,6 +217,10 @@ class Lane:
         decoded = self._decode_step()
         stats.on_tick(batch=len(self._batch), prefill_tokens=prefilled, decode_tokens=decoded,
                       running=len(self._active))
+
+    def _others_need_prefill(self) -> bool:
+        """Requests wait, or more than one prefills: a prompt just prefilled may serve them (Engine.retake)."""
+        return bool(self._waiting) or sum(a.seq.state == SeqState.PREFILL for a in self._active) > 1
 
     # -- decode ---------------------------------------------------------------------
     def _solo(self) -> list[Active]:

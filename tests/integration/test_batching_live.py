@@ -206,3 +206,18 @@ def test_structured_output_inside_a_batch_each_row_keeps_its_own_grammar(batch_s
         jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
     for r in results[len(schemas):]:  # the plain rows beside them are not constrained
         assert not r["choices"][0]["message"]["content"].startswith("{")
+
+
+def test_agents_sent_at_once_share_their_system_prompt_instead_of_each_prefilling_it(batch_server):
+    url = batch_server.url
+    httpx.post(url + "/admin/cache/clear")
+    system = {"role": "system", "content": "You are a coding agent. " + " ".join(
+        f"Rule {i}: keep the change small and run the tests for module_{i}." for i in range(24))}
+    bodies = [{"messages": [system, {"role": "user", "content": f"Task {i}: fix issue #{i}."}], "max_tokens": 2,
+               "temperature": 0} for i in range(3)]
+    results = concurrently(lambda b: chat(url, b), [(b,) for b in bodies])
+    cached = sorted(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in results)
+    prompt = results[0]["usage"]["prompt_tokens"]
+    # the first prefills the shared system prompt; the others take it from its prompt-boundary entry
+    assert cached[0] == 0 and prompt > 250
+    assert all(c >= prompt - 20 for c in cached[1:]), (cached, prompt)

@@ -109,7 +109,10 @@ class FakeEngine:
     def prefill_left(self, a: Active) -> int:
         return max(0, len(a.seq.prompt) - 1 - a.done)
 
-    def prefill_step(self, a: Active, n=None) -> bool:
+    def retake(self, a: Active) -> bool:
+        return False
+
+    def prefill_step(self, a: Active, n=None, share=lambda: False) -> bool:
         end = len(a.seq.prompt) - 1
         n = self.prefill_chunk if n is None else n
         if a.done < end and n > 0:
