@@ -34,8 +34,9 @@ def can_batch(caches: list) -> bool:
 
 
 class DecodeBatch:
-    def __init__(self, model):
+    def __init__(self, model, clear_cache: bool = True):
         self.model = model
+        self.clear_cache = clear_cache  # give freed batch arrays back to the device after a row leaves (GPU)
         self._gen = GenerationBatch.empty(model, greedy_sampler)
         self._rows: list = []  # sequences, in the batch's row order
         self.steps = 0
@@ -93,5 +94,6 @@ class DecodeBatch:
             mx.eval([c.state for _, caches in out for c in caches])
         self._gen.filter(keep)
         self._rows = [self._rows[i] for i in keep]
-        mx.clear_cache()  # the old batch arrays: give them back rather than grow MLX's buffer cache
+        if self.clear_cache:  # the old batch arrays: give them back rather than grow MLX's buffer cache
+            mx.clear_cache()
         return out

@@ -80,6 +80,7 @@ class Engine:
             self._check_kv_quantization()
         self.speculation = None  # server.speculation.Speculation when a draft is configured
         self.kv_bytes_per_token = 0.0  # of the last stored entry, all layers (see kv_stats)
+        self._gpu = mx.default_device() != mx.cpu
 
     def bind_stream(self) -> None:
         """Create the MLX stream owned by the calling (lane) thread."""
@@ -208,7 +209,8 @@ class Engine:
             with mx.stream(self.stream):
                 self.model(mx.array(prompt[a.done : a.done + n])[None], cache=a.caches)
                 mx.eval([c.state for c in a.caches])
-                mx.clear_cache()  # as mlx-lm's batch prefill does: freed activations go back to the device
+                if self._gpu:  # as mlx-lm's batch prefill does: freed activations go back to the device (on the
+                    mx.clear_cache()  # CPU that only costs page faults on the next chunk's buffers)
             a.done += n
             a.prefill_s += time.monotonic() - t0
             a.job.sink(Progress(a.done, len(prompt)))
@@ -243,7 +245,7 @@ class Engine:
         return True
 
     def new_batch(self) -> DecodeBatch:
-        return DecodeBatch(self.model)
+        return DecodeBatch(self.model, clear_cache=self._gpu)
 
     def batchable(self, a: Active) -> bool:
         return a.plan is None and can_batch(a.caches if a.caches is not None else [])
