@@ -608,7 +608,8 @@ RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
     "agent_replay_restart": Renderer(lambda runs: agent_replay(runs[0].data), pattern="agent_replay_restart*.json"),
     "single_request": render_single_request,
     "quant_speed": render_quant_speed,
-    "concurrent_agents": render_concurrent_agents,
+    "concurrent_agents": Renderer(lambda runs: "\n\n".join(  # every run, newest first: the lane changed between
+        f"**{r.path.name}**: " + render_concurrent_agents([r]) for r in runs), pick=every),
     "batch_text_match": render_batch_text_match,
     "gpu_batch": render_gpu_batch,
     "grammar_cost": render_grammar_cost,
