@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from server.errors import NotFound
+from server.errors import InvalidRequest, NotFound
 from server.format_responses import ResponsesStream, response_base, response_object, status_of
 from server.generation import Done, Error, Generation, KeepAlive, ReasoningOut, TextOut, chat_generation
 from server.http_util import SSE_HEADERS, json_response, parse_body
@@ -43,7 +43,13 @@ async def create_response(request: Request):
                            param="previous_response_id", code="previous_response_not_found")
         history = prev.history
     chat_req = responses_to_chat(req, history)
-    gen = await chat_generation(state, request, chat_req, "resp_")
+    try:
+        gen = await chat_generation(state, request, chat_req, "resp_")
+    except InvalidRequest as exc:  # a schema the grammar library refused: name the Responses field
+        if exc.param == "response_format":
+            exc.param = "text.format"
+            exc.message = exc.message.replace("response_format", "text.format")
+        raise
     base = response_base(req, "resp_" + uuid.uuid4().hex, state.loaded.model_id)
     conversation = (*history, *input_items(req))
     if req.stream:

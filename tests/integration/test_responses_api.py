@@ -196,3 +196,20 @@ def test_real_function_call_json_stream_and_round_trip(client):
                                      instructions=kw["instructions"], temperature=0)
     assert follow.status in ("completed", "incomplete")
     assert follow.usage.input_tokens_details.cached_tokens > r.usage.input_tokens / 2
+
+
+def test_text_format_json_schema_is_enforced(client):
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+              "properties": {"city": {"type": "string", "maxLength": 16},
+                             "days": {"type": "integer", "minimum": 1, "maximum": 9}}}
+    r = client.responses.create(model="default", input="Plan a short trip.", max_output_tokens=40, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "trip", "schema": schema,
+                                                 "strict": True}})
+    assert r.status == "completed", r
+    jsonschema.validate(json.loads(r.output_text), schema)
+    with pytest.raises(openai.BadRequestError) as err:  # a schema the grammar library cannot compile
+        client.responses.create(model="default", input="x", max_output_tokens=4, text={"format": {
+            "type": "json_schema", "name": "bad", "schema": {"type": "strin"}}})
+    assert err.value.body["param"] == "text.format"
