@@ -5,7 +5,6 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
@@ -14,13 +13,9 @@ from server.decode_steps import PlainDecode
 
 @pytest.fixture(scope="module")
 def model():
-    mx.random.seed(3)
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=257,
-                           tie_word_embeddings=True)
-    m = llama.Model(args)
-    mx.eval(m.parameters())
-    return m
+    from tests.fixtures.tiny_models import tiny_llama
+
+    return tiny_llama(seed=3)
 
 
 PROMPT = [5, 17, 99, 3, 42, 42, 7, 250, 11]

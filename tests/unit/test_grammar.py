@@ -310,15 +310,9 @@ DECODE_SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def random_model():
-    from mlx_lm.models import llama
+    from tests.fixtures.tiny_models import tiny_llama
 
-    mx.random.seed(7)
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=257,
-                           tie_word_embeddings=True)
-    m = llama.Model(args)
-    mx.eval(m.parameters())
-    return m
+    return tiny_llama(seed=7)
 
 
 @pytest.mark.parametrize("schema", DECODE_SCHEMAS)
