@@ -16,7 +16,7 @@ from typing import AsyncIterator, Optional
 
 from starlette.requests import Request
 
-from server.jobs import Event, Failed, Finished, Job, SamplingParams
+from server.jobs import Delta, Event, Failed, Finished, Job, SamplingParams
 
 
 class _EventPump:
@@ -69,6 +69,7 @@ class JobRun:
         if request_id:
             self.job.id = request_id
         self._watcher: Optional[asyncio.Task] = None
+        self._held: Optional[Event] = None  # taken from the queue while merging deltas; goes out next
         self.done = False
 
     def _sink(self, event: Event) -> None:  # called on the lane thread
@@ -96,14 +97,38 @@ class JobRun:
             return
 
     async def events(self) -> AsyncIterator[Optional[Event]]:
+        """The job's events in order; ``None`` is a keep-alive tick. Deltas that are already queued when one is
+        taken go out merged into one (text and logprobs joined): a stream that keeps up still gets a token per
+        event, one that fell behind (many streams, a slow event loop) catches up in fewer, larger chunks instead of
+        paying the per-chunk cost of SSE framing and socket writes for every token."""
         while True:
-            try:
-                event = await asyncio.wait_for(self._queue.get(), timeout=self.keepalive_s)
-            except asyncio.TimeoutError:
-                yield None
-                continue
+            if self._held is not None:
+                event, self._held = self._held, None
+            elif not self._queue.empty():
+                event = self._queue.get_nowait()  # no wait_for: it costs a task and a timer per event
+            else:
+                try:
+                    event = await asyncio.wait_for(self._queue.get(), timeout=self.keepalive_s)
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
+            if isinstance(event, Delta) and not self._queue.empty():
+                event = self._merge_queued(event)
             if isinstance(event, (Finished, Failed)):
                 self.done = True
             yield event
             if self.done:
                 return
+
+    def _merge_queued(self, first: Delta) -> Delta:
+        parts = [first]
+        while not self._queue.empty():
+            event = self._queue.get_nowait()
+            if not isinstance(event, Delta):
+                self._held = event  # goes out next, after the merged text
+                break
+            parts.append(event)
+        if len(parts) == 1:
+            return first
+        return Delta(text="".join(p.text for p in parts), logprobs=tuple(lp for p in parts for lp in p.logprobs),
+                     first_token=first.first_token)

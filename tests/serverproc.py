@@ -28,7 +28,9 @@ def _mentions_ssd(args, env) -> bool:
 class ServerProc:
     """A live server. ``stop()`` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 180.0):
+    def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 180.0,
+                 cwd: Path | None = None):
+        """``cwd``: the checkout whose ``server`` package runs (default: this one; a benchmark may start another)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="mlx-lane-", suffix=".log")[1])
@@ -40,7 +42,7 @@ class ServerProc:
         cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), *args]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     cwd=Path(__file__).resolve().parents[1])
+                                     cwd=cwd or Path(__file__).resolve().parents[1])
         self._wait_ready(startup_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
