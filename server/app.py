@@ -225,6 +225,7 @@ def stats_body(state: ServerState) -> dict:
     lane.update(state.stats.batch_block())
     lane.update({"queue_depth": state.lane.queue_depth, "active_request": state.lane.active_job_id,
                  "running_requests": list(state.lane.running_ids), "max_batch": state.lane.scheduler.limits.max_batch,
+                 "prefill_batch": state.lane.scheduler.limits.prefill_batch,
                  "state": state.lane.state.value})
     return {
         "model": state.loaded.model_id,

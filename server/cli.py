@@ -103,6 +103,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-batch", type=int, default=int(_env("max_batch")) if _env("max_batch") else None,
                    help="sequences the lane runs at once (prefilling + decoding; each decode step is one batched "
                         "forward for all of them). Default 8 on the CPU, 32 on a GPU [MLX_LANE_MAX_BATCH]")
+    p.add_argument("--prefill-batch", type=int,
+                   default=int(_env("prefill_batch")) if _env("prefill_batch") else None,
+                   help="prompts prefilled together in one batched forward per tick, each up to --prefill-chunk "
+                        "tokens (mlx-lm's batch prefill). Default 1 on the CPU (one forward per prompt is as fast "
+                        "there, and padding is waste), 8 on a GPU [MLX_LANE_PREFILL_BATCH]")
     p.add_argument("--memory-budget", type=parse_bytes, default=_env("memory_budget"),
                    help="bytes the model, the running sequences' KV and the RAM prefix cache may use together: a "
                         "request joins only when its KV for prompt + max_tokens fits (the RAM cache yields first), "

@@ -6,7 +6,8 @@ thread (policy in server.scheduler, model work in server.engine, the batch in se
 1. admits waiting jobs, FIFO, while there is room (``--max-batch``, ``--memory-budget``): prefix-cache ``take``,
    the sequence's caches; a job cancelled while waiting ends without touching the model;
 2. ends the sequences whose cancel flag is set (client gone; shutdown) and stores what they computed;
-3. runs ONE prefill chunk (``--prefill-chunk``) of the oldest admitted sequence still prefilling;
+3. runs ONE prefill chunk (``--prefill-chunk``) of the oldest admitted sequence still prefilling (with
+   ``--prefill-batch`` B > 1: the next chunks of up to B sequences, in one batched forward);
 4. runs one decode step for every decoding sequence: one batched forward for the batch (mlx-lm's
    ``GenerationBatch``) plus one step of each solo sequence.
 
@@ -52,11 +53,12 @@ class LaneState(enum.Enum):
 
 class Lane:
     def __init__(self, engine, *, max_queue: int = 0, token_delay_s: float = 0.0, max_batch: int = 8,
-                 budget: Optional[MemoryBudget] = None):
+                 budget: Optional[MemoryBudget] = None, prefill_batch: int = 1):
         self.engine = engine
         self.max_queue = max_queue  # 0 = unbounded
         self.token_delay_s = token_delay_s  # test seam (MLX_LANE_TEST_TOKEN_DELAY): pause after each token
-        self.scheduler = Scheduler(Limits(max_batch=max(1, max_batch), prefill_chunk=engine.prefill_chunk), budget)
+        self.scheduler = Scheduler(Limits(max_batch=max(1, max_batch), prefill_chunk=engine.prefill_chunk,
+                                          prefill_batch=max(1, prefill_batch)), budget)
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Active] = []  # admitted sequences, in admission order (lane thread only)
         self._running_ids: tuple[str, ...] = ()  # a snapshot for readers on other threads
@@ -182,6 +184,7 @@ class Lane:
 
     def _tick(self, jobs: list) -> None:
         stats = self.engine.stats
+        t0 = time.perf_counter()
         for job in jobs:
             stats.on_started(job.id)
             if job.cancel.is_set():
@@ -196,27 +199,69 @@ class Lane:
                 self.engine.fail_job(job, exc)
         for a in [a for a in self._active if a.job.cancel.is_set()]:
             self._end(a, "cancelled")
+        t1 = time.perf_counter()
         plan = self.scheduler.prefill_plan((a for a in self._active if a.seq.state == SeqState.PREFILL),
                                            self.engine.prefill_left)
-        prefilled, ready = 0, []
+        prefilled, ready = self._prefill(plan)
+        if ready:
+            self._start_decode(ready)
+        phases = {"admit": t1 - t0, "prefill": time.perf_counter() - t1}
+        decoded = self._decode_step(phases)
+        stats.on_tick(batch=len(self._batch), prefill_tokens=prefilled, decode_tokens=decoded,
+                      running=len(self._active), phase_s=phases)
+
+    def _prefill(self, plan: list) -> tuple[int, list]:
+        """Run the tick's prefill plan; returns (tokens computed, sequences whose prefill completed).
+
+        In plan order, each sequence first re-takes from the prefix cache (an entry put this tick may cover more of
+        its prompt). Chunks that may go together (``Engine.prefills_together``; only with ``prefill_batch`` > 1)
+        are gathered into one batched forward; a sequence that shares a prefix with one already gathered waits
+        until that group is computed and shared, so it re-takes the shared prefix instead of computing it again."""
+        done = {"tokens": 0}
+        ready: list = []
+        group: list = []  # [(a, n, done before)]
+
+        def flush() -> None:
+            if not group:
+                return
+            items = list(group)
+            group.clear()
+            try:
+                if len(items) == 1:
+                    a, n, before = items[0]
+                    if self.engine.prefill_step(a, n, share=self._others_need_prefill):
+                        ready.append(a)
+                else:
+                    ready.extend(self.engine.prefill_together([(a, n) for a, n, _ in items],
+                                                              share=self._others_need_prefill))
+                    self.engine.stats.on_prefill_together(len(items))
+                done["tokens"] += sum(a.done - before for a, _, before in items)
+            except Exception as exc:
+                log.exception("prefill of %s failed", ", ".join(a.job.id for a, *_ in items))
+                for a, *_ in items:
+                    self._drop(a)
+                    self.engine.fail(a, exc)
+
+        rows = self.scheduler.limits.prefill_batch
         for a, n in plan:
-            before = a.done
+            if group and (len(group) >= rows or any(_shares_prefix(g.seq.prompt, a) for g, *_ in group)):
+                flush()
             try:
                 if self.engine.retake(a):  # an entry put this tick (or since admission) covers more of its prompt
                     n = min(n, self.engine.prefill_left(a))
-                    before = a.done
-                if self.engine.prefill_step(a, n, share=self._others_need_prefill):
-                    ready.append(a)
-                prefilled += a.done - before
             except Exception as exc:
                 log.exception("prefill of %s failed", a.job.id)
                 self._drop(a)
                 self.engine.fail(a, exc)
-        if ready:
-            self._start_decode(ready)
-        decoded = self._decode_step()
-        stats.on_tick(batch=len(self._batch), prefill_tokens=prefilled, decode_tokens=decoded,
-                      running=len(self._active))
+                continue
+            if rows > 1 and self.engine.prefills_together(a, n):
+                group.append((a, n, a.done))
+                continue
+            flush()
+            group.append((a, n, a.done))
+            flush()
+        flush()
+        return done["tokens"], ready
 
     def _others_need_prefill(self) -> bool:
         """Requests wait, or more than one prefills: a prompt just prefilled may serve them (Engine.retake)."""
@@ -241,8 +286,10 @@ class Lane:
     def _row(self, a: Active) -> dict:
         return {"sampler": self.engine.row_sampler(a), "processors": self.engine.batch_processors(a)}
 
-    def _decode_step(self) -> int:
+    def _decode_step(self, phases: dict) -> int:
+        """One step of every decoding sequence; adds the seconds of each part to ``phases``."""
         produced = 0
+        t0 = time.perf_counter()
         if len(self._batch):
             try:
                 rows = self._batch.step()
@@ -253,6 +300,8 @@ class Lane:
                     self.engine.fail(a, exc)
                 self._batch = self.engine.new_batch()
                 rows = []
+            t1 = time.perf_counter()
+            phases["batch_step"] = t1 - t0
             ending = []
             for a, token, logprobs in rows:
                 produced += 1
@@ -264,6 +313,8 @@ class Lane:
                 for (a, reason), covered in zip(ending, removed):
                     self._drop(a)
                     self.engine.finish(a, reason, covered)
+            t0 = time.perf_counter()
+            phases["batch_rows"] = t0 - t1
         for a in self._solo():
             try:
                 out = self.engine.solo_step(a)
@@ -277,6 +328,7 @@ class Lane:
             if reason is not None:
                 self._end(a, reason)
         self._leave_batch_of_one()
+        phases["solo"] = time.perf_counter() - t0
         return produced
 
     def _leave_batch_of_one(self) -> None:
@@ -296,6 +348,18 @@ class Lane:
 
     def _drop(self, a: Active) -> None:
         self._active = [x for x in self._active if x is not a]
+
+
+SHARED_PREFIX_MIN = 64  # tokens of a prompt that another one computing this tick would put in the cache for it
+
+
+def _shares_prefix(prompt: list, a) -> bool:
+    """Does ``prompt`` hold at least SHARED_PREFIX_MIN tokens of ``a``'s prompt beyond what ``a`` has computed?"""
+    mine = a.seq.prompt
+    need = a.done + SHARED_PREFIX_MIN
+    if len(prompt) < need or len(mine) < need:
+        return False
+    return prompt[:need] == mine[:need]
 
 
 def _slowed(sink, delay_s: float):

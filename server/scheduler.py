@@ -11,7 +11,9 @@ Rules, in the order the lane applies them each tick:
 2. At most one chunk's worth of prompt tokens (``prefill_chunk``) per tick, oldest admitted sequence first: a long
    prompt delays the running decodes by at most one chunk per tick; short prompts share the tick's budget (several
    finish their prefill together and join the batch in one step, instead of one join - one extra forward and one
-   copy of the batch's KV - per tick).
+   copy of the batch's KV - per tick). With ``prefill_batch`` B > 1 (a GPU, where one forward over several
+   prompts beats one forward each), up to B sequences get up to one chunk each, and the lane prefills them in one
+   batched forward: the tick's stall is one chunk's duration of a B-row forward, as in mlx-lm's BatchGenerator.
 3. Then one decode step for every decoding sequence (the lane's business: the batch, plus solo sequences).
 """
 
@@ -26,6 +28,7 @@ from typing import Callable, Iterable, Optional, Sequence as Seq
 class Limits:
     max_batch: int  # sequences admitted at once (prefilling + decoding)
     prefill_chunk: int  # prompt tokens per prefill step
+    prefill_batch: int = 1  # prompts whose chunks one tick may prefill together (one batched forward)
 
 
 class MemoryBudget:
@@ -104,18 +107,21 @@ class Scheduler:
         return admitted
 
     def prefill_plan(self, prefilling: Iterable, remaining: Callable[[object], int]) -> list:
-        """``[(seq, tokens), ...]`` to prefill this tick: admission order, at most ``prefill_chunk`` tokens in all.
+        """``[(seq, tokens), ...]`` to prefill this tick: admission order, at most ``prefill_chunk`` tokens in all
+        (``prefill_batch`` > 1: at most that many sequences, each at most ``prefill_chunk`` tokens).
         ``remaining(seq)`` is how many prompt tokens a sequence still has to compute (0: only its last token, which
         the decode step computes; it is planned with 0 so it moves on to decoding this tick)."""
-        budget = self.limits.prefill_chunk
-        plan = []
+        chunk, rows = self.limits.prefill_chunk, max(1, self.limits.prefill_batch)
+        budget = chunk * rows
+        plan, computing = [], 0
         for seq in prefilling:
             left = remaining(seq)
-            if left and budget <= 0:
+            if left and (budget <= 0 or (rows > 1 and computing == rows)):
                 break
-            n = min(left, budget)
+            computing += bool(left)
+            n = min(left, budget, chunk)
             plan.append((seq, n))
             budget -= n
-            if n < left:
-                break
+            if n < left and rows == 1:
+                break  # one sequence at a time: the rest of its prompt comes first next tick
         return plan

@@ -40,8 +40,9 @@ def build_state(args):
 
         stats.spec = SpecTotals(engine.speculation.kind, engine.speculation.num_draft_tokens)
     max_batch = args.max_batch or (8 if device_name() == "cpu" else 32)
+    prefill_batch = getattr(args, "prefill_batch", None) or (1 if device_name() == "cpu" else 8)
     lane = Lane(engine, max_queue=args.max_queue, token_delay_s=_token_delay_from_env(), max_batch=max_batch,
-                budget=_memory_budget(args, engine, prompt_cache))
+                budget=_memory_budget(args, engine, prompt_cache), prefill_batch=prefill_batch)
     lane.start()
     lane.ready.wait()
     blas = blas_info()

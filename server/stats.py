@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -86,6 +87,9 @@ class ServingStats:
         self.running_max = 0
         self.batch_hist: collections.Counter = collections.Counter()  # batch size -> decode ticks
         self.batch_rows = 0  # sum of batch sizes over decode ticks
+        self.tick_seconds: collections.Counter = collections.Counter()  # lane phase -> seconds, over all ticks
+        self.prefill_batches = 0  # batched prefill forwards (--prefill-batch)
+        self.prefill_batch_rows = 0  # prompts computed in them
         self.prefill_tick_tokens = 0
         self.decode_tick_tokens = 0
         self.prefill_ticks = 0
@@ -104,9 +108,13 @@ class ServingStats:
         with self._lock:
             self.recent_started.append(job_id)
 
-    def on_tick(self, *, batch: int, prefill_tokens: int, decode_tokens: int, running: int) -> None:
+    def on_tick(self, *, batch: int, prefill_tokens: int, decode_tokens: int, running: int,
+                phase_s: Optional[dict] = None) -> None:
+        """One lane tick; ``phase_s`` = seconds the tick spent in each of its phases (see Lane._tick)."""
         with self._lock:
             self.ticks += 1
+            for phase, dt in (phase_s or {}).items():
+                self.tick_seconds[phase] += dt
             self.batch_now, self.running_now = batch, running
             self.running_max = max(self.running_max, running)
             if batch:
@@ -126,6 +134,11 @@ class ServingStats:
         if decode_tokens:
             self._m_tick_tokens.labels("decode").inc(decode_tokens)
 
+    def on_prefill_together(self, rows: int) -> None:
+        with self._lock:
+            self.prefill_batches += 1
+            self.prefill_batch_rows += rows
+
     def batch_block(self) -> dict:
         """The batching part of /stats' lane block."""
         with self._lock:
@@ -143,8 +156,13 @@ class ServingStats:
                 if self.prefill_ticks else None,
                 "decode_tokens_per_tick": round(self.decode_tick_tokens / self.decode_ticks, 2)
                 if self.decode_ticks else None,
+                "prefill_batches": {"forwards": self.prefill_batches, "rows": self.prefill_batch_rows},
                 "queue_wait_s": self.queue_wait.as_dict(),
                 "ttft_s": self.ttft.as_dict(),
+                # where the lane thread's time went: admit (take, caches), prefill (chunks), batch_step (the
+                # batched forward, including waiting for the device), batch_rows (per-row tokens: detokenize,
+                # stops, events; joins and leaves), solo (solo sequences' steps)
+                "tick_seconds": {k: round(v, 3) for k, v in sorted(self.tick_seconds.items())},
             }
 
     def on_finished(self, f: Finished) -> None:

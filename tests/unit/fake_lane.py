@@ -123,6 +123,20 @@ class FakeEngine:
         a.seq.state = SeqState.DECODE
         return True
 
+    def prefills_together(self, a: Active, n: int) -> bool:
+        return n > 0 and a.job.id not in self.solo_only
+
+    def prefill_together(self, items, share=lambda: False) -> list:
+        self.log.append(("prefill_together", tuple(a.job.id for a, _ in items)))
+        complete = []
+        for a, n in items:
+            end = len(a.seq.prompt) - 1
+            a.done = min(end, a.done + n)
+            if a.done >= end:
+                a.seq.state = SeqState.DECODE
+                complete.append(a)
+        return complete
+
     def batchable(self, a):
         return a.job.id not in self.solo_only
 

@@ -13,9 +13,9 @@ from server.scheduler import MemoryBudget
 from tests.unit.fake_lane import FakeEngine, job
 
 
-def make_lane(max_batch=8, max_queue=0, chunk=4, budget=None):
+def make_lane(max_batch=8, max_queue=0, chunk=4, budget=None, prefill_batch=1):
     engine = FakeEngine(prefill_chunk=chunk)
-    return Lane(engine, max_queue=max_queue, max_batch=max_batch, budget=budget), engine
+    return Lane(engine, max_queue=max_queue, max_batch=max_batch, budget=budget, prefill_batch=prefill_batch), engine
 
 
 def run_until_idle(lane, limit=500):
@@ -96,6 +96,10 @@ def test_solo_sequences_run_beside_the_batch_each_tick_without_a_drain():
     assert engine.finished["s"][1] == [301, 302, 303, 304]  # one solo step per tick
     assert "a" not in engine.finished and "b" not in engine.finished  # ... while the batch kept running
     assert len(batch_steps) == 4  # no drain: the batch stepped in every one of those ticks too
+    # /stats says where the lane's time went, phase by phase, over exactly these ticks
+    spent = engine.stats.batch_block()["tick_seconds"]
+    assert set(spent) == {"admit", "prefill", "batch_step", "batch_rows", "solo"}
+    assert all(v >= 0 for v in spent.values())
 
 
 def test_cancelling_one_sequence_mid_batch_leaves_the_others_untouched():
@@ -211,3 +215,34 @@ def test_short_prompts_share_a_ticks_prefill_budget_and_join_the_batch_together(
     assert ("prefill", "c", 3) in engine.log and ("join", "c") in engine.log
     run_until_idle(lane)
     assert all(engine.finished[n][0].finish_reason == "length" for n in "abc")
+
+
+def test_prefill_batch_computes_several_prompts_chunks_in_one_forward_per_tick():
+    lane, engine = make_lane(chunk=4, prefill_batch=2)
+    for name, p0 in (("a", 1), ("b", 2), ("c", 3)):
+        lane.submit(job(name, [p0] + list(range(10, 16)), max_tokens=3)[0])  # 6 tokens to prefill each
+    lane.tick()
+    # at most prefill_batch prompts per tick, each at most one chunk, in one batched forward; c waits its turn
+    assert kinds(engine.log, "prefill_together") == [("prefill_together", ("a", "b"))]
+    assert not kinds(engine.log, "prefill")
+    lane.tick()
+    assert kinds(engine.log, "prefill_together")[1] == ("prefill_together", ("a", "b"))  # their last 2 tokens
+    run_until_idle(lane)
+    assert ("prefill_together", ("c",)) not in engine.log  # a group of one is a plain prefill step
+    assert [e[1] for e in kinds(engine.log, "prefill")] == ["c", "c"]
+    assert all(engine.finished[n][0].finish_reason == "length" for n in "abc")
+
+
+def test_a_prompt_sharing_a_prefix_with_one_in_the_group_waits_to_retake_it():
+    lane, engine = make_lane(chunk=4096, prefill_batch=4)
+    shared = list(range(100, 200))  # 100 tokens: more than SHARED_PREFIX_MIN
+    lane.submit(job("a", [1] + shared + [7], max_tokens=2)[0])
+    lane.submit(job("b", [1] + shared + [8], max_tokens=2)[0])  # same first 101 tokens as a
+    lane.submit(job("c", [3] + list(range(300, 400)), max_tokens=2)[0])  # nothing in common
+    lane.tick()
+    # b is not gathered with a (it would compute a's prefix again): a's group is computed (and its prompt shared)
+    # first, then b re-takes before it computes; c has nothing in common with b and goes with it
+    log = engine.log
+    a_done = log.index(("prefill", "a", len(shared) + 1))  # a group of one: a plain prefill step
+    assert log.index(("prefill_together", ("b", "c"))) > a_done
+    assert not any(e[0] == "prefill" and e[1] == "b" for e in log)
