@@ -89,7 +89,8 @@ class Engine:
 
     def warmup(self) -> None:
         """Page the weights in and compile kernels before the first request (lane thread): a prefill, one-token
-        steps over a cache, and a batched step of two rows, so the first request pays none of it. On a GPU the
+        steps over a cache, a batched step of two rows and (GPU) a batched prefill of two padded rows, so the first
+        request pays none of it. On a GPU the
         prefill is a whole --prefill-chunk (MLX compiles a kernel per shape: the first 2048-token chunk of a
         cold process cost 1.5-2x a warm one on the H200); on the CPU, where nothing is compiled, 8 tokens do."""
         gpu = mx.default_device() != mx.cpu
@@ -111,6 +112,13 @@ class Engine:
                 for _ in range(2):
                     batch.step()
                 batch.remove(batch.sequences)
+            if gpu and all(type(c) is KVCache for c in caches):  # batched prefill (--prefill-batch): padded rows
+                # attend through a mask, not the causal fast path: another kernel to compile before the first request
+                group = PromptProcessingBatch(self.model, [0, 1], [self._new_caches(), self._new_caches()],
+                                              tokens=[[], []], prefill_step_size=self.prefill_chunk)
+                group.prompt([list(range(1, 6)), list(range(1, 10))])
+                mx.eval([c.state for c in group.prompt_cache])
+                del group
             mx.clear_cache()
 
     # -- KV-cache quantization (issue 8; see kv_namespace below) ------------------------
