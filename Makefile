@@ -44,6 +44,7 @@ blas:
 
 model: venv
 	$(BIN)/python -c "from models import ensure_default_model; print(ensure_default_model())"
+	$(BIN)/python -c "from models.embedding import ensure_default_embedding_model as e; print(e())"
 
 serve: venv blas model
 	$(BIN)/mlx-lane serve --host $(HOST) --port $(PORT) $(ARGS)

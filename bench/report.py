@@ -594,7 +594,42 @@ def render_grammar_cost(runs: list[Run]) -> str:
             + table(["request", "decode tok/s", "TTFT s (grammar compiled in it)"], rows))
 
 
+def render_embeddings(runs: list[Run]) -> str:
+    d = runs[0].data
+    c = d["config"]
+
+    def mmm(x, nd=1):
+        return f"{num(x['median'], nd)} ({num(x['min'], nd)}-{num(x['max'], nd)})"
+    return (f"`{c['model']}`, {c['n']} sentences of 8-40 words in batches of {c['batch']}, tokenizing included, "
+            f"median (min-max) of {c['rounds']} rounds, both sides in every round, order rotated; max |difference| "
+            f"between the two sides' vectors {d['max_abs_diff']:.1e}. Peer: transformers + torch {c['torch']} on the "
+            f"CPU ({c['torch_threads']} threads), the computation sentence-transformers runs. Ours / peer: "
+            f"**{num(d['ratio']['median'])}** (per round: {', '.join(num(x) for x in d['ratio']['values'])}):\n\n"
+            + table(["", "embeddings/s"], [["mlx-lane (MLX, in process)", mmm(d["ours_per_s"])],
+                                           ["transformers + torch (CPU)", mmm(d["peer_per_s"])]]))
+
+
+def render_adapters_cost(runs: list[Run]) -> str:
+    d = runs[0].data
+    c = d["config"]
+
+    def mmm(x, nd=2):
+        return f"{num(x['median'], nd)} ({num(x['min'], nd)}-{num(x['max'], nd)})"
+    t = d["tok_s"]
+    return (f"`{c['model']}`, two random rank-{c['rank']} adapters over the last {c['lora_layers']} layers, "
+            f"{c['steps']} decode ticks of two rows after a short prefill, median (min-max) of {c['rounds']} rounds, "
+            f"order rotated. Tick time of two adapters (two groups, one row each) over one adapter (one batch of two "
+            f"rows): **{num(d['tick_time_two_over_one']['median'])}x** (per round: "
+            f"{', '.join(num(x) for x in d['tick_time_two_over_one']['values'])}):\n\n"
+            + table(["two rows decoding as", "aggregate tok/s"], [
+                ["base model, one batch", mmm(t["base_2rows"])],
+                ["one adapter, one batch", mmm(t["one_adapter"])],
+                ["two adapters, two groups stepped each tick", mmm(t["two_adapters"])]]))
+
+
 RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
+    "embeddings": render_embeddings,
+    "adapters_cost": render_adapters_cost,
     "machine": Renderer(render_machine, pattern="*.json", pick=every, provenance=False),
     "decode_overhead": Renderer(render_decode_overhead, pick=newest(2)),
     "warm_hit": Renderer(render_warm_hit, pick=newest(2)),

@@ -29,8 +29,8 @@ router = APIRouter()
 async def create_message(request: Request):
     state = request.app.state.lane_state
     req = await parse_body(request, MessagesRequest, state.max_body_bytes)
-    check_model(state, req.model)
-    gen = await chat_generation(state, request, messages_to_chat(req), "msg_", fit_max_tokens=True)
+    adapter = check_model(state, req.model)
+    gen = await chat_generation(state, request, messages_to_chat(req), "msg_", fit_max_tokens=True, adapter=adapter)
     message_id = "msg_" + uuid.uuid4().hex
     if req.stream:
         fmt = MessagesStream(message_id, req.model, len(gen.prompt))

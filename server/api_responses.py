@@ -32,7 +32,7 @@ router = APIRouter()
 async def create_response(request: Request):
     state = request.app.state.lane_state
     req = await parse_body(request, ResponsesRequest, state.max_body_bytes)
-    check_model(state, req.model)
+    adapter = check_model(state, req.model)
     history = ()
     if req.previous_response_id:
         prev = state.responses.get(req.previous_response_id)
@@ -44,13 +44,13 @@ async def create_response(request: Request):
         history = prev.history
     chat_req = responses_to_chat(req, history)
     try:
-        gen = await chat_generation(state, request, chat_req, "resp_")
+        gen = await chat_generation(state, request, chat_req, "resp_", adapter=adapter)
     except InvalidRequest as exc:  # a schema the grammar library refused: name the Responses field
         if exc.param == "response_format":
             exc.param = "text.format"
             exc.message = exc.message.replace("response_format", "text.format")
         raise
-    base = response_base(req, "resp_" + uuid.uuid4().hex, state.loaded.model_id)
+    base = response_base(req, "resp_" + uuid.uuid4().hex, adapter.name if adapter else state.loaded.model_id)
     conversation = (*history, *input_items(req))
     if req.stream:
         await gen.__aenter__()

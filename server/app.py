@@ -27,6 +27,7 @@ from server.error_shapes import shaped_body, shaped_error_body
 from server.errors import APIError, AuthenticationError, PayloadTooLarge, error_body
 from server.lane import Lane
 from server.http_util import validation_message
+from server.adapters import AdapterRegistry
 from server.response_store import ResponseStore
 from server.routes import router
 from server.stats import ServingStats
@@ -52,6 +53,9 @@ class ServerState:
     shutdown_timeout_s: float = 30.0
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses previous_response_id
+    adapters: AdapterRegistry = field(default_factory=AdapterRegistry)  # LoRA adapters, selected by `model`
+    adapter_dir: Optional[str] = None  # --adapter-dir: what /admin/adapters may load without --api-key
+    embedder: Optional[object] = None  # models.embedding.EmbeddingModel behind /v1/embeddings, or None
 
     @property
     def vocab_size(self) -> int:
@@ -91,8 +95,13 @@ def create_app(state: ServerState) -> FastAPI:
     from server.api_messages import router as messages_router  # noqa: E402 (after the core routes)
     from server.api_responses import router as responses_router
 
+    from server.api_adapters import router as adapters_router
+    from server.api_embeddings import router as embeddings_router
+
     app.include_router(responses_router)
     app.include_router(messages_router)
+    app.include_router(adapters_router)
+    app.include_router(embeddings_router)
 
     def _error(request: Request, err: APIError, headers: Optional[dict] = None) -> Response:
         """``err`` in the error shape of the API the request went to (OpenAI's, or Anthropic's)."""
@@ -144,10 +153,19 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model_card(state, name) for name in sorted(state.model_names)]}
+        cards = [_model_card(state, name) for name in sorted(state.model_names)]
+        cards += [_adapter_card(state, a) for a in state.adapters.all()]
+        if state.embedder is not None:
+            cards.append(_embedding_card(state))
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
+        adapter = state.adapters.get(model_id)
+        if adapter is not None:
+            return _adapter_card(state, adapter)
+        if state.embedder is not None and model_id == state.embedder.model_id:
+            return _embedding_card(state)
         if model_id not in state.model_names:
             return _json(error_body(f"The model '{model_id}' does not exist", "invalid_request_error", "model", "model_not_found"), 404)
         return _model_card(state, model_id)
@@ -160,6 +178,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics():
         state.stats.queue_depth.set(state.lane.queue_depth)
         body = state.stats.prometheus_text(state.prompt_cache.stats())
+        body += generate_latest(_AdapterCollector(state.adapters.stats_block()))
         if state.ssd is not None:
             body += generate_latest(_SSDCollector(state.ssd.ssd_stats()))
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -220,6 +239,19 @@ def _model_card(state: ServerState, name: str) -> dict:
             "context_length": state.loaded.context_length}
 
 
+def _adapter_card(state: ServerState, adapter) -> dict:
+    return {"id": adapter.name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
+            "context_length": state.loaded.context_length, "parent": state.loaded.model_id,
+            "adapter": {"identity": adapter.identity[:16], "rank": adapter.rank, "num_layers": adapter.num_layers,
+                        "fine_tune_type": adapter.fine_tune_type}}
+
+
+def _embedding_card(state: ServerState) -> dict:
+    e = state.embedder
+    return {"id": e.model_id, "object": "model", "created": state.created, "owned_by": "mlx-lane",
+            "type": "embedding", "dimensions": e.dims, "max_input_tokens": e.max_tokens}
+
+
 def stats_body(state: ServerState) -> dict:
     lane = state.stats.lane_block()
     lane.update(state.stats.batch_block())
@@ -238,7 +270,30 @@ def stats_body(state: ServerState) -> dict:
         "kv_cache": state.lane.engine.kv_stats(),  # KV scheme + bytes per cached token (issue 8)
         "ssd_cache": state.ssd.ssd_stats() if state.ssd is not None else {"enabled": False},
         "speculative": state.stats.spec.as_dict() if state.stats.spec is not None else {"enabled": False},
+        "adapters": state.adapters.stats_block(),
+        "embeddings": state.stats.embeddings.as_dict(state.embedder),
     }
+
+
+class _AdapterCollector:
+    """Per-adapter counters (read at scrape time), labelled by adapter name."""
+
+    _COUNTERS = [
+        ("requests", "adapter_requests", "Finished requests served through a LoRA adapter"),
+        ("cache_hits", "adapter_cache_hits", "Adapter requests whose prompt was partly served by the prefix cache"),
+        ("cached_tokens", "adapter_cached_tokens", "Prompt tokens of adapter requests served by the prefix cache"),
+        ("prompt_tokens", "adapter_prompt_tokens", "Prompt tokens of adapter requests"),
+    ]
+
+    def __init__(self, block: dict):
+        self.block = block
+
+    def collect(self):
+        for key, name, doc in self._COUNTERS:
+            m = CounterMetricFamily("mlx_lane:" + name, doc, labels=["adapter"])
+            for adapter, row in self.block.items():
+                m.add_metric([adapter], float(row.get(key) or 0))
+            yield m
 
 
 class _SSDCollector:

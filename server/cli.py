@@ -44,6 +44,22 @@ def _serve_parser(sub) -> None:
                    help="also answer requests for model names matching this glob (fnmatch, case-sensitive) with "
                         "the served model, e.g. 'claude-*' for Claude Code or 'gpt-*'; repeatable. Unknown names "
                         "are a 404 otherwise [MLX_LANE_MODEL_ALIAS, comma-separated]")
+    p.add_argument("--adapter", action=_AppendOverEnv, metavar="NAME=PATH",
+                   default=[a.strip() for a in str(_env("adapter", "")).split(",") if a.strip()],
+                   help="serve a LoRA adapter (a directory mlx_lm.lora wrote: adapter_config.json + "
+                        "adapters.safetensors) over the base model as model NAME; requests select it with "
+                        "\"model\": \"NAME\". Repeatable [MLX_LANE_ADAPTER, comma-separated]")
+    p.add_argument("--adapter-dir", metavar="DIR", default=_env("adapter_dir"),
+                   help="POST /admin/adapters may load adapters found under DIR (by name: DIR/NAME) even without "
+                        "--api-key; without --api-key and without this flag, run-time loading is refused "
+                        "[MLX_LANE_ADAPTER_DIR]")
+    p.add_argument("--embedding-model", default=_env("embedding_model", "default"),
+                   help="model of POST /v1/embeddings: 'default' (offline all-MiniLM-L6-v2, 384 dims, from PyPI, "
+                        "sha256-verified), a sentence-transformers directory (BERT family), or 'none' to turn the "
+                        "endpoint off [MLX_LANE_EMBEDDING_MODEL]")
+    p.add_argument("--embedding-max-tokens", type=int, default=int(_env("embedding_max_tokens", "512")),
+                   help="longest input (in tokens) /v1/embeddings accepts; longer is a 400, never a silent "
+                        "truncation; capped by the model's positions (default 512) [MLX_LANE_EMBEDDING_MAX_TOKENS]")
     p.add_argument("--host", default=_env("host", "127.0.0.1"), help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=int(_env("port", "8080")), help="port (default 8080)")
     p.add_argument("--api-key", default=_env("api_key"),

@@ -30,7 +30,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from server.batch import DecodeBatch, can_batch
 from server.decode_steps import PlainDecode
 from server.jobs import Failed, Job, Progress
-from server.kv_layout import _covered_length, _quantize_fresh, _state_nbytes, kv_scheme
+from server.kv_layout import _covered_length, _quantize_fresh, _state_nbytes, adapter_namespace, kv_scheme
 from server.sampling import build_logits_processors, build_sampler, token_logprobs
 from server.sequence import SeqState, Sequence
 from server.speculation import SpecPlan, speculative_decode
@@ -55,6 +55,12 @@ class Active:
     solo_base: Optional[list] = None  # the history the solo decoder was opened with (None: the prompt)
     solo_gen0: int = 0  # generated tokens already in solo_base
     grammar: Optional[object] = None  # the request's ONE grammar processor (stateful: one call per sampled token)
+    model: Optional[object] = None  # what computes this sequence: the base model, or its adapter's model
+
+    @property
+    def adapter(self):
+        """The request's adapter (models.adapters.Adapter) or None for the base model."""
+        return self.seq.job.params.adapter
 
     @property
     def job(self) -> Job:
@@ -80,12 +86,17 @@ class Engine:
         if kv_bits is not None:
             self._check_kv_quantization()
         self.speculation = None  # server.speculation.Speculation when a draft is configured
+        self.adapters = None  # server.adapters.AdapterRegistry: per-adapter counters (set by server.serve)
         self.kv_bytes_per_token = 0.0  # of the last stored entry, all layers (see kv_stats)
         self._gpu = mx.default_device() != mx.cpu
 
     def bind_stream(self) -> None:
         """Create the MLX stream owned by the calling (lane) thread."""
         self.stream = mx.new_stream(mx.default_device())
+
+    def task_context(self):
+        """What a lane task (server.lane.Lane.call) runs under: the lane's MLX stream."""
+        return mx.stream(self.stream)
 
     def warmup(self) -> None:
         """Page the weights in and compile kernels before the first request (lane thread): a prefill, one-token
@@ -167,12 +178,19 @@ class Engine:
         return spec.wanted(params.num_draft_tokens) if spec is not None else 0
 
     def namespace_for(self, params) -> str:
-        """The cache namespace of a request: the model fingerprint (KV scheme included), plus the draft's identity
-        when the request speculates with a draft that keeps KV (its entries hold the draft's layers too). Used by
-        the lane's take/put and by the handler's SSD prefetch alike."""
+        """The cache namespace of a request: the model fingerprint (KV scheme included), plus the adapter's identity
+        (its weights' hash: server.kv_layout.adapter_namespace) when the request selected one, plus the draft's
+        identity when the request speculates with a draft that keeps KV (its entries hold the draft's layers too).
+        Used by the lane's take/put and by the handler's SSD prefetch alike."""
+        adapter = params.adapter
+        ns = self.namespace if adapter is None else adapter_namespace(self.namespace, adapter.identity)
         if self.draft_tokens(params):
-            return self.speculation.namespace(self.namespace, True)
-        return self.namespace
+            return self.speculation.namespace(ns, True)
+        return ns
+
+    def model_for(self, params):
+        """The model that computes a request: its adapter's (base weights shared, LoRA layers on top) or the base."""
+        return self.model if params.adapter is None else params.adapter.model
 
     # -- the verbs ----------------------------------------------------------------------
     def admit(self, job: Job) -> Active:
@@ -195,7 +213,8 @@ class Engine:
         seq.state = SeqState.PREFILL
         seq.timings.prefill_started = time.monotonic()
         grammar = params.grammar.processor() if params.grammar is not None else None
-        active = Active(seq, ns, caches, seq.cached, plan, sampler=build_sampler(params), grammar=grammar)
+        active = Active(seq, ns, caches, seq.cached, plan, sampler=build_sampler(params), grammar=grammar,
+                        model=self.model_for(params))
         if self.fault_hook is not None:
             self.fault_hook(job)
         return active
@@ -216,7 +235,7 @@ class Engine:
             t0 = time.monotonic()
             n = min(n, end - a.done)
             with mx.stream(self.stream):
-                self.model(mx.array(prompt[a.done : a.done + n])[None], cache=a.caches)
+                a.model(mx.array(prompt[a.done : a.done + n])[None], cache=a.caches)
                 mx.eval([c.state for c in a.caches])
                 if self._gpu:  # as mlx-lm's batch prefill does: freed activations go back to the device (on the
                     mx.clear_cache()  # CPU that only costs page faults on the next chunk's buffers)
@@ -231,8 +250,8 @@ class Engine:
         """May this chunk join a batched prefill (``prefill_together``)? Plain KVCache layers (mlx-lm's batch
         prefill pads and rolls them), no speculation plan (its draft prefills on its own), and a cached prefix no
         longer than the chunk (the batch copies each row's prefix in and out: worth it for new prompts, not for a
-        long cache hit)."""
-        return (n > 0 and a.plan is None and a.caches is not None
+        long cache hit). Base-model rows only: an adapter's rows prefill one by one under their own model."""
+        return (n > 0 and a.plan is None and a.caches is not None and a.model is self.model
                 and all(type(c) is KVCache for c in a.caches) and a.done <= self.prefill_chunk)
 
     def prefill_together(self, items: list, share=lambda: False) -> list:
@@ -291,8 +310,16 @@ class Engine:
         a.caches, a.done, a.seq.cached = hit.caches, hit.length, hit.length
         return True
 
-    def new_batch(self) -> DecodeBatch:
-        return DecodeBatch(self.model, clear_cache=self._gpu)
+    def new_batch(self, a: Optional[Active] = None) -> DecodeBatch:
+        """A decode batch for the base model, or for the adapter group of ``a`` (see ``batch_key``)."""
+        return DecodeBatch(self.model if a is None else a.model, clear_cache=self._gpu)
+
+    def batch_key(self, a: Active):
+        """Which decode batch a sequence joins: one per adapter (None: the base model). Rows of one batch share
+        one forward, so they must share the model; adapter groups are stepped one after the other each tick
+        (server.lane), none waits for another to drain."""
+        adapter = a.adapter
+        return None if adapter is None else adapter.identity
 
     def batchable(self, a: Active) -> bool:
         return a.plan is None and can_batch(a.caches if a.caches is not None else [])
@@ -322,15 +349,15 @@ class Engine:
         prompt = a.seq.prompt
         sampler = a.sampler
         if a.plan is not None:
-            return speculative_decode(
-                self.model, a.caches, prompt[-1], a.plan.source, sampler=sampler,
+            return speculative_decode(  # the target is the adapter's model; the draft stays the base's (or n-gram)
+                a.model, a.caches, prompt[-1], a.plan.source, sampler=sampler,
                 logits_processors=build_logits_processors(params, prompt[:-1]),
                 max_tokens=params.max_tokens, num_draft_tokens=a.plan.num_draft_tokens, stream=self.stream,
                 policy=self.speculation.policy(a.plan.num_draft_tokens), stats=a.plan.stats,
             )
         base = a.solo_base if a.solo_base is not None else list(prompt)
         return PlainDecode(
-            self.model, a.caches, base, max_tokens=params.max_tokens - a.solo_gen0, sampler=sampler,
+            a.model, a.caches, base, max_tokens=params.max_tokens - a.solo_gen0, sampler=sampler,
             stream=self.stream, processors_for=lambda history: build_logits_processors(params, history, a.grammar),
         )
 
@@ -400,6 +427,8 @@ class Engine:
             self.stats.on_spec(a.plan.stats)
         finished = seq.finished(reason)
         self.stats.on_finished(finished)
+        if a.adapter is not None and self.adapters is not None:
+            self.adapters.on_finished(a.adapter.name, finished)
         a.job.sink(finished)
 
     def fail(self, a: Active, exc: BaseException) -> None:

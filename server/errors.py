@@ -28,6 +28,7 @@ __all__ = [
     "PayloadTooLarge",
     "QueueFull",
     "ShuttingDown",
+    "PermissionDenied",
     "error_body",
 ]
 
@@ -65,6 +66,12 @@ class AuthenticationError(APIError):
     status_code = 401
     type = "invalid_request_error"
     code = "invalid_api_key"
+
+
+class PermissionDenied(APIError):
+    status_code = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
 
 
 class NotFound(APIError):

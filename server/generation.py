@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Optional, Union
 
 from fastapi import Request
@@ -89,9 +89,11 @@ class Generation:
     """One request's job on the lane and the parser over its output (see the module docstring)."""
 
     def __init__(self, state, request: Request, prompt: list[int], params: SamplingParams, *,
-                 session: Optional[str], id_prefix: str, parser=None):
+                 session: Optional[str], id_prefix: str, parser=None, adapter=None):
         self.state = state
         self.prompt = prompt
+        if adapter is not None:  # the LoRA adapter the request's `model` named (server.model_names.check_model)
+            params = replace(params, adapter=adapter)
         self.params = params
         self.parser = parser  # None: raw text (text completions)
         self.id = request_id(request, id_prefix)
@@ -179,12 +181,13 @@ class Generation:
 
 
 async def chat_generation(state, request: Request, req: ChatCompletionRequest, id_prefix: str, *,
-                          session: Optional[str] = None, fit_max_tokens: bool = False) -> Generation:
+                          session: Optional[str] = None, fit_max_tokens: bool = False, adapter=None) -> Generation:
     """Render, size and open a generation for a chat-shaped internal request (not yet submitted).
 
     ``session`` overrides the cache session derived from ``X-Session-Id`` / ``prompt_cache_key`` / ``user``.
     ``fit_max_tokens``: a ``max_tokens`` larger than the room left in the context is lowered to that room
-    instead of being a 400 (Anthropic clients always send one, sized for Claude: Claude Code asks for 64,000)."""
+    instead of being a 400 (Anthropic clients always send one, sized for Claude: Claude Code asks for 64,000).
+    ``adapter``: the LoRA adapter that computes it (None: the base model)."""
     prompt = await run_in_threadpool(render_chat, state.loaded.tokenizer, req)
     grammar = await run_in_threadpool(chat_grammar, state.loaded.tokenizer, req)  # response_format / forced calls
     max_tokens = req.requested_max_tokens()
@@ -200,7 +203,8 @@ async def chat_generation(state, request: Request, req: ChatCompletionRequest, i
     parser = make_output_parser(  # the model family's tool-call format and thinking tags (server.output_parse)
         tok, tools=tools, in_reasoning=prompt_opens_thinking(tok, prompt),
         tool_specs=[t.model_dump(exclude_none=True) for t in req.tools] if tools else None)
-    return Generation(state, request, prompt, params, session=session, id_prefix=id_prefix, parser=parser)
+    return Generation(state, request, prompt, params, session=session, id_prefix=id_prefix, parser=parser,
+                      adapter=adapter)
 
 
 def fit_to_context(max_tokens: Optional[int], prompt_len: int, context_length: int) -> Optional[int]:

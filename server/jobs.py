@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
+    from models.adapters import Adapter
     from server.grammar import GrammarSpec
 
 
@@ -35,6 +36,7 @@ class SamplingParams:
     top_logprobs: int = 0
     num_draft_tokens: Optional[int] = None  # None: the server's setting; 0: no speculation
     grammar: Optional[GrammarSpec] = None  # constrained decoding: one grammar.processor() per request
+    adapter: Optional[Adapter] = None  # the LoRA adapter the request's `model` selected (None: the base model)
 
 
 @dataclass(frozen=True)

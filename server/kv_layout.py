@@ -1,5 +1,5 @@
-"""The KV cache's layout as the engine sees it: the quantization scheme and namespace (issue 8), measured bytes
-per token, and how many tokens a list of layer caches covers."""
+"""The KV cache's layout as the engine sees it: the quantization scheme and namespace (issue 8), the adapter
+namespace (issue 17), measured bytes per token, and how many tokens a list of layer caches covers."""
 
 from __future__ import annotations
 
@@ -27,6 +27,13 @@ def kv_namespace(fingerprint: str, kv_bits: int | None, kv_group_size: int = 64)
     if kv_bits is None:
         return fingerprint
     return hashlib.sha256(f"{fingerprint}\0kv\0{kv_scheme(kv_bits, kv_group_size)}".encode()).hexdigest()
+
+
+def adapter_namespace(namespace: str, adapter_identity: str) -> str:
+    """The namespace of requests served through a LoRA adapter: a hex digest of (the base namespace, the adapter's
+    weights hash). Its KV never seeds the base or another adapter, in RAM or on SSD (its own directory there), while
+    requests of the same adapter share prefixes as usual."""
+    return hashlib.sha256(f"{namespace}\0adapter\0{adapter_identity}".encode()).hexdigest()
 
 
 def _state_nbytes(caches: list) -> int:

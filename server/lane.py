@@ -11,6 +11,15 @@ thread (policy in server.scheduler, model work in server.engine, the batch in se
 4. runs one decode step for every decoding sequence: one batched forward for the batch (mlx-lm's
    ``GenerationBatch``) plus one step of each solo sequence.
 
+Adapter groups (issue 17): rows of one batched forward share a model, so each LoRA adapter in use has its own batch
+(``engine.batch_key``) and every tick steps each group's batch once, one after the other: no adapter's requests
+wait for another's to finish, and base-model requests run exactly as without adapters. The solo/batch rules below
+hold per group.
+
+Tasks (``call(fn)``): model work that is not a sequence (an embeddings batch, loading an adapter) runs on this
+thread too, at most one per tick, so it never contends with the decode steps for the cores and delays them by at
+most one task.
+
 Solo sequences: a speculative one (its verify step has its own shape), one whose caches cannot merge into a batch
 (``--kv-bits``' QuantizedKVCache), and the only decoding sequence (plain ``generate_step`` beats a batch of one).
 When a second plain sequence starts decoding, a solo plain one migrates into the batch; when the batch is down to
@@ -28,6 +37,7 @@ Shutdown, in three steps (server.serve.GracefulServer drives the first two):
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import enum
 import logging
 import threading
@@ -62,7 +72,10 @@ class Lane:
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Active] = []  # admitted sequences, in admission order (lane thread only)
         self._running_ids: tuple[str, ...] = ()  # a snapshot for readers on other threads
-        self._batch = None  # server.batch.DecodeBatch, made on the lane thread (engine.new_batch)
+        # server.batch.DecodeBatch per adapter group (key: engine.batch_key; None = the base model), made on the
+        # lane thread (engine.new_batch); the base batch always exists, an adapter's exists while it has rows
+        self._batches: dict = {}
+        self._tasks: collections.deque = collections.deque()  # (callable, Future): model work other than a sequence
         self._cond = threading.Condition()
         self.state = LaneState.STARTING
         self.aborted = False  # set by abort(): a cancelled job was ended by the shutdown, not by its client
@@ -130,13 +143,19 @@ class Lane:
         return ids[0] if ids else None
 
     def batch_size(self) -> int:
-        batch = self._batch
-        return len(batch) if batch is not None else 0
+        return sum(len(b) for b in list(self._batches.values()))
+
+    @property
+    def _batch(self):
+        """The base model's decode batch."""
+        return self._batches.get(None)
 
     def _cancel_all_locked(self) -> int:
         jobs = [*self._waiting, *(a.job for a in list(self._active))]
         for job in jobs:
             job.cancel.set()
+        while self._tasks:  # tasks not started: their callers get CancelledError
+            self._tasks.popleft()[1].cancel()
         return len(jobs)
 
     # -- the thread -----------------------------------------------------------------
@@ -146,16 +165,17 @@ class Lane:
             self.engine.warmup()
         except Exception:
             log.exception("warm-up failed; serving anyway")
-        self._batch = self.engine.new_batch()
+        self._batches[None] = self.engine.new_batch()
         with self._cond:
             if self.state == LaneState.STARTING:
                 self.state = LaneState.SERVING
         self.ready.set()
         while True:
             with self._cond:
-                while not self._waiting and not self._active and self.state != LaneState.STOPPED:
+                while (not self._waiting and not self._active and not self._tasks
+                       and self.state != LaneState.STOPPED):
                     self._cond.wait()
-                if not self._waiting and not self._active:
+                if not self._waiting and not self._active and not self._tasks:
                     return  # stopped and nothing left
             if not self.tick():
                 with self._cond:  # only jobs whose SSD prefix is still being read: wait for it, do not spin
@@ -165,12 +185,15 @@ class Lane:
         """One scheduling round (admit, cancel, one prefill chunk, one decode step); False when there was nothing to
         do. The thread calls it in a loop; the model-free tests call it directly, tick by tick, on a lane that was
         never started."""
-        if self._batch is None:
-            self._batch = self.engine.new_batch()
+        if None not in self._batches:
+            self._batches[None] = self.engine.new_batch()
         with self._cond:
             jobs = self.scheduler.admit(self._waiting, self._active, ready=self._prefix_ready)
+            task = self._tasks.popleft() if self._tasks else None
+        if task is not None:
+            self._run_task(*task)
         if not jobs and not self._active:
-            return False
+            return task is not None
         try:
             self._tick(jobs)
         except Exception:  # each step reports its own failures; this is a last resort
@@ -207,7 +230,7 @@ class Lane:
             self._start_decode(ready)
         phases = {"admit": t1 - t0, "prefill": time.perf_counter() - t1}
         decoded = self._decode_step(phases)
-        stats.on_tick(batch=len(self._batch), prefill_tokens=prefilled, decode_tokens=decoded,
+        stats.on_tick(batch=self.batch_size(), prefill_tokens=prefilled, decode_tokens=decoded,
                       running=len(self._active), phase_s=phases)
 
     def _prefill(self, plan: list) -> tuple[int, list]:
@@ -272,49 +295,35 @@ class Lane:
         return [a for a in self._active if a.seq.state == SeqState.DECODE and not a.in_batch]
 
     def _start_decode(self, ready: list[Active]) -> None:
-        """Sequences that finished their prefill this tick: solo or the batch (see the module docstring). Those
-        that join the batch join together, in one step."""
-        plain = [a for a in ready if self.engine.batchable(a)]
-        if not plain:
-            return  # all solo
-        others = [s for s in self._solo() if s not in ready and self.engine.can_migrate(s)]
-        if len(plain) == 1 and not len(self._batch) and not others:
-            return  # the only plain decoding sequence: the fast solo path
-        joining = others + plain
-        self._batch.add_many([(a, *self.engine.batch_entry(a), self._row(a)) for a in joining])
+        """Sequences that finished their prefill this tick: solo or their group's batch (see the module docstring).
+        Those that join a batch join together, in one step."""
+        groups: dict = {}
+        for a in ready:
+            if self.engine.batchable(a):
+                groups.setdefault(self.engine.batch_key(a), []).append(a)
+        for key, plain in groups.items():  # all solo when nothing is batchable
+            batch = self._batches.get(key)
+            others = [s for s in self._solo() if s not in ready and self.engine.batch_key(s) == key
+                      and self.engine.can_migrate(s)]
+            if len(plain) == 1 and not (batch is not None and len(batch)) and not others:
+                continue  # the group's only plain decoding sequence: the fast solo path
+            if batch is None:
+                batch = self._batches[key] = self.engine.new_batch(plain[0])
+            joining = others + plain
+            batch.add_many([(a, *self.engine.batch_entry(a), self._row(a)) for a in joining])
 
     def _row(self, a: Active) -> dict:
         return {"sampler": self.engine.row_sampler(a), "processors": self.engine.batch_processors(a)}
 
     def _decode_step(self, phases: dict) -> int:
-        """One step of every decoding sequence; adds the seconds of each part to ``phases``."""
+        """One step of every batch (the base model's, then each adapter group's: one forward each, so a group never
+        waits for another) and of every solo sequence; adds the seconds of each part to ``phases``."""
         produced = 0
+        for key, batch in list(self._batches.items()):
+            produced += self._step_batch(key, batch, phases)
+            if key is not None and not len(self._batches[key]):
+                del self._batches[key]  # an adapter group with no rows left: its batch arrays go
         t0 = time.perf_counter()
-        if len(self._batch):
-            try:
-                rows = self._batch.step()
-            except Exception as exc:
-                log.exception("batched decode step failed; failing its %d sequences", len(self._batch))
-                for a in self._batch.sequences:
-                    self._drop(a)
-                    self.engine.fail(a, exc)
-                self._batch = self.engine.new_batch()
-                rows = []
-            t1 = time.perf_counter()
-            phases["batch_step"] = t1 - t0
-            ending = []
-            for a, token, logprobs in rows:
-                produced += 1
-                reason = a.seq.on_token(token, logprobs)
-                if reason is not None:
-                    ending.append((a, reason))
-            if ending:
-                removed = self._batch.remove([a for a, _ in ending])
-                for (a, reason), covered in zip(ending, removed):
-                    self._drop(a)
-                    self.engine.finish(a, reason, covered)
-            t0 = time.perf_counter()
-            phases["batch_rows"] = t0 - t1
         for a in self._solo():
             try:
                 out = self.engine.solo_step(a)
@@ -331,20 +340,91 @@ class Lane:
         phases["solo"] = time.perf_counter() - t0
         return produced
 
+    def _step_batch(self, key, batch, phases: dict) -> int:
+        if not len(batch):
+            return 0
+        produced = 0
+        t0 = time.perf_counter()
+        try:
+            rows = batch.step()
+        except Exception as exc:
+            log.exception("batched decode step failed; failing its %d sequences", len(batch))
+            for a in batch.sequences:
+                self._drop(a)
+                self.engine.fail(a, exc)
+            if key is None:
+                self._batches[None] = self.engine.new_batch()
+            else:
+                del self._batches[key]
+            return 0
+        t1 = time.perf_counter()
+        phases["batch_step"] = phases.get("batch_step", 0.0) + t1 - t0
+        ending = []
+        for a, token, logprobs in rows:
+            produced += 1
+            reason = a.seq.on_token(token, logprobs)
+            if reason is not None:
+                ending.append((a, reason))
+        if ending:
+            removed = batch.remove([a for a, _ in ending])
+            for (a, reason), covered in zip(ending, removed):
+                self._drop(a)
+                self.engine.finish(a, reason, covered)
+        phases["batch_rows"] = phases.get("batch_rows", 0.0) + time.perf_counter() - t1
+        return produced
+
     def _leave_batch_of_one(self) -> None:
-        """A batch of one row is slower than the solo path: its last row goes on solo when nothing else decodes."""
-        if len(self._batch) != 1 or self._solo() or any(a.seq.state == SeqState.PREFILL for a in self._active):
-            return
-        a = self._batch.sequences[0]
-        if a.grammar is not None:  # see Engine.can_migrate
-            return
-        (tokens, caches), = self._batch.remove([a])
-        self.engine.resume_solo(a, tokens, caches)
+        """A batch of one row is slower than the solo path: a group's last row goes on solo when nothing else of its
+        group decodes or prefills."""
+        for key, batch in list(self._batches.items()):
+            if len(batch) != 1:
+                continue
+            same = [a for a in self._active if self.engine.batch_key(a) == key]
+            if any(a.seq.state == SeqState.PREFILL or (a.seq.state == SeqState.DECODE and not a.in_batch)
+                   for a in same):
+                continue
+            a = batch.sequences[0]
+            if a.grammar is not None:  # see Engine.can_migrate
+                continue
+            (tokens, caches), = batch.remove([a])
+            self.engine.resume_solo(a, tokens, caches)
+            if key is not None:
+                del self._batches[key]
 
     def _end(self, a: Active, reason: str) -> None:
-        covered = self._batch.remove([a])[0] if a.in_batch else None
+        covered = None
+        if a.in_batch:
+            key = self.engine.batch_key(a)
+            covered = self._batches[key].remove([a])[0]
+            if key is not None and not len(self._batches[key]):
+                del self._batches[key]
         self._drop(a)
         self.engine.finish(a, reason, covered)
+
+    # -- tasks: model work other than a sequence's (embeddings, loading an adapter) ----------------------------
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run ``fn()`` on the lane thread, between two ticks' decode steps (at most one task per tick, so a task
+        delays the running sequences by its own duration once: callers keep each task to about one prefill chunk
+        of work). The future holds its result or exception. Raises ``ShuttingDown`` once the lane drains."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self.state not in (LaneState.STARTING, LaneState.SERVING):
+                raise ShuttingDown("The server is shutting down and accepts no new requests; retry in a moment.",
+                                   retry_after_s=5)
+            self._tasks.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def _run_task(self, fn, future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            with self.engine.task_context():
+                result = fn()
+        except BaseException as exc:  # the caller gets it; the lane serves on
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
 
     def _drop(self, a: Active) -> None:
         self._active = [x for x in self._active if x is not a]

