@@ -8,7 +8,9 @@ lifespan) to the routes. Every error leaves as OpenAI's error body; nothing inte
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
+import importlib.metadata
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -24,12 +26,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.error_shapes import shaped_body, shaped_error_body
-from server.errors import APIError, AuthenticationError, PayloadTooLarge, error_body
+from server.errors import APIError, AuthenticationError, Forbidden, PayloadTooLarge, error_body
 from server.lane import Lane
 from server.http_util import validation_message
 from server.response_store import ResponseStore
 from server.routes import router
 from server.stats import ServingStats
+from server.web_guard import WebPolicy, check_request, cors_headers, is_preflight, preflight_headers
 
 log = logging.getLogger("mlx_lane.app")
 
@@ -52,6 +55,8 @@ class ServerState:
     shutdown_timeout_s: float = 30.0
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses previous_response_id
+    web: WebPolicy = field(default_factory=WebPolicy)  # Host / Origin allow-lists (server/web_guard.py)
+    dashboard: bool = True  # GET / and /dashboard (server/dashboard.py); --no-dashboard turns it off
 
     @property
     def vocab_size(self) -> int:
@@ -93,6 +98,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.include_router(responses_router)
     app.include_router(messages_router)
+    if state.dashboard:
+        from server.dashboard import mount_dashboard
+
+        mount_dashboard(app)
 
     def _error(request: Request, err: APIError, headers: Optional[dict] = None) -> Response:
         """``err`` in the error shape of the API the request went to (OpenAI's, or Anthropic's)."""
@@ -100,11 +109,26 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        if state.api_key and request.url.path != "/health":
+        response = await _guarded(request, call_next)
+        state.stats.on_http_status(response.status_code)
+        return response
+
+    async def _guarded(request: Request, call_next):
+        """Browser checks first (a refused Host or Origin learns nothing, not even whether a key is needed),
+        then the API key, then the body size."""
+        path, headers = request.url.path, request.headers
+        refusal = check_request(state.web, request.method, path, headers)
+        if refusal is not None:
+            return _error(request, Forbidden(refusal.message, code=refusal.code))
+        if is_preflight(request.method, headers):
+            allow = preflight_headers(state.web, headers, path)
+            if allow is not None:
+                return Response(status_code=204, headers=allow)
+        if state.api_key and not _open_path(state, path):
             if not hmac.compare_digest(_given_key(request).encode(), state.api_key.encode()):
                 err = AuthenticationError("Incorrect or missing API key. Send 'Authorization: Bearer <key>' "
                                           "(or 'x-api-key: <key>').")
-                return _error(request, err, {"WWW-Authenticate": "Bearer"})
+                return _error(request, err, {"WWW-Authenticate": "Bearer", **cors_headers(state.web, headers)})
         length = request.headers.get("content-length")
         if length is not None:
             try:
@@ -113,7 +137,9 @@ def create_app(state: ServerState) -> FastAPI:
                 too_big = True
             if too_big:
                 return _error(request, PayloadTooLarge(f"The request body is larger than {state.max_body_bytes} bytes."))
-        return await call_next(request)
+        response = await call_next(request)
+        response.headers.update(cors_headers(state.web, headers))
+        return response
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -138,7 +164,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         # the port opens only after the lane's warm-up (server.serve waits for lane.ready): "ok" means warm
-        return {"status": "ok", "warm": state.lane.ready.is_set(), "lane": state.lane.state.value}
+        return {"status": "ok", "warm": state.lane.ready.is_set(), "lane": state.lane.state.value,
+                "api_key_required": bool(state.api_key)}  # the dashboard asks for the key before it polls
 
     @app.get("/v1/models")
     async def models():
@@ -184,6 +211,14 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _open_path(state: ServerState, path: str) -> bool:
+    """Paths that never need the API key: /health, and the dashboard's static page (it holds no data: it asks for
+    the key, then reads /stats with it)."""
+    if path == "/health":
+        return True
+    return state.dashboard and (path in ("/", "/dashboard") or path.startswith("/dashboard/assets/"))
+
+
 def _given_key(request: Request) -> str:
     """The API key a client sent: OpenAI clients send ``Authorization: Bearer KEY``, Anthropic's send
     ``x-api-key: KEY`` (Claude Code sends either, depending on how it was configured)."""
@@ -205,6 +240,7 @@ def stats_body(state: ServerState) -> dict:
                  "running_requests": list(state.lane.running_ids), "max_batch": state.lane.scheduler.limits.max_batch,
                  "state": state.lane.state.value})
     return {
+        "version": server_version(),
         "model": state.loaded.model_id,
         "fingerprint": state.loaded.fingerprint,
         "device": state.device,
@@ -215,7 +251,17 @@ def stats_body(state: ServerState) -> dict:
         "kv_cache": state.lane.engine.kv_stats(),  # KV scheme + bytes per cached token (issue 8)
         "ssd_cache": state.ssd.ssd_stats() if state.ssd is not None else {"enabled": False},
         "speculative": state.stats.spec.as_dict() if state.stats.spec is not None else {"enabled": False},
+        "http": state.stats.http_block(),
     }
+
+
+@functools.lru_cache(maxsize=1)
+def server_version() -> str:
+    """mlx-lane's installed version (the package metadata), or 'unknown' when run from a bare checkout."""
+    try:
+        return importlib.metadata.version("mlx-lane")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class _SSDCollector:
