@@ -223,7 +223,18 @@ def render_dashboard_overhead(runs: list[Run]) -> str:
         ["served decode, page open (tok/s)"] + [mr(x["open_tok_s"]) for x in d],
         ["**open / closed**"] + [ratio(x, i) for i, x in enumerate(d)],
         ["/stats polls per open run"] + [spread(x["polls_per_open_run"], 0) for x in d],
+        ["idle lane, server CPU (ms per s), page closed / open"] + [_idle(x, "server", ("closed", "open")) for x in d],
+        ["idle lane, browser CPU (ms per s), page closed / open"] + [_idle(x, "browser", ("closed", "open"))
+                                                                     for x in d],
     ])
+
+
+def _idle(x: dict, who: str, kinds: tuple[str, ...]) -> str:
+    """Median CPU ms per second of `who` over the idle windows of each kind, "closed / open"; "-" if not measured."""
+    idle = x.get("idle_cpu") or {}
+    if not all(idle.get(k) for k in kinds):
+        return "not measured"
+    return " / ".join(num(1000 * statistics.median(w[f"{who}_cpu_s_per_s"] for w in idle[k]), 1) for k in kinds)
 
 
 def render_warm_hit(runs: list[Run]) -> str:
