@@ -99,7 +99,11 @@ def test_page_shows_stats_and_the_cache_hit(browser, server, tmp_path):
     drawn = page.evaluate("() => window.mlxLaneDashboard.charts.tokens.data[1].filter(v => v > 0).length")
     assert drawn >= 1
     assert series_pixels(page, "chart-tokens") > 20
+    page.set_viewport_size({"width": 900, "height": 1000})  # the charts follow the window (resize handler)
+    page.wait_for_timeout(600)
+    assert series_pixels(page, "chart-tokens") > 20
     assert log.errors == [], log.errors
+    page.set_viewport_size({"width": 1400, "height": 1000})
 
     shot = tmp_path / "dashboard.png"
     page.screenshot(path=str(shot), full_page=True)

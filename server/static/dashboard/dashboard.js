@@ -36,6 +36,7 @@
         return h ? h + "h " + m + "m" : m ? m + "m " + (s % 60) + "s" : s + "s";
       }
       case "onoff": return v ? "on" : "off";
+      case "short": return String(v).split(" (")[0]; // "OpenBLAS (preloaded: /usr/lib/...)" -> "OpenBLAS"
       default: return String(v);
     }
   }
@@ -45,6 +46,7 @@
       const v = get(stats, el.dataset.stat);
       el.dataset.value = JSON.stringify(v === undefined ? null : v);
       el.textContent = fmt(v, el.dataset.fmt);
+      if (el.dataset.fmt === "short") el.title = String(v);
     }
     for (const el of document.querySelectorAll("[data-meter]")) {
       const [num, den] = el.dataset.meter.split("/");
@@ -91,7 +93,7 @@
   function makeChart(el, labels) {
     const opts = {
       width: Math.max(240, el.clientWidth || 320), height: 160,
-      legend: { show: true }, cursor: { drag: { x: false, y: false } },
+      legend: { show: true, live: false }, cursor: { drag: { x: false, y: false } },
       scales: { x: { time: true }, y: { range: (u, lo, hi) => [0, Math.max(1, hi * 1.1)] } },
       series: [{}, ...labels.map(([label, color]) => ({ label, stroke: color, width: 2, spanGaps: true, points: { show: true, size: 4, fill: color } }))],
       axes: [{}, { size: 50 }],
@@ -164,6 +166,9 @@
       $("lock-key").value = "";
       if (timer !== null) { clearTimeout(timer); timer = null; }
       poll();
+    });
+    window.addEventListener("resize", () => {
+      for (const u of Object.values(state.charts)) u.setSize({ width: Math.max(240, u.root.parentNode.clientWidth), height: 160 });
     });
     document.addEventListener("visibilitychange", () => { if (!document.hidden && timer === null) poll(); });
     try {
