@@ -14,12 +14,13 @@ PYTEST_ARGS ?=
 TORCH_SPEC ?= torch==2.13.0
 ACCELERATE_SPEC ?= accelerate==1.15.0
 
-.PHONY: serve test venv blas model test-deps bench soak clean help
+.PHONY: serve test venv blas browser model test-deps bench soak clean help
 
 help:
 	@echo "make serve   - create .venv, install, get + convert the default model, serve on $(HOST):$(PORT)"
 	@echo "make test    - run the whole test suite (installs what it needs)"
 	@echo "make bench   - run the CPU benchmarks and rewrite BENCHMARKS.md"
+	@echo "make browser - install Chromium (apt, as root) for the dashboard's browser tests (make test does it)"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +43,19 @@ blas:
 		echo "         Install it with: sudo apt-get install libopenblas0-pthread"; \
 	fi
 
+# The dashboard's browser tests drive Debian's chromium through Playwright (`playwright install` cannot download
+# browsers here; tests/integration/browser.py launches /usr/bin/chromium, or $$MLX_LANE_CHROMIUM).
+browser:
+	@if command -v chromium >/dev/null 2>&1 || [ -n "$$MLX_LANE_CHROMIUM" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Chromium for the dashboard's browser tests (apt: chromium)"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null \
+		|| echo "WARNING: could not install chromium; the dashboard's browser tests will fail"; \
+	else \
+		echo "WARNING: Chromium not found: the dashboard's browser tests will fail."; \
+		echo "         Install it with: sudo apt-get install chromium (or set MLX_LANE_CHROMIUM=/path/to/chromium)"; \
+	fi
+
 model: venv
 	$(BIN)/python -c "from models import ensure_default_model; print(ensure_default_model())"
 	$(BIN)/python -c "from models.embedding import ensure_default_embedding_model as e; print(e())"
@@ -53,7 +67,7 @@ test-deps: venv
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	@$(BIN)/python -c "import accelerate" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)" "$(ACCELERATE_SPEC)"
 
-test: venv blas model test-deps
+test: venv blas browser model test-deps
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # CPU benchmarks, each alternated against its peers in one run; each script writes its JSON (with a preflight of

@@ -209,6 +209,34 @@ def render_decode_overhead(runs: list[Run]) -> str:
     ])
 
 
+def render_dashboard_overhead(runs: list[Run]) -> str:
+    """Served decode with the dashboard open vs closed (bench/dashboard_overhead.py), newest run first."""
+    d = [r.data for r in runs]
+
+    def ratio(x, i):
+        v = num(x["ratio_median"], 3)
+        return f"{f'**{v}**' if i == 0 else v} (per round {', '.join(num(y) for y in x['ratio_per_round'])})"
+    head = [""] + [f"{run_label(r, i)} ({x['tokens']} tokens, {x['rounds']} rounds, page polls every "
+                   f"{num(x['interval_s'], 2)} s)" for i, (r, x) in enumerate(zip(runs, d))]
+    return table(head, [
+        ["served decode, page closed (tok/s)"] + [mr(x["closed_tok_s"]) for x in d],
+        ["served decode, page open (tok/s)"] + [mr(x["open_tok_s"]) for x in d],
+        ["**open / closed**"] + [ratio(x, i) for i, x in enumerate(d)],
+        ["/stats polls per open run"] + [spread(x["polls_per_open_run"], 0) for x in d],
+        ["idle lane, server CPU (ms per s), page closed / open"] + [_idle(x, "server", ("closed", "open")) for x in d],
+        ["idle lane, browser CPU (ms per s), page closed / open"] + [_idle(x, "browser", ("closed", "open"))
+                                                                     for x in d],
+    ])
+
+
+def _idle(x: dict, who: str, kinds: tuple[str, ...]) -> str:
+    """Median CPU ms per second of `who` over the idle windows of each kind, "closed / open"; "-" if not measured."""
+    idle = x.get("idle_cpu") or {}
+    if not all(idle.get(k) for k in kinds):
+        return "not measured"
+    return " / ".join(num(1000 * statistics.median(w[f"{who}_cpu_s_per_s"] for w in idle[k]), 1) for k in kinds)
+
+
 def render_warm_hit(runs: list[Run]) -> str:
     d = [r.data for r in runs]
     key = [mr(x["ttft_over_raw_step"]) for x in d]
@@ -633,6 +661,7 @@ RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
     "machine": Renderer(render_machine, pattern="*.json", pick=every, provenance=False),
     "decode_overhead": Renderer(render_decode_overhead, pick=newest(2)),
     "warm_hit": Renderer(render_warm_hit, pick=newest(2)),
+    "dashboard_overhead": Renderer(render_dashboard_overhead, pick=newest(2)),
     "ssd_restart": render_ssd_restart,
     "speculative": Renderer(render_speculative, pick=lambda runs: sorted(  # n-gram row first
         newest_per("kind")(runs), key=lambda r: r.data.get("kind") != "ngram")),

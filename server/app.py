@@ -8,7 +8,9 @@ lifespan) to the routes. Every error leaves as OpenAI's error body; nothing inte
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
+import importlib.metadata
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -21,16 +23,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.error_shapes import shaped_body, shaped_error_body
-from server.errors import APIError, AuthenticationError, PayloadTooLarge, error_body
+from server.errors import APIError, AuthenticationError, Forbidden, PayloadTooLarge, error_body
 from server.lane import Lane
 from server.http_util import validation_message
 from server.adapters import AdapterRegistry
 from server.response_store import ResponseStore
 from server.routes import router
 from server.stats import ServingStats
+from server.web_guard import WebPolicy, check_request, cors_headers, is_preflight, preflight_headers
 
 log = logging.getLogger("mlx_lane.app")
 
@@ -56,6 +60,8 @@ class ServerState:
     adapters: AdapterRegistry = field(default_factory=AdapterRegistry)  # LoRA adapters, selected by `model`
     adapter_dir: Optional[str] = None  # --adapter-dir: what /admin/adapters may load without --api-key
     embedder: Optional[object] = None  # models.embedding.EmbeddingModel behind /v1/embeddings, or None
+    web: WebPolicy = field(default_factory=WebPolicy)  # Host / Origin allow-lists (server/web_guard.py)
+    dashboard: bool = True  # GET / and /dashboard (server/dashboard.py); --no-dashboard turns it off
 
     @property
     def vocab_size(self) -> int:
@@ -102,18 +108,32 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(messages_router)
     app.include_router(adapters_router)
     app.include_router(embeddings_router)
+    if state.dashboard:
+        from server.dashboard import mount_dashboard
+
+        mount_dashboard(app)
 
     def _error(request: Request, err: APIError, headers: Optional[dict] = None) -> Response:
         """``err`` in the error shape of the API the request went to (OpenAI's, or Anthropic's)."""
         return _json(shaped_error_body(request.url.path, err), err.status_code, {**err.headers(), **(headers or {})})
 
-    def guard(request: Request) -> Optional[Response]:
-        """The refusal for a request that may not reach a route (API key, body size), or None."""
-        if state.api_key and request.url.path != "/health":
+    def refuse(request: Request) -> Optional[Response]:
+        """The answer for a request that may not reach a route, or None. Browser checks first (a refused Host or
+        Origin learns nothing, not even whether a key is needed), then CORS preflights, the API key, the body
+        size."""
+        path, headers = request.url.path, request.headers
+        refusal = check_request(state.web, request.method, path, headers)
+        if refusal is not None:
+            return _error(request, Forbidden(refusal.message, code=refusal.code))
+        if is_preflight(request.method, headers):
+            allow = preflight_headers(state.web, headers, path)
+            if allow is not None:
+                return Response(status_code=204, headers=allow)
+        if state.api_key and not _open_path(state, path):
             if not hmac.compare_digest(_given_key(request).encode(), state.api_key.encode()):
                 err = AuthenticationError("Incorrect or missing API key. Send 'Authorization: Bearer <key>' "
                                           "(or 'x-api-key: <key>').")
-                return _error(request, err, {"WWW-Authenticate": "Bearer"})
+                return _error(request, err, {"WWW-Authenticate": "Bearer", **cors_headers(state.web, headers)})
         length = request.headers.get("content-length")
         if length is not None:
             try:
@@ -124,7 +144,12 @@ def create_app(state: ServerState) -> FastAPI:
                 return _error(request, PayloadTooLarge(f"The request body is larger than {state.max_body_bytes} bytes."))
         return None
 
-    app.add_middleware(RequestGuard, refuse=guard)
+    def on_response(request: Request, status: int, headers, refused: bool) -> None:
+        state.stats.on_http_status(status)
+        if not refused:
+            headers.update(cors_headers(state.web, request.headers))
+
+    app.add_middleware(RequestGuard, refuse=refuse, on_response=on_response)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -149,7 +174,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         # the port opens only after the lane's warm-up (server.serve waits for lane.ready): "ok" means warm
-        return {"status": "ok", "warm": state.lane.ready.is_set(), "lane": state.lane.state.value}
+        return {"status": "ok", "warm": state.lane.ready.is_set(), "lane": state.lane.state.value,
+                "api_key_required": bool(state.api_key)}  # the dashboard asks for the key before it polls
 
     @app.get("/v1/models")
     async def models():
@@ -206,23 +232,42 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 class RequestGuard:
-    """Pure ASGI middleware: ``refuse(request)`` sees the headers and may answer instead of the app.
+    """Pure ASGI middleware: ``refuse(request)`` sees the headers and may answer instead of the app;
+    ``on_response(request, status, headers, refused)`` sees (and may add to) every response's start.
 
     Not Starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``): that one re-streams every response chunk
     through a memory stream and an extra task, a cost paid per token per stream (profiled: the biggest item of the
     event loop's time under 16 concurrent streams)."""
 
-    def __init__(self, app, refuse):
+    def __init__(self, app, refuse, on_response):
         self.app = app
         self.refuse = refuse
+        self.on_response = on_response
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            refusal = self.refuse(Request(scope))
-            if refusal is not None:
-                await refusal(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        refusal = self.refuse(request)
+
+        async def send_seen(message) -> None:
+            if message["type"] == "http.response.start":
+                self.on_response(request, message["status"], MutableHeaders(scope=message), refusal is not None)
+            await send(message)
+
+        if refusal is not None:
+            await refusal(scope, receive, send_seen)
+        else:
+            await self.app(scope, receive, send_seen)
+
+
+def _open_path(state: ServerState, path: str) -> bool:
+    """Paths that never need the API key: /health, and the dashboard's static page (it holds no data: it asks for
+    the key, then reads /stats with it)."""
+    if path == "/health":
+        return True
+    return state.dashboard and (path in ("/", "/dashboard") or path.startswith("/dashboard/assets/"))
 
 
 def _given_key(request: Request) -> str:
@@ -260,6 +305,7 @@ def stats_body(state: ServerState) -> dict:
                  "prefill_batch": state.lane.scheduler.limits.prefill_batch,
                  "state": state.lane.state.value})
     return {
+        "version": server_version(),
         "model": state.loaded.model_id,
         "fingerprint": state.loaded.fingerprint,
         "device": state.device,
@@ -272,6 +318,7 @@ def stats_body(state: ServerState) -> dict:
         "speculative": state.stats.spec.as_dict() if state.stats.spec is not None else {"enabled": False},
         "adapters": state.adapters.stats_block(),
         "embeddings": state.stats.embeddings.as_dict(state.embedder),
+        "http": state.stats.http_block(),
     }
 
 
@@ -294,6 +341,15 @@ class _AdapterCollector:
             for adapter, row in self.block.items():
                 m.add_metric([adapter], float(row.get(key) or 0))
             yield m
+
+
+@functools.lru_cache(maxsize=1)
+def server_version() -> str:
+    """mlx-lane's installed version (the package metadata), or 'unknown' when run from a bare checkout."""
+    try:
+        return importlib.metadata.version("mlx-lane")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class _SSDCollector:

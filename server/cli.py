@@ -64,6 +64,19 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=int(_env("port", "8080")), help="port (default 8080)")
     p.add_argument("--api-key", default=_env("api_key"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health [MLX_LANE_API_KEY]")
+    p.add_argument("--allowed-hosts", action=_AppendOverEnv, metavar="NAME",
+                   default=[a.strip() for a in str(_env("allowed_hosts", "")).split(",") if a.strip()],
+                   help="also answer requests whose Host header names NAME (e.g. a proxy's or a LAN name; "
+                        "'.example.com' for its sub-domains, '*' for any: this re-opens DNS rebinding). By default "
+                        "only loopback names and --host: other Host headers are a 403; repeatable "
+                        "[MLX_LANE_ALLOWED_HOSTS, comma-separated]")
+    p.add_argument("--allowed-origins", action=_AppendOverEnv, metavar="ORIGIN",
+                   default=[a.strip() for a in str(_env("allowed_origins", "")).split(",") if a.strip()],
+                   help="let web pages from ORIGIN (scheme://host[:port]) call the API from a browser (CORS); '*' for "
+                        "any page on the web. By default only the server's own dashboard; /admin never. Repeatable "
+                        "[MLX_LANE_ALLOWED_ORIGINS, comma-separated]")
+    p.add_argument("--no-dashboard", action="store_true", default=_env_flag("no_dashboard"),
+                   help="do not serve the dashboard page at / and /dashboard [MLX_LANE_NO_DASHBOARD=1]")
     p.add_argument("--dtype", default=_env("dtype"), choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU/Metal)")
     p.add_argument("--cache-bytes", type=parse_bytes, default=_env("cache_bytes"),

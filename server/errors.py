@@ -6,6 +6,7 @@ Hierarchy (every one maps to ``{"error": {"message", "type", "param", "code"}}``
     ├── InvalidRequest            400 invalid_request_error   (bad JSON, wrong types, bad values)
     │   └── ContextLengthExceeded 400 code=context_length_exceeded
     ├── AuthenticationError       401 invalid_api_key
+    ├── Forbidden                 403 (a code naming why: host_not_allowed, origin_not_allowed, ...)
     ├── NotFound                  404 not_found (or a code naming what, e.g. previous_response_not_found)
     │   └── ModelNotFound         404 model_not_found
     ├── PayloadTooLarge           413
@@ -23,6 +24,7 @@ __all__ = [
     "InvalidRequest",
     "ContextLengthExceeded",
     "AuthenticationError",
+    "Forbidden",
     "NotFound",
     "ModelNotFound",
     "PayloadTooLarge",
@@ -72,6 +74,14 @@ class PermissionDenied(APIError):
     status_code = 403
     type = "invalid_request_error"
     code = "permission_denied"
+
+
+class Forbidden(APIError):
+    """403: a request a browser may have been tricked into sending (server/web_guard.py decides)."""
+
+    status_code = 403
+    type = "invalid_request_error"
+    code = "forbidden"
 
 
 class NotFound(APIError):

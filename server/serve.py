@@ -60,6 +60,7 @@ def build_state(args):
         max_body_bytes=args.max_body_bytes, model_names={"default"} if args.model == "default" else set(),
         ssd=tiered, shutdown_timeout_s=args.shutdown_timeout, model_aliases=tuple(getattr(args, "model_alias", None) or ()),
         adapters=adapters, adapter_dir=getattr(args, "adapter_dir", None), embedder=embedder,
+        web=_web_policy(args), dashboard=not getattr(args, "no_dashboard", False),
     )
 
 
@@ -102,6 +103,20 @@ def _embedder(args):
         return None
     log.info("embeddings: %s (%d dims, inputs up to %d tokens)", model.model_id, model.dims, model.max_tokens)
     return model
+
+
+def _web_policy(args):
+    """Which Host and Origin headers the server answers (server/web_guard.py)."""
+    from server.web_guard import WebPolicy
+
+    policy = WebPolicy.build(args.host, getattr(args, "allowed_hosts", None) or (),
+                             getattr(args, "allowed_origins", None) or ())
+    if "*" in policy.allowed_hosts:
+        log.warning("--allowed-hosts '*': any Host header is answered; web pages can reach this server through "
+                    "DNS rebinding (see SECURITY.md)")
+    if "*" in policy.allowed_origins:
+        log.warning("--allowed-origins '*': every web page the user opens may call this server (see SECURITY.md)")
+    return policy
 
 
 def _memory_budget(args, engine, prompt_cache):
@@ -345,7 +360,10 @@ def serve(args) -> int:
         log.error("%s", exc)
         return 2
     app = create_app(state)
-    log.info("serving on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
+    log.info("serving on http://%s:%d (OpenAI API under /v1%s)", args.host, args.port,
+             "" if state.dashboard else "; dashboard off")
+    if state.dashboard:
+        log.info("dashboard: http://%s:%d/", "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host, args.port)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout + _CUT_GRACE_S, access_log=args.log_level == "debug",

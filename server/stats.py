@@ -130,6 +130,7 @@ class ServingStats:
                                 "decoding)", registry=self.registry)
         self._m_batch = Histogram("mlx_lane:batch_size", "Sequences in the batched decode step, per tick",
                                   buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=self.registry)
+        self.http_status: collections.Counter = collections.Counter()  # HTTP status -> responses
         self._m_tick_tokens = Counter("mlx_lane:tick_tokens", "Tokens computed by the lane's ticks", ["phase"],
                                       registry=self.registry)
 
@@ -226,6 +227,17 @@ class ServingStats:
         self._m_failed.inc()
 
     # -- handlers -----------------------------------------------------------------------
+    def on_http_status(self, status: int) -> None:
+        with self._lock:
+            self.http_status[status] += 1
+
+    def http_block(self) -> dict:
+        """/stats' ``http`` block: responses by status code (the dashboard's errors by status)."""
+        with self._lock:
+            by_status = {str(k): v for k, v in sorted(self.http_status.items())}
+            errors = sum(v for k, v in self.http_status.items() if k >= 400)
+            return {"responses": sum(self.http_status.values()), "errors": errors, "by_status": by_status}
+
     def observe_ttft(self, seconds: float) -> None:
         self._m_ttft.observe(seconds)
 
