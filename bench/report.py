@@ -247,6 +247,9 @@ def render_warm_hit(runs: list[Run]) -> str:
         ["served inter-token time (ms)"] + [mr(x["served_inter_token_ms"], 0) for x in d],
         ["**TTFT / raw decode step** (target <= 1.3)"] + [f"**{key[0]}**"] + key[1:],
         ["TTFT / served inter-token time"] + [mr(x["ttft_over_served_inter_token"]) for x in d],
+        ["TTFT measured to"] + [x.get("hit_ttft_method", "the first non-empty text chunk") for x in d],
+        ["first non-empty text chunk / raw decode step"] + [mr(x["first_text_over_raw_step"])
+                                                             if x.get("first_text_over_raw_step") else "-" for x in d],
     ])
 
 

@@ -3,9 +3,11 @@
 A base prompt of --context tokens (token ids, so the count is exact) is sent once to
 `mlx-lane serve` through /v1/completions to fill its prefix cache. Then, each round:
 
-  hit    the base prompt + 1 new token (a different one every round), streamed, max_tokens=2:
-         TTFT = request sent -> first non-empty text chunk; the server reuses the base prompt's
-         KV (cached_tokens is checked) and forwards a single token;
+  hit    the base prompt + 1 new token (a different one every round), streamed, max_tokens=2, logprobs on:
+         TTFT = request sent -> first chunk carrying a token (with logprobs every token has a chunk, even one
+         whose text the streaming detokenizer holds back: a lone space comes out with the next token); the
+         first non-empty text chunk is recorded too; the server reuses the base prompt's KV (cached_tokens is
+         checked) and forwards a single token;
   step   raw mlx_lm in this process: one forward of one token on a warm KV cache holding the
          same base prompt (median of --steps steps, each trimmed back), i.e. one plain decode
          step of the same model at the same context length;
@@ -40,9 +42,14 @@ BASE_TEXT = (
 )
 
 
-def stream_completion(client, url: str, prompt: list[int], max_tokens: int, eos: list[int]):
+def stream_completion(client, url: str, prompt: list[int], max_tokens: int, eos: list[int], token_stamps=None):
+    """Stamps of the chunks that carry text; with ``token_stamps`` (a list) the request asks for logprobs, so that
+    every token has a chunk even when its text is held back (a lone space, half a UTF-8 character: the streaming
+    detokenizer emits it with the next token), and the stamps of chunks carrying a token go there."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "logit_bias": {str(e): -100 for e in eos}}
+    if token_stamps is not None:
+        body["logprobs"] = 0
     stamps = []
     usage = {}
     for elapsed, chunk in sse_chunks(client, url + "/v1/completions", body, timeout=600):
@@ -51,6 +58,8 @@ def stream_completion(client, url: str, prompt: list[int], max_tokens: int, eos:
         for ch in chunk.get("choices") or []:
             if ch.get("text"):
                 stamps.append(elapsed)
+            if token_stamps is not None and (ch.get("logprobs") or {}).get("tokens"):
+                token_stamps.append(elapsed)
     return stamps, usage
 
 
@@ -95,7 +104,7 @@ def main() -> None:
     raw_step(base[-1])  # warm-up
 
     srv = ServerProc("--model", args.model_dir, "--log-level", "warning")
-    hits, steps, itls, cached_ok = [], [], [], []
+    hits, text_hits, steps, itls, cached_ok = [], [], [], [], []
     client = httpx.Client()
     try:
         stream_completion(client, srv.url, base, 1, eos)  # fill the prefix cache (cold prefill)
@@ -105,10 +114,12 @@ def main() -> None:
             new_tok = vocab_words[r % len(vocab_words)]
 
             def hit():
-                stamps, usage = stream_completion(client, srv.url, base + [new_tok], 2, eos)
+                tokens_at: list = []
+                stamps, usage = stream_completion(client, srv.url, base + [new_tok], 2, eos, tokens_at)
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 cached_ok.append(cached == len(base))
-                hits.append(stamps[0])
+                hits.append(tokens_at[0])
+                text_hits.append(stamps[0])
 
             def step():
                 steps.append(raw_step(new_tok))
@@ -139,6 +150,9 @@ def main() -> None:
         "context_tokens": len(base),
         "rounds": args.rounds,
         "hit_ttft_ms": median_range([h * 1000 for h in hits]),
+        "hit_ttft_method": "request sent -> first chunk carrying a token (logprobs on)",
+        "hit_first_text_ms": median_range([h * 1000 for h in text_hits]),
+        "first_text_over_raw_step": median_range([h / s for h, s in zip(text_hits, steps)]),
         "raw_decode_step_ms": median_range([s * 1000 for s in steps]),
         "served_inter_token_ms": median_range([i * 1000 for i in itls]),
         "ttft_over_raw_step": median_range(ratio_step),
