@@ -3,6 +3,8 @@
 
 PYTHON   ?= python3
 VENV     ?= .venv
+# e.g. --system-site-packages: reuse a Python that already has the CUDA libraries (the nvidia-* wheels)
+VENV_ARGS ?=
 BIN      := $(VENV)/bin
 # MLX's backend is a pyproject extra: cpu, cuda12, cuda13 (Linux) or metal (macOS). deploy/mlx_backend.sh picks it
 # (an NVIDIA GPU answering nvidia-smi -> CUDA, else cpu); MLX_BACKEND=cpu|cuda|cuda12|cuda13 overrides. One stamp
@@ -31,7 +33,7 @@ help:
 # chosen one is installed, all are removed before installing, so no file of the old backend is left behind.
 $(STAMP): pyproject.toml
 	@sh deploy/mlx_backend.sh --explain
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@if $(BIN)/python -m pip list --format=freeze 2>/dev/null | grep -iE '^mlx[-_](cpu|cuda[-_]1[23])==' \
 		| grep -viqE '^mlx[-_]$(subst cuda,cuda[-_],$(MLX_EXTRA))=='; then \
