@@ -20,14 +20,15 @@ cat "$PARTS"/part* > /tmp/gpu-bundle/bundle.tar
 (cd /tmp/gpu-bundle && sha256sum -c "$PARTS/SHA256SUMS")
 tar -C /tmp/gpu-bundle -xf /tmp/gpu-bundle/bundle.tar
 export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/gpu-bundle/wheels
-export MLX_LANE_HOME=${MLX_LANE_HOME:-/tmp/mlx-lane-home}
+# A fresh venv and model home, whatever earlier calls left on the machine.
+export MLX_LANE_HOME=/tmp/gpu-check-home VENV=/tmp/gpu-check-venv
+rm -rf "$MLX_LANE_HOME" "$VENV"
 
 nvidia-smi -L
 sh deploy/mlx_backend.sh --explain
-test ! -e .venv || { echo ".venv exists: this check wants a fresh checkout" >&2; exit 1; }
 
 start=$(date +%s)
-setsid make serve VENV_ARGS=--system-site-packages HOST=127.0.0.1 PORT="$PORT" > "$OUT/serve.log" 2>&1 &
+setsid make serve VENV="$VENV" VENV_ARGS=--system-site-packages HOST=127.0.0.1 PORT="$PORT" > "$OUT/serve.log" 2>&1 &
 pgid=$!
 trap 'kill -- -$pgid 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
@@ -36,10 +37,10 @@ for _ in $(seq 600); do
   sleep 1
 done
 echo "make serve answered /health after $(( $(date +%s) - start )) s"
-grep -E "MLX backend|device|BLAS|dtype" "$OUT/serve.log" | head -5 || true
-.venv/bin/python -m pip list 2>/dev/null | grep -iE '^mlx' || true
+grep -E "MLX backend|device" "$OUT/serve.log" | head -5 || true
+"$VENV/bin/python" -m pip list 2>/dev/null | grep -iE '^mlx' || true
 curl -sf "localhost:$PORT/v1/chat/completions" -H 'Content-Type: application/json' \
   -d '{"messages":[{"role":"user","content":"Say hi"}],"max_tokens":16}' | tee "$OUT/chat.json"
 echo
-curl -sf "localhost:$PORT/stats" | tee "$OUT/stats.json" | .venv/bin/python -c \
+curl -sf "localhost:$PORT/stats" | tee "$OUT/stats.json" | "$VENV/bin/python" -c \
   'import json,sys; s=json.load(sys.stdin); print("stats: device", s.get("device"), "dtype", s.get("dtype"))'
