@@ -10,7 +10,7 @@
 #      and a loopback HTTP server hands it to the build (a constant URL, so the layer stays cached).
 #   4. docker build, timed; prints the image size.
 #
-# Environment: IMAGE, BASE_IMAGE, LOCAL_BASE, MLX_BACKEND (cpu | cuda12 | cuda13), TORCH_SPEC, TORCH_INDEX_URL,
+# Environment: IMAGE, BASE_IMAGE, LOCAL_BASE, MLX_BACKEND (cpu | cuda | cuda12 | cuda13), TORCH_SPEC, TORCH_INDEX_URL,
 # TORCH_WHEEL_PORT, PYTHON (the host python whose pip downloads the torch wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -100,6 +100,9 @@ stop_wheel_server() {
 }
 trap stop_wheel_server EXIT
 
+# The image keeps MLX_BACKEND set; a plain `cuda` would be re-decided against each machine's driver at run time
+# (and reinstall), so it is resolved to cuda12 / cuda13 here, with this machine's driver when it has one.
+MLX_BACKEND=$(MLX_BACKEND=$MLX_BACKEND sh deploy/mlx_backend.sh)
 ensure_engine
 base=$(choose_base)
 provide_torch "$base"
