@@ -3,8 +3,14 @@
 
 PYTHON   ?= python3
 VENV     ?= .venv
+# e.g. --system-site-packages: reuse a Python that already has the CUDA libraries (the nvidia-* wheels)
+VENV_ARGS ?=
 BIN      := $(VENV)/bin
-STAMP    := $(VENV)/.installed
+# MLX's backend is a pyproject extra: cpu, cuda12, cuda13 (Linux) or metal (macOS). deploy/mlx_backend.sh picks it
+# (an NVIDIA GPU answering nvidia-smi -> CUDA, else cpu); MLX_BACKEND=cpu|cuda|cuda12|cuda13 overrides. One stamp
+# per backend, so a changed choice reinstalls.
+MLX_EXTRA := $(shell sh deploy/mlx_backend.sh 2>/dev/null)
+STAMP    := $(VENV)/.installed-$(MLX_EXTRA)
 HOST     ?= 127.0.0.1
 PORT     ?= 8080
 ARGS     ?=
@@ -14,18 +20,29 @@ PYTEST_ARGS ?=
 TORCH_SPEC ?= torch==2.13.0
 ACCELERATE_SPEC ?= accelerate==1.15.0
 
-.PHONY: serve test venv blas browser model test-deps bench soak clean help
+.PHONY: serve test venv blas browser model test-deps bench soak clean help docker docker-test
 
 help:
-	@echo "make serve   - create .venv, install, get + convert the default model, serve on $(HOST):$(PORT)"
-	@echo "make test    - run the whole test suite (installs what it needs)"
-	@echo "make bench   - run the CPU benchmarks and rewrite BENCHMARKS.md"
-	@echo "make browser - install Chromium (apt, as root) for the dashboard's browser tests (make test does it)"
+	@echo "make serve       - create .venv, install, get + convert the default model, serve on $(HOST):$(PORT)"
+	@echo "make test        - run the whole test suite (installs what it needs)"
+	@echo "make bench       - run the CPU benchmarks and rewrite BENCHMARKS.md"
+	@echo "make browser     - install Chromium (apt, as root) for the dashboard's browser tests (make test does it)"
+	@echo "make docker      - build the $(IMAGE) image from Dockerfile.dev (a local Debian base when no registry)"
+	@echo "make docker-test - run the whole test suite inside that image"
 
+# The backend packages (mlx-cpu, mlx-cuda-12, mlx-cuda-13) all ship mlx/lib/libmlx.so: when one other than the
+# chosen one is installed, all are removed before installing, so no file of the old backend is left behind.
 $(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@sh deploy/mlx_backend.sh --explain
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	@if $(BIN)/python -m pip list --format=freeze 2>/dev/null | grep -iE '^mlx[-_](cpu|cuda[-_]1[23])==' \
+		| grep -viqE '^mlx[-_]$(subst cuda,cuda[-_],$(MLX_EXTRA))=='; then \
+		echo "mlx-lane: removing the previously installed MLX backend"; \
+		$(BIN)/python -m pip uninstall -y -q mlx-cpu mlx-cuda-12 mlx-cuda-13 2>/dev/null; \
+	fi
+	$(BIN)/python -m pip install -q -e '.[test,$(MLX_EXTRA)]'
+	@rm -f $(VENV)/.installed $(VENV)/.installed-*
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -104,6 +121,20 @@ soak: venv blas model
 	MLX_LANE_SOAK_REQUESTS=1000 MLX_LANE_SOAK_CURVE=bench/results/soak_curve.json \
 		$(BIN)/python -m pytest -q tests/integration/test_cache_soak.py
 	MLX_LANE_KILL_TRIALS=10 $(BIN)/python -m pytest -q -s tests/reliability/test_kill_ssd.py
+
+# Docker: deploy/docker-build.sh starts the engine if it can, uses BASE_IMAGE when it can be pulled and otherwise
+# makes a Debian base image locally (deploy/docker-base.sh), finds the CPU torch wheel for the test tools, then
+# builds Dockerfile.dev. docker-test runs the suite inside (SYS_ADMIN: the full-disk test mounts a tmpfs).
+IMAGE       ?= mlx-lane-dev
+BASE_IMAGE  ?= python:3.11-slim-bookworm
+LOCAL_BASE  ?= mlx-lane-base:bookworm
+DOCKER_TEST_FLAGS ?= --cap-add SYS_ADMIN
+docker:
+	IMAGE=$(IMAGE) BASE_IMAGE=$(BASE_IMAGE) LOCAL_BASE=$(LOCAL_BASE) TORCH_SPEC=$(TORCH_SPEC) \
+		MLX_BACKEND=$(or $(MLX_BACKEND),cpu) bash deploy/docker-build.sh
+
+docker-test:
+	docker run --rm $(DOCKER_TEST_FLAGS) $(IMAGE) make test PYTEST_ARGS="$(PYTEST_ARGS)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
