@@ -52,8 +52,11 @@ class LaneState(enum.Enum):
 
 class Lane:
     def __init__(self, engine, *, max_queue: int = 0, token_delay_s: float = 0.0, max_batch: int = 8,
-                 budget: Optional[MemoryBudget] = None):
+                 budget: Optional[MemoryBudget] = None, replay=None):
         self.engine = engine
+        # server.replay.Leader (rank 0) or Follower (other ranks) of a model sharded over processes; None in a
+        # single process, where no distributed code runs at all
+        self.replay = replay
         self.max_queue = max_queue  # 0 = unbounded
         self.token_delay_s = token_delay_s  # test seam (MLX_LANE_TEST_TOKEN_DELAY): pause after each token
         self.scheduler = Scheduler(Limits(max_batch=max(1, max_batch), prefill_chunk=engine.prefill_chunk), budget)
@@ -61,6 +64,7 @@ class Lane:
         self._active: list[Active] = []  # admitted sequences, in admission order (lane thread only)
         self._running_ids: tuple[str, ...] = ()  # a snapshot for readers on other threads
         self._batch = None  # server.batch.DecodeBatch, made on the lane thread (engine.new_batch)
+        self._tick_waiting: Optional[bool] = None  # see _tick
         self._cond = threading.Condition()
         self.state = LaneState.STARTING
         self.aborted = False  # set by abort(): a cancelled job was ended by the shutdown, not by its client
@@ -132,7 +136,8 @@ class Lane:
         return len(batch) if batch is not None else 0
 
     def _cancel_all_locked(self) -> int:
-        jobs = [*self._waiting, *(a.job for a in list(self._active))]
+        origin = getattr(self.replay, "origin", None)  # rank 0 of a group: the handler's job, not the lane's view
+        jobs = [*self._waiting, *((origin(a.job) if origin else a.job) for a in list(self._active))]
         for job in jobs:
             job.cancel.set()
         return len(jobs)
@@ -140,11 +145,16 @@ class Lane:
     # -- the thread -----------------------------------------------------------------
     def _run(self) -> None:
         self.engine.bind_stream()
+        if self.replay is not None:  # the group's collectives run on the stream that runs the model
+            self.replay.group.bind(self.engine.stream)
+            self.replay.group.same_seed()
         try:
             self.engine.warmup()
         except Exception:
             log.exception("warm-up failed; serving anyway")
         self._batch = self.engine.new_batch()
+        if self.replay is not None and not self.replay.group.leader:
+            return self._follow()
         with self._cond:
             if self.state == LaneState.STARTING:
                 self.state = LaneState.SERVING
@@ -154,6 +164,8 @@ class Lane:
                 while not self._waiting and not self._active and self.state != LaneState.STOPPED:
                     self._cond.wait()
                 if not self._waiting and not self._active:
+                    if self.replay is not None:
+                        self.replay.stop()  # the followers stop too
                     return  # stopped and nothing left
             if not self.tick():
                 with self._cond:  # only jobs whose SSD prefix is still being read: wait for it, do not spin
@@ -167,10 +179,15 @@ class Lane:
             self._batch = self.engine.new_batch()
         with self._cond:
             jobs = self.scheduler.admit(self._waiting, self._active, ready=self._prefix_ready)
+            waiting = bool(self._waiting)
         if not jobs and not self._active:
             return False
+        if self.replay is not None:  # rank 0 of a group: every rank runs this tick on the same inputs
+            jobs = self.replay.lead(jobs, self._active, waiting)
+        else:
+            waiting = None  # a single process reads the queue live (Lane._others_need_prefill)
         try:
-            self._tick(jobs)
+            self._tick(jobs, waiting)
         except Exception:  # each step reports its own failures; this is a last resort
             log.exception("lane tick failed")
         self._running_ids = tuple(a.job.id for a in self._active)
@@ -180,7 +197,34 @@ class Lane:
         ready = getattr(self.engine.prompt_cache, "ready", None)
         return ready is None or ready(job.prompt, self.engine.namespace_for(job.params), job.session)
 
-    def _tick(self, jobs: list) -> None:
+    # -- a follower of a sharded model (server.replay) ------------------------------------
+    def _follow(self) -> None:
+        with self._cond:
+            if self.state == LaneState.STARTING:
+                self.state = LaneState.SERVING
+        self.ready.set()
+        self.replay.follow(self)
+        with self._cond:
+            self.state = LaneState.STOPPED
+
+    def running(self) -> list[Active]:
+        """The admitted sequences (lane thread only)."""
+        return list(self._active)
+
+    def replay_tick(self, jobs: list, waiting: bool) -> None:
+        """A follower runs rank 0's tick: the same admissions, cancellations and queue state (server.replay)."""
+        if not jobs and not self._active:
+            return
+        try:
+            self._tick(jobs, waiting)
+        except Exception:
+            log.exception("lane tick failed")
+        self._running_ids = tuple(a.job.id for a in self._active)
+
+    def _tick(self, jobs: list, waiting: Optional[bool] = None) -> None:
+        """``waiting``: whether requests wait for admission, as rank 0 saw it at the tick start (a group); None
+        reads the queue when asked (a single process)."""
+        self._tick_waiting = waiting
         stats = self.engine.stats
         for job in jobs:
             stats.on_started(job.id)
@@ -220,7 +264,8 @@ class Lane:
 
     def _others_need_prefill(self) -> bool:
         """Requests wait, or more than one prefills: a prompt just prefilled may serve them (Engine.retake)."""
-        return bool(self._waiting) or sum(a.seq.state == SeqState.PREFILL for a in self._active) > 1
+        waiting = self._tick_waiting if self._tick_waiting is not None else bool(self._waiting)
+        return waiting or sum(a.seq.state == SeqState.PREFILL for a in self._active) > 1
 
     # -- decode ---------------------------------------------------------------------
     def _solo(self) -> list[Active]:
