@@ -65,6 +65,7 @@ class Lane:
         self._running_ids: tuple[str, ...] = ()  # a snapshot for readers on other threads
         self._batch = None  # server.batch.DecodeBatch, made on the lane thread (engine.new_batch)
         self._tick_waiting: Optional[bool] = None  # see _tick
+        self.follow_failed = False  # a follower's replay raised (server.serve.follow exits non-zero)
         self._cond = threading.Condition()
         self.state = LaneState.STARTING
         self.aborted = False  # set by abort(): a cancelled job was ended by the shutdown, not by its client
@@ -203,7 +204,11 @@ class Lane:
             if self.state == LaneState.STARTING:
                 self.state = LaneState.SERVING
         self.ready.set()
-        self.replay.follow(self)
+        try:
+            self.replay.follow(self)
+        except BaseException:  # the group cannot go on without this rank: the process exits non-zero
+            log.exception("rank %d stopped following rank 0", self.replay.group.rank)
+            self.follow_failed = True
         with self._cond:
             self.state = LaneState.STOPPED
 

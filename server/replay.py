@@ -65,6 +65,7 @@ def job_spec(job: Job, cancelled: bool) -> dict:
 
 def job_from_spec(spec: dict, tokenizer) -> Job:
     params = dict(spec["params"])
+    params.pop("grammar", None)
     if params.get("logit_bias"):
         params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"]}
     params["stop"] = tuple(params["stop"])

@@ -367,6 +367,8 @@ def follow(state) -> int:
         if not state.ssd.close(timeout=state.shutdown_timeout_s):
             log.warning("rank %d: SSD cache writes still pending at exit", rank)
         save_cost_model(state.loaded.fingerprint, state.ssd.cost_model)
+    if state.lane.follow_failed:
+        code = 1
     diverged = getattr(state.lane.replay, "diverged", 0)
     if diverged:
         log.error("rank %d diverged from rank 0 %d times", rank, diverged)
