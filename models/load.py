@@ -50,6 +50,7 @@ class LoadedModel:
     dtype: str
     context_length: int
     architecture: str
+    model_fingerprint: str = ""  # the whole model's fingerprint when `fingerprint` is one shard's, else ""
 
 
 def _check_dtype(dtype: str | None) -> str:
@@ -129,8 +130,8 @@ def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, gr
     """Resolve `spec` (see module doc), load it with mlx-lm and cast its weights to `dtype`.
 
     `dtype` None means `default_dtype()`. `group` (server.distributed.Group): load only this process's shard
-    with mlx-lm's `sharded_load` (tensor- or pipeline-parallel, `group.mode`); the fingerprint then names the
-    shard. Raises ModelLoadError, with what to do, for every failure: bad dtype, unknown spec, unreachable hub,
+    with mlx-lm's `sharded_load` (tensor- or pipeline-parallel, `group.mode`); the fingerprint is then the
+    shard's (`group.shard_fingerprint`) and `model_fingerprint` the whole model's. Raises ModelLoadError, with what to do, for every failure: bad dtype, unknown spec, unreachable hub,
     unsupported GGUF or mlx-lm architecture, a model that does not split over the group.
     """
     dtype = _check_dtype(dtype)
@@ -155,8 +156,9 @@ def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, gr
         tokenizer=tokenizer,
         model_id=model_id,
         path=Path(model_dir),
-        fingerprint=fp if group is None else fp + group.namespace_suffix(),
+        fingerprint=fp if group is None else group.shard_fingerprint(fp),
         dtype=dtype,
         context_length=_context_length(config, Path(model_dir)),
         architecture=str(config.get("model_type", "unknown")),
+        model_fingerprint=fp if group is not None else "",
     )

@@ -13,6 +13,7 @@ work in order, so every rank sees the collectives in the same order as long as i
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -48,10 +49,18 @@ class Group:
         """Run this group's collectives on ``stream`` (the lane's, which also runs the model)."""
         self.stream = stream
 
-    def namespace_suffix(self) -> str:
-        """What this rank's KV is: its shard of the model (joins the fingerprint, so the RAM tier, the SSD
-        directory and every cache file say which shard of which split they hold)."""
-        return f"-{self.mode}{self.size}-rank{self.rank}"
+    def shard_fingerprint(self, fingerprint: str, rank: Optional[int] = None) -> str:
+        """The fingerprint of one rank's shard of the model (hex, like every fingerprint): it namespaces that
+        rank's KV, so the RAM tier, the SSD directory (``<cache_dir>/<shard fingerprint>/``) and the header of
+        every cache file name the shard, and no file of one rank, split or single process can seed another."""
+        rank = self.rank if rank is None else rank
+        return hashlib.sha256(f"{fingerprint}\0shard\0{self.mode}\0{self.size}\0{rank}".encode()).hexdigest()
+
+    def shard_manifest(self, fingerprint: str) -> dict:
+        """What ``shard.json`` in each rank's SSD directory says: an entry is restored only from the files of
+        every rank, and these are the directories that hold them."""
+        return {"model_fingerprint": fingerprint, "mode": self.mode, "world_size": self.size, "rank": self.rank,
+                "ranks": [self.shard_fingerprint(fingerprint, r) for r in range(self.size)]}
 
     def describe(self) -> dict:
         return {"world_size": self.size, "rank": self.rank, "mode": self.mode, "backend": self.backend}

@@ -29,6 +29,8 @@ def build_state(args):
     loaded = _with_kv_scheme(loaded, args)
     cache_bytes = default_cache_bytes() if args.cache_bytes is None else args.cache_bytes
     tiered = build_tiered_cache(args, loaded.fingerprint, cache_bytes, follower=group is not None and not group.leader)
+    if tiered is not None and group is not None:
+        _write_shard_manifest(tiered, group, loaded.model_fingerprint)
     prompt_cache = tiered if tiered is not None else make_prompt_cache(cache_bytes)
     replay = None
     if group is not None:  # one model over several processes (server.replay, server.sharded_cache)
@@ -65,6 +67,23 @@ def build_state(args):
         ssd=tiered, shutdown_timeout_s=args.shutdown_timeout, model_aliases=tuple(getattr(args, "model_alias", None) or ()),
         distributed=group.describe() if group is not None else None,
     )
+
+
+def _write_shard_manifest(tiered, group, model_fingerprint: str) -> None:
+    """``<cache_dir>/<shard fingerprint>.shard.json`` beside this rank's SSD directory: which split it holds and
+    which directories hold the other ranks' files of the same entries (a restore needs all of them;
+    server.sharded_cache). Beside, not inside: the start-up scan owns the directory."""
+    import json
+    from pathlib import Path
+
+    folder = Path(tiered.ssd_stats()["dir"])
+    path = folder.with_name(folder.name + ".shard.json")
+    try:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(group.shard_manifest(model_fingerprint), indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not write %s: %s", path, exc)
 
 
 def _group(args):

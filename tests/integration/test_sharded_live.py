@@ -12,6 +12,7 @@ heads, 4 layers): a llama for tensor-parallel, a qwen2 for pipeline. The default
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import subprocess
 import sys
 
@@ -111,11 +112,13 @@ def test_tensor_parallel_2_processes_matches_one_process_and_restores_from_ssd(t
         assert first.stop() == 0, first.log()
     log = first.log()
     assert "diverged" not in log, log
-    # each rank persisted its own shard, under its own namespace
-    dirs = sorted(p.name for p in kv.iterdir())
-    assert [d.endswith(("-tensor2-rank0", "-tensor2-rank1")) for d in dirs] == [True, True], dirs
-    for d in kv.iterdir():
-        assert list(d.rglob("*.safetensors")), f"rank dir {d.name} holds no cache file"
+    # each rank persisted its own shard in its own directory; each directory's manifest names both
+    manifests = {m["rank"]: m for m in (json.loads(p.read_text()) for p in kv.glob("*.shard.json"))}
+    assert sorted(manifests) == [0, 1] and manifests[0]["ranks"] == manifests[1]["ranks"]
+    assert manifests[0]["mode"] == "tensor" and manifests[0]["world_size"] == 2
+    for rank, m in manifests.items():
+        assert m["ranks"][rank] == m["ranks"][rank] and (kv / m["ranks"][rank]).is_dir()
+        assert list((kv / m["ranks"][rank]).rglob("*.safetensors")), f"rank {rank} persisted no cache file"
 
     second = LaunchedServer(2, *args)
     try:
