@@ -9,6 +9,9 @@ Every collective here is an ``all_sum`` in which rank 0 contributes the value an
 from rank 0 in one collective, which every MLX backend has (ring, NCCL, MPI, JACCL). They run on the lane's
 stream (``bind``), the stream that also carries the sharded model's own collectives: MLX executes one stream's
 work in order, so every rank sees the collectives in the same order as long as it issues the same calls.
+
+Debugging a hang or a garbled plan: ``MLX_LANE_TRACE_COLLECTIVES=1`` logs every collective of this module with
+its sequence number, shape and caller on every rank (the n-th lines of two ranks must match).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ _INLINE = 4096  # bytes of a broadcast's first collective: a tick plan usually f
 _LEN = 4  # its first bytes: the payload length (little endian)
 
 MODES = ("tensor", "pipeline")
+_TRACE = bool(os.environ.get("MLX_LANE_TRACE_COLLECTIVES"))
 
 
 @dataclass
@@ -67,6 +71,11 @@ class Group:
 
     # -- collectives ----------------------------------------------------------------------------
     def _sum(self, x: mx.array) -> mx.array:
+        if _TRACE:
+            import traceback
+            self._n = getattr(self, "_n", 0) + 1
+            log.warning("collective %d %s %s <- %s", self._n, x.shape, x.dtype,
+                        " / ".join(f"{f.name}:{f.lineno}" for f in traceback.extract_stack()[-6:-1]))
         if self.stream is None:
             out = mx.distributed.all_sum(x, group=self.group)
         else:

@@ -145,7 +145,7 @@ class Lane:
 
     # -- the thread -----------------------------------------------------------------
     def _run(self) -> None:
-        self.engine.bind_stream()
+        self.engine.bind_stream(as_default=self.replay is not None)
         if self.replay is not None:  # the group's collectives run on the stream that runs the model
             self.replay.group.bind(self.engine.stream)
             self.replay.group.same_seed()
