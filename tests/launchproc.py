@@ -21,20 +21,23 @@ from tests.serverproc import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def mlx_launch() -> str:
-    return str(Path(sys.executable).with_name("mlx.launch"))
+def mlx_launch() -> list[str]:
+    """The ``mlx.launch`` command of this interpreter's mlx (also where mlx is on PYTHONPATH, not installed)."""
+    return [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
 
 
 class LaunchedServer:
     """A live server whose model is sharded over ``n`` processes."""
 
-    def __init__(self, n: int, *args: str, env: dict | None = None, startup_timeout: float = 300.0):
+    def __init__(self, n: int, *args: str, env: dict | None = None, startup_timeout: float = 300.0,
+                 backend: str = "ring"):
         self.n = n
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="mlx-lane-launch-", suffix=".log")[1])
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        cmd = [mlx_launch(), "-n", str(n), "--backend", "ring", "--starting-port", str(free_port()),
+        ports = ["--starting-port", str(free_port())] if backend == "ring" else ["--nccl-port", str(free_port())]
+        cmd = [*mlx_launch(), "-n", str(n), "--backend", backend, *ports,
                "--python", sys.executable, "--", "-m", "server.cli", "serve", "--port", str(self.port), *args]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,
