@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import re
 import subprocess
 import sys
 
@@ -176,6 +177,7 @@ def test_default_model_over_2_processes_says_what_to_do(default_model_dir):
            "--no-ssd-cache"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     text = out.stdout + out.stderr
-    assert "Node with rank 0 exited with code 2" in text, text[-3000:]  # mlx.launch itself exits 0
+    # mlx.launch itself exits 0; it reports the first rank's failure, then terminates the others
+    assert re.search(r"Node with rank \d exited with code 2", text), text[-3000:]
     assert "9 attention heads, which do not split over 2 processes" in text, text[-3000:]
     assert "--pipeline" in text
