@@ -153,6 +153,17 @@ def test_pipeline_2_processes_matches_one_process(tiny_dirs):
         assert cached(usages[2]) > 0
         assert at_once(srv.url, model) == ref_others
         assert httpx.get(srv.url + "/stats").json()["distributed"]["mode"] == "pipeline"
+        # sampled requests (unseeded, seeded, batched with top_p) and a grammar run on every rank alike: the
+        # followers check each running request's token count against rank 0's every tick ("diverged" otherwise)
+        sampled = [{"messages": [{"role": "user", "content": q}], "max_tokens": 12, "temperature": 0.9,
+                    "model": model, **extra} for q, extra in
+                   (("a", {}), ("b c", {"seed": 3}), ("d e f", {"top_p": 0.9}), ("g", {"seed": 3}))]
+        sampled.append({"messages": [{"role": "user", "content": "json"}], "max_tokens": 12, "temperature": 0,
+                        "model": model, "response_format": {"type": "json_object"}})
+        with cf.ThreadPoolExecutor(len(sampled)) as pool:
+            codes = list(pool.map(lambda b: httpx.post(srv.url + "/v1/chat/completions", json=b,
+                                                       timeout=600).status_code, sampled))
+        assert codes == [200] * len(sampled)
     finally:
         assert srv.stop() == 0, srv.log()
     assert "diverged" not in srv.log()
