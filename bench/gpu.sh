@@ -12,6 +12,7 @@
 #
 #   OUT=/some/dir bench/gpu.sh [bench/gpu.py flags...]
 #   OUT=/some/dir bench/gpu.sh batch [bench/gpu_batch.py flags...]    # issue 12's batching benchmark instead
+#   OUT=/some/dir bench/gpu.sh sharded [bench/gpu_sharded.py flags...] # issue 15: 1 GPU vs 2 GPUs tensor-parallel
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHL=${WHL:-.whl}
@@ -36,6 +37,9 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 SCRIPT=bench/gpu.py
 if [ "${1:-}" = batch ]; then
   SCRIPT=bench/gpu_batch.py
+  shift
+elif [ "${1:-}" = sharded ]; then  # issue 15: one GPU vs tensor-parallel over 2 (needs 2 GPUs: nvidia-h200-x2)
+  SCRIPT=bench/gpu_sharded.py
   shift
 fi
 python3 "$SCRIPT" --out "$OUT" "$@"

@@ -50,6 +50,7 @@ class LoadedModel:
     dtype: str
     context_length: int
     architecture: str
+    model_fingerprint: str = ""  # the whole model's fingerprint when `fingerprint` is one shard's, else ""
 
 
 def _check_dtype(dtype: str | None) -> str:
@@ -125,11 +126,13 @@ def _context_length(config: dict[str, Any], model_dir: Path) -> int:
         return _FALLBACK_CONTEXT
 
 
-def load_model(spec: str, dtype: str | None = None, *, progress: bool = True) -> LoadedModel:
+def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, group: Any = None) -> LoadedModel:
     """Resolve `spec` (see module doc), load it with mlx-lm and cast its weights to `dtype`.
 
-    `dtype` None means `default_dtype()`. Raises ModelLoadError, with what to do, for every
-    failure: bad dtype, unknown spec, unreachable hub, unsupported GGUF or mlx-lm architecture.
+    `dtype` None means `default_dtype()`. `group` (server.distributed.Group): load only this process's shard
+    with mlx-lm's `sharded_load` (tensor- or pipeline-parallel, `group.mode`); the fingerprint is then the
+    shard's (`group.shard_fingerprint`) and `model_fingerprint` the whole model's. Raises ModelLoadError, with what to do, for every failure: bad dtype, unknown spec, unreachable hub,
+    unsupported GGUF or mlx-lm architecture, a model that does not split over the group.
     """
     dtype = _check_dtype(dtype)
     model_dir, model_id = _resolve(spec, progress)
@@ -137,18 +140,25 @@ def load_model(spec: str, dtype: str | None = None, *, progress: bool = True) ->
     from mlx_lm.utils import load as mlx_lm_load
 
     try:
-        model, tokenizer, config = mlx_lm_load(str(model_dir), return_config=True)
+        if group is None:
+            model, tokenizer, config = mlx_lm_load(str(model_dir), return_config=True)
+        else:
+            from models.sharding import load_shard
+
+            model, tokenizer, config = load_shard(model_dir, group)
     except (ValueError, FileNotFoundError, OSError, KeyError) as e:
         raise ModelLoadError(f"mlx-lm could not load {model_dir}: {e}") from e
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
+    fp = fingerprint(model_dir, dtype)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         model_id=model_id,
         path=Path(model_dir),
-        fingerprint=fingerprint(model_dir, dtype),
+        fingerprint=fp if group is None else group.shard_fingerprint(fp),
         dtype=dtype,
         context_length=_context_length(config, Path(model_dir)),
         architecture=str(config.get("model_type", "unknown")),
+        model_fingerprint=fp if group is not None else "",
     )

@@ -46,6 +46,10 @@ async def admin_adapters(request: Request):
         if adapter is None:
             raise NotFound(f"no adapter named '{req.name}' is loaded", param="name", code="adapter_not_found")
         return {"object": "adapter", "name": req.name, "status": "unloaded"}
+    if state.distributed is not None:  # only rank 0 would load it: the ranks' forwards would no longer match
+        raise InvalidRequest("LoRA adapters are not supported while the model is sharded over processes "
+                             "(mlx.launch); serve adapters from a single-process server", param="action",
+                             code="unsupported_when_sharded")
     if req.name in state.model_names or state.adapters.get(req.name) is not None:
         raise InvalidRequest(f"the name '{req.name}' is taken (the base model or a loaded adapter); unload it first "
                              "or pick another", param="name", code="adapter_exists")

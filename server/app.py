@@ -55,6 +55,7 @@ class ServerState:
     model_aliases: tuple = ()  # --model-alias glob patterns answered by the served model (server/model_names.py)
     ssd: Optional[object] = None  # cache.tiered.TieredCache (the same object as prompt_cache) or None
     shutdown_timeout_s: float = 30.0
+    distributed: Optional[dict] = None  # server.distributed.Group.describe() when sharded over processes
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses previous_response_id
     adapters: AdapterRegistry = field(default_factory=AdapterRegistry)  # LoRA adapters, selected by `model`
@@ -314,6 +315,8 @@ def stats_body(state: ServerState) -> dict:
         "lane": lane,
         "prompt_cache": state.prompt_cache.stats(),
         "kv_cache": state.lane.engine.kv_stats(),  # KV scheme + bytes per cached token (issue 8)
+        # one model over several processes: the group, and cache hits dropped because a rank lacked its shard
+        **({"distributed": {**state.distributed, **state.prompt_cache.shard_stats()}} if state.distributed else {}),
         "ssd_cache": state.ssd.ssd_stats() if state.ssd is not None else {"enabled": False},
         "speculative": state.stats.spec.as_dict() if state.stats.spec is not None else {"enabled": False},
         "adapters": state.adapters.stats_block(),

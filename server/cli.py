@@ -142,6 +142,10 @@ def _serve_parser(sub) -> None:
                         "request joins only when its KV for prompt + max_tokens fits (the RAM cache yields first), "
                         "else it waits; one that can never fit is a 400. 0 turns the check off. Default: 75%% of "
                         "RAM on the CPU, 90%% of the GPU's memory [MLX_LANE_MEMORY_BUDGET]")
+    p.add_argument("--pipeline", action="store_true", default=_env_flag("pipeline"),
+                   help="under mlx.launch with several processes: shard the model by layers (pipeline-parallel) "
+                        "instead of by heads (tensor-parallel, the default); no effect in one process "
+                        "[MLX_LANE_PIPELINE=1]")
     p.add_argument("--keepalive", type=float, default=float(_env("keepalive", "10")),
                    help="seconds between SSE keep-alive comments while waiting (default 10)")
     p.add_argument("--shutdown-timeout", type=float, default=float(_env("shutdown_timeout", "30")),

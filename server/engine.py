@@ -90,9 +90,13 @@ class Engine:
         self.kv_bytes_per_token = 0.0  # of the last stored entry, all layers (see kv_stats)
         self._gpu = mx.default_device() != mx.cpu
 
-    def bind_stream(self) -> None:
-        """Create the MLX stream owned by the calling (lane) thread."""
+    def bind_stream(self, as_default: bool = False) -> None:
+        """Create the MLX stream owned by the calling (lane) thread. ``as_default``: make it the thread's default
+        stream too, so that work issued without a stream (the decode batch's step) runs on it as well: a model
+        sharded over processes needs every forward, and so every collective, on one stream, in one order."""
         self.stream = mx.new_stream(mx.default_device())
+        if as_default:
+            mx.set_default_stream(self.stream)
 
     def task_context(self):
         """What a lane task (server.lane.Lane.call) runs under: the lane's MLX stream."""

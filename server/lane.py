@@ -63,8 +63,11 @@ class LaneState(enum.Enum):
 
 class Lane:
     def __init__(self, engine, *, max_queue: int = 0, token_delay_s: float = 0.0, max_batch: int = 8,
-                 budget: Optional[MemoryBudget] = None, prefill_batch: int = 1):
+                 budget: Optional[MemoryBudget] = None, prefill_batch: int = 1, replay=None):
         self.engine = engine
+        # server.replay.Leader (rank 0) or Follower (other ranks) of a model sharded over processes; None in a
+        # single process, where no distributed code runs at all
+        self.replay = replay
         self.max_queue = max_queue  # 0 = unbounded
         self.token_delay_s = token_delay_s  # test seam (MLX_LANE_TEST_TOKEN_DELAY): pause after each token
         self.scheduler = Scheduler(Limits(max_batch=max(1, max_batch), prefill_chunk=engine.prefill_chunk,
@@ -76,6 +79,8 @@ class Lane:
         # lane thread (engine.new_batch); the base batch always exists, an adapter's exists while it has rows
         self._batches: dict = {}
         self._tasks: collections.deque = collections.deque()  # (callable, Future): model work other than a sequence
+        self._tick_waiting: Optional[bool] = None  # see _tick
+        self.follow_failed = False  # a follower's replay raised (server.serve.follow exits non-zero)
         self._cond = threading.Condition()
         self.state = LaneState.STARTING
         self.aborted = False  # set by abort(): a cancelled job was ended by the shutdown, not by its client
@@ -151,7 +156,8 @@ class Lane:
         return self._batches.get(None)
 
     def _cancel_all_locked(self) -> int:
-        jobs = [*self._waiting, *(a.job for a in list(self._active))]
+        origin = getattr(self.replay, "origin", None)  # rank 0 of a group: the handler's job, not the lane's view
+        jobs = [*self._waiting, *((origin(a.job) if origin else a.job) for a in list(self._active))]
         for job in jobs:
             job.cancel.set()
         while self._tasks:  # tasks not started: their callers get CancelledError
@@ -160,12 +166,17 @@ class Lane:
 
     # -- the thread -----------------------------------------------------------------
     def _run(self) -> None:
-        self.engine.bind_stream()
+        self.engine.bind_stream(as_default=self.replay is not None)
+        if self.replay is not None:  # the group's collectives run on the stream that runs the model
+            self.replay.group.bind(self.engine.stream)
+            self.replay.group.same_seed()
         try:
             self.engine.warmup()
         except Exception:
             log.exception("warm-up failed; serving anyway")
         self._batches[None] = self.engine.new_batch()
+        if self.replay is not None and not self.replay.group.leader:
+            return self._follow()
         with self._cond:
             if self.state == LaneState.STARTING:
                 self.state = LaneState.SERVING
@@ -176,6 +187,8 @@ class Lane:
                        and self.state != LaneState.STOPPED):
                     self._cond.wait()
                 if not self._waiting and not self._active and not self._tasks:
+                    if self.replay is not None:
+                        self.replay.stop()  # the followers stop too
                     return  # stopped and nothing left
             if not self.tick():
                 with self._cond:  # only jobs whose SSD prefix is still being read: wait for it, do not spin
@@ -190,12 +203,17 @@ class Lane:
         with self._cond:
             jobs = self.scheduler.admit(self._waiting, self._active, ready=self._prefix_ready)
             task = self._tasks.popleft() if self._tasks else None
+            waiting = bool(self._waiting)
         if task is not None:
-            self._run_task(*task)
+            self._run_task(*task)  # rank 0 only: what tasks run (embeddings) is not sharded
         if not jobs and not self._active:
             return task is not None
+        if self.replay is not None:  # rank 0 of a group: every rank runs this tick on the same inputs
+            jobs = self.replay.lead(jobs, self._active, waiting)
+        else:
+            waiting = None  # a single process reads the queue live (Lane._others_need_prefill)
         try:
-            self._tick(jobs)
+            self._tick(jobs, waiting)
         except Exception:  # each step reports its own failures; this is a last resort
             log.exception("lane tick failed")
         self._running_ids = tuple(a.job.id for a in self._active)
@@ -205,7 +223,38 @@ class Lane:
         ready = getattr(self.engine.prompt_cache, "ready", None)
         return ready is None or ready(job.prompt, self.engine.namespace_for(job.params), job.session)
 
-    def _tick(self, jobs: list) -> None:
+    # -- a follower of a sharded model (server.replay) ------------------------------------
+    def _follow(self) -> None:
+        with self._cond:
+            if self.state == LaneState.STARTING:
+                self.state = LaneState.SERVING
+        self.ready.set()
+        try:
+            self.replay.follow(self)
+        except BaseException:  # the group cannot go on without this rank: the process exits non-zero
+            log.exception("rank %d stopped following rank 0", self.replay.group.rank)
+            self.follow_failed = True
+        with self._cond:
+            self.state = LaneState.STOPPED
+
+    def running(self) -> list[Active]:
+        """The admitted sequences (lane thread only)."""
+        return list(self._active)
+
+    def replay_tick(self, jobs: list, waiting: bool) -> None:
+        """A follower runs rank 0's tick: the same admissions, cancellations and queue state (server.replay)."""
+        if not jobs and not self._active:
+            return
+        try:
+            self._tick(jobs, waiting)
+        except Exception:
+            log.exception("lane tick failed")
+        self._running_ids = tuple(a.job.id for a in self._active)
+
+    def _tick(self, jobs: list, waiting: Optional[bool] = None) -> None:
+        """``waiting``: whether requests wait for admission, as rank 0 saw it at the tick start (a group); None
+        reads the queue when asked (a single process)."""
+        self._tick_waiting = waiting
         stats = self.engine.stats
         t0 = time.perf_counter()
         for job in jobs:
@@ -288,7 +337,8 @@ class Lane:
 
     def _others_need_prefill(self) -> bool:
         """Requests wait, or more than one prefills: a prompt just prefilled may serve them (Engine.retake)."""
-        return bool(self._waiting) or sum(a.seq.state == SeqState.PREFILL for a in self._active) > 1
+        waiting = self._tick_waiting if self._tick_waiting is not None else bool(self._waiting)
+        return waiting or sum(a.seq.state == SeqState.PREFILL for a in self._active) > 1
 
     # -- decode ---------------------------------------------------------------------
     def _solo(self) -> list[Active]:

@@ -24,11 +24,21 @@ def build_state(args):
     from server.lane import Lane
     from server.stats import ServingStats
 
-    loaded = load_model(args.model, args.dtype, progress=True)
+    group = _group(args)
+    loaded = load_model(args.model, args.dtype, progress=True, group=group)
     loaded = _with_kv_scheme(loaded, args)
     cache_bytes = default_cache_bytes() if args.cache_bytes is None else args.cache_bytes
-    tiered = build_tiered_cache(args, loaded.fingerprint, cache_bytes)
+    tiered = build_tiered_cache(args, loaded.fingerprint, cache_bytes, follower=group is not None and not group.leader)
+    if tiered is not None and group is not None:
+        _write_shard_manifest(tiered, group, loaded.model_fingerprint)
     prompt_cache = tiered if tiered is not None else make_prompt_cache(cache_bytes)
+    replay = None
+    if group is not None:  # one model over several processes (server.replay, server.sharded_cache)
+        from server.replay import Follower, Leader
+        from server.sharded_cache import ShardedPromptCache
+
+        prompt_cache = ShardedPromptCache(prompt_cache, group)
+        replay = Leader(group) if group.leader else Follower(group, loaded.tokenizer)
     stats = ServingStats()
     chunk = args.prefill_chunk or (512 if device_name() == "cpu" else 2048)
     engine = Engine(loaded, prompt_cache, stats, prefill_chunk=chunk,
@@ -45,7 +55,7 @@ def build_state(args):
     max_batch = args.max_batch or (8 if device_name() == "cpu" else 32)
     prefill_batch = getattr(args, "prefill_batch", None) or (1 if device_name() == "cpu" else 8)
     lane = Lane(engine, max_queue=args.max_queue, token_delay_s=_token_delay_from_env(), max_batch=max_batch,
-                budget=_memory_budget(args, engine, prompt_cache), prefill_batch=prefill_batch)
+                budget=_memory_budget(args, engine, prompt_cache), prefill_batch=prefill_batch, replay=replay)
     lane.start()
     lane.ready.wait()
     blas = blas_info()
@@ -61,6 +71,7 @@ def build_state(args):
         ssd=tiered, shutdown_timeout_s=args.shutdown_timeout, model_aliases=tuple(getattr(args, "model_alias", None) or ()),
         adapters=adapters, adapter_dir=getattr(args, "adapter_dir", None), embedder=embedder,
         web=_web_policy(args), dashboard=not getattr(args, "no_dashboard", False),
+        distributed=group.describe() if group is not None else None,
     )
 
 
@@ -119,6 +130,42 @@ def _web_policy(args):
     return policy
 
 
+def _write_shard_manifest(tiered, group, model_fingerprint: str) -> None:
+    """``<cache_dir>/<shard fingerprint>.shard.json`` beside this rank's SSD directory: which split it holds and
+    which directories hold the other ranks' files of the same entries (a restore needs all of them;
+    server.sharded_cache). Beside, not inside: the start-up scan owns the directory."""
+    import json
+    from pathlib import Path
+
+    folder = Path(tiered.ssd_stats()["dir"])
+    path = folder.with_name(folder.name + ".shard.json")
+    try:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(group.shard_manifest(model_fingerprint), indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not write %s: %s", path, exc)
+
+
+def _group(args):
+    """The distributed group when launched under mlx.launch with more than one process, else None."""
+    from models import ModelLoadError
+    from server.distributed import init_group
+
+    group = init_group("pipeline" if getattr(args, "pipeline", False) else "tensor")
+    if group is None:
+        if getattr(args, "pipeline", False):
+            log.warning("--pipeline has no effect in a single process (start the server under mlx.launch)")
+        return None
+    unsupported = [flag for flag, on in (("--draft-model/--draft-kind", args.draft_model or args.draft_kind),
+                                         ("--adapter", getattr(args, "adapter", None)))
+                   if on]
+    if unsupported:
+        raise ModelLoadError(f"{', '.join(unsupported)} is not supported when the model is sharded over "
+                             "processes; start without it")
+    return group
+
+
 def _memory_budget(args, engine, prompt_cache):
     """Admission by memory (server.scheduler.MemoryBudget): --memory-budget, or the device's default."""
     from server.scheduler import MemoryBudget
@@ -153,9 +200,10 @@ def _with_kv_scheme(loaded, args):
     return replace(loaded, fingerprint=kv_namespace(loaded.fingerprint, bits, group))
 
 
-def build_tiered_cache(args, fingerprint: str, ram_bytes: int):
+def build_tiered_cache(args, fingerprint: str, ram_bytes: int, follower: bool = False):
     """The RAM tier over the SSD tier (cache.tiered), or None when the SSD tier is off (--no-ssd-cache, or no
-    RAM tier at all: --cache-bytes 0)."""
+    RAM tier at all: --cache-bytes 0). ``follower``: a rank > 0 of a sharded model, which restores whatever
+    prefix rank 0 chose (server.sharded_cache)."""
     from cache.durability import DurabilityCoordinator
     from cache.ssd_store import SSDStore
     from cache.tiered import TieredCache
@@ -173,7 +221,12 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int):
     # large prefixes (an 8B model's 16k-token entry is over 2 GiB) without saving memory
     durability = DurabilityCoordinator(store, debounce_s=args.write_behind_debounce,
                                        max_pending_bytes=max(2 << 30, ram_bytes))
-    tiered = TieredCache.build(ram_bytes, store, durability, load_cost_model(fingerprint, args.ssd_restore),
+    restore = args.ssd_restore
+    if follower:
+        from server.sharded_cache import follower_restore_mode
+
+        restore = follower_restore_mode
+    tiered = TieredCache.build(ram_bytes, store, durability, load_cost_model(fingerprint, restore),
                                demote_idle_s=args.demote_idle)
     s = store.stats()
     log.info("ssd cache %s | %d entries, %.2f GiB of %.2f GiB | removed at scan %d | debounce %.1fs | "
@@ -359,6 +412,8 @@ def serve(args) -> int:
     except ModelLoadError as exc:
         log.error("%s", exc)
         return 2
+    if state.distributed is not None and state.distributed["rank"] != 0:
+        return follow(state)
     app = create_app(state)
     log.info("serving on http://%s:%d (OpenAI API under /v1%s)", args.host, args.port,
              "" if state.dashboard else "; dashboard off")
@@ -378,3 +433,31 @@ def serve(args) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def follow(state) -> int:
+    """A rank > 0 of a sharded model: no HTTP; the lane replays rank 0's ticks until rank 0 stops (its SIGTERM
+    or Ctrl-C is the group's shutdown: this rank ignores both and waits for the stop), then flushes its SSD tier."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    rank = state.distributed["rank"]
+    log.info("rank %d follows rank 0 (%s-parallel over %d processes)", rank, state.distributed["mode"],
+             state.distributed["world_size"])
+    state.lane._thread.join()
+    code = 0
+    if state.ssd is not None:
+        if not state.ssd.close(timeout=state.shutdown_timeout_s):
+            log.warning("rank %d: SSD cache writes still pending at exit", rank)
+        save_cost_model(state.loaded.fingerprint, state.ssd.cost_model)
+    if state.lane.follow_failed:
+        code = 1
+    diverged = getattr(state.lane.replay, "diverged", 0)
+    if diverged:
+        log.error("rank %d diverged from rank 0 %d times", rank, diverged)
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

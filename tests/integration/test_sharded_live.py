@@ -1,0 +1,194 @@
+"""One model over several processes: ``mlx-lane serve`` under ``mlx.launch`` (MLX's ring backend on loopback),
+against a single-process server on the same model. The oracle is greedy text: a sharded server must answer
+exactly what one process answers, sequentially, batched (requests at once), from its prefix cache, and after a
+restart that restores every rank's shard from SSD.
+
+The default model's 9 query / 3 KV heads do not split over 2 processes (tensor-parallel divides the heads) and
+mlx-lm's llama has no pipeline support, so the 2-process runs use tiny random models written here (4 query / 2 KV
+heads, 4 layers): a llama for tensor-parallel, a qwen2 for pipeline. The default model runs tensor-parallel over
+3 processes, and a 2-process start on it must fail with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.fixtures.tiny_models import write_shardable_model
+from tests.launchproc import ROOT, LaunchedServer, mlx_launch
+from tests.serverproc import ServerProc, free_port
+
+pytestmark = pytest.mark.model
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant for a software engineering team."}
+TURNS = ["What is a mutex?", "And a semaphore?", "Which one should I use for a connection pool?"]
+OTHERS = ["Name a prime number.", "Say hello in French.", "What is a linked list?"]
+
+
+def chat(url, messages, max_tokens=12, model=None):
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    if model is not None:
+        body["model"] = model
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    obj = r.json()
+    return obj["choices"][0]["message"]["content"], obj["usage"]
+
+
+def cached(usage):
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def model_id(url):
+    return httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+
+def conversation(url, model):
+    """Three turns of one conversation; returns (texts, usages)."""
+    msgs, texts, usages = [SYSTEM], [], []
+    for turn in TURNS:
+        msgs.append({"role": "user", "content": turn})
+        text, usage = chat(url, msgs, model=model)
+        msgs.append({"role": "assistant", "content": text})
+        texts.append(text)
+        usages.append(usage)
+    return texts, usages
+
+
+def at_once(url, model):
+    """OTHERS sent together (the lane batches them); their texts in order."""
+    with cf.ThreadPoolExecutor(len(OTHERS)) as pool:
+        futs = [pool.submit(chat, url, [{"role": "user", "content": q}], 12, model) for q in OTHERS]
+        return [f.result()[0] for f in futs]
+
+
+def reference(model_dir):
+    """The single-process answers on ``model_dir``: the conversation (cold every turn) and OTHERS."""
+    srv = ServerProc("--model", str(model_dir), "--no-ssd-cache")
+    try:
+        model = model_id(srv.url)
+        msgs, texts = [SYSTEM], []
+        for turn in TURNS:
+            assert httpx.post(srv.url + "/admin/cache/clear").status_code == 200
+            msgs.append({"role": "user", "content": turn})
+            text, usage = chat(srv.url, msgs, model=model)
+            assert cached(usage) == 0
+            msgs.append({"role": "assistant", "content": text})
+            texts.append(text)
+        others = [chat(srv.url, [{"role": "user", "content": q}], model=model)[0] for q in OTHERS]
+    finally:
+        assert srv.stop() == 0, srv.log()
+    return texts, others
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("shardable")
+    return {arch: write_shardable_model(root / arch, default_model_dir, arch=arch) for arch in ("llama", "qwen2")}
+
+
+def test_tensor_parallel_2_processes_matches_one_process_and_restores_from_ssd(tiny_dirs, tmp_path):
+    ref_turns, ref_others = reference(tiny_dirs["llama"])
+    kv = tmp_path / "kv"
+    args = ("--model", str(tiny_dirs["llama"]), "--ssd-cache", str(kv), "--write-behind-debounce", "0.2")
+    first = LaunchedServer(2, *args)
+    try:
+        model = model_id(first.url)
+        texts, usages = conversation(first.url, model)
+        assert texts == ref_turns
+        # turns 2 and 3 extend the previous turn: every rank took its shard of that prefix from RAM
+        assert cached(usages[1]) > 0 and cached(usages[2]) > cached(usages[1])
+        assert at_once(first.url, model) == ref_others
+        stats = httpx.get(first.url + "/stats").json()
+        assert stats["distributed"]["world_size"] == 2 and stats["distributed"]["mode"] == "tensor"
+        assert stats["distributed"]["takes_dropped"] == 0
+        assert stats["prompt_cache"]["hits"] >= 2
+    finally:
+        assert first.stop() == 0, first.log()
+    log = first.log()
+    assert "diverged" not in log, log
+    # each rank persisted its own shard in its own directory; each directory's manifest names both
+    manifests = {m["rank"]: m for m in (json.loads(p.read_text()) for p in kv.glob("*.shard.json"))}
+    assert sorted(manifests) == [0, 1] and manifests[0]["ranks"] == manifests[1]["ranks"]
+    assert manifests[0]["mode"] == "tensor" and manifests[0]["world_size"] == 2
+    for rank, m in manifests.items():
+        assert m["ranks"][rank] == m["ranks"][rank] and (kv / m["ranks"][rank]).is_dir()
+        assert list((kv / m["ranks"][rank]).rglob("*.safetensors")), f"rank {rank} persisted no cache file"
+
+    second = LaunchedServer(2, *args)
+    try:
+        msgs = [SYSTEM]
+        for turn, text in zip(TURNS, texts):
+            msgs += [{"role": "user", "content": turn}, {"role": "assistant", "content": text}]
+        msgs.append({"role": "user", "content": "Thanks!"})
+        text4, usage4 = chat(second.url, msgs, model=model)
+        # the whole previous conversation came back from both ranks' files
+        assert cached(usage4) >= usages[2]["prompt_tokens"]
+        s = httpx.get(second.url + "/stats").json()
+        assert s["ssd_cache"]["ssd_hits"] >= 1 and s["distributed"]["takes_dropped"] == 0
+    finally:
+        assert second.stop() == 0, second.log()
+    assert "diverged" not in second.log()
+    # and the restored KV gives the text a cold single process gives
+    srv = ServerProc("--model", str(tiny_dirs["llama"]), "--no-ssd-cache")
+    try:
+        assert chat(srv.url, msgs, model=model)[0] == text4
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_pipeline_2_processes_matches_one_process(tiny_dirs):
+    ref_turns, ref_others = reference(tiny_dirs["qwen2"])
+    srv = LaunchedServer(2, "--model", str(tiny_dirs["qwen2"]), "--no-ssd-cache", "--pipeline")
+    try:
+        model = model_id(srv.url)
+        texts, usages = conversation(srv.url, model)
+        assert texts == ref_turns
+        assert cached(usages[2]) > 0
+        assert at_once(srv.url, model) == ref_others
+        assert httpx.get(srv.url + "/stats").json()["distributed"]["mode"] == "pipeline"
+        # sampled requests (unseeded, seeded, batched with top_p) and a grammar run on every rank alike: the
+        # followers check each running request's token count against rank 0's every tick ("diverged" otherwise)
+        sampled = [{"messages": [{"role": "user", "content": q}], "max_tokens": 12, "temperature": 0.9,
+                    "model": model, **extra} for q, extra in
+                   (("a", {}), ("b c", {"seed": 3}), ("d e f", {"top_p": 0.9}), ("g", {"seed": 3}))]
+        sampled.append({"messages": [{"role": "user", "content": "json"}], "max_tokens": 12, "temperature": 0,
+                        "model": model, "response_format": {"type": "json_object"}})
+        with cf.ThreadPoolExecutor(len(sampled)) as pool:
+            codes = list(pool.map(lambda b: httpx.post(srv.url + "/v1/chat/completions", json=b,
+                                                       timeout=600).status_code, sampled))
+        assert codes == [200] * len(sampled)
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert "diverged" not in srv.log()
+
+
+def test_default_model_tensor_parallel_over_3_processes_matches_one_process(default_model_dir):
+    ref_turns, ref_others = reference(default_model_dir)
+    srv = LaunchedServer(3, "--model", "default", "--no-ssd-cache")
+    try:
+        texts, usages = conversation(srv.url, None)
+        assert texts == ref_turns
+        assert cached(usages[2]) > 0
+        assert at_once(srv.url, None) == ref_others
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert "diverged" not in srv.log()
+
+
+def test_default_model_over_2_processes_says_what_to_do(default_model_dir):
+    cmd = [*mlx_launch(), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--python",
+           sys.executable, "--", "-m", "server.cli", "serve", "--port", str(free_port()), "--model", "default",
+           "--no-ssd-cache"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    text = out.stdout + out.stderr
+    # mlx.launch itself exits 0; it reports the first rank's failure, then terminates the others
+    assert re.search(r"Node with rank \d exited with code 2", text), text[-3000:]
+    assert "9 attention heads, which do not split over 2 processes" in text, text[-3000:]
+    assert "--pipeline" in text
