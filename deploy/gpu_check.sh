@@ -27,6 +27,16 @@ rm -rf "$MLX_LANE_HOME" "$VENV"
 nvidia-smi -L
 sh deploy/mlx_backend.sh --explain
 
+# This device has no registry and its Python has no nvidia-* distributions registered (its CUDA libraries come from
+# the system), so pip cannot resolve mlx-cuda-13's nvidia-* requirements here: with NO_DEPS=1 the venv gets every
+# bundled wheel without dependency resolution first, and make's own `pip install -e '.[test,cuda13]'` then runs
+# with PIP_NO_DEPS. On a GPU machine with a registry, `make serve` alone fetches them.
+if [ "${NO_DEPS:-1}" = 1 ]; then
+  python3 -m venv --system-site-packages "$VENV"
+  "$VENV/bin/python" -m pip install -q --no-deps /tmp/gpu-bundle/wheels/*.whl
+  export PIP_NO_DEPS=1
+fi
+
 start=$(date +%s)
 setsid make serve VENV="$VENV" VENV_ARGS=--system-site-packages HOST=127.0.0.1 PORT="$PORT" > "$OUT/serve.log" 2>&1 &
 pgid=$!
