@@ -14,11 +14,12 @@ PYTEST_ARGS ?=
 TORCH_SPEC ?= torch==2.13.0
 ACCELERATE_SPEC ?= accelerate==1.15.0
 
-.PHONY: serve test venv blas model test-deps bench soak clean help
+.PHONY: serve test venv blas model test-deps haproxy cluster bench soak clean help
 
 help:
 	@echo "make serve   - create .venv, install, get + convert the default model, serve on $(HOST):$(PORT)"
 	@echo "make test    - run the whole test suite (installs what it needs)"
+	@echo "make cluster - REPLICAS (default 2) replicas behind HAProxy on $(HOST):$(PORT), sharing one SSD cache"
 	@echo "make bench   - run the CPU benchmarks and rewrite BENCHMARKS.md"
 
 $(STAMP): pyproject.toml
@@ -42,6 +43,19 @@ blas:
 		echo "         Install it with: sudo apt-get install libopenblas0-pthread"; \
 	fi
 
+# HAProxy (Debian's 2.6: consistent hashing, JSON body fetches) fronts the replicas of `make cluster`; the tests
+# run a real one. Installed like OpenBLAS: as root through apt-get, a clear message otherwise.
+haproxy:
+	@if command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; then exit 0; fi; \
+	if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing haproxy (for make cluster and its tests)"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=300 haproxy) \
+			>/dev/null || echo "WARNING: could not install haproxy; the cluster tests will be skipped"; \
+	else \
+		echo "WARNING: haproxy not found: the cluster tests are skipped and make cluster cannot run."; \
+		echo "         Install it with: sudo apt-get install haproxy"; \
+	fi
+
 model: venv
 	$(BIN)/python -c "from models import ensure_default_model; print(ensure_default_model())"
 
@@ -52,7 +66,15 @@ test-deps: venv
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	@$(BIN)/python -c "import accelerate" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)" "$(ACCELERATE_SPEC)"
 
-test: venv blas model test-deps
+# N replicas of `mlx-lane serve` (ARGS go to each) behind HAProxy on HOST:PORT; replicas on PORT+1.. share the SSD
+# cache folder (SSD_CACHE, default ~/.cache/mlx-lane/kv). Ctrl-C stops everything. See README "More than one machine".
+REPLICAS ?= 2
+SSD_CACHE ?=
+cluster: venv blas model haproxy
+	$(BIN)/python deploy/cluster.py --replicas $(REPLICAS) --host $(HOST) --port $(PORT) --base-port $$(($(PORT) + 1)) \
+		$(if $(SSD_CACHE),--ssd-cache $(SSD_CACHE)) -- $(ARGS)
+
+test: venv blas model test-deps haproxy
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # CPU benchmarks, each alternated against its peers in one run; each script writes its JSON (with a preflight of
