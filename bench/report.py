@@ -594,7 +594,64 @@ def render_grammar_cost(runs: list[Run]) -> str:
             + table(["request", "decode tok/s", "TTFT s (grammar compiled in it)"], rows))
 
 
+def render_cluster_affinity(runs: list[Run]) -> str:
+    """bench/cluster_affinity.py: session hashing vs round-robin, the kill -9 run, the restore-vs-cold replay."""
+    d = runs[0].data
+    c = d["config"]
+    text = (f"{c['replicas']} replicas of `{c['serve_args']}` behind {c['proxy']}, one fresh shared SSD folder per "
+            f"run; {c['k']} agents x {c['turns']} turns at once (concurrent_agents.py's workload, each agent with its "
+            f"X-Session-Id), {c['max_tokens']}-token greedy replies.")
+    aff = d.get("affinity") or []
+    if aff:
+        rows = []
+        for r in aff:
+            m = r["metrics"]
+            restores = sum((x or {}).get("ssd_hits") or 0 for x in (r.get("ssd") or {}).values())
+            rows.append([r["round"], r["balance"], pct(m["hit_rate"], 1),
+                         f"{num(m['cached_tokens'], 0, True)} / {num(m['prompt_tokens'], 0, True)}",
+                         num(m["ttft_mean_s"], 2), num(m["ttft_mean_turn2plus_s"], 2), num(m["wall_s"], 1),
+                         m["replica_switches"], restores, m["requests_failed"]])
+        text += "\n\n" + table(["round", "balance", "cache hit rate", "cached / prompt tokens", "mean TTFT (s)",
+                                "mean TTFT turns >= 2 (s)", "wall (s)", "replica switches", "SSD restores",
+                                "failed"], rows)
+        ratio = (d.get("affinity_summary") or {}).get("ratio_session_over_roundrobin") or {}
+        if ratio:
+            text += ("\n\nSession hashing / round-robin (medians over rounds): mean TTFT "
+                     f"**{num(ratio.get('ttft_mean_s'), 3)}**, turns >= 2 {num(ratio.get('ttft_mean_turn2plus_s'), 3)}"
+                     f", wall {num(ratio.get('wall_s'), 3)}. Round-robin's SSD restores are the shared folder at work: "
+                     "a turn landing on the other replica restores what the first one wrote (after its 1 s debounce).")
+    fo = d.get("failover")
+    if fo:
+        m, k = fo["metrics"], fo.get("kill") or {}
+        kill = (f"kill -9 of r1 after {k.get('at_done')} of {k.get('of_turns')} turns had finished, with "
+                f"{k.get('in_flight_on_r1')} request(s) in flight on it" if k.get("happened") else
+                "**the kill never happened** (no request reached r1 after the threshold)")
+        failed = "; ".join(f"agent {x['agent']} turn {x['turn']} attempt {x['attempt']}: {x['error'][:90]}"
+                           for x in fo["failed"]) or "none"
+        text += (f"\n\n**Failover** ({kill}): every agent finished all its turns: "
+                 f"**{'yes' if fo['every_agent_finished'] else 'NO'}** ({m['turns_done']} / {m['turns_total']} turns); "
+                 f"requests that failed (each agent retried its own): {failed}.")
+        if fo.get("moved"):
+            rows = [[x["agent"], x["turn"], num(x["prompt_tokens"], 0, True), num(x["cached_tokens"], 0, True),
+                     num(x["prev_prompt_tokens"], 0, True), "yes" if x["restored"] else "no", num(x["ttft_s"], 2)]
+                    for x in fo["moved"]]
+            text += ("\n\nConversations that moved from r1 to r2, their first turn on r2 (in the run, under load):\n\n"
+                     + table(["agent", "turn", "prompt tokens", "cached tokens", "r1's last prompt",
+                              "restored from the shared folder", "TTFT (s)"], rows))
+        if fo.get("replay"):
+            rows = [[x["agent"], x["turn"], num(x["prompt_tokens"], 0, True), num(x["cold_s"], 2),
+                     num(x["cold_cached"], 0), num(x["restore_s"], 2), num(x["restore_cached"], 0, True),
+                     num(x["restore_over_cold"], 3)] for x in fo["replay"]]
+            text += ("\n\nThe same prompts replayed one at a time after the run (1 token): a fresh replica on the "
+                     "failover's folder (restores from SSD) vs a fresh replica without an SSD tier (cold prefill, "
+                     "RAM cleared before each):\n\n"
+                     + table(["agent", "turn", "prompt tokens", "cold TTFT (s)", "cold cached", "restore TTFT (s)",
+                              "restore cached", "restore / cold"], rows))
+    return text
+
+
 RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
+    "cluster_affinity": render_cluster_affinity,
     "machine": Renderer(render_machine, pattern="*.json", pick=every, provenance=False),
     "decode_overhead": Renderer(render_decode_overhead, pick=newest(2)),
     "warm_hit": Renderer(render_warm_hit, pick=newest(2)),
