@@ -87,7 +87,7 @@ test: venv blas model test-deps haproxy
 AGENT_REPLAY ?= --convs 8 --turns 6
 bench: SHELL := bash
 bench: .SHELLFLAGS := -o pipefail -c
-bench: venv blas model
+bench: venv blas model haproxy
 	$(BIN)/python bench/decode_overhead.py --rounds 5 --tokens 64 | tee bench/results/decode_overhead.txt
 	$(BIN)/python bench/warm_hit.py --rounds 7 --context 1024 | tee bench/results/warm_hit.txt
 	$(BIN)/python bench/ssd_restart.py --rounds 3 --context 4000 | tee bench/results/ssd_restart.txt
@@ -103,6 +103,7 @@ bench: venv blas model
 		--rounds 2 | tee bench/results/concurrent_agents.txt
 	$(BIN)/python bench/batch_text_match.py --servers ours --n 24 --max-tokens 32 --repeat-alone \
 		| tee bench/results/batch_text_match.txt
+	$(BIN)/python bench/cluster_affinity.py --k 4 --turns 3 --max-tokens 16 | tee bench/results/cluster_affinity.txt
 	$(BIN)/python bench/report.py --write BENCHMARKS.md
 
 # 1,000 requests under a 48 MiB RAM cache; the RSS / cache-bytes curve goes to bench/results/soak_curve.json.

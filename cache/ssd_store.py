@@ -330,7 +330,7 @@ class SSDStore:
                 ns_dirs = [d.path for d in os.scandir(self.dir)
                            if _NS_DIR.fullmatch(d.name) and d.is_dir(follow_symlinks=False)]
             else:
-                ns_dirs = [d for d in self._listed if d != self.dir]
+                ns_dirs = [d for d in list(self._listed) if d != self.dir]  # list(): the writer may add one
         except OSError as e:
             self._disk_error("sync", e)
             return 0, 0
