@@ -103,7 +103,7 @@ bench: venv blas model haproxy
 		--rounds 2 | tee bench/results/concurrent_agents.txt
 	$(BIN)/python bench/batch_text_match.py --servers ours --n 24 --max-tokens 32 --repeat-alone \
 		| tee bench/results/batch_text_match.txt
-	$(BIN)/python bench/cluster_affinity.py --k 4 --turns 3 --max-tokens 16 | tee bench/results/cluster_affinity.txt
+	$(BIN)/python bench/cluster_affinity.py --k 5 --turns 3 --max-tokens 16 | tee bench/results/cluster_affinity.txt
 	$(BIN)/python bench/report.py --write BENCHMARKS.md
 
 # 1,000 requests under a 48 MiB RAM cache; the RSS / cache-bytes curve goes to bench/results/soak_curve.json.

@@ -11,15 +11,15 @@ Every agent sends its session key (X-Session-Id: agent-k). The proxy's X-Lane-Re
              Measured: cache hit rate (sum cached_tokens / sum prompt_tokens, from usage), mean TTFT (all turns; and
              turns >= 2, where affinity matters), wall, replica switches between consecutive turns of a conversation,
              each replica's SSD restores (round-robin can restore what the other replica wrote: shared folder).
-  failover   session policy; once --kill-after of all turns have finished and a request is in flight on r1, r1 gets
-             kill -9. An agent whose request fails retries it (up to 3 attempts, 0.5 s apart). Measured: every agent
+  failover   session policy; once --kill-after of all turns have finished, the replica with the most requests in
+             flight gets kill -9. An agent whose request fails retries it (up to 3 attempts, 0.5 s apart). Measured: every agent
              finished, the failed requests and what they saw (HTTP status / cut stream), the moved conversations'
-             first turn on r2 (TTFT, cached tokens: restored from the folder r1 wrote, or not).
+             first turn on the survivor (TTFT, cached tokens: restored from the folder the victim wrote, or not).
   replay     quiet, after the runs: each moved turn's exact prompt sent (1 token) to a fresh replica on the failover
              folder (restores from SSD) and to a fresh replica without an SSD tier (cold prefill), alternating:
              restore TTFT / cold TTFT side by side.
 
-    python bench/cluster_affinity.py                                  # K 4, T 4, 32 tokens, 1 round
+    python bench/cluster_affinity.py --k 5 --turns 3 --max-tokens 16  # what BENCHMARKS.md shows
     python bench/cluster_affinity.py --k 2 --turns 2 --max-tokens 8   # smoke
 """
 
@@ -192,16 +192,21 @@ def failover_run(tasks, chunks, args, workdir: Path) -> dict:
         while len(done) < args.kill_after * total:
             time.sleep(0.05)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # wait for a request in flight on r1 (event, not a guessed sleep)
-            try:
-                running = httpx.get(c.replica_url(0) + "/stats", timeout=10).json()["lane"]["running_requests"]
-            except Exception:
-                running = []
-            if running:
+        while time.monotonic() < deadline:  # the replica with the most requests in flight (an event, not a sleep)
+            running = []
+            for i in range(2):
+                try:
+                    running.append(len(httpx.get(c.replica_url(i) + "/stats", timeout=10).json()["lane"]
+                                       ["running_requests"]))
+                except Exception:
+                    running.append(0)
+            if max(running):
                 break
             time.sleep(0.02)
-        kill_info.update(happened=True, at_done=len(done), of_turns=total, in_flight_on_r1=len(running))
-        c.kill(0)
+        victim = running.index(max(running))
+        kill_info.update(happened=True, victim=c.names[victim], at_done=len(done), of_turns=total,
+                         in_flight_on_victim=running[victim])
+        c.kill(victim)
         killed.set()
 
     th = threading.Thread(target=killer, daemon=True)
@@ -209,7 +214,9 @@ def failover_run(tasks, chunks, args, workdir: Path) -> dict:
     try:
         records, wall = run_agents(c.url, tasks, chunks, args.k, args.turns, args.max_tokens, on_reply=on_reply)
         th.join(5)
-        survivor = ssd_block(c.replica_url(1))
+        victim = kill_info.get("victim")
+        survivor_name = next((n for n in c.names if n != victim), None)
+        survivor = ssd_block(c.replica_url(c.index_of(survivor_name))) if victim else None
     finally:
         codes = c.stop()
     ok = [r for r in records if r["ok"]]
@@ -217,7 +224,7 @@ def failover_run(tasks, chunks, args, workdir: Path) -> dict:
     for k in range(args.k):
         mine = sorted((r for r in ok if r["agent"] == k), key=lambda r: r["turn"])
         for a, b in zip(mine, mine[1:]):
-            if a["replica"] == "r1" and b["replica"] == "r2":
+            if victim and a["replica"] == victim and b["replica"] != victim:
                 moved.append({"agent": k, "turn": b["turn"], "ttft_s": b["ttft_s"], "prompt_tokens": b["prompt_tokens"],
                               "cached_tokens": b["cached_tokens"], "prev_prompt_tokens": a["prompt_tokens"],
                               "restored": b["cached_tokens"] >= a["prompt_tokens"] - 1, "messages": b["messages"]})
@@ -265,9 +272,10 @@ def replay(moved: list[dict], folder: str, args) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--k", type=int, default=4, help="agents (default 4)")
-    ap.add_argument("--turns", type=int, default=4, help="turns per agent (default 4)")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--k", type=int, default=5,
+                    help="agents (default 5; an even K lets round-robin keep lock-step agents on one replica)")
+    ap.add_argument("--turns", type=int, default=3, help="turns per agent (default 3)")
+    ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1, help="affinity rounds (order rotated)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk-min", type=int, default=150)

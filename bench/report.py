@@ -623,9 +623,9 @@ def render_cluster_affinity(runs: list[Run]) -> str:
     fo = d.get("failover")
     if fo:
         m, k = fo["metrics"], fo.get("kill") or {}
-        kill = (f"kill -9 of r1 after {k.get('at_done')} of {k.get('of_turns')} turns had finished, with "
-                f"{k.get('in_flight_on_r1')} request(s) in flight on it" if k.get("happened") else
-                "**the kill never happened** (no request reached r1 after the threshold)")
+        kill = (f"kill -9 of {k.get('victim')} after {k.get('at_done')} of {k.get('of_turns')} turns had finished, "
+                f"with {k.get('in_flight_on_victim')} request(s) in flight on it" if k.get("happened") else
+                "**the kill never happened**")
         failed = "; ".join(f"agent {x['agent']} turn {x['turn']} attempt {x['attempt']}: {x['error'][:90]}"
                            for x in fo["failed"]) or "none"
         text += (f"\n\n**Failover** ({kill}): every agent finished all its turns: "
@@ -635,8 +635,9 @@ def render_cluster_affinity(runs: list[Run]) -> str:
             rows = [[x["agent"], x["turn"], num(x["prompt_tokens"], 0, True), num(x["cached_tokens"], 0, True),
                      num(x["prev_prompt_tokens"], 0, True), "yes" if x["restored"] else "no", num(x["ttft_s"], 2)]
                     for x in fo["moved"]]
-            text += ("\n\nConversations that moved from r1 to r2, their first turn on r2 (in the run, under load):\n\n"
-                     + table(["agent", "turn", "prompt tokens", "cached tokens", "r1's last prompt",
+            text += ("\n\nConversations that moved off the killed replica, their first turn on the survivor (in the "
+                     "run, under load):\n\n"
+                     + table(["agent", "turn", "prompt tokens", "cached tokens", "last prompt on the victim",
                               "restored from the shared folder", "TTFT (s)"], rows))
         if fo.get("replay"):
             rows = [[x["agent"], x["turn"], num(x["prompt_tokens"], 0, True), num(x["cold_s"], 2),
