@@ -1,5 +1,8 @@
 """The SSD cold tier: an index over KV files that survives restarts.
 
+(About 500 lines on purpose: the index, its start-up scan, its sync with other processes and its deletions are one
+contract over one dict and one lock; the lock protocol itself lives in `cache.filelocks`.)
+
 Files are the database: `<root>/<fingerprint>/<ns_hash>/<uuid hex>.safetensors` (format: `cache.kvfile`). Only
 hex strings become path components: the fingerprint is validated as hex, the namespace is hashed, file names are
 generated. Nothing read from a file ever becomes a path.
