@@ -6,8 +6,9 @@ sent through deploy/cluster.py's proxy to 2 replicas of the default model sharin
 Every agent sends its session key (X-Session-Id: agent-k). The proxy's X-Lane-Replica header says who answered.
 
   affinity   one run per --balance policy, each on a fresh cluster and folder, order rotated by round:
-             session     consistent hash on the key (deploy/haproxy.cfg.in as shipped)
-             roundrobin  the plain balancer (same config, `balance roundrobin`)
+             session          consistent hash on the key (deploy/haproxy.cfg.in as shipped)
+             session-bounded  the same with --hash-balance-factor 150 (bounded-load consistent hashing)
+             roundrobin       the plain balancer (same config, `balance roundrobin`)
              Measured: cache hit rate (sum cached_tokens / sum prompt_tokens, from usage), mean TTFT (all turns; and
              turns >= 2, where affinity matters), wall, replica switches between consecutive turns of a conversation,
              each replica's SSD restores (round-robin can restore what the other replica wrote: shared folder).
@@ -153,8 +154,13 @@ def ssd_block(url: str) -> dict | None:
         return None
 
 
-def new_cluster(balance: str, folder: str, args) -> Cluster:
-    c = Cluster(2, balance=balance, ssd_cache=folder, serve_args=tuple(shlex.split(args.serve_args)))
+POLICIES = {"session": ("session", 0), "session-bounded": ("session", 150), "roundrobin": ("roundrobin", 0)}
+
+
+def new_cluster(policy: str, folder: str, args) -> Cluster:
+    balance, factor = POLICIES[policy]
+    c = Cluster(2, balance=balance, hash_balance_factor=factor, ssd_cache=folder,
+                serve_args=tuple(shlex.split(args.serve_args)))
     c.start()
     import httpx
 
@@ -282,6 +288,8 @@ def main() -> None:
     ap.add_argument("--chunk-max", type=int, default=300)
     ap.add_argument("--kill-after", type=float, default=0.5, help="fraction of turns done before the kill")
     ap.add_argument("--serve-args", default="--model default", help="each replica's serve flags")
+    ap.add_argument("--policies", default="session,session-bounded,roundrobin",
+                    help=f"affinity runs, from {', '.join(POLICIES)}")
     ap.add_argument("--skip", default="", help="comma list of phases to skip: affinity,failover,replay")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster_affinity.json"))
     args = ap.parse_args()
@@ -304,23 +312,26 @@ def main() -> None:
     runs = []
     if "affinity" not in skip:
         for rnd in range(args.rounds):
-            order = ["session", "roundrobin"] if rnd % 2 == 0 else ["roundrobin", "session"]
-            for balance in order:
+            policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+            shift = rnd % len(policies)
+            for balance in policies[shift:] + policies[:shift]:
                 run = affinity_run(balance, tasks, chunks, args, workdir, rnd + 1)
                 runs.append(run)
                 m = run["metrics"]
-                print(f"round {rnd + 1} {balance:10s} hit rate {m['hit_rate']:.3f}  mean TTFT {m['ttft_mean_s']:.3f}s "
+                print(f"round {rnd + 1} {balance:16s} hit rate {m['hit_rate']:.3f}  mean TTFT {m['ttft_mean_s']:.3f}s "
                       f"(turns>=2 {m['ttft_mean_turn2plus_s']}s)  wall {m['wall_s']}s  switches "
                       f"{m['replica_switches']}  ssd {run['ssd']}", flush=True)
         result["affinity"] = runs
         summ = {}
-        for b in ("session", "roundrobin"):
+        for b in dict.fromkeys(r["balance"] for r in runs):
             ms = [r["metrics"] for r in runs if r["balance"] == b]
             summ[b] = {k: statistics.median(m[k] for m in ms) for k in
                        ("hit_rate", "ttft_mean_s", "ttft_mean_turn2plus_s", "wall_s", "replica_switches")}
-        summ["ratio_session_over_roundrobin"] = {
-            k: round(summ["session"][k] / summ["roundrobin"][k], 3)
-            for k in ("ttft_mean_s", "ttft_mean_turn2plus_s", "wall_s") if summ["roundrobin"][k]}
+        if "roundrobin" in summ:
+            summ["ratio_over_roundrobin"] = {
+                b: {k: round(summ[b][k] / summ["roundrobin"][k], 3)
+                    for k in ("ttft_mean_s", "ttft_mean_turn2plus_s", "wall_s") if summ["roundrobin"][k]}
+                for b in summ if b != "roundrobin"}
         result["affinity_summary"] = summ
         print(json.dumps(summ, indent=1), flush=True)
     if "failover" not in skip:

@@ -614,12 +614,15 @@ def render_cluster_affinity(runs: list[Run]) -> str:
         text += "\n\n" + table(["round", "balance", "cache hit rate", "cached / prompt tokens", "mean TTFT (s)",
                                 "mean TTFT turns >= 2 (s)", "wall (s)", "replica switches", "SSD restores",
                                 "failed"], rows)
-        ratio = (d.get("affinity_summary") or {}).get("ratio_session_over_roundrobin") or {}
-        if ratio:
-            text += ("\n\nSession hashing / round-robin (medians over rounds): mean TTFT "
-                     f"**{num(ratio.get('ttft_mean_s'), 3)}**, turns >= 2 {num(ratio.get('ttft_mean_turn2plus_s'), 3)}"
-                     f", wall {num(ratio.get('wall_s'), 3)}. Round-robin's SSD restores are the shared folder at work: "
-                     "a turn landing on the other replica restores what the first one wrote (after its 1 s debounce).")
+        summ = d.get("affinity_summary") or {}
+        ratios = summ.get("ratio_over_roundrobin") or (
+            {"session": summ["ratio_session_over_roundrobin"]} if "ratio_session_over_roundrobin" in summ else {})
+        for b, ratio in ratios.items():
+            text += (f"\n\n{b} / round-robin (medians over rounds): mean TTFT **{num(ratio.get('ttft_mean_s'), 3)}**, "
+                     f"turns >= 2 {num(ratio.get('ttft_mean_turn2plus_s'), 3)}, wall {num(ratio.get('wall_s'), 3)}.")
+        if ratios:
+            text += ("\n\nRound-robin's SSD restores are the shared folder at work: a turn landing on the other replica "
+                     "restores what the first one wrote (after its 1 s write-behind debounce).")
     fo = d.get("failover")
     if fo:
         m, k = fo["metrics"], fo.get("kill") or {}

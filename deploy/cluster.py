@@ -49,16 +49,25 @@ def haproxy_binary() -> str:
 
 
 def render_config(backends: list[tuple[str, str]], *, bind: str, run_dir: str | Path, balance: str = "session",
-                  bufsize: int = 1 << 20, maxconn: int = 512) -> str:
-    """haproxy.cfg for `backends` [(name, "host:port")], from deploy/haproxy.cfg.in."""
+                  hash_balance_factor: int = 0, bufsize: int = 1 << 20, maxconn: int = 512) -> str:
+    """haproxy.cfg for `backends` [(name, "host:port")], from deploy/haproxy.cfg.in.
+
+    `hash_balance_factor` > 100 bounds the hash (HAProxy's bounded-load consistent hashing): a replica already
+    serving more than factor% of the average load passes a key's request to the next replica on the ring (which
+    restores the conversation from the shared SSD folder). 0 leaves affinity unbounded."""
     if balance not in BALANCES:
         raise ValueError(f"balance must be one of {', '.join(BALANCES)}")
+    if hash_balance_factor and hash_balance_factor <= 100:
+        raise ValueError("hash_balance_factor must be 0 (off) or above 100 (a percentage of the average load)")
     session, plain = BALANCES[balance]
+    bound = (f"    # bounded load: no replica takes more than {hash_balance_factor}% of the average number of requests "
+             f"in flight\n    hash-balance-factor {hash_balance_factor}") if hash_balance_factor else \
+        "    # unbounded: a key always goes to its replica, however busy (deploy/cluster.py --hash-balance-factor)"
     checked = "\n".join(f"    server {name} {addr}" for name, addr in backends)
     tracked = "\n".join(f"    server {name} {addr} track by_session/{name}" for name, addr in backends)
     values = {"BIND": bind, "RUN_DIR": str(run_dir), "DEPLOY_DIR": str(DEPLOY), "BUFSIZE": str(bufsize),
               "MAXCONN": str(maxconn), "SESSION_BALANCE": session, "PLAIN_BALANCE": plain,
-              "SERVERS_CHECKED": checked, "SERVERS_TRACKED": tracked}
+              "SERVERS_CHECKED": checked, "SERVERS_TRACKED": tracked, "HASH_BALANCE": bound}
     text = TEMPLATE.read_text()
     for key, value in values.items():
         text = text.replace(f"@{key}@", value)
@@ -96,11 +105,13 @@ class Cluster:
     def __init__(self, replicas: int = 2, *, port: int | None = None, host: str = "127.0.0.1",
                  base_port: int | None = None, ssd_cache: str | None = None, balance: str = "session",
                  serve_args: tuple[str, ...] = (), env: dict | None = None, run_dir: str | Path | None = None,
-                 backends: list[str] | None = None, python: str = sys.executable) -> None:
+                 backends: list[str] | None = None, python: str = sys.executable,
+                 hash_balance_factor: int = 0) -> None:
         self.port = port or free_port()
         self.host = host
         self.url = f"http://127.0.0.1:{self.port}" if host in ("127.0.0.1", "0.0.0.0") else f"http://{host}:{self.port}"
         self.balance = balance
+        self.hash_balance_factor = hash_balance_factor
         self.serve_args = tuple(serve_args)
         self.ssd_cache = ssd_cache
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
@@ -128,7 +139,8 @@ class Cluster:
             for i in range(len(self.addrs)):
                 self.wait_replica(i, timeout)
         self.config_path.write_text(render_config(list(zip(self.names, self.addrs)), bind=f"{self.host}:{self.port}",
-                                                  run_dir=self.run_dir, balance=self.balance))
+                                                  run_dir=self.run_dir, balance=self.balance,
+                                                  hash_balance_factor=self.hash_balance_factor))
         check = subprocess.run([haproxy, "-c", "-q", "-f", str(self.config_path)], capture_output=True, text=True)
         if check.returncode != 0:
             raise ClusterError(f"haproxy refused {self.config_path}:\n{check.stdout}{check.stderr}")
@@ -232,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--balance", choices=sorted(BALANCES), default="session",
                     help="session: consistent hash on the session key, least-connections without one (default); "
                          "roundrobin: the baseline, for comparison")
+    ap.add_argument("--hash-balance-factor", type=int, default=0, metavar="PCT",
+                    help="bound the session hash: a replica serving more than PCT%% of the average load in flight "
+                         "passes new requests to the next replica on the ring (e.g. 150); 0 = unbounded (default)")
     ap.add_argument("--backend", action="append", metavar="HOST:PORT",
                     help="proxy replicas that already run (repeatable); none are started then")
     ap.add_argument("--run-dir", default=None, help="where haproxy.cfg and the logs go (default: a temp folder)")
@@ -240,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--replicas must be at least 1")
     cluster = Cluster(args.replicas, port=args.port, host=args.host, base_port=args.base_port,
                       ssd_cache=args.ssd_cache, balance=args.balance, serve_args=tuple(serve_args),
-                      run_dir=args.run_dir, backends=args.backend)
+                      run_dir=args.run_dir, backends=args.backend, hash_balance_factor=args.hash_balance_factor)
     stopping = False
 
     def on_signal(signum, frame):

@@ -13,9 +13,11 @@ from deploy.cluster import BALANCES, ClusterError, haproxy_binary, render_config
 BACKENDS = [("r1", "127.0.0.1:18081"), ("r2", "10.0.0.2:8081")]
 
 
-@pytest.mark.parametrize("balance", sorted(BALANCES))
-def test_the_rendered_config_is_complete_and_haproxy_accepts_it(tmp_path, balance):
-    text = render_config(BACKENDS, bind="127.0.0.1:18080", run_dir=tmp_path, balance=balance)
+@pytest.mark.parametrize("balance,factor", [("session", 0), ("session", 150), ("roundrobin", 0)])
+def test_the_rendered_config_is_complete_and_haproxy_accepts_it(tmp_path, balance, factor):
+    text = render_config(BACKENDS, bind="127.0.0.1:18080", run_dir=tmp_path, balance=balance,
+                         hash_balance_factor=factor)
+    assert ("hash-balance-factor 150" in text) == bool(factor)
     assert not re.search(r"@[A-Z_]+@", text), "a placeholder was left unfilled"
     assert "server r2 10.0.0.2:8081 track by_session/r2" in text
     assert f"balance {BALANCES[balance][0]}" in text and f"balance {BALANCES[balance][1]}" in text
@@ -29,6 +31,8 @@ def test_the_rendered_config_is_complete_and_haproxy_accepts_it(tmp_path, balanc
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-def test_an_unknown_balance_is_refused(tmp_path):
+def test_an_unknown_balance_or_a_factor_below_100_is_refused(tmp_path):
     with pytest.raises(ValueError, match="balance must be one of"):
         render_config(BACKENDS, bind="127.0.0.1:1", run_dir=tmp_path, balance="random")
+    with pytest.raises(ValueError, match="above 100"):
+        render_config(BACKENDS, bind="127.0.0.1:1", run_dir=tmp_path, hash_balance_factor=90)
