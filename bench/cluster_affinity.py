@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent_workload import SYSTEM_PROMPT, user_message, workload  # noqa: E402
-from common import ROOT, preflight, run_record, write_result  # noqa: E402
+from common import ROOT, ensure_blas_here, preflight, run_record, write_result  # noqa: E402
 
 from deploy.cluster import Cluster  # noqa: E402
 
@@ -293,6 +293,7 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of phases to skip: affinity,failover,replay")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster_affinity.json"))
     args = ap.parse_args()
+    ensure_blas_here()  # the replicas preload OpenBLAS themselves; this makes the recorded machine facts say so too
     skip = set(filter(None, args.skip.split(",")))
 
     from mlx_lm.utils import load_tokenizer

@@ -626,14 +626,19 @@ def render_cluster_affinity(runs: list[Run]) -> str:
     fo = d.get("failover")
     if fo:
         m, k = fo["metrics"], fo.get("kill") or {}
-        kill = (f"kill -9 of {k.get('victim')} after {k.get('at_done')} of {k.get('of_turns')} turns had finished, "
-                f"with {k.get('in_flight_on_victim')} request(s) in flight on it" if k.get("happened") else
-                "**the kill never happened**")
-        failed = "; ".join(f"agent {x['agent']} turn {x['turn']} attempt {x['attempt']}: {x['error'][:90]}"
-                           for x in fo["failed"]) or "none"
+        if not k.get("victim"):  # the first run's killer waited for r1, which had finished its only conversation
+            text += ("\n\n**Failover: not measured in this run**: the kill -9 landed after the last turn (no request "
+                     "in flight), so nothing moved.")
+            return text
+        kill = (f"kill -9 of {k['victim']} after {k.get('at_done')} of {k.get('of_turns')} turns had finished, "
+                f"with {k.get('in_flight_on_victim')} request(s) in flight on it")
+        by_error: dict[str, list[str]] = {}
+        for x in fo["failed"]:
+            by_error.setdefault(x["error"], []).append(f"agent {x['agent']} turn {x['turn']}")
+        failed = "; ".join(f"{len(v)} ({', '.join(v)}): `{e}`" for e, v in by_error.items()) or "none"
         text += (f"\n\n**Failover** ({kill}): every agent finished all its turns: "
                  f"**{'yes' if fo['every_agent_finished'] else 'NO'}** ({m['turns_done']} / {m['turns_total']} turns); "
-                 f"requests that failed (each agent retried its own): {failed}.")
+                 f"requests cut by the kill, each retried by its agent and answered by the survivor: {failed}.")
         if fo.get("moved"):
             rows = [[x["agent"], x["turn"], num(x["prompt_tokens"], 0, True), num(x["cached_tokens"], 0, True),
                      num(x["prev_prompt_tokens"], 0, True), "yes" if x["restored"] else "no", num(x["ttft_s"], 2)]
@@ -655,7 +660,8 @@ def render_cluster_affinity(runs: list[Run]) -> str:
 
 
 RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
-    "cluster_affinity": render_cluster_affinity,
+    "cluster_affinity": Renderer(lambda runs: "\n\n".join(  # every run, newest first: policies and K differ
+        f"**{r.path.name}**: " + render_cluster_affinity([r]) for r in runs), pick=every),
     "machine": Renderer(render_machine, pattern="*.json", pick=every, provenance=False),
     "decode_overhead": Renderer(render_decode_overhead, pick=newest(2)),
     "warm_hit": Renderer(render_warm_hit, pick=newest(2)),
