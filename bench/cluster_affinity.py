@@ -13,9 +13,10 @@ Every agent sends its session key (X-Session-Id: agent-k). The proxy's X-Lane-Re
              turns >= 2, where affinity matters), wall, replica switches between consecutive turns of a conversation,
              each replica's SSD restores (round-robin can restore what the other replica wrote: shared folder).
   failover   session policy; once --kill-after of all turns have finished, the replica with the most requests in
-             flight gets kill -9. An agent whose request fails retries it (up to 3 attempts, 0.5 s apart). Measured: every agent
-             finished, the failed requests and what they saw (HTTP status / cut stream), the moved conversations'
-             first turn on the survivor (TTFT, cached tokens: restored from the folder the victim wrote, or not).
+             flight gets kill -9. An agent whose request fails retries it (up to 3 attempts, 0.5 s apart).
+             Measured: every agent finished, the failed requests and what they saw (HTTP status / cut stream), the
+             moved conversations' first turn on the survivor (TTFT, cached tokens: restored from the folder the
+             victim wrote, or not).
   replay     quiet, after the runs: each moved turn's exact prompt sent (1 token) to a fresh replica on the failover
              folder (restores from SSD) and to a fresh replica without an SSD tier (cold prefill), alternating:
              restore TTFT / cold TTFT side by side.

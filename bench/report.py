@@ -621,8 +621,8 @@ def render_cluster_affinity(runs: list[Run]) -> str:
             text += (f"\n\n{b} / round-robin (medians over rounds): mean TTFT **{num(ratio.get('ttft_mean_s'), 3)}**, "
                      f"turns >= 2 {num(ratio.get('ttft_mean_turn2plus_s'), 3)}, wall {num(ratio.get('wall_s'), 3)}.")
         if ratios:
-            text += ("\n\nRound-robin's SSD restores are the shared folder at work: a turn landing on the other replica "
-                     "restores what the first one wrote (after its 1 s write-behind debounce).")
+            text += ("\n\nRound-robin's SSD restores are the shared folder at work: a turn landing on the other "
+                     "replica restores what the first one wrote (after its 1 s write-behind debounce).")
     fo = d.get("failover")
     if fo:
         m, k = fo["metrics"], fo.get("kill") or {}

@@ -2,7 +2,7 @@
 
     python deploy/cluster.py --replicas 2 --port 8080                      # 2 replicas + the proxy, Ctrl-C stops all
     python deploy/cluster.py --replicas 2 --port 8080 -- --model default --max-batch 4   # serve flags after --
-    python deploy/cluster.py --port 8080 --backend hostA:8081 --backend hostB:8081       # proxy only, replicas elsewhere
+    python deploy/cluster.py --port 8080 --backend hostA:8081 --backend hostB:8081   # proxy only: replicas elsewhere
 
 The replicas listen on 127.0.0.1, ports --base-port, --base-port + 1, ... and share one SSD cache folder
 (--ssd-cache, default mlx-lane's own ~/.cache/mlx-lane/kv): a conversation that moves to another replica restores

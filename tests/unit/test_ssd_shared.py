@@ -16,8 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from cache import filelocks
 from cache.ssd_store import SSDStore
 from tests.unit.test_ssd_store import FP, NS, caches, toks
