@@ -20,11 +20,12 @@ PYTEST_ARGS ?=
 TORCH_SPEC ?= torch==2.13.0
 ACCELERATE_SPEC ?= accelerate==1.15.0
 
-.PHONY: serve test venv blas browser model test-deps bench soak clean help docker docker-test
+.PHONY: serve test venv blas browser haproxy model test-deps cluster bench soak clean help docker docker-test
 
 help:
 	@echo "make serve       - create .venv, install, get + convert the default model, serve on $(HOST):$(PORT)"
 	@echo "make test        - run the whole test suite (installs what it needs)"
+	@echo "make cluster     - REPLICAS (default 2) replicas behind HAProxy on $(HOST):$(PORT), sharing one SSD cache"
 	@echo "make bench       - run the CPU benchmarks and rewrite BENCHMARKS.md"
 	@echo "make browser     - install Chromium (apt, as root) for the dashboard's browser tests (make test does it)"
 	@echo "make docker      - build the $(IMAGE) image from Dockerfile.dev (a local Debian base when no registry)"
@@ -73,6 +74,19 @@ browser:
 		echo "         Install it with: sudo apt-get install chromium (or set MLX_LANE_CHROMIUM=/path/to/chromium)"; \
 	fi
 
+# HAProxy (Debian's 2.6: consistent hashing, JSON body fetches) fronts the replicas of `make cluster`; the tests
+# run a real one. Installed like OpenBLAS: as root through apt-get, a clear message otherwise.
+haproxy:
+	@if command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; then exit 0; fi; \
+	if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing haproxy (for make cluster and its tests)"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=300 haproxy) \
+			>/dev/null || echo "WARNING: could not install haproxy; the cluster tests will be skipped"; \
+	else \
+		echo "WARNING: haproxy not found: the cluster tests are skipped and make cluster cannot run."; \
+		echo "         Install it with: sudo apt-get install haproxy"; \
+	fi
+
 model: venv
 	$(BIN)/python -c "from models import ensure_default_model; print(ensure_default_model())"
 	@$(BIN)/python -c "from models.embedding import ensure_default_embedding_model as e; print(e())" \
@@ -85,7 +99,15 @@ test-deps: venv
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	@$(BIN)/python -c "import accelerate" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)" "$(ACCELERATE_SPEC)"
 
-test: venv blas browser model test-deps
+# N replicas of `mlx-lane serve` (ARGS go to each) behind HAProxy on HOST:PORT; replicas on PORT+1.. share the SSD
+# cache folder (SSD_CACHE, default ~/.cache/mlx-lane/kv). Ctrl-C stops everything. See README "More than one machine".
+REPLICAS ?= 2
+SSD_CACHE ?=
+cluster: venv blas model haproxy
+	$(BIN)/python deploy/cluster.py --replicas $(REPLICAS) --host $(HOST) --port $(PORT) --base-port $$(($(PORT) + 1)) \
+		$(if $(SSD_CACHE),--ssd-cache $(SSD_CACHE)) -- $(ARGS)
+
+test: venv blas browser haproxy model test-deps
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # CPU benchmarks, each alternated against its peers in one run; each script writes its JSON (with a preflight of
@@ -98,7 +120,7 @@ test: venv blas browser model test-deps
 AGENT_REPLAY ?= --convs 8 --turns 6
 bench: SHELL := bash
 bench: .SHELLFLAGS := -o pipefail -c
-bench: venv blas model
+bench: venv blas model haproxy
 	$(BIN)/python bench/decode_overhead.py --rounds 5 --tokens 64 | tee bench/results/decode_overhead.txt
 	$(BIN)/python bench/warm_hit.py --rounds 7 --context 1024 | tee bench/results/warm_hit.txt
 	$(BIN)/python bench/ssd_restart.py --rounds 3 --context 4000 | tee bench/results/ssd_restart.txt
@@ -114,6 +136,7 @@ bench: venv blas model
 		--rounds 2 | tee bench/results/concurrent_agents.txt
 	$(BIN)/python bench/batch_text_match.py --servers ours --n 24 --max-tokens 32 --repeat-alone \
 		| tee bench/results/batch_text_match.txt
+	$(BIN)/python bench/cluster_affinity.py --k 5 --turns 3 --max-tokens 16 | tee bench/results/cluster_affinity.txt
 	$(BIN)/python bench/report.py --write BENCHMARKS.md
 
 # 1,000 requests under a 48 MiB RAM cache; the RSS / cache-bytes curve goes to bench/results/soak_curve.json.

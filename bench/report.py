@@ -658,9 +658,76 @@ def render_adapters_cost(runs: list[Run]) -> str:
                 ["two adapters, two groups stepped each tick", mmm(t["two_adapters"])]]))
 
 
+def render_cluster_affinity(runs: list[Run]) -> str:
+    """bench/cluster_affinity.py: session hashing vs round-robin, the kill -9 run, the restore-vs-cold replay."""
+    d = runs[0].data
+    c = d["config"]
+    text = (f"{c['replicas']} replicas of `{c['serve_args']}` behind {c['proxy']}, one fresh shared SSD folder per "
+            f"run; {c['k']} agents x {c['turns']} turns at once (concurrent_agents.py's workload, each agent with its "
+            f"X-Session-Id), {c['max_tokens']}-token greedy replies.")
+    aff = d.get("affinity") or []
+    if aff:
+        rows = []
+        for r in aff:
+            m = r["metrics"]
+            restores = sum((x or {}).get("ssd_hits") or 0 for x in (r.get("ssd") or {}).values())
+            rows.append([r["round"], r["balance"], pct(m["hit_rate"], 1),
+                         f"{num(m['cached_tokens'], 0, True)} / {num(m['prompt_tokens'], 0, True)}",
+                         num(m["ttft_mean_s"], 2), num(m["ttft_mean_turn2plus_s"], 2), num(m["wall_s"], 1),
+                         m["replica_switches"], restores, m["requests_failed"]])
+        text += "\n\n" + table(["round", "balance", "cache hit rate", "cached / prompt tokens", "mean TTFT (s)",
+                                "mean TTFT turns >= 2 (s)", "wall (s)", "replica switches", "SSD restores",
+                                "failed"], rows)
+        summ = d.get("affinity_summary") or {}
+        ratios = summ.get("ratio_over_roundrobin") or (
+            {"session": summ["ratio_session_over_roundrobin"]} if "ratio_session_over_roundrobin" in summ else {})
+        for b, ratio in ratios.items():
+            text += (f"\n\n{b} / round-robin (medians over rounds): mean TTFT **{num(ratio.get('ttft_mean_s'), 3)}**, "
+                     f"turns >= 2 {num(ratio.get('ttft_mean_turn2plus_s'), 3)}, wall {num(ratio.get('wall_s'), 3)}.")
+        if ratios:
+            text += ("\n\nRound-robin's SSD restores are the shared folder at work: a turn landing on the other "
+                     "replica restores what the first one wrote (after its 1 s write-behind debounce).")
+    fo = d.get("failover")
+    if fo:
+        m, k = fo["metrics"], fo.get("kill") or {}
+        if not k.get("victim"):  # the first run's killer waited for r1, which had finished its only conversation
+            text += ("\n\n**Failover: not measured in this run**: the kill -9 landed after the last turn (no request "
+                     "in flight), so nothing moved.")
+            return text
+        kill = (f"kill -9 of {k['victim']} after {k.get('at_done')} of {k.get('of_turns')} turns had finished, "
+                f"with {k.get('in_flight_on_victim')} request(s) in flight on it")
+        by_error: dict[str, list[str]] = {}
+        for x in fo["failed"]:
+            by_error.setdefault(x["error"], []).append(f"agent {x['agent']} turn {x['turn']}")
+        failed = "; ".join(f"{len(v)} ({', '.join(v)}): `{e}`" for e, v in by_error.items()) or "none"
+        text += (f"\n\n**Failover** ({kill}): every agent finished all its turns: "
+                 f"**{'yes' if fo['every_agent_finished'] else 'NO'}** ({m['turns_done']} / {m['turns_total']} turns); "
+                 f"requests cut by the kill, each retried by its agent and answered by the survivor: {failed}.")
+        if fo.get("moved"):
+            rows = [[x["agent"], x["turn"], num(x["prompt_tokens"], 0, True), num(x["cached_tokens"], 0, True),
+                     num(x["prev_prompt_tokens"], 0, True), "yes" if x["restored"] else "no", num(x["ttft_s"], 2)]
+                    for x in fo["moved"]]
+            text += ("\n\nConversations that moved off the killed replica, their first turn on the survivor (in the "
+                     "run, under load):\n\n"
+                     + table(["agent", "turn", "prompt tokens", "cached tokens", "last prompt on the victim",
+                              "restored from the shared folder", "TTFT (s)"], rows))
+        if fo.get("replay"):
+            rows = [[x["agent"], x["turn"], num(x["prompt_tokens"], 0, True), num(x["cold_s"], 2),
+                     num(x["cold_cached"], 0), num(x["restore_s"], 2), num(x["restore_cached"], 0, True),
+                     num(x["restore_over_cold"], 3)] for x in fo["replay"]]
+            text += ("\n\nThe same prompts replayed one at a time after the run (1 token): a fresh replica on the "
+                     "failover's folder (restores from SSD) vs a fresh replica without an SSD tier (cold prefill, "
+                     "RAM cleared before each):\n\n"
+                     + table(["agent", "turn", "prompt tokens", "cold TTFT (s)", "cold cached", "restore TTFT (s)",
+                              "restore cached", "restore / cold"], rows))
+    return text
+
+
 RENDERERS: dict[str, Renderer | Callable[[list[Run]], str]] = {
     "embeddings": render_embeddings,
     "adapters_cost": render_adapters_cost,
+    "cluster_affinity": Renderer(lambda runs: "\n\n".join(  # every run, newest first: policies and K differ
+        f"**{r.path.name}**: " + render_cluster_affinity([r]) for r in runs), pick=every),
     "machine": Renderer(render_machine, pattern="*.json", pick=every, provenance=False),
     "decode_overhead": Renderer(render_decode_overhead, pick=newest(2)),
     "warm_hit": Renderer(render_warm_hit, pick=newest(2)),

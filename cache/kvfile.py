@@ -18,7 +18,9 @@ Contract:
   a missing or extra tensor, a shape that disagrees with the metadata, a truncated or foreign file all raise
   `KVFileError`, and nothing is half-built.
 - `save` is atomic: `<path>.tmp` in the same directory -> write -> fsync -> rename -> fsync the directory. A crash
-  leaves either the old state or the complete new file (plus a `.tmp` the store's scan deletes).
+  leaves either the old state or the complete new file (plus a `.tmp` the store's scan deletes). The writer holds
+  an exclusive `flock` on the temp file until after the rename (`cache.filelocks`), so a scan by another process
+  sharing the directory tells a dead writer's temp file from a live one.
 - `encode(caches)` captures a detached, immutable snapshot (slices of the arrays, evaluated, so the caller may keep
   mutating its cache objects); `save` accepts caches or an `Encoded`.
 
@@ -38,6 +40,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
+
+from cache import filelocks
 
 __all__ = ["FORMAT", "VERSION", "KVFileError", "KVHeader", "KVFile", "Encoded", "encode", "save", "load",
            "read_header", "ns_hash"]
@@ -300,12 +304,14 @@ def save(path: str | os.PathLike, tokens: Sequence[int], caches: Sequence[Any] |
             "layers": list(enc.layers), "extra": dict(extra_meta or {})}
     path = os.fspath(path)
     tmp = path + ".tmp"
+    f = open(tmp, "wb")
     try:
-        with open(tmp, "wb") as f:
-            mx.save_safetensors(f, enc.arrays, {_META_KEY: json.dumps(meta, separators=(",", ":"))})
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
+        # held until after the rename: another replica's scan deletes only temp files whose writer is gone
+        filelocks.writing(f)
+        mx.save_safetensors(f, enc.arrays, {_META_KEY: json.dumps(meta, separators=(",", ":"))})
+        f.flush()
+        os.fsync(f.fileno())
+        size = f.tell()
         if before_rename is not None:
             before_rename()
         os.replace(tmp, path)
@@ -315,6 +321,8 @@ def save(path: str | os.PathLike, tokens: Sequence[int], caches: Sequence[Any] |
         except OSError:
             pass
         raise
+    finally:
+        f.close()
     _fsync_dir(os.path.dirname(path) or ".")
     return size
 

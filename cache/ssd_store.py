@@ -1,5 +1,8 @@
 """The SSD cold tier: an index over KV files that survives restarts.
 
+(About 500 lines on purpose: the index, its start-up scan, its sync with other processes and its deletions are one
+contract over one dict and one lock; the lock protocol itself lives in `cache.filelocks`.)
+
 Files are the database: `<root>/<fingerprint>/<ns_hash>/<uuid hex>.safetensors` (format: `cache.kvfile`). Only
 hex strings become path components: the fingerprint is validated as hex, the namespace is hashed, file names are
 generated. Nothing read from a file ever becomes a path.
@@ -18,6 +21,24 @@ Verbs (all thread-safe; the index is read from the lane / event loop and written
                                   first, by file mtime). Returns True when the entry is durable and indexed.
   covers(tokens, ns)              index only: an entry can serve `tokens` in full (same tokens, or a trimmable
                                   extension of them).
+  sync()                          learn of files other processes added or removed since the last look (below).
+
+Several processes on one root (replicas sharing a volume; `cache.filelocks` holds the lock protocol):
+  * Learning of others' files: `sync()` stats the fingerprint folder and each namespace folder (one `stat` each,
+    a few microseconds) and lists a folder only when its mtime moved since its last listing (a rename or unlink
+    in it), or when the last listing was less than `_MTIME_SLACK` s after that mtime (coarse timestamps), or
+    `resync_s` after the last listing (network volumes cache directory attributes). A listing reads the headers
+    of the new names only and drops entries whose files are gone. The tiered cache calls it before each
+    request's SSD lookup (its prefetch, on the event loop) and the writer calls it before enforcing the cap, so
+    the cap is shared: every process counts every file. Nothing watches the directory in the background
+    (inotify sees no other host's writes on a network volume).
+  * Deleting: a file leaves the disk only through `filelocks.remove_unless_busy` (supersede, byte cap): a file
+    that any process is restoring holds a shared lock and is skipped (it stays indexed and counts toward the cap,
+    `evict_skipped_busy`), so the folder may exceed the cap by the files being read at that moment; the next
+    write evicts again. Two processes evicting at once may both delete a file each, undershooting the cap.
+  * Crash safety: the writer holds an exclusive lock on its `*.tmp` until after the rename, so a scan deletes
+    only the temp files of dead writers (kill -9 releases the lock); a live writer's temp file is left alone and
+    no temp file is ever indexed or loaded by anyone (only complete, renamed `*.safetensors` names are).
 
 Internal updates: a restore touches the file's mtime (the LRU clock survives restarts). Eviction re-reads mtimes
 from disk, so an mtime set from outside (tests, tools) counts.
@@ -42,7 +63,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from cache import kvfile
+from cache import filelocks, kvfile
 
 __all__ = ["SSDStore", "NullSSDStore", "SSDMatch", "Restored"]
 
@@ -52,6 +73,7 @@ _HEX = re.compile(r"[0-9a-f]{8,128}")
 _NS_DIR = re.compile(r"[0-9a-f]{16}")
 _FILE = re.compile(r"[0-9a-f]{32}\.safetensors")
 _EMA = 0.3  # weight of the newest sample in the restore-rate moving average
+_MTIME_SLACK = 1.0  # seconds: a folder listed this soon after its mtime is listed again (coarse timestamps)
 
 
 @dataclass(frozen=True)
@@ -113,7 +135,7 @@ class SSDStore:
     """The cold tier of one model (fingerprint) under `root`, capped at `max_bytes` of files."""
 
     def __init__(self, root: str | os.PathLike, fingerprint: str, max_bytes: int, *, scan: bool = True,
-                 before_rename: Callable[[], None] | None = None) -> None:
+                 before_rename: Callable[[], None] | None = None, resync_s: float = 10.0) -> None:
         if not isinstance(fingerprint, str) or not _HEX.fullmatch(fingerprint):
             raise ValueError(f"fingerprint must be 8-128 lowercase hex digits, got {fingerprint!r}")
         if max_bytes < 0:
@@ -130,6 +152,10 @@ class SSDStore:
         self._c = dict(restores=0, restore_ms_last=0.0, restore_mb_s=0.0, writes=0, write_ms_last=0.0, failed=0,
                        removed_at_scan=0, evictions=0, superseded=0, restore_misses=0)
         self._errors: dict[str, int] = {}
+        self._resync_s = float(resync_s)
+        self._listed: dict[str, tuple[int, float]] = {}  # folder -> (its mtime_ns, time.time()) at the last listing
+        self._ignored: set[str] = set()  # paths a sync found unusable: not re-read (only a start-up scan deletes)
+        self._c.update(syncs=0, synced_added=0, synced_dropped=0, evict_skipped_busy=0, tmp_in_progress=0)
         if scan:
             self.scan()
 
@@ -137,10 +163,11 @@ class SSDStore:
 
     def scan(self) -> int:
         """Rebuild the index from disk (headers only); return the number of files removed."""
-        removed = 0
+        removed = in_progress = 0
         entries: dict[str, _Entry] = {}
         try:
             os.makedirs(self.dir, exist_ok=True)
+            self._mark_listed(self.dir)
             ns_dirs = list(os.scandir(self.dir))
         except OSError as e:
             self._disk_error("scan", e)
@@ -152,11 +179,15 @@ class SSDStore:
             if not _NS_DIR.fullmatch(d.name):
                 continue  # not ours to delete wholesale; never indexed
             try:
+                self._mark_listed(d.path)
                 files = list(os.scandir(d.path))
             except OSError as e:
                 self._disk_error("scan", e)
                 continue
             for f in files:
+                if f.name.endswith(".tmp") and not filelocks.abandoned(f.path):
+                    in_progress += 1  # another process is writing it right now: its file, not ours to delete
+                    continue
                 entry = self._scan_one(f, d.name)
                 if entry is None:
                     removed += self._remove_file(f.path)
@@ -166,6 +197,7 @@ class SSDStore:
             self._entries = entries
             self._bytes = sum(e.size for e in entries.values())
             self._c["removed_at_scan"] += removed
+            self._c["tmp_in_progress"] = in_progress
             victims = self._over_cap_locked()
         self._unlink_all(victims)
         return removed
@@ -200,8 +232,9 @@ class SSDStore:
             return None  # evicted or superseded since find; only indexed paths are ever read
         t0 = time.perf_counter()
         try:
-            f = kvfile.load(entry.path, expect_fingerprint=self.fingerprint, expect_ns=entry.ns,
-                            stream=thread_stream())
+            with filelocks.reading(entry.path):  # no process deletes it while we read (cache.filelocks)
+                f = kvfile.load(entry.path, expect_fingerprint=self.fingerprint, expect_ns=entry.ns,
+                                stream=thread_stream())
             if len(f.tokens) != len(entry.tokens) or not np.array_equal(_ids(f.tokens), entry.tokens):
                 raise kvfile.KVFileError("tokens differ from the index")
         except FileNotFoundError:
@@ -246,6 +279,7 @@ class SSDStore:
         if len(ids) == 0:
             return False
         t0 = time.perf_counter()
+        self.sync()  # other processes' files count toward the shared cap and may be superseded
         folder = os.path.join(self.dir, kvfile.ns_hash(ns))
         path = os.path.join(folder, uuid.uuid4().hex + ".safetensors")
         try:
@@ -286,6 +320,42 @@ class SSDStore:
             return any(e.ns == ns and len(e.tokens) >= len(ids) and (len(e.tokens) == len(ids) or e.trimmable)
                        and np.array_equal(e.tokens[: len(ids)], ids) for e in self._entries.values())
 
+    def sync(self) -> tuple[int, int]:
+        """Learn of files other processes sharing the root added or removed; returns (added, dropped).
+
+        Cheap when nothing changed: one stat per folder (see the module docstring for when a folder is listed).
+        Never deletes anything: only the start-up scan deletes foreign or broken files."""
+        added = dropped = 0
+        try:
+            folders = [self.dir] if self._stale(self.dir) else []
+            if folders:
+                self._mark_listed(self.dir)
+                ns_dirs = [d.path for d in os.scandir(self.dir)
+                           if _NS_DIR.fullmatch(d.name) and d.is_dir(follow_symlinks=False)]
+            else:
+                ns_dirs = [d for d in list(self._listed) if d != self.dir]  # list(): the writer may add one
+        except OSError as e:
+            self._disk_error("sync", e)
+            return 0, 0
+        for folder in ns_dirs:
+            if not self._stale(folder):
+                continue
+            try:
+                self._mark_listed(folder)
+                names = {f.name: f for f in os.scandir(folder) if _FILE.fullmatch(f.name)}
+            except FileNotFoundError:
+                names = {}
+            except OSError as e:
+                self._disk_error("sync", e)
+                continue
+            a, d = self._merge_listing(folder, names)
+            added, dropped = added + a, dropped + d
+        if added or dropped:
+            with self._lock:
+                self._c["synced_added"] += added
+                self._c["synced_dropped"] += dropped
+        return added, dropped
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"dir": self.dir, "entries": len(self._entries), "bytes": self._bytes,
@@ -308,6 +378,51 @@ class SSDStore:
         if h.ns_hash != folder or not h.tokens:
             return None  # misplaced: its namespace does not hash to its folder
         return _Entry(f.path, h.ns, _ids(h.tokens), st.st_size, st.st_mtime, h.trimmable)
+
+    def _stale(self, folder: str) -> bool:
+        """True when `folder` may hold changes the index has not seen (module docstring: when a folder is listed)."""
+        seen = self._listed.get(folder)
+        if seen is None:
+            return True
+        try:
+            mtime_ns = os.stat(folder).st_mtime_ns
+        except FileNotFoundError:
+            return True
+        mtime_then, listed_at = seen
+        return (mtime_ns != mtime_then or listed_at - mtime_ns / 1e9 < _MTIME_SLACK
+                or time.time() - listed_at > self._resync_s)
+
+    def _mark_listed(self, folder: str) -> None:
+        """Record the folder's mtime before listing it: a change during the listing shows as a newer mtime."""
+        self._listed[folder] = (os.stat(folder).st_mtime_ns, time.time())
+        with self._lock:
+            self._c["syncs"] += 1
+
+    def _merge_listing(self, folder: str, names: dict[str, os.DirEntry]) -> tuple[int, int]:
+        """Index the new valid files of one namespace folder's listing, drop entries whose files are gone."""
+        prefix = folder + os.sep
+        with self._lock:
+            known = {os.path.basename(p) for p in self._entries if p.startswith(prefix)}
+        new = [f for name, f in names.items() if name not in known and f.path not in self._ignored]
+        entries = []
+        for f in new:
+            entry = self._scan_one(f, os.path.basename(folder))
+            if entry is None:
+                self._ignored.add(f.path)  # broken or foreign: left for the start-up scan, never read again
+            else:
+                entries.append(entry)
+        with self._lock:
+            missing = [e for p, e in self._entries.items() if p.startswith(prefix) and os.path.basename(p) not in names]
+        # a file this process renamed after the listing is missing from it too: only a failed stat means gone
+        gone = [e for e in missing if not os.path.exists(e.path)]
+        with self._lock:
+            for e in gone:
+                self._drop_locked(e)
+            for e in entries:
+                if e.path not in self._entries:
+                    self._entries[e.path] = e
+                    self._bytes += e.size
+        return len(entries), len(gone)
 
     def _over_cap_locked(self) -> list[_Entry]:
         """Drop least recently used entries until under the cap; return them for unlinking outside the lock."""
@@ -341,8 +456,22 @@ class SSDStore:
             self._drop_locked(e)
 
     def _unlink_all(self, entries: list[_Entry]) -> None:
+        """Delete the files of entries already dropped from the index; one that another process is reading stays
+        on disk and back in the index (it still counts toward the cap; a later write evicts it)."""
+        busy = []
         for e in entries:
-            self._remove_file(e.path)
+            try:
+                if filelocks.remove_unless_busy(e.path) is False:
+                    busy.append(e)
+            except OSError as exc:
+                self._disk_error("delete", exc)
+        if busy:
+            with self._lock:
+                self._c["evict_skipped_busy"] += len(busy)
+                for e in busy:
+                    if e.path not in self._entries:
+                        self._entries[e.path] = e
+                        self._bytes += e.size
 
     def _remove_file(self, path: str) -> int:
         try:
@@ -385,6 +514,9 @@ class NullSSDStore:
 
     def covers(self, tokens: Sequence[int], ns: str) -> bool:
         return False
+
+    def sync(self) -> tuple[int, int]:
+        return 0, 0
 
     def stats(self) -> dict[str, Any]:
         return {"dir": None, "entries": 0, "bytes": 0, "max_bytes": 0}

@@ -22,7 +22,8 @@ Rules (DESIGN.md "RAM tier contract", "SSD tier contract", "Durability coordinat
   * Idle demotion: entries unused for `demote_idle_s` are removed from RAM and spilled the same way (counted in
     `demotions`). A daemon timer checks every `min(demote_idle_s / 4, 30)` seconds; `demote_idle()` runs a check
     now (tests drive it with the RAM tier's injected clock). `demote_idle_s <= 0` turns demotion off.
-  * `prefetch` (HTTP event loop, after tokenizing): index-only lookups in both tiers; when the SSD tier has a
+  * `prefetch` (HTTP event loop, after tokenizing): `store.sync()` (other replicas' files on a shared folder),
+    then index-only lookups in both tiers; when the SSD tier has a
     strictly longer prefix and the cost model agrees, the read starts on an I/O thread while the request waits
     for the lane. Reads are keyed by file: a second prefetch of the same file joins the first (`coalesced`).
   * `flush` is True only when nothing is pending AND every RAM entry is covered by a file: "durable" is a fact
@@ -182,7 +183,12 @@ class TieredCache:
 
     def prefetch(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:
         """Start reading the SSD prefix of `tokens` if it beats RAM and is worth it. Index-only on the caller's
-        thread; True when a read for it is in flight (started now or joined)."""
+        thread; True when a read for it is in flight (started now or joined).
+
+        First the store learns of files other processes sharing its folder wrote or removed (`SSDStore.sync`: a
+        stat per folder when nothing changed), so a conversation that moved here from another replica finds the
+        KV that replica wrote."""
+        self._store.sync()
         match = self._store.find(tokens, ns)
         if match is None:
             return False
@@ -242,6 +248,8 @@ class TieredCache:
             "removed_at_scan": store.get("removed_at_scan", 0),
             "evictions": store.get("evictions", 0),
             "superseded": store.get("superseded", 0),
+            "shared": {k: store.get(k, 0) for k in ("syncs", "synced_added", "synced_dropped", "evict_skipped_busy",
+                                                     "tmp_in_progress")},
             **own,
             "cost_model": self._cost.stats(),
         }

@@ -42,14 +42,14 @@ class StreamRecord:
         return bool(self.data) and self.data[-1] == "[DONE]"
 
 
-def start_stream(url: str, messages: list[dict], max_tokens: int) -> StreamRecord:
+def start_stream(url: str, messages: list[dict], max_tokens: int, headers: dict | None = None) -> StreamRecord:
     """POST a greedy streaming chat request on a daemon thread; the record fills in as chunks arrive."""
     rec = StreamRecord()
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
 
     def run() -> None:
         try:
-            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=600) as r:
                 rec.status = r.status_code
                 for line in r.iter_lines():
                     if not line.startswith("data: "):

@@ -1,0 +1,1 @@
+"""Deployment recipes: deploy/cluster.py (replicas behind HAProxy) and its config template."""
