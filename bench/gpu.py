@@ -247,7 +247,8 @@ class Server:
 
         self.name = name
         t = time.perf_counter()
-        self.proc = ServerProc(*args, env={"MLX_LANE_HOME": str(HOME)}, startup_timeout=600)
+        self.proc = ServerProc(*args, env={"MLX_LANE_HOME": str(HOME), "MLX_LANE_EMBEDDING_MODEL": "none"},
+                               startup_timeout=600)
         self.start_s = time.perf_counter() - t
         self.url = self.proc.url
         first = next((ln for ln in self.proc.log().splitlines() if "| device " in ln), "")

@@ -224,7 +224,7 @@ def main() -> int:
     flags = ("--model", str(model_dir), "--dtype", args.dtype, "--no-ssd-cache", "--prefill-chunk",
              str(args.prefill_chunk), "--cache-bytes", args.cache_bytes, "--max-batch", str(max(args.levels)))
     phases = args.phases.split(",")
-    env = {"MLX_LANE_HOME": str(home)}
+    env = {"MLX_LANE_HOME": str(home), "MLX_LANE_EMBEDDING_MODEL": "none"}  # no embeddings: nothing to fetch
     for system in args.systems.split(","):
         n = 1 if system == "one" else int(system.removeprefix("tp"))
         sys_env = dict(env, CUDA_VISIBLE_DEVICES="0") if n == 1 and args.backend == "nccl" else env

@@ -120,7 +120,8 @@ class Ours(Peer):
     def start(self) -> None:
         ssd = ("--ssd-cache", str(self.workdir / "ours-kv")) if self.persistent else ("--no-ssd-cache",)
         # the run's own MLX_LANE_HOME: measured cache rates persist across its restarts, never the user's
-        env = {"MLX_LANE_HOME": str(self.workdir / "ours-home")}
+        # no /v1/embeddings: a fresh home would fetch its model from PyPI at every start, and no benchmark uses it
+        env = {"MLX_LANE_HOME": str(self.workdir / "ours-home"), "MLX_LANE_EMBEDDING_MODEL": "none"}
         self.proc = ServerProc("--model", str(self.model_dir), "--log-level", "warning", *ssd, *self.extra,
                                env=env, startup_timeout=300)
         self.url = self.proc.url
