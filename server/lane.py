@@ -166,6 +166,7 @@ class Lane:
 
     # -- the thread -----------------------------------------------------------------
     def _run(self) -> None:
+        _name_os_thread("mlx-lane")
         self.engine.bind_stream(as_default=self.replay is not None)
         if self.replay is not None:  # the group's collectives run on the stream that runs the model
             self.replay.group.bind(self.engine.stream)
@@ -490,6 +491,17 @@ def _shares_prefix(prompt: list, a) -> bool:
     if len(prompt) < need or len(mine) < need:
         return False
     return prompt[:need] == mine[:need]
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread an OS-level name (Linux: ``top -H``, ``ps -L``, /proc/PID/task/*/comm and profilers
+    show it); Python's thread names stay inside Python. Best effort: elsewhere nothing happens."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def _slowed(sink, delay_s: float):
