@@ -70,18 +70,17 @@ class AuthenticationError(APIError):
     code = "invalid_api_key"
 
 
-class PermissionDenied(APIError):
-    status_code = 403
-    type = "invalid_request_error"
-    code = "permission_denied"
-
-
 class Forbidden(APIError):
-    """403: a request a browser may have been tricked into sending (server/web_guard.py decides)."""
+    """403: a request a browser may have been tricked into sending (server/web_guard.py decides, with its own
+    codes), or an action this server's configuration does not allow (PermissionDenied)."""
 
     status_code = 403
     type = "invalid_request_error"
     code = "forbidden"
+
+
+class PermissionDenied(Forbidden):
+    code = "permission_denied"
 
 
 class NotFound(APIError):
