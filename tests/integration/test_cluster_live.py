@@ -37,7 +37,7 @@ def cluster(default_model_dir, tmp_path_factory):
     c = Cluster(2, ssd_cache=str(tmp_path_factory.mktemp("shared-kv")),
                 serve_args=("--model", "default", "--cache-bytes", "256M", "--write-behind-debounce", "0.05",
                             "--keepalive", "1"),
-                env={"MLX_LANE_TEST_TOKEN_DELAY": "0.05"})
+                env={"MLX_LANE_TEST_TOKEN_DELAY": "0.2"})  # 16 tokens: a 3 s window for the kill
     try:
         c.start()
         for name in c.names:
