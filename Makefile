@@ -63,11 +63,13 @@ blas:
 
 # The dashboard's browser tests drive Debian's chromium through Playwright (`playwright install` cannot download
 # browsers here; tests/integration/browser.py launches /usr/bin/chromium, or $$MLX_LANE_CHROMIUM).
+# Playwright's own node driver needs libatomic1 (absent from slim images).
 browser:
-	@if command -v chromium >/dev/null 2>&1 || [ -n "$$MLX_LANE_CHROMIUM" ]; then exit 0; fi; \
+	@if { command -v chromium >/dev/null 2>&1 || [ -n "$$MLX_LANE_CHROMIUM" ]; } \
+		&& { [ "$$(uname -s)" != "Linux" ] || ldconfig -p 2>/dev/null | grep -q libatomic.so.1; }; then exit 0; fi; \
 	if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing Chromium for the dashboard's browser tests (apt: chromium)"; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null \
+		echo "installing Chromium for the dashboard's browser tests (apt: chromium libatomic1)"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium libatomic1) >/dev/null \
 		|| echo "WARNING: could not install chromium; the dashboard's browser tests will fail"; \
 	else \
 		echo "WARNING: Chromium not found: the dashboard's browser tests will fail."; \
