@@ -30,7 +30,7 @@ from server.http_util import request_id
 from server.jobrun import JobRun
 from server.jobs import Delta, Failed, Finished, SamplingParams, TokenLogprob
 from server.output_parse import make_output_parser, prompt_opens_thinking
-from server.prompts import chat_grammar, render_chat, sampling_params, session_of
+from server.prompts import chat_grammar, render_chat, sampling_params, session_header, session_of
 from server.schemas import ChatCompletionRequest
 
 __all__ = [
@@ -198,7 +198,7 @@ async def chat_generation(state, request: Request, req: ChatCompletionRequest, i
         state.loaded.context_length, default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size,
         grammar=grammar,
     )
-    session = session or session_of(request.headers.get("x-session-id"), req)
+    session = session or session_of(session_header(request.headers), req)
     tok, tools = state.loaded.tokenizer, req.tools_enabled()
     parser = make_output_parser(  # the model family's tool-call format and thinking tags (server.output_parse)
         tok, tools=tools, in_reasoning=prompt_opens_thinking(tok, prompt),

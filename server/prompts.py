@@ -192,6 +192,12 @@ def sampling_params(
     )
 
 
+def session_header(headers) -> Optional[str]:
+    """The session a request's headers name: ``X-Session-Id``, else ``session_id`` (what Codex CLI sends; the
+    replicas' proxy routes on both, deploy/haproxy.cfg.in)."""
+    return headers.get("x-session-id") or headers.get("session_id") or None
+
+
 def session_of(header_value: Optional[str], req) -> Optional[str]:
     """The cache session: ``X-Session-Id`` header, else ``prompt_cache_key``, else ``user``."""
     return header_value or req.prompt_cache_key or req.user or None

@@ -11,7 +11,8 @@ from starlette.concurrency import run_in_threadpool
 from server.generation import Done, Error, Generation, KeepAlive, ReasoningOut, TextOut, chat_generation
 from server.http_util import SSE_HEADERS, json_response, parse_body
 from server.model_names import check_model
-from server.prompts import COMPLETIONS_DEFAULT_MAX_TOKENS, sampling_params, session_of, tokenize_completion
+from server.prompts import (COMPLETIONS_DEFAULT_MAX_TOKENS, sampling_params, session_header, session_of,
+                            tokenize_completion)
 from server.responses import SSE_DONE, SSE_KEEPALIVE, ChatFormatter, CompletionFormatter, sse
 from server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -71,7 +72,7 @@ async def completions(request: Request):
         req = req.model_copy(update={"max_tokens": COMPLETIONS_DEFAULT_MAX_TOKENS})
     params = sampling_params(req, len(prompt), state.loaded.context_length,
                              default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size)
-    gen = Generation(state, request, prompt, params, session=session_of(request.headers.get("x-session-id"), req),
+    gen = Generation(state, request, prompt, params, session=session_of(session_header(request.headers), req),
                      id_prefix="cmpl-", adapter=adapter)
     fmt = CompletionFormatter(model=adapter.name if adapter else state.loaded.model_id, fingerprint=state.system_fingerprint, id=gen.id)
     if req.stream:
