@@ -16,8 +16,10 @@ CHROMIUM = os.environ.get("MLX_LANE_CHROMIUM") or shutil.which("chromium") or "/
 REBOUND_NAME = "evil.example"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
+    """Module-scoped, not session-scoped: Playwright's sync API keeps an asyncio loop marked running in the main
+    thread until it stops, and every later ``asyncio.run`` in the session would fail."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
