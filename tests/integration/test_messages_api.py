@@ -71,9 +71,12 @@ def test_raw_event_sequence(server):
         assert event.startswith("event: ") and data.startswith("data: ")
         assert json.loads(data[6:])["type"] == event[7:]
         names.append(event[7:])
-    assert names[:3] == ["message_start", "ping", "content_block_start"]
-    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
-    assert set(names[3:-3]) == {"content_block_delta"}
+    assert names[:2] == ["message_start", "ping"]
+    # more keep-alive pings may come anywhere (a slow prefill on a loaded machine): Anthropic's stream allows them
+    core = [n for n in names if n != "ping"]
+    assert core[:2] == ["message_start", "content_block_start"]
+    assert core[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(core[2:-3]) == {"content_block_delta"}
 
 
 def test_tool_use_round_trip_and_count_tokens(claude):
