@@ -131,6 +131,7 @@ class Lane:
             if self.token_delay_s:
                 job.sink = _slowed(job.sink, self.token_delay_s)
             self._waiting.append(job)
+            self.engine.stats.on_queued(job.id)
             self._cond.notify()
 
     # -- introspection --------------------------------------------------------------

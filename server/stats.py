@@ -85,6 +85,7 @@ class ServingStats:
         self.cached_tokens = 0
         # request ids in the order the lane started them: FIFO order is observable from /stats
         self.recent_started: collections.deque[str] = collections.deque(maxlen=RECENT_STARTED)
+        self.recent_queued: collections.deque[str] = collections.deque(maxlen=RECENT_STARTED)  # lane.submit order
         self.prefill_tps = _Mean()
         self.spec = None  # server.speculation.SpecTotals when a draft is configured
         self.decode_tps = _Mean()
@@ -138,6 +139,10 @@ class ServingStats:
     def on_started(self, job_id: str) -> None:
         with self._lock:
             self.recent_started.append(job_id)
+
+    def on_queued(self, job_id: str) -> None:
+        with self._lock:
+            self.recent_queued.append(job_id)
 
     def on_tick(self, *, batch: int, prefill_tokens: int, decode_tokens: int, running: int,
                 phase_s: Optional[dict] = None) -> None:
@@ -258,6 +263,7 @@ class ServingStats:
                 "decode_tokens_per_s": self.decode_tps.as_dict(),
                 "uptime_s": round(time.time() - self.started, 1),
                 "recent_started": list(self.recent_started),
+                "recent_queued": list(self.recent_queued),
             }
 
     def prometheus_text(self, prompt_cache_stats: dict) -> bytes:
