@@ -1,5 +1,9 @@
 """The FastAPI application: state, auth and size limits, error mapping, small endpoints.
 
+(About 400 lines, one job: building the app. Routes live in their own modules (server/routes.py, api_*.py);
+what stays here is the state, the guard, error mapping, /health /stats /metrics bodies and their collectors. The
+next split, when it grows: the /metrics collectors into server/metrics.py.)
+
 ``create_app(state)`` wires a ready ``ServerState`` (model loaded, lane started by the
 lifespan) to the routes. Every error leaves as OpenAI's error body; nothing internal
 (stack traces, file paths) is ever put in a response.

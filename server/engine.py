@@ -1,5 +1,8 @@
 """What the lane does to one sequence with the model: admit (cache take), prefill a chunk, decode solo, store.
 
+(About 475 lines, one job: the model verbs of one sequence. Batched prefill, solo decode and the store share the
+Active state and the MLX stream; the KV layout, batch, speculation and sampling already live in their own modules.)
+
 The lane (server.lane) runs many sequences at once; this module holds the per-sequence model work, the decode
 batch lives in server.batch, the policy in server.scheduler. Contract of the verbs (lane thread only: they own the
 model, the MLX stream and the caches):

@@ -1,5 +1,9 @@
 """The lane: one thread that owns all model compute and advances every running sequence each tick.
 
+(About 530 lines, one job: the tick loop and its lifecycle. Adapter groups, tasks and the sharded replay hooks are
+part of the same tick; policy is in server.scheduler, model work in server.engine, replay in server.replay. The
+next split, when it grows: the prefill-grouping of _prefill into the scheduler.)
+
 ``submit(job)`` appends to a FIFO (or raises ``QueueFull`` beyond ``max_queue`` waiting jobs). Each tick the
 thread (policy in server.scheduler, model work in server.engine, the batch in server.batch):
 

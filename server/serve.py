@@ -1,4 +1,8 @@
-"""Assemble model, cache, lane and app from parsed CLI arguments, then run uvicorn."""
+"""Assemble model, cache, lane and app from parsed CLI arguments, then run uvicorn.
+
+(About 460 lines, one job: assembly and process lifecycle. Each part it wires (adapters, embedder, web policy,
+distributed group, tiered cache, graceful shutdown) is one small function; the parts themselves live elsewhere.)
+"""
 
 from __future__ import annotations
 
