@@ -1,7 +1,7 @@
 """Cost of serving two LoRA adapters at once vs one: decode throughput of the lane's adapter groups, in process.
 
 The default model, two random rank-8 adapters over its last 16 layers (tests/fixtures/adapters.py; weights do not
-change speed), the lane's own decode batch (server.batch.DecodeBatch, what each adapter group steps per tick).
+change speed), the lane's own decode batch (server.engine.batch.DecodeBatch, what each adapter group steps per tick).
 Per round and in rotated order, --steps decode steps of 2 rows after a short prefill each:
   base_2rows      the base model, one batch of two rows (what two base requests cost)
   one_adapter     adapter A, one batch of two rows (two requests of the same adapter)
@@ -29,7 +29,7 @@ def run(batches_rows, steps: int) -> float:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from server.batch import DecodeBatch
+    from server.engine.batch import DecodeBatch
 
     batches = []
     for model, prompts in batches_rows:

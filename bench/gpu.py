@@ -516,7 +516,7 @@ def phase_kv_files(args, kv_root: Path, drop_all: bool) -> None:
     classes the server stores (mlx-lm KVCache / QuantizedKVCache, 32 layers x 8 KV heads x 128), written with
     cache.kvfile.save (fsync), page cache dropped, read back with cache.kvfile.load as a restore does (on a CPU
     stream). Measured here because the server cannot serve --kv-bits on this device (see the startup probe in
-    server/engine.py): no request-level TTFT, but the read that a restore TTFT consists of."""
+    server/engine/engine.py): no request-level TTFT, but the read that a restore TTFT consists of."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 

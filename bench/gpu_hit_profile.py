@@ -55,10 +55,12 @@ def main() -> int:
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     from cache.prompt_cache import PromptCache
-    from server.engine import Engine
-    from server.jobs import Job, SamplingParams
-    from server.prompts import tokenize_completion
-    from server.schemas import CompletionRequest
+    from server.core.prompts import tokenize_completion
+    from server.core.request import GenerationRequest
+    from server.engine.engine import Engine
+    from server.http.chat.schemas import CompletionRequest
+    from server.lane.events import SamplingParams
+    from server.lane.sequence import FinishReason, Phase, Sequence
     from server.stats import ServingStats
 
     model, tokenizer = load(args.model_dir)
@@ -103,13 +105,16 @@ def main() -> int:
 
             def engine_first():
                 events = []
-                job = Job(prompt=new, params=SamplingParams(max_tokens=2, temperature=0.0), sink=events.append)
-                a = engine.admit(job)
-                engine.prefill_step(a)
-                engine.solo_step(a)
+                params = SamplingParams(max_tokens=2, temperature=0.0)
+                seq = Sequence(prompt=new, params=params, sink=events.append, ns="ns")
+                engine.classify(seq)
+                engine.admit(seq)
+                engine.prefill(seq, seq.prefill_left)
+                seq.phase = Phase.SOLO
+                engine.solo_step(seq)
                 dt = time.perf_counter()
-                engine.finish(a, "cancelled")
-                return dt, a.seq.cached
+                engine.finish(seq, FinishReason.CANCELLED)
+                return dt, seq.cached
 
             firsts = []
             for _ in range(args.rounds):
@@ -117,8 +122,8 @@ def main() -> int:
                 t_first, cached = engine_first()
                 firsts.append(t_first - t0)
             body = orjson.dumps({"prompt": new, "max_tokens": 1})
-            parse_s, _ = timed(lambda: tokenize_completion(
-                tokenizer, CompletionRequest.model_validate(orjson.loads(body)), 1 << 20), args.rounds)
+            parse_s, _ = timed(lambda: tokenize_completion(tokenizer, GenerationRequest(
+                prompt=tuple(CompletionRequest.model_validate(orjson.loads(body)).prompt)), 1 << 20), args.rounds)
             row = {"prefill_s": round(prefill_s, 3), "raw_step_ms": raw_s * 1e3, "put_ms": put_s * 1e3,
                    "take_ms": take_s * 1e3, "first_forward_ms": fwd * 1e3,
                    "engine_first_ms": statistics.median(firsts) * 1e3, "cached": cached,

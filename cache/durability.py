@@ -12,14 +12,16 @@ after evaluation, but the lane keeps mutating its cache OBJECTS (`update_and_fet
 the arrays alive: `max_pending_bytes` bounds that memory.
 
 Debounce. Pending snapshots are keyed by (ns, tuple(tokens)); re-scheduling a key re-arms its timer (a
-conversation that pauses is written once per pause). A trimmable snapshot supersedes pending strict
-prefix-ancestors in its namespace (its file serves their prompts too); an untrimmable one does not (the
-prompt-boundary snapshot must survive). Different conversations never cancel each other.
+conversation that pauses is written once per pause). A snapshot supersedes the pending ones the tiers' rule says it
+makes redundant (`cache.prefix.supersedes`: a trimmable one its strict prefix-ancestors in its namespace, whose
+prompts its file serves too; an untrimmable one none, so the prompt-boundary snapshot survives). Different
+conversations never cancel each other.
 
 Writer. One thread takes the oldest due snapshot, calls `store.write(tokens, snapshot, ns)` (which serializes and
 fsyncs), and on failure (False or an exception) retries after `retry_backoff[i]`; when the backoff list is spent
 the snapshot counts as failed. Over the byte budget, the OLDEST pending snapshot is dropped and counted. The
-writer runs MLX work on its own stream (ENVIRONMENT.md: the default stream off the main thread aborts at exit).
+writer runs MLX work on its own stream (MLX work on the default stream off the main thread can abort the process at
+exit: mlx 0.32, Linux).
 
 The store needs two methods: `write(tokens, encoded, ns) -> bool` and `covers(tokens, ns) -> bool`.
 """
@@ -36,6 +38,7 @@ from typing import Any
 import mlx.core as mx
 
 from cache import kvfile
+from cache.prefix import ids, supersedes
 
 __all__ = ["DurabilityCoordinator"]
 
@@ -53,15 +56,21 @@ class _Pending:
     due: float  # debounce deadline
     not_before: float = 0.0  # retry backoff deadline (flush does not skip it)
     attempts: int = 0
+    _ids: Any = None  # the tokens as a vector, made on the first comparison
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
         return self.ns, self.tokens
 
-    def extends(self, other: _Pending) -> bool:
-        """True when `other` is a strict prefix-ancestor of self in the same namespace."""
-        n = len(other.tokens)
-        return other.ns == self.ns and n < len(self.tokens) and self.tokens[:n] == other.tokens
+    def supersedes(self, other: _Pending) -> bool:
+        """`other` is redundant once this snapshot is written (`cache.prefix.supersedes`, same namespace)."""
+        if other.ns != self.ns:
+            return False
+        if self._ids is None:
+            self._ids = ids(self.tokens)
+        if other._ids is None:
+            other._ids = ids(other.tokens)
+        return supersedes(self._ids, self.trimmable, other._ids)
 
 
 class DurabilityCoordinator:
@@ -122,10 +131,9 @@ class DurabilityCoordinator:
                 self._bytes -= old.nbytes
                 item.created = old.created  # the key keeps its age; only the timer re-arms
                 self._c["coalesced"] += 1
-            if item.trimmable:
-                for anc in [p for p in self._pending.values() if item.extends(p)]:
-                    self._remove_locked(anc)
-                    self._c["superseded"] += 1
+            for anc in [p for p in self._pending.values() if item.supersedes(p)]:  # strict ancestors, trimmable
+                self._remove_locked(anc)
+                self._c["superseded"] += 1
             self._pending[key] = item
             self._bytes += item.nbytes
             # drop the oldest, but never the snapshot just scheduled: an entry bigger than the whole
@@ -250,7 +258,7 @@ class DurabilityCoordinator:
             self._cond.notify_all()
 
     def _redundant_locked(self, item: _Pending) -> bool:
-        return any(p.key == item.key or (p.trimmable and p.extends(item)) for p in self._pending.values())
+        return any(p.supersedes(item) for p in self._pending.values())
 
     def _remove_locked(self, item: _Pending) -> None:
         if self._pending.pop(item.key, None) is not None:

@@ -24,7 +24,8 @@ Contract:
 - `encode(caches)` captures a detached, immutable snapshot (slices of the arrays, evaluated, so the caller may keep
   mutating its cache objects); `save` accepts caches or an `Encoded`.
 
-Threads: MLX work off the main thread must run on a stream created in that thread (see ENVIRONMENT.md);
+Threads: MLX work off the main thread must run on a stream created in that thread (on the default stream it can
+abort the process at exit: mlx 0.32, Linux);
 `load(..., stream=s)` and `with mx.stream(s): save(...)` let the caller arrange that.
 """
 

@@ -8,24 +8,25 @@ Public verbs (what the lane and the HTTP layer call):
     caller may keep generating with its own objects afterwards. `caches` must cover exactly `tokens`.
   * `clear() -> int`, `stats() -> dict` (HTTP event loop thread). One lock guards the index; the array work of
     take/put (forking handles) runs outside it, on the caller's thread.
-  * Hooks for a tier below (cache.tiered): `peek(tokens, ns, session) -> int` (the usable length take would give,
-    touching nothing), `pop_idle(idle_s)` (remove and return entries unused for `idle_s`), and `on_evict`, called
+  * The rest of `cache.protocol.PrefixCache`: `peek(tokens, ns, session) -> int` (the usable length take would
+    give, touching nothing), `make_room(nbytes)`; `ready`, `prefetch` and `observe_prefill` are no-ops here (RAM
+    only). Hooks for a tier below (cache.tiered): `pop_idle(idle_s)` (remove and return entries unused for `idle_s`), and `on_evict`, called
     OUTSIDE the lock with (ns, tokens, caches) for every entry the byte cap pushes out (LRU eviction, or a new
     entry larger than the whole cap). Supersede, replace and clear do not call it: what they drop is either
-    served by a newer entry or dropped on purpose. `prefetch` and `observe_prefill` are no-ops here (RAM only).
+    served by a newer entry or dropped on purpose.
 
-Matching rules (DESIGN.md "RAM tier contract"):
-  * usable prefix p = min(common prefix, len(prompt) - 1); the longest usable p wins (ties: the entry needing no
-    trim). An entry longer than p needs a trim, so it qualifies only if all its caches are trimmable; an
-    untrimmable entry matches only when all its tokens are a prefix of the prompt. p == 0 is a miss.
+Matching rules (DESIGN.md "RAM tier contract"; the rule itself is `cache.prefix.usable`, shared with the SSD tier):
+  * usable prefix p = min(common prefix, len(prompt) - 1); the longest usable p wins (ties: the smaller trim, then
+    the most recently used). An entry longer than p needs a trim, so it qualifies only if all its caches are
+    trimmable; an untrimmable entry matches only when all its tokens are a prefix of the prompt. p == 0 is a miss.
   * a session id maps (per namespace) to the entry last put with it; when the prompt extends that entry the hit is
     O(1) in the number of entries (source "session"); otherwise the normal longest-prefix scan runs.
   * namespaces never mix: the scan only sees entries of the request's namespace.
 
 Storage rules:
-  * same namespace and tokens -> the old entry is replaced (its sessions move to the new one);
-  * strict prefix-ancestors are superseded (dropped) only when the new entry is trimmable: an untrimmable entry
-    cannot serve its ancestors' shorter matches, so e.g. a prompt-boundary snapshot must survive;
+  * `cache.prefix.supersedes`: same namespace and tokens -> the old entry is replaced (its sessions move to the new
+    one); strict prefix-ancestors are superseded (dropped) only when the new entry is trimmable: an untrimmable
+    entry cannot serve its ancestors' shorter matches, so e.g. a prompt-boundary snapshot must survive;
   * over `max_bytes`, evict in `LruSessionLast` order (least recently used first, session-bound entries last; the
     new entry is a candidate like any other); an entry larger than the whole cap is not kept (`rejected_too_big`).
   * bytes are the caches' `nbytes` as the caller hands them over: the views keep the whole buffers alive,
@@ -50,6 +51,8 @@ import numpy as np
 
 from cache.copying import all_trimmable, fork, iter_offsets, total_nbytes
 from cache.policy import LruSessionLast
+from cache.prefix import ids as _as_ids
+from cache.prefix import is_prefix, supersedes, usable
 
 __all__ = ["CacheHit", "NullPromptCache", "PromptCache", "make_prompt_cache"]
 
@@ -77,23 +80,6 @@ class _Entry:
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
         return (self.ns, self.tokens)
-
-
-def _as_ids(tokens: Sequence[int]) -> np.ndarray:
-    # np.array copies: a caller's numpy array must not alias an entry's tokens.
-    ids = np.array(tokens, dtype=np.int64).reshape(-1)
-    ids.flags.writeable = False
-    return ids
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
-def _is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
-    return len(short) <= len(long) and bool(np.array_equal(long[: len(short)], short))
 
 
 class PromptCache:
@@ -229,6 +215,10 @@ class PromptCache:
         """RAM only: nothing to read ahead (see cache.tiered)."""
         return False
 
+    def ready(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:
+        """RAM only: every prefix is ready (see cache.tiered)."""
+        return True
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """RAM only: prefill rates feed no decision here (see cache.tiered)."""
 
@@ -272,29 +262,23 @@ class PromptCache:
             return None
         if session is not None:
             entry = self._sessions.get((ns, session))
-            if entry is not None and len(entry.tokens) <= cap and _is_prefix(entry.ids, prompt):
+            if entry is not None and len(entry.tokens) <= cap and is_prefix(entry.ids, prompt):
                 return entry, len(entry.tokens), "session"
         best: _Entry | None = None
-        best_p, best_trim = 0, 0
+        best_rank: tuple | None = None
         for entry in entries.values():
-            n = len(entry.tokens)
-            bound = min(n, cap)
-            # Skip what cannot win: a shorter bound, or an equal one when the best already needs no trim.
-            if bound < best_p or (bound == best_p and (best is None or best_trim == 0)):
+            # Skip what cannot win: a shorter bound on its usable length (cache.prefix ranks by length first).
+            if best_rank is not None and min(len(entry.tokens), cap) < best_rank[0]:
                 continue
-            common = _common_prefix(entry.ids, prompt)
-            if n <= cap and common == n:
-                p, trim = n, 0
-            elif entry.trimmable:
-                p = min(common, cap)
-                trim = n - p
-            else:
-                continue  # untrimmable and not wholly a prefix of the prompt
-            if p > best_p or (p == best_p and p > 0 and trim < best_trim):
-                best, best_p, best_trim = entry, p, trim
-        if best is None or best_p == 0:
+            use = usable(entry.ids, entry.trimmable, prompt)
+            if use is None:
+                continue
+            rank = use.rank(entry.last_use)
+            if best_rank is None or rank > best_rank:
+                best, best_rank = entry, rank
+        if best is None:
             return None
-        return best, best_p, "ram"
+        return best, best_rank[0], "ram"
 
     def _insert(self, entry: _Entry, session: str | None) -> list[_Entry]:
         """Index `entry`; return the entries the byte cap evicted (possibly `entry` itself)."""
@@ -305,11 +289,10 @@ class PromptCache:
         if old is not None:
             names |= old.sessions  # same tokens: the new entry serves those sessions exactly as the old one did
             self._drop(old)
-        if entry.trimmable:
-            for other in list(existing.values()):
-                if len(other.tokens) < len(entry.tokens) and _is_prefix(other.ids, entry.ids):
-                    self._drop(other)
-                    self._superseded += 1
+        for other in list(existing.values()):
+            if supersedes(entry.ids, entry.trimmable, other.ids):  # strict ancestors only when trimmable
+                self._drop(other)
+                self._superseded += 1
         self._by_ns.setdefault(entry.ns, {})[entry.tokens] = entry
         self._bytes += entry.nbytes
         self._policy.add(entry.key, session_bound=False)
@@ -358,6 +341,12 @@ class NullPromptCache:
 
     def take(self, tokens: Sequence[int], ns: str, session: str | None = None) -> CacheHit | None:
         return None
+
+    def peek(self, tokens: Sequence[int], ns: str, session: str | None = None) -> int:
+        return 0
+
+    def ready(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:
+        return True
 
     def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None) -> bool:
         return False

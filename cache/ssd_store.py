@@ -10,17 +10,17 @@ generated. Nothing read from a file ever becomes a path.
 Verbs (all thread-safe; the index is read from the lane / event loop and written by the durability writer):
   scan()                          start-up (the constructor runs it): read headers only; delete `*.tmp` and every
                                   unreadable, foreign or misplaced file (counted in `removed_at_scan`); index the rest.
-  find(tokens, ns) -> SSDMatch    index only, no I/O. Same rules as the RAM tier: usable p = min(common prefix,
-                                  len(tokens) - 1); an entry longer than p needs a trim, so it qualifies only if
-                                  trimmable; an untrimmable entry matches only when wholly a prefix of the prompt.
-                                  Longest p wins; ties go to the smaller trim, then the most recently used.
+  find(tokens, ns) -> SSDMatch    index only, no I/O. The RAM tier's rule (`cache.prefix.usable`): usable p =
+                                  min(common prefix, len(tokens) - 1); an entry longer than p needs a trim, so it
+                                  qualifies only if trimmable; an untrimmable entry matches only when wholly a prefix
+                                  of the prompt. Longest p wins; ties go to the smaller trim, then the most recent.
   restore(match) -> Restored      read the file, trim to p; the caller owns the caches. None on any error (the
                                   entry leaves the index; a corrupt file is deleted).
-  write(tokens, caches, ns)       atomic save + index + supersede (exact duplicate replaced; strict prefix-ancestors
-                                  removed only when the new entry is trimmable) + byte cap (least recently used
-                                  first, by file mtime). Returns True when the entry is durable and indexed.
-  covers(tokens, ns)              index only: an entry can serve `tokens` in full (same tokens, or a trimmable
-                                  extension of them).
+  write(tokens, caches, ns)       atomic save + index + supersede (`cache.prefix.supersedes`: exact duplicate
+                                  replaced; strict prefix-ancestors removed only when the new entry is trimmable) +
+                                  byte cap (least recently used first, by file mtime). True when durable and indexed.
+  covers(tokens, ns)              index only (`cache.prefix.covers`): an entry can serve `tokens` in full (same
+                                  tokens, or a trimmable extension of them).
   sync()                          learn of files other processes added or removed since the last look (below).
 
 Several processes on one root (replicas sharing a volume; `cache.filelocks` holds the lock protocol):
@@ -44,7 +44,8 @@ Internal updates: a restore touches the file's mtime (the LRU clock survives res
 from disk, so an mtime set from outside (tests, tools) counts.
 
 Errors: disk errors (EROFS, ENOSPC, EIO, ...) never raise out of a verb; each kind is logged once, all are counted
-in `stats()["failed"]`. MLX work runs on a stream owned by the calling thread (see ENVIRONMENT.md).
+in `stats()["failed"]`. MLX work runs on a stream owned by the calling thread (`thread_stream`: MLX work on the
+default stream off the main thread can abort the process at exit, mlx 0.32 on Linux).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ import mlx.core as mx
 import numpy as np
 
 from cache import filelocks, kvfile
+from cache.prefix import covers, supersedes, usable
 
 __all__ = ["SSDStore", "NullSSDStore", "SSDMatch", "Restored"]
 
@@ -109,12 +111,6 @@ class _Entry:
 
 def _ids(tokens: Sequence[int]) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int64).reshape(-1)
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
 
 
 _local = threading.local()
@@ -208,21 +204,20 @@ class SSDStore:
         cap = len(prompt) - 1  # the last prompt token is always forwarded
         if cap <= 0:
             return None
-        best, best_key = None, None
+        best, best_rank = None, None
         with self._lock:
             for e in self._entries.values():
                 if e.ns != ns:
                     continue
-                n = len(e.tokens)
-                p = min(_common_prefix(e.tokens, prompt), cap)
-                if p <= 0 or (p < n and not e.trimmable):
-                    continue  # an untrimmable entry that needs a trim is no match at all
-                key = (p, -(n - p), e.mtime)
-                if best_key is None or key > best_key:
-                    best, best_key = e, key
+                use = usable(e.tokens, e.trimmable, prompt)  # cache.prefix: the RAM tier's rule too
+                if use is None:
+                    continue
+                rank = use.rank(e.mtime)
+                if best_rank is None or rank > best_rank:
+                    best, best_rank = e, rank
             if best is None:
                 return None
-            return SSDMatch(best.path, best.ns, best_key[0], len(best.tokens), best.size, best.trimmable)
+            return SSDMatch(best.path, best.ns, best_rank[0], len(best.tokens), best.size, best.trimmable)
 
     def restore(self, match: SSDMatch) -> Restored | None:
         """Read `match` and trim it to `match.length`. None (never an exception) when it cannot be used."""
@@ -294,9 +289,7 @@ class SSDStore:
             return False
         entry = _Entry(path, ns, ids, size, mtime, enc.trimmable)
         with self._lock:
-            victims = [e for e in self._entries.values() if e.ns == ns and len(e.tokens) <= len(ids)
-                       and (len(e.tokens) == len(ids) or entry.trimmable)
-                       and np.array_equal(e.tokens, ids[: len(e.tokens)])]
+            victims = [e for e in self._entries.values() if e.ns == ns and supersedes(ids, entry.trimmable, e.tokens)]
             for v in victims:
                 self._drop_locked(v)
             self._c["superseded"] += len(victims)
@@ -317,8 +310,7 @@ class SSDStore:
         """True when an indexed entry can serve all of `tokens`: the same tokens, or a trimmable extension."""
         ids = _ids(tokens)
         with self._lock:
-            return any(e.ns == ns and len(e.tokens) >= len(ids) and (len(e.tokens) == len(ids) or e.trimmable)
-                       and np.array_equal(e.tokens[: len(ids)], ids) for e in self._entries.values())
+            return any(e.ns == ns and covers(e.tokens, e.trimmable, ids) for e in self._entries.values())
 
     def sync(self) -> tuple[int, int]:
         """Learn of files other processes sharing the root added or removed; returns (added, dropped).

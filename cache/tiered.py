@@ -31,7 +31,8 @@ Rules (DESIGN.md "RAM tier contract", "SSD tier contract", "Durability coordinat
   * `clear` clears RAM only: the SSD tier is what survives; delete its files to drop it.
 
 Threads: the I/O pool and the demotion timer run MLX work (restores, forks, snapshots) on streams they create
-themselves (ENVIRONMENT.md: the default stream off the main thread can abort at exit).
+themselves (`cache.ssd_store.thread_stream`: MLX work on the default stream off the main thread can abort the
+process at exit).
 
 Internal updates: a take touches the RAM entry's LRU time; a restore touches the file's mtime (SSD LRU); both
 feed the cost model (restore bytes/seconds here, prefill tokens/seconds from the lane via `observe_prefill`).

@@ -4,7 +4,7 @@
 mlx arrays are immutable and shared by reference), with mlx-lm's own LoRA layers (``mlx_lm.tuner.utils.
 load_adapters``: ``linear_to_lora_layers`` + the adapter's weights) wrapped around the base layers. Serving an
 adapter therefore costs its low-rank weights only. The adapter's ``identity`` is the sha256 of its config and
-weights: the prefix cache namespaces entries by it (server.kv_layout.kv_namespace), so KV computed under one
+weights: the prefix cache namespaces entries by it (cache.prefix.namespace), so KV computed under one
 adapter never seeds the base or another adapter, and a retrained adapter under the same name starts afresh.
 
 Supported: ``fine_tune_type`` lora and dora (mlx-lm's ``LoRALinear`` / ``DoRALinear``). A "full" fine-tune is a

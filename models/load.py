@@ -129,7 +129,7 @@ def _context_length(config: dict[str, Any], model_dir: Path) -> int:
 def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, group: Any = None) -> LoadedModel:
     """Resolve `spec` (see module doc), load it with mlx-lm and cast its weights to `dtype`.
 
-    `dtype` None means `default_dtype()`. `group` (server.distributed.Group): load only this process's shard
+    `dtype` None means `default_dtype()`. `group` (server.engine.distributed.Group): load only this process's shard
     with mlx-lm's `sharded_load` (tensor- or pipeline-parallel, `group.mode`); the fingerprint is then the
     shard's (`group.shard_fingerprint`) and `model_fingerprint` the whole model's. Raises ModelLoadError, with what to do, for every failure: bad dtype, unknown spec, unreachable hub,
     unsupported GGUF or mlx-lm architecture, a model that does not split over the group.

@@ -36,7 +36,7 @@ def check_splits(config: dict, size: int, mode: str, model_dir: Path) -> None:
 
 
 def load_shard(model_dir: Path, group: Any) -> tuple[Any, Any, dict]:
-    """(model, tokenizer, config) of this rank's shard. `group`: server.distributed.Group (its mode and size)."""
+    """(model, tokenizer, config) of this rank's shard. `group`: server.engine.distributed.Group (its mode and size)."""
     from mlx_lm.utils import sharded_load
 
     config = json.loads((Path(model_dir) / "config.json").read_text())

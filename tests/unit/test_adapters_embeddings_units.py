@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from server.adapters import adapter_path_for, load_refusal
-from server.api_embeddings import _inputs, plan_tasks, tokenize_inputs
+from cache.prefix import namespace
+from server.catalog import adapter_path_for, load_refusal
 from server.errors import InvalidRequest
-from server.kv_layout import adapter_namespace
+from server.http.embeddings import _inputs, plan_tasks, tokenize_inputs
 
 
 @pytest.mark.parametrize("authenticated, adapter_dir, path, allowed", [
@@ -42,10 +42,10 @@ def test_a_dotdot_path_resolves_before_the_check(tmp_path):
 
 def test_adapter_namespaces_differ_from_the_base_and_from_each_other():
     base = "fp"
-    a, b = adapter_namespace(base, "h1"), adapter_namespace(base, "h2")
+    a, b = namespace(base, adapter="h1"), namespace(base, adapter="h2")
     assert len({base, a, b}) == 3
-    assert adapter_namespace(base, "h1") == a  # stable: an SSD entry is found again after a restart
-    assert adapter_namespace("fp2", "h1") != a
+    assert namespace(base, adapter="h1") == a  # stable: an SSD entry is found again after a restart
+    assert namespace("fp2", adapter="h1") != a
 
 
 class StubEmbedder:

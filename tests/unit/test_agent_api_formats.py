@@ -9,17 +9,17 @@ import anthropic.types as at
 import openai.types.responses as ot
 import pytest
 
-from server.error_shapes import anthropic_error_body, shaped_error_body
-from server.errors import APIError, InvalidRequest, ModelNotFound, PayloadTooLarge, QueueFull
-from server.format_messages import MessagesStream, message_object, message_usage, stop_reason_of, tool_use_block
-from server.format_responses import ResponsesStream, response_base, response_object
-from server.generation import fit_to_context
-from server.jobs import Finished
-from server.model_names import is_served
-from server.response_store import ResponseStore, StoredResponse
-from server.schemas_responses import ResponsesRequest
-from server.translate_responses import output_to_items
-
+from server.catalog import is_served
+from server.core.prompts import sampling_params
+from server.core.request import GenerationRequest, MaxTokens
+from server.errors import APIError, ContextLengthExceeded, InvalidRequest, ModelNotFound, PayloadTooLarge, QueueFull
+from server.http.error_shapes import anthropic_error_body, shaped_error_body
+from server.http.messages.format import MessagesStream, message_object, message_usage, stop_reason_of, tool_use_block
+from server.http.responses.format import ResponsesStream, response_base, response_object
+from server.http.responses.schemas import ResponsesRequest
+from server.http.responses.store import ResponseStore, StoredResponse
+from server.http.responses.translate import output_to_items
+from server.lane.events import Finished
 
 
 def _by_type(union) -> dict:
@@ -166,7 +166,7 @@ def test_error_shapes_by_path(err, status, kind):
     (["Hello", " world", "!"], ["!"], "!"), (["Hello", " world"], ["!"], None),
     (["a ST", "OP b E", "ND"], ["END", "STOP"], "STOP")])
 def test_the_stop_matcher_says_which_stop_string_fired(chunks, stops, expected):
-    from server.stops import StopMatcher
+    from server.lane.stops import StopMatcher
 
     m = StopMatcher(stops)
     for c in chunks:
@@ -196,6 +196,16 @@ def test_response_store_is_an_lru_by_count():
 
 
 @pytest.mark.parametrize("asked,prompt,context,expected", [
-    (64000, 100, 8192, 8092), (16, 100, 8192, 16), (None, 100, 8192, None), (5, 8192, 8192, 1)])
-def test_fit_to_context(asked, prompt, context, expected):
-    assert fit_to_context(asked, prompt, context) == expected
+    (64000, 100, 8192, 8092), (16, 100, 8192, 16), (None, 100, 8192, 2048), (None, 8000, 8192, 192)])
+def test_a_fitted_max_tokens_is_lowered_to_the_room_left(asked, prompt, context, expected):
+    req = GenerationRequest(max_tokens=asked, max_tokens_over_room=MaxTokens.FIT)
+    params = sampling_params(req, prompt, context, default_max_tokens=2048, vocab_size=100)
+    assert params.max_tokens == expected
+    with pytest.raises(ContextLengthExceeded):  # a prompt that fills the context leaves no room at all
+        sampling_params(req, context, context, default_max_tokens=2048, vocab_size=100)
+    if asked is not None and asked > context - prompt:  # a refusing door names its own parameter
+        names = {"max_tokens": "max_output_tokens"}
+        with pytest.raises(ContextLengthExceeded) as exc:
+            sampling_params(GenerationRequest(max_tokens=asked, names=names), prompt, context,
+                            default_max_tokens=2048, vocab_size=100)
+        assert exc.value.param == "max_output_tokens"

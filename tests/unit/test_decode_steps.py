@@ -8,7 +8,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from server.decode_steps import PlainDecode
+from server.engine.solo import PlainDecode
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_closed_early_reports_what_was_fed(model):
 
 
 def test_penalties_see_the_prompt_history(model):
-    hist_procs = lambda h: [  # noqa: E731 - mirrors server.sampling's history wrapper
+    hist_procs = lambda h: [  # noqa: E731 - mirrors server.engine.sampling's history wrapper
         (lambda toks, logits, p=p, pre=mx.array(list(h), dtype=mx.uint32): p(mx.concatenate([pre, toks.astype(mx.uint32)]), logits))
         for p in make_logits_processors(repetition_penalty=1.8, repetition_context_size=64)]
     caches = prefilled(model, PROMPT)

@@ -1,4 +1,4 @@
-"""server/grammar.py and its request wiring, without the real model.
+"""server/core/grammar.py and its request wiring, without the real model.
 
 The tokenizer is a byte-level BPE without merges (one token per byte, 256 = <eos>), built with
 the `tokenizers` library (token id = byte value), so every expected mask can be written down by hand. The decode test
@@ -16,10 +16,11 @@ import pytest
 from pydantic import ValidationError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from server.core.grammar import GrammarError, GrammarSpec, json_schema_grammar, ll_tokenizer, tool_call_grammar
+from server.core.prompts import chat_grammar, sampling_params
 from server.errors import InvalidRequest
-from server.grammar import GrammarError, GrammarSpec, json_schema_grammar, ll_tokenizer, tool_call_grammar
-from server.prompts import chat_grammar, sampling_params
-from server.schemas import ChatCompletionRequest
+from server.http.chat.door import chat_request
+from server.http.chat.schemas import ChatCompletionRequest
 
 EOS = 256
 
@@ -192,8 +193,10 @@ def test_no_parallel_calls_means_one_call(tok):
 
 
 # -- request wiring -----------------------------------------------------------------------------------------
-def chat(**fields) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+def chat(**fields):
+    """A chat completions body as the internal request the grammar is built from."""
+    return chat_request(ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                              **fields}), {})
 
 
 def tool(name, params=WEATHER, strict=None):
@@ -320,9 +323,9 @@ def test_random_model_output_under_a_schema_validates(tok, random_model, schema)
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    from server.decode_steps import PlainDecode
-    from server.jobs import SamplingParams
-    from server.sampling import build_logits_processors
+    from server.engine.sampling import build_logits_processors
+    from server.engine.solo import PlainDecode
+    from server.lane.events import SamplingParams
 
     prompt = tok.encode("json please")
     caches = make_prompt_cache(random_model)

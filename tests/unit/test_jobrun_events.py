@@ -2,8 +2,8 @@
 
 import asyncio
 
-from server.jobrun import JobRun
-from server.jobs import Delta, Finished, SamplingParams, TokenLogprob
+from server.core.bridge import JobRun
+from server.lane.events import Delta, Finished, SamplingParams, TokenLogprob
 
 
 class _Lane:

@@ -8,8 +8,7 @@ import os
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache,
-                                 RotatingKVCache)
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from cache import kvfile
 from cache.kvfile import KVFileError

@@ -8,8 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from models import ModelLoadError, default_dtype, device_name, load_model
-from models import runtime
+from models import ModelLoadError, default_dtype, device_name, load_model, runtime
 from models.gguf import convert_gguf
 from models.gguf_arch import build_config, fix_tensor, mlx_name, permute_qk, unpermute_qk
 from models.gguf_tokenizer import build_tokenizer, generate_merges

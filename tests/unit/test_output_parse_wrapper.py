@@ -8,17 +8,16 @@ import json
 
 import pytest
 
-from server.jobs import Finished
-from server.output_parse import HERMES, Piece, make_output_parser, prompt_opens_thinking, tool_format
-from server.responses import ChatFormatter
+from server.core.output_parse import HERMES, Piece, make_output_parser, prompt_opens_thinking, tool_format
+from server.http.chat.format import ChatFormatter
+from server.lane.events import Finished
 
 
 def wrapper(tmp_path, template: str, think: bool = True):
     """A word-level toy tokenizer saved as a Hugging Face dir, loaded by mlx-lm (which detects the formats)."""
+    from mlx_lm.tokenizer_utils import load
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from mlx_lm.tokenizer_utils import load
 
     words = ["<unk>", "<eos>", "hello", "why", "ok"] + (["<think>", "</think>"] if think else [])
     tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))

@@ -1,10 +1,13 @@
 """KV-cache quantization (--kv-bits) on a tiny random llama: hits equal cold, SSD round trips, scheme isolation.
 
-The engine makes every KVCache layer a QuantizedKVCache from the first token (server.engine._quantize_fresh), and
-the KV scheme is part of the namespace (server.engine.kv_namespace). Checked here without a server or real model.
+The engine makes every KVCache layer a QuantizedKVCache from the first token (server.engine.engine._quantize_fresh), and
+the KV scheme is part of the namespace (cache.prefix.namespace). Checked here without a server or real model.
 """
 
 from __future__ import annotations
+
+import hashlib
+import re
 
 import mlx.core as mx
 import pytest
@@ -13,8 +16,9 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from cache.copying import fork
+from cache.prefix import namespace
 from cache.ssd_store import SSDStore
-from server.kv_layout import _quantize_fresh, _state_nbytes, kv_namespace, kv_scheme
+from server.engine.kv_layout import _quantize_fresh, _state_nbytes, kv_scheme
 
 FP = "ab" * 32
 PROMPT = [3, 17, 42, 9, 100, 7, 7, 81, 5, 250, 33, 12, 64, 2]
@@ -46,11 +50,18 @@ def _next_logits(model, caches, token):
     return model(mx.array([[token]]), cache=caches)[0, -1]
 
 
+def kv_namespace(fp: str, bits, group: int = 64) -> str:
+    return namespace(fp, kv_scheme=kv_scheme(bits, group))
+
+
 def test_namespace_separates_schemes():
     names = {kv_namespace(FP, None), kv_namespace(FP, 8), kv_namespace(FP, 4), kv_namespace(FP, 8, 32)}
     assert len(names) == 4 and kv_namespace(FP, None) == FP
     assert kv_scheme(None) == "float" and kv_scheme(8, 64) == "q8g64"
-    assert all(len(n) == 64 and int(n, 16) >= 0 for n in names)  # usable as an SSD directory name
+    quantized = names - {FP}
+    assert all(re.fullmatch(r"[0-9a-f]{64}", n) for n in quantized)  # usable as an SSD directory name
+    # the digest files on SSD were written under: changing it would orphan every cached file of that scheme
+    assert kv_namespace(FP, 8) == hashlib.sha256(f"{FP}\0kv\0q8g64".encode()).hexdigest()
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -114,7 +125,7 @@ def test_unquantizable_layers_stay_as_they_are():
 def _engine(model_obj, bits):
     from types import SimpleNamespace
 
-    from server.engine import Engine
+    from server.engine.engine import Engine
 
     loaded = SimpleNamespace(model=model_obj, tokenizer=SimpleNamespace(eos_token_ids=[2]), fingerprint=FP)
     return Engine(loaded, prompt_cache=None, stats=None, kv_bits=bits, kv_group_size=32)

@@ -1,50 +1,69 @@
-"""The pieces of the sharded server that need no second process: the tick plan's wire format, a job's round trip
-to a follower, the cache-take agreement (with a scripted group), split checks and shard fingerprints."""
+"""The pieces of the sharded server that need no second process: the tick plan's wire format, a sequence's round
+trip to a follower, the cache-take agreement (with a scripted group), split checks and shard fingerprints."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
 import pytest
 
 from cache.prompt_cache import CacheHit
+from cache.sharded import ShardedPromptCache
 from models.errors import ModelLoadError
 from models.sharding import check_splits
-from server.distributed import Group
-from server.jobs import Job, SamplingParams
-from server.replay import Leader, Plan, job_from_spec, job_spec
-from server.sharded_cache import ShardedPromptCache
+from server.engine.distributed import Group
+from server.lane.events import SamplingParams
+from server.lane.plan import Chunk, Start, TickPlan
+from server.lane.replay import Follower, Leader, seq_from_spec, seq_spec
+from server.lane.sequence import Phase, Sequence
 
 
-def test_plan_round_trips_through_bytes():
-    plan = Plan(admit=[{"id": "a", "prompt": [1, 2, 3]}], cancel=["b"], waiting=True, check={"c": 4})
-    assert Plan.decode(plan.encode()) == plan
-    assert Plan.decode(Plan([], [], False, {}, stop=True).encode()).stop
+def make(name: str, prompt=(1, 2, 3), **params) -> Sequence:
+    return Sequence(prompt=list(prompt), params=SamplingParams(max_tokens=4, **params), sink=lambda e: None, id=name)
 
 
-def test_job_spec_round_trip_keeps_what_the_lane_reads():
-    params = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop=("\n\n", "END"),
-                            logit_bias={42: -100.0, 7: 2.5}, logprobs=True, top_logprobs=2, repetition_penalty=1.1)
-    job = Job(prompt=[5, 6, 7], params=params, sink=lambda e: None, session="s1")
-    spec = job_spec(job, cancelled=True)
-    import orjson
+def test_a_plan_round_trips_through_bytes_onto_the_followers_own_sequences():
+    running = {n: make(n) for n in ("r", "s", "t")}
+    new = make("n", prompt=(9, 8, 7, 6))
+    plan = TickPlan(admit=(new,), cancel=(running["t"],), prefill=((Chunk(new, 3),),), share=True,
+                    start=(Start(None, batch=(running["r"], new)),), leave=(), decode=(None,),
+                    solo=(running["s"],), make_room=123)
+    data = plan.encode(seq_spec, check={"r": 5})
+    mine = {n: make(n) for n in ("r", "s", "t")}  # the follower's own objects for the same ids
+    back, check = TickPlan.decode_from(data, mine, lambda spec: seq_from_spec(spec, tokenizer=None))
+    assert check == {"r": 5} and back.make_room == 123 and back.share and back.decode == (None,)
+    (admitted,) = back.admit
+    assert admitted is not new and admitted.id == "n" and admitted.prompt == new.prompt
+    assert back.cancel == (mine["t"],) and back.solo == (mine["s"],)
+    assert [(c.seq, c.tokens) for c in back.prefill[0]] == [(admitted, 3)]
+    assert back.start[0].batch == (mine["r"], admitted)
 
-    back = job_from_spec(orjson.loads(orjson.dumps(spec)), tokenizer=None)
-    assert back.params == params and back.prompt == job.prompt and back.session == "s1" and back.id == job.id
-    assert back.cancel.is_set()
+
+def test_a_sequence_spec_round_trip_keeps_what_the_lane_reads():
+    params = dict(temperature=0.5, top_k=3, seed=11, stop=("\n\n", "END"), logit_bias={42: -100.0, 7: 2.5},
+                  logprobs=True, top_logprobs=2, repetition_penalty=1.1)
+    seq = make("a", prompt=(5, 6, 7), **params)
+    seq.session = "s1"
+    seq.cancel.set()
+    back = seq_from_spec(orjson.loads(orjson.dumps(seq_spec(seq))), tokenizer=None)
+    assert back.params == seq.params and back.prompt == seq.prompt and back.session == "s1" and back.id == "a"
+    assert back.cancel.is_set() and back.phase == Phase.WAITING
 
 
+@pytest.mark.model
 def test_grammar_travels_as_text_and_compiles_on_the_follower():
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from models import ensure_default_model
-    from server.grammar import GrammarSpec
+    from server.core.grammar import GrammarSpec
 
     tok = load_tokenizer(Path(ensure_default_model(progress=False)))
     grammar = GrammarSpec.compile(tok, '{"grammars": [{"json_schema": {"type": "object"}}]}')
-    job = Job(prompt=[1], params=SamplingParams(max_tokens=4, grammar=grammar), sink=lambda e: None)
-    back = job_from_spec(job_spec(job, cancelled=False), tok)
+    seq = make("g", prompt=(1,), grammar=grammar)
+    back = seq_from_spec(seq_spec(seq), tok)
     assert back.params.grammar is not None and back.params.grammar.grammar == grammar.grammar
     assert not back.cancel.is_set()
 
@@ -127,28 +146,42 @@ def test_peek_is_rank_0s_answer():
     assert ShardedPromptCache(FakeTier(have=4), ScriptedGroup(0)).peek([1] * 10, "ns") == 4
 
 
-def test_leader_hands_the_lane_views_whose_cancel_changes_only_at_a_tick_start():
+def test_the_leader_broadcasts_each_plan_and_a_follower_executes_it_on_its_own_sequences():
     group = ScriptedGroup(0)
     leader = Leader(group)
-    job = Job(prompt=[1, 2], params=SamplingParams(max_tokens=2), sink=lambda e: None)
-    (view,) = leader.lead([job], [], waiting=False)
-    assert view is not job and view.id == job.id and leader.origin(view) is job
-    job.cancel.set()  # the client went away in the middle of a tick
-    assert not view.cancel.is_set()
+    r = make("r")
+    r.generated = [3, 4]
+    r.cancel.set()  # the client went away: the scheduler put it in this plan's cancellations
+    leader.lead(TickPlan(cancel=(r,)), [r])
+    data = group.calls[-1][1]
 
-    @dataclass
-    class Running:
-        job: Job
-        seq: object
+    class FollowerLane:
+        def __init__(self):
+            self.mine = make("r")
+            self.mine.generated = [3, 4]
+            self.executed = []
+            self.engine = None
 
-    @dataclass
-    class Seq:
-        generated: list
+        def running(self):
+            return [self.mine]
 
-    leader.lead([], [Running(view, Seq([3, 4]))], waiting=True)
-    assert view.cancel.is_set()
-    plan = Plan.decode(group.calls[-1][1])
-    assert plan.cancel == [job.id] and plan.check == {job.id: 2} and plan.waiting
+        def execute(self, plan):
+            self.executed.append(plan)
+
+    class Replayed:
+        rank, leader = 1, False
+
+        def __init__(self, messages):
+            self.messages = list(messages)
+
+        def share_bytes(self, data):
+            return self.messages.pop(0)
+
+    lane = FollowerLane()
+    follower = Follower(Replayed([data, b'{"stop": true}']), tokenizer=None)
+    follower.follow(lane)
+    (plan,) = lane.executed
+    assert plan.cancel == (lane.mine,) and lane.mine.cancel.is_set() and follower.diverged == 0
 
 
 def test_tensor_split_needs_divisible_heads(tmp_path):
@@ -174,25 +207,11 @@ def test_shard_fingerprints_differ_per_rank_split_and_from_the_model():
     assert len(names) == 4 and fp not in names
     manifest = g.shard_manifest(fp)
     assert manifest["rank"] == 1 and manifest["ranks"][1] == g.shard_fingerprint(fp)
-    assert all(len(n) == 64 and int(n, 16) >= 0 for n in names)
+    assert all(re.fullmatch(r"[0-9a-f]{64}", n) for n in names)  # usable as SSD directory names
 
 
 def test_a_single_process_starts_no_group(monkeypatch):
-    from server import distributed
-
+    from server.engine import distributed
     for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         monkeypatch.delenv(k, raising=False)
     assert distributed.init_group("tensor") is None
-
-
-def test_lane_without_a_group_reads_the_queue_live():
-    """The single-process lane passes no plan: ``waiting`` is read when a prefill asks (unchanged behaviour)."""
-    from server.lane import Lane
-
-    class E:
-        prefill_chunk = 4
-
-    lane = Lane(E())
-    assert lane.replay is None and lane._tick_waiting is None
-    lane._waiting.append(object())
-    assert lane._others_need_prefill()

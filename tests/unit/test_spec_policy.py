@@ -6,7 +6,6 @@ import pytest
 
 from spec import AdaptiveDraftLength, FixedDraftLength, NgramProvider, NgramSource, SpecStats, break_even_rate
 
-
 # -- AdaptiveDraftLength -----------------------------------------------------------------
 
 

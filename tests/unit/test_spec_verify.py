@@ -10,14 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from spec import (
-    AdaptiveDraftLength,
-    FixedDraftLength,
-    NgramProvider,
-    SpecStats,
-    TwoModelProvider,
-    speculative_decode,
-)
+from spec import AdaptiveDraftLength, FixedDraftLength, NgramProvider, SpecStats, TwoModelProvider, speculative_decode
 from tests.unit.test_spec_models import assert_caches_cover, noisy_copy, plain_greedy, prefilled, tiny_llama
 
 PROMPTS = [

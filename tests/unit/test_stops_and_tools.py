@@ -1,11 +1,35 @@
 """Stop-string hold-back and tool-call parsing (pure text logic, no model)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from server.stops import StopMatcher
-from server.tool_calls import ToolCallFilter, parse_tool_calls
+from server.core.output_parse import make_output_parser, parse_complete
+from server.lane.stops import StopMatcher
+
+# A tokenizer that names no tool format and has no thinking tags: the parser falls back to Hermes.
+PLAIN = SimpleNamespace(has_tool_calling=False, has_thinking=False)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """(content without tool-call blocks, tool_calls) of a finished reply in the Hermes format."""
+    _, content, calls = parse_complete(PLAIN, text, tools=True)
+    return content, calls
+
+
+class ToolCallFilter:
+    """A streamed reply's text pieces up to a ``<tool_call>``; the calls at the end."""
+
+    def __init__(self):
+        self._parser = make_output_parser(PLAIN, tools=True)
+
+    def feed(self, text: str) -> str:
+        return "".join(p.text for p in self._parser.feed(text))
+
+    def finish(self) -> tuple[str, list[dict]]:
+        pieces, calls = self._parser.finish()
+        return "".join(p.text for p in pieces), calls
 
 
 def run(stops, pieces):
@@ -86,15 +110,16 @@ def test_tool_filter_without_call_releases_everything():
 
 
 def test_top_p_zero_means_greedy_and_defaults_follow_openai():
-    from server.prompts import sampling_params
-    from server.schemas import ChatCompletionRequest
+    from server.core.prompts import sampling_params
+    from server.http.chat.door import chat_request
+    from server.http.chat.schemas import ChatCompletionRequest
 
-    msgs = [{"role": "user", "content": "hi"}]
-    greedy = sampling_params(ChatCompletionRequest(messages=msgs, top_p=0, temperature=0.8), 5, 100,
-                             default_max_tokens=50, vocab_size=1000)
+    def chat(**fields):
+        return chat_request(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields), {})
+
+    greedy = sampling_params(chat(top_p=0, temperature=0.8), 5, 100, default_max_tokens=50, vocab_size=1000)
     assert greedy.temperature == 0.0 and greedy.top_p == 1.0
-    default = sampling_params(ChatCompletionRequest(messages=msgs), 5, 100, default_max_tokens=50, vocab_size=1000)
+    default = sampling_params(chat(), 5, 100, default_max_tokens=50, vocab_size=1000)
     assert (default.temperature, default.top_p, default.max_tokens) == (1.0, 1.0, 50)
-    short_room = sampling_params(ChatCompletionRequest(messages=msgs), 90, 100, default_max_tokens=50,
-                                 vocab_size=1000)
+    short_room = sampling_params(chat(), 90, 100, default_max_tokens=50, vocab_size=1000)
     assert short_room.max_tokens == 10  # never past the context

@@ -1,4 +1,4 @@
-"""Output parsing per model family (server.output_parse): tool calls through mlx-lm's parsers, reasoning split.
+"""Output parsing per model family (server.core.output_parse): tool calls through mlx-lm's parsers, reasoning split.
 
 Model-free: the "tokenizers" here are small objects carrying the attributes mlx-lm's TokenizerWrapper exposes
 (has_tool_calling, tool_call_start/end, tool_parser, has_thinking, think_start/end), which is all the parser
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.output_parse import HERMES, Piece, make_output_parser, parse_complete, tool_format
+from server.core.output_parse import HERMES, Piece, make_output_parser, parse_complete, tool_format
 
 THINK = {"has_thinking": True, "think_start": "<think>", "think_end": "</think>"}
 

@@ -1,4 +1,4 @@
-"""Anthropic Messages API -> internal chat request (pure functions, no model)."""
+"""Anthropic Messages API -> the internal request (pure functions, no model)."""
 
 from __future__ import annotations
 
@@ -7,22 +7,24 @@ import json
 import pydantic
 import pytest
 
+from server.core.request import MaxTokens
 from server.errors import InvalidRequest
-from server.http_util import validation_message
-from server.schemas import ChatCompletionRequest
-from server.schemas_messages import CountTokensRequest, MessagesRequest
-from server.translate_messages import messages_to_chat
+from server.http.chat.door import chat_request
+from server.http.chat.schemas import ChatCompletionRequest
+from server.http.messages.schemas import CountTokensRequest, MessagesRequest
+from server.http.messages.translate import messages_request
+from server.http.wire import validation_message
 
 TOOL = {"name": "get_weather", "description": "Weather of a city",
         "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
 
 def translate(**body):
-    return messages_to_chat(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, **body}))
+    return messages_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, **body}))
 
 
-def dump(req: ChatCompletionRequest) -> list[dict]:
-    return [m.model_dump(exclude_none=True) for m in req.messages]
+def dump(req) -> list[dict]:
+    return list(req.messages)
 
 
 def test_tool_round_trip_renders_like_the_same_chat_conversation():
@@ -46,7 +48,7 @@ def test_tool_round_trip_renders_like_the_same_chat_conversation():
         {"role": "tool", "tool_call_id": "toolu_1", "content": "18C"},
         {"role": "user", "content": "And tomorrow?"},
     ]})
-    assert dump(req) == dump(chat)
+    assert dump(req) == dump(chat_request(chat, {}))
 
 
 def test_tool_result_only_turn_has_no_empty_user_message():
@@ -56,7 +58,7 @@ def test_tool_result_only_turn_has_no_empty_user_message():
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok", "is_error": True}]},
     ])
     assert [m["role"] for m in dump(req)] == ["user", "assistant", "tool"]
-    assert dump(req)[1].get("content") is None
+    assert dump(req)[1]["content"] == ""  # an assistant turn of calls only: no text, as chat templates expect
 
 
 def test_sampling_session_stops_and_tools():
@@ -64,10 +66,10 @@ def test_sampling_session_stops_and_tools():
                     stop_sequences=["END"], metadata={"user_id": "sess-1"}, tools=[TOOL],
                     tool_choice={"type": "tool", "name": "get_weather"})
     assert (req.max_tokens, req.temperature, req.top_p, req.top_k) == (5, 0.5, 0.8, 40)
-    assert req.stop == ["END"] and req.logprobs is False  # the lane reports which stop string fired
-    assert req.user == "sess-1"
-    assert req.tools[0].function.parameters == TOOL["input_schema"]
-    assert req.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert req.max_tokens_over_room is MaxTokens.FIT  # Claude Code asks for 64,000: lowered to the room left
+    assert req.stop == ("END",) and req.logprobs is False  # the lane reports which stop string fired
+    assert req.tools[0]["function"]["parameters"] == TOOL["input_schema"]
+    assert req.forced_tool == "get_weather" and req.param("stop") == "stop_sequences"
     assert translate(messages=[{"role": "user", "content": "x"}]).logprobs is False
 
 
@@ -75,12 +77,12 @@ def test_sampling_session_stops_and_tools():
     ({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none")])
 def test_tool_choice(choice, expected):
     req = translate(messages=[{"role": "user", "content": "x"}], tools=[TOOL], tool_choice=choice)
-    assert req.tool_choice == expected
-    assert req.tools_enabled() is (expected != "none")
+    assert req.tool_choice == expected and req.forced_tool is None
+    assert req.tools_enabled is (expected != "none")
 
 
 def test_count_tokens_request_needs_no_max_tokens():
-    req = messages_to_chat(CountTokensRequest.model_validate({"model": "m", "messages": [{"role": "user",
+    req = messages_request(CountTokensRequest.model_validate({"model": "m", "messages": [{"role": "user",
                                                                                           "content": "x"}]}))
     assert dump(req) == [{"role": "user", "content": "x"}]
 
@@ -91,9 +93,10 @@ def test_tool_use_in_a_user_turn_is_refused():
 
 
 def test_too_many_stop_sequences_name_stop_sequences():
-    with pytest.raises(InvalidRequest) as exc:
+    with pytest.raises(pydantic.ValidationError) as exc:
         translate(messages=[{"role": "user", "content": "x"}], stop_sequences=[f"s{i}" for i in range(40)])
-    assert exc.value.param == "stop_sequences"
+    message, param = validation_message(exc.value.errors())
+    assert param == "stop_sequences" and "at most 16" in message
 
 
 OK = [{"role": "user", "content": "hi"}]

@@ -1,4 +1,4 @@
-"""Responses API -> internal chat request, and back (pure functions, no model)."""
+"""Responses API -> the internal request, and back (pure functions, no model)."""
 
 from __future__ import annotations
 
@@ -6,20 +6,24 @@ import pydantic
 import pytest
 
 from server.errors import InvalidRequest
-from server.http_util import validation_message
-from server.schemas import ChatCompletionRequest
-from server.schemas_responses import ResponsesRequest
-from server.translate_responses import (
-    function_tools, items_for_history, output_to_items, response_format_of, responses_to_chat, tool_namespaces,
+from server.http.chat.door import chat_request
+from server.http.chat.schemas import ChatCompletionRequest
+from server.http.responses.schemas import ResponsesRequest
+from server.http.responses.translate import (
+    answer_schema_of, function_tools, items_for_history, output_to_items, responses_request, tool_namespaces,
 )
+from server.http.wire import validation_message
 
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather of a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}, "strict": True}
 
 
+def translate(body: dict, history=()):
+    return responses_request(ResponsesRequest.model_validate(body), history)
+
+
 def chat_messages(body: dict, history=()) -> list[dict]:
-    req = responses_to_chat(ResponsesRequest.model_validate(body), history)
-    return [m.model_dump(exclude_none=True) for m in req.messages]
+    return list(translate(body, history).messages)
 
 
 def test_string_input_and_instructions():
@@ -51,7 +55,7 @@ def test_items_render_like_the_same_chat_conversation():
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c3", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
     ]})
-    assert chat_messages({"input": items}) == [m.model_dump(exclude_none=True) for m in chat.messages]
+    assert chat_messages({"input": items}) == list(chat_request(chat, {}).messages)
 
 
 def test_previous_response_history_equals_a_full_resend():
@@ -69,7 +73,7 @@ def test_namespaces_are_flattened_and_hosted_tools_not_offered():
         {"type": "namespace", "name": "agents", "description": "Sub-agents", "tools": [
             {"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}]}]})
     assert [t.name for t in function_tools(req)] == ["get_weather", "spawn_agent"]
-    assert [t.function.name for t in responses_to_chat(req).tools] == ["get_weather", "spawn_agent"]
+    assert responses_request(req).function_names == ["get_weather", "spawn_agent"]
     assert tool_namespaces(req) == {"spawn_agent": "agents"}
     calls = [{"id": "call_1", "type": "function", "function": {"name": n, "arguments": "{}"}}
              for n in ("spawn_agent", "get_weather")]
@@ -77,34 +81,35 @@ def test_namespaces_are_flattened_and_hosted_tools_not_offered():
     assert items[0]["namespace"] == "agents" and "namespace" not in items[1]
 
 
-def test_sampling_tools_and_choice_map_onto_the_chat_request():
-    req = responses_to_chat(ResponsesRequest.model_validate({
-        "input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "get_weather"},
-        "max_output_tokens": 7, "temperature": 0.2, "top_p": 0.9, "user": "u1", "prompt_cache_key": "k"}))
+def test_sampling_tools_and_choice_map_onto_the_internal_request():
+    req = translate({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "get_weather"},
+                     "max_output_tokens": 7, "temperature": 0.2, "top_p": 0.9, "parallel_tool_calls": False})
     assert req.max_tokens == 7 and req.temperature == 0.2 and req.top_p == 0.9
-    assert req.user == "u1" and req.prompt_cache_key == "k"
-    assert req.tools[0].model_dump(exclude_none=True) == {"type": "function", "function": {
+    assert req.tools[0] == {"type": "function", "function": {
         "name": "get_weather", "description": "Weather of a city", "parameters": TOOL["parameters"]}}
-    assert req.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
-    assert responses_to_chat(ResponsesRequest.model_validate({"input": "x", "tools": [TOOL],
-                                                              "tool_choice": "none"})).tools_enabled() is False
+    assert req.forced_tool == "get_weather" and req.parallel_tool_calls is False
+    assert translate({"input": "x", "tools": [TOOL], "tool_choice": "none"}).tools_enabled is False
+    # errors the core raises name the Responses parameters
+    assert (req.param("max_tokens"), req.param("response_format"), req.param("messages")) == (
+        "max_output_tokens", "text.format", "input")
 
 
 @pytest.mark.parametrize("fmt,expected", [
     (None, None),
     ({"type": "text"}, None),
-    ({"type": "json_object"}, {"type": "json_object"}),
-    ({"type": "json_schema", "name": "pt", "schema": {"type": "object"}, "strict": True},
-     {"type": "json_schema", "json_schema": {"name": "pt", "schema": {"type": "object"}, "strict": True}}),
+    ({"type": "json_object"}, {"type": "object"}),
+    ({"type": "json_schema", "name": "pt", "schema": {"type": "object", "required": ["a"]}, "strict": True},
+     {"type": "object", "required": ["a"]}),
 ])
-def test_text_format_becomes_response_format(fmt, expected):
+def test_text_format_becomes_the_answer_schema(fmt, expected):
     body = {"input": "x"} if fmt is None else {"input": "x", "text": {"format": fmt}}
-    assert response_format_of(ResponsesRequest.model_validate(body)) == expected
+    assert answer_schema_of(ResponsesRequest.model_validate(body)) == expected
+    assert translate(body).answer_schema == expected
 
 
 def test_empty_conversation_is_a_400_naming_input():
     with pytest.raises(InvalidRequest) as exc:
-        responses_to_chat(ResponsesRequest.model_validate({"input": []}))
+        translate({"input": []})
     assert exc.value.param == "input"
 
 

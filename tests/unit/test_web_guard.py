@@ -1,10 +1,10 @@
-"""server/web_guard.py: which Host / Origin headers pass, what a preflight gets, how /admin is stricter."""
+"""server/http/guard.py: which Host / Origin headers pass, what a preflight gets, how /admin is stricter."""
 
 from __future__ import annotations
 
 import pytest
 
-from server.web_guard import WebPolicy, check_request, cors_headers, is_preflight, preflight_headers, same_origin
+from server.http.guard import WebPolicy, check_request, cors_headers, is_preflight, preflight_headers, same_origin
 
 LOCAL = WebPolicy.build("127.0.0.1")
 

@@ -1,0 +1,129 @@
+"""The one prefix rule of every cache tier: which entry may serve a prompt, and which entry makes another redundant.
+
+An entry is KV that covers exactly its tokens, under one namespace (the identity of what computed it: see
+``namespace``); ``trimmable`` says whether every layer's cache can be cut back to fewer tokens (mlx-lm's
+``is_trimmable()``: a sliding-window cache that wrapped, or a recurrent layer's state, cannot). The RAM tier
+(cache.prompt_cache), the SSD store (cache.ssd_store) and the write-behind (cache.durability) decide with these
+functions only, so the tiers can never disagree about what a file or an entry is good for.
+
+``usable(entry, trimmable, prompt) -> Usable | None``
+    p = min(common prefix, len(prompt) - 1): at least one prompt token is always forwarded (it yields the first
+    output token). An entry longer than p must be trimmed back to p, so it qualifies only when it is trimmable; an
+    untrimmable entry matches only when all its tokens are a prefix of the prompt and at most len(prompt) - 1 long.
+    p == 0 is no match. Ranking (``Usable.rank``, larger is better): the longest p, then the smaller trim, then the
+    more recently used (the caller's clock: the RAM tier's LRU time, a file's mtime).
+
+``supersedes(new, new_trimmable, old) -> bool``
+    Within one namespace, ``old`` is redundant once ``new`` is stored: the same tokens, or a strict prefix of them
+    when ``new`` is trimmable (it can then serve every prompt ``old`` could, trimmed). An untrimmable entry never
+    supersedes its ancestors: a prompt-boundary snapshot of a sliding-window model must survive the longer entry.
+    ``covers(entry, trimmable, tokens)`` is the same question asked the other way round: can ``entry`` serve all of
+    ``tokens``?
+
+Token sequences are numpy int64 arrays (one vectorized pass per comparison); ``ids()`` makes one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["Usable", "PrefixKey", "ids", "common_prefix", "is_prefix", "usable", "supersedes", "covers",
+           "namespace"]
+
+
+def ids(tokens: Sequence[int]) -> np.ndarray:
+    """``tokens`` as a read-only int64 vector (a copy: a caller's array must not alias an entry's tokens)."""
+    out = np.array(tokens, dtype=np.int64).reshape(-1)
+    out.flags.writeable = False
+    return out
+
+
+@dataclass(frozen=True)
+class PrefixKey:
+    """What identifies an entry in every tier: its namespace and its tokens (hashable, comparable)."""
+
+    ns: str
+    tokens: tuple[int, ...]
+
+    @classmethod
+    def of(cls, ns: str, tokens: Sequence[int]) -> "PrefixKey":
+        return cls(ns, tuple(int(t) for t in tokens))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Usable:
+    """How an entry serves a prompt: ``length`` prompt tokens, after trimming ``trim`` of the entry's own."""
+
+    length: int
+    trim: int
+
+    def rank(self, recency: float = 0.0) -> tuple[int, int, float]:
+        """Sort key, larger is better: the longest prefix, then the smaller trim, then the more recent entry."""
+        return (self.length, -self.trim, recency)
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token vectors."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
+    """``short`` is a prefix of ``long`` (equal counts)."""
+    return len(short) <= len(long) and bool(np.array_equal(long[: len(short)], short))
+
+
+def usable(entry: np.ndarray, trimmable: bool, prompt: np.ndarray) -> Optional[Usable]:
+    """How ``entry`` can serve ``prompt`` (see the module docstring), or None."""
+    cap = len(prompt) - 1
+    n = len(entry)
+    if cap <= 0 or n == 0:
+        return None
+    common = common_prefix(entry, prompt)
+    if n <= cap and common == n:
+        return Usable(n, 0)
+    if not trimmable:
+        return None  # it would need a trim it cannot take
+    p = min(common, cap)
+    return Usable(p, n - p) if p > 0 else None
+
+
+def supersedes(new: np.ndarray, new_trimmable: bool, old: np.ndarray) -> bool:
+    """Is ``old`` redundant once ``new`` is stored (same namespace)? See the module docstring."""
+    if len(old) > len(new) or (len(old) < len(new) and not new_trimmable):
+        return False
+    return bool(np.array_equal(new[: len(old)], old))
+
+
+def covers(entry: np.ndarray, trimmable: bool, tokens: np.ndarray) -> bool:
+    """Can ``entry`` serve all of ``tokens``: the same tokens, or a trimmable extension of them?"""
+    return supersedes(entry, trimmable, tokens)
+
+
+def namespace(fingerprint: str, *, kv_scheme: Optional[str] = None, adapter: Optional[str] = None,
+              draft: Optional[str] = None) -> str:
+    """The cache namespace of KV computed by a model, composed in one place (KV of one namespace never seeds another).
+
+    ``fingerprint``: the model's weights, config and dtype (models.fingerprint; a shard's own when the model is split
+    over processes). ``kv_scheme``: a quantized KV layout (e.g. "q8g64"; None or "float" for the model's dtype).
+    ``adapter``: a LoRA adapter's identity (its weights' hash). ``draft``: the speculative draft's identity when the
+    entry also holds the draft's layers. The digests are the ones files on SSD were written under: changing them
+    orphans every cached file.
+    """
+    ns = fingerprint
+    if kv_scheme not in (None, "float"):
+        ns = hashlib.sha256(f"{ns}\0kv\0{kv_scheme}".encode()).hexdigest()
+    if adapter:
+        ns = hashlib.sha256(f"{ns}\0adapter\0{adapter}".encode()).hexdigest()
+    if draft:
+        ns = f"{ns}|{draft}"
+    return ns

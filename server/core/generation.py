@@ -1,0 +1,240 @@
+"""The generation core: one internal request -> one job on the lane -> normalized events.
+
+Every front door (chat completions, completions, /v1/responses, /v1/messages) turns its wire body into one
+internal request (server.core.request.GenerationRequest), ``open_generation`` renders it into token ids +
+``SamplingParams`` and opens a ``Generation``; the door only formats what ``events()`` yields (server.http.pipeline
+runs that for every door):
+
+    TextOut(text, logprobs)   visible text, tool-call markup already removed (partial markers held back)
+    ReasoningOut(text)        the model's thinking, when its output parser splits it off
+    KeepAlive()               nothing arrived for --keepalive seconds (SSE comment / ping time)
+    Done(finished, reason, calls, stop_sequence)   the end: reason is "stop" | "length" | "tool_calls"
+    Error(error)              the job failed or the server cut it short; nothing follows
+
+Usage: ``async with gen:`` (or ``await gen.__aenter__()`` before handing ``events()`` to a streaming
+response, which must call ``__aexit__`` in its ``finally``); entering submits the job and may raise
+``QueueFull``. Leaving cancels the job if it has not finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, ClassVar, Optional, Union
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from server.core.bridge import JobRun
+from server.core.output_parse import make_output_parser, prompt_opens_thinking
+from server.core.prompts import chat_grammar, render, sampling_params
+from server.core.request import GenerationRequest
+from server.errors import APIError, ShuttingDown
+from server.http.wire import request_id
+from server.lane.events import Delta, Failed, Finished, SamplingParams, TokenLogprob
+
+__all__ = [
+    "TextOut", "ReasoningOut", "KeepAlive", "Done", "Error", "GenEvent", "Result", "Generation", "open_generation",
+]
+
+log = logging.getLogger("mlx_lane.generation")
+
+
+# Each event names the formatter method that writes it (server.http.pipeline.Formatter): the pipeline dispatches on
+# ``hook``, so no door needs a ladder of isinstance checks over the event types.
+@dataclass(frozen=True)
+class TextOut:
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    hook: ClassVar[str] = "on_text"
+
+
+@dataclass(frozen=True)
+class ReasoningOut:
+    text: str
+    hook: ClassVar[str] = "on_reasoning"
+
+
+@dataclass(frozen=True)
+class KeepAlive:
+    hook: ClassVar[str] = "on_keepalive"
+
+
+@dataclass(frozen=True)
+class Done:
+    finished: Finished
+    reason: str  # "stop" | "length" | "tool_calls"
+    calls: tuple[dict, ...] = ()
+    stop_sequence: Optional[str] = None  # which stop string ended it (the lane's stop matcher says)
+    hook: ClassVar[str] = "on_done"
+
+
+@dataclass(frozen=True)
+class Error:
+    error: APIError
+    hook: ClassVar[str] = "on_error"
+
+
+GenEvent = Union[TextOut, ReasoningOut, KeepAlive, Done, Error]
+
+
+@dataclass
+class Result:
+    """A whole generation, for the non-streamed responses."""
+
+    text: str
+    reasoning: str
+    logprobs: list = field(default_factory=list)
+    calls: list = field(default_factory=list)
+    reason: str = "stop"
+    stop_sequence: Optional[str] = None
+    finished: Optional[Finished] = None
+
+
+class _ResultBuilder:
+    """Gathers a whole generation's events into a ``Result`` (the non-streamed responses' formatter)."""
+
+    def __init__(self):
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.logprobs: list = []
+        self.result: Optional[Result] = None
+
+    def on_text(self, ev: TextOut) -> None:
+        self.text.append(ev.text)
+        self.logprobs.extend(ev.logprobs)
+
+    def on_reasoning(self, ev: ReasoningOut) -> None:
+        self.reasoning.append(ev.text)
+
+    def on_keepalive(self, ev: KeepAlive) -> None:
+        pass
+
+    def on_error(self, ev: Error) -> None:
+        raise ev.error
+
+    def on_done(self, ev: Done) -> None:
+        self.result = Result("".join(self.text), "".join(self.reasoning), self.logprobs, list(ev.calls), ev.reason,
+                             ev.stop_sequence, ev.finished)
+
+
+class Generation:
+    """One request's job on the lane and the parser over its output (see the module docstring)."""
+
+    def __init__(self, state, request: Request, prompt: list[int], params: SamplingParams, *,
+                 session: Optional[str], id_prefix: str, parser=None):
+        self.state = state
+        self.prompt = prompt
+        self.params = params
+        self.parser = parser  # None: raw text (text completions)
+        self.id = request_id(request, id_prefix)
+        self.t0 = time.monotonic()
+        state.lane.check_fits(len(prompt), params.max_tokens)  # 400 when the memory budget can never admit it
+        ns = state.lane.engine.namespace_for(params)  # the one place, once: the prefetch and the lane use it
+        _prefetch(state, prompt, ns, session)  # starts SSD reads while the sequence waits for the lane
+        self.run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s, request_id=self.id, ns=ns)
+
+    async def __aenter__(self) -> "Generation":
+        await self.run.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.run.__aexit__(*exc)
+
+    async def events(self) -> AsyncIterator[GenEvent]:
+        stats = self.state.stats
+        async for ev in self.run.events():
+            if ev is None:
+                yield KeepAlive()
+            elif isinstance(ev, Delta):
+                if ev.first_token:
+                    stats.observe_ttft(time.monotonic() - self.t0)
+                for out in self._pieces(self.parser.feed(ev.text) if self.parser else None, ev):
+                    yield out
+            elif isinstance(ev, Failed):
+                yield Error(_internal(ev))
+                return
+            elif isinstance(ev, Finished) and ev.finish_reason == "cancelled":
+                yield Error(self._cut_short(ev))
+                return
+            elif isinstance(ev, Finished):
+                stats.observe_e2e(time.monotonic() - self.t0)
+                calls: list = []
+                if self.parser is not None:
+                    rest, calls = self.parser.finish()
+                    for out in self._pieces(rest, None):
+                        yield out
+                reason = "tool_calls" if calls else ev.finish_reason
+                yield Done(ev, reason, tuple(calls), ev.stop_sequence if reason == "stop" else None)
+                return
+            # Progress events carry nothing a client is sent
+
+    @staticmethod
+    def _pieces(pieces, delta: Optional[Delta]):
+        """Merge a feed's pieces into events; a raw delta (no parser) passes through with its logprobs."""
+        if pieces is None:
+            if delta.text or delta.logprobs:
+                yield TextOut(delta.text, delta.logprobs)
+            return
+        lps = delta.logprobs if delta is not None else ()
+        for p in pieces:
+            if p.kind == "reasoning":
+                if p.text:
+                    yield ReasoningOut(p.text)
+            elif p.text or lps:
+                yield TextOut(p.text, lps)
+                lps = ()
+        if lps:  # text held back by the parser: the logprobs still go out, in order
+            yield TextOut("", lps)
+
+    async def collect(self) -> Result:
+        """Run to the end; raises the ``APIError`` of a failed or cut-short job."""
+        builder = _ResultBuilder()
+        async for ev in self.events():
+            getattr(builder, ev.hook)(ev)
+            if builder.result is not None:
+                return builder.result
+        raise APIError("generation ended without a result")
+
+    def _cut_short(self, ev: Finished) -> APIError:
+        """The error that ends a response whose job was cancelled while its client was still reading: only the
+        server does that (a client that left reads nothing), when its --shutdown-timeout ran out (Lane.abort)."""
+        if self.run.lane.aborted:
+            return ShuttingDown(f"The server is shutting down: its --shutdown-timeout ended this response after "
+                                f"{ev.completion_tokens} tokens. Retry in a moment.", retry_after_s=5)
+        return APIError("The server cancelled this response. Please retry.", code="cancelled")
+
+
+async def open_generation(state, request: Request, req: GenerationRequest, id_prefix: str) -> Generation:
+    """Render, size and open a generation for an internal request (not yet submitted): the prompt's token ids
+    (chat template or raw prompt), its grammar (response_format, forced or strict tool calls) and the lane's
+    parameters, all computed off the event loop. Chat-shaped requests get the model family's output parser (tool
+    calls, reasoning); a raw text completion's output is passed through as it is."""
+    tok = state.loaded.tokenizer
+    prompt = await run_in_threadpool(render, tok, req, state.vocab_size)
+    grammar = None if req.prompt is not None else await run_in_threadpool(chat_grammar, tok, req)
+    params = sampling_params(req, len(prompt), state.loaded.context_length,
+                             default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size, grammar=grammar)
+    parser = None
+    if req.prompt is None:
+        tools = req.tools_enabled
+        parser = make_output_parser(  # the model family's tool-call format and thinking tags (server.core.output_parse)
+            tok, tools=tools, in_reasoning=prompt_opens_thinking(tok, prompt),
+            tool_specs=list(req.tools) if tools else None)
+    return Generation(state, request, prompt, params, session=req.session, id_prefix=id_prefix, parser=parser)
+
+
+def _internal(ev: Failed) -> APIError:
+    if isinstance(ev.error, APIError):
+        return ev.error
+    return APIError("The server failed while generating this response. The error was logged; please retry.")
+
+
+def _prefetch(state, prompt: list[int], ns: str, session: Optional[str]) -> None:
+    """Start reading an SSD-cached prefix now, while the sequence waits for the lane (index lookups only here), in
+    the namespace the lane will take from."""
+    try:
+        state.prompt_cache.prefetch(prompt, ns, session)
+    except Exception:  # an optimisation: never fail the request for it
+        log.exception("prefetch failed")

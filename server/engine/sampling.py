@@ -1,0 +1,90 @@
+"""Sampler and logits processors for a request, built from mlx-lm's own factories."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
+
+from server.lane.events import SamplingParams, TokenLogprob
+
+# Penalties look this many tokens back (mlx-lm's default window is 20).
+PENALTY_CONTEXT = 64
+
+
+def build_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """mlx-lm's sampler for the request; with a ``seed``, the same filters but a random key of the request's own
+    (split once per token), so the text depends on the seed alone, not on what else the batch is sampling."""
+    top_p = params.top_p if params.top_p < 1.0 else 0.0
+    if params.seed is None or params.temperature == 0:
+        return make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p, top_k=params.top_k)
+    return _seeded_sampler(params.temperature, top_p, params.min_p, params.top_k, params.seed)
+
+
+def _seeded_sampler(temp: float, top_p: float, min_p: float, top_k: int, seed: int):
+    filters = []  # the order of mlx-lm's make_sampler
+    if 0 < top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, top_p))
+    if min_p != 0.0:
+        filters.append(lambda x: apply_min_p(x, min_p, 1))
+    if top_k > 0:
+        filters.append(lambda x: apply_top_k(x, top_k))
+    key = mx.random.key(seed % (2**64))
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        for f in filters:
+            logprobs = f(logprobs)
+        return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
+
+    return sample
+
+
+def build_logits_processors(params: SamplingParams, history: Sequence[int], grammar=None) -> list:
+    """Processors that see the whole token history, not only what the decode loop fed.
+
+    The lane prefills the prompt itself and hands mlx-lm's ``generate_step`` only the last
+    prompt token, so processors are wrapped to prepend the tail of the prompt.
+    ``grammar`` (the request's ONE ``params.grammar.processor()``, stateful) goes last, unwrapped: it only reads
+    ``tokens[-1]``, and masking after bias/penalties keeps its -inf final.
+    """
+    tail = [grammar] if grammar is not None else []
+    processors = make_logits_processors(
+        logit_bias=params.logit_bias,
+        repetition_penalty=params.repetition_penalty,
+        repetition_context_size=PENALTY_CONTEXT,
+        presence_penalty=params.presence_penalty,
+        presence_context_size=PENALTY_CONTEXT,
+        frequency_penalty=params.frequency_penalty,
+        frequency_context_size=PENALTY_CONTEXT,
+    )
+    if not processors or not history:
+        return processors + tail
+    prefix = mx.array(list(history[-PENALTY_CONTEXT:]), dtype=mx.uint32)
+
+    def with_history(proc):
+        def wrapped(tokens, logits):
+            return proc(mx.concatenate([prefix, tokens.astype(mx.uint32)]), logits)
+
+        return wrapped
+
+    return [with_history(p) for p in processors] + tail
+
+
+def token_logprobs(
+    logprobs: mx.array, token: int, top_n: int, decode: Callable[[int], str]
+) -> TokenLogprob:
+    """The chosen token's log-probability and the ``top_n`` most likely alternatives."""
+    chosen = logprobs[token].item()
+    top: list[tuple[str, float, list[int]]] = []
+    if top_n > 0:
+        idx = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
+        vals = logprobs[idx]
+        order = mx.argsort(-vals)
+        for i, v in zip(idx[order].tolist(), vals[order].tolist()):
+            text = decode(i)
+            top.append((text, float(v), list(text.encode("utf-8"))))
+    text = decode(token)
+    return TokenLogprob(token=text, logprob=float(chosen), bytes=list(text.encode("utf-8")), top=top)

@@ -1,0 +1,82 @@
+"""Speculative decoding as the lane sees it: which requests speculate, how caches split, what is counted.
+
+``Speculation`` wraps a ``spec.DraftProvider`` built once at start-up. For a request it
+decides whether to speculate (the server has a draft and the request did not set
+``num_draft_tokens: 0``), splits a cache hit into the target's and the draft's layers (the draft's
+identity joins the namespace when the draft keeps KV of its own: ``cache.prefix.namespace``), and
+opens the per-request ``DraftSource``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+from spec import SpecStats, speculative_decode
+
+__all__ = ["Speculation", "SpecPlan", "SpecTotals", "speculative_decode"]
+
+
+@dataclass
+class SpecPlan:
+    """One request's speculative setup; ``source`` is None when it decodes plainly."""
+
+    source: object = None
+    num_draft_tokens: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class Speculation:
+    def __init__(self, provider, model, *, num_draft_tokens: int, kind: str):
+        self.provider = provider
+        self.kind = kind
+        self.num_draft_tokens = num_draft_tokens
+        self.n_target_layers = len(make_prompt_cache(model))
+        # a target whose caches cannot be rewound (sliding windows, recurrent layers) cannot verify drafts
+        self.supported = can_trim_prompt_cache(make_prompt_cache(model))
+
+    def wanted(self, requested: Optional[int]) -> int:
+        """Draft length cap for a request (0 = decode plainly)."""
+        if not self.supported or requested == 0:
+            return 0
+        return self.num_draft_tokens if requested is None else min(requested, self.num_draft_tokens)
+
+    def split(self, caches: Optional[list]) -> tuple[Optional[list], Optional[list]]:
+        """(target caches, draft caches) of a cache-hit entry; draft part None when absent."""
+        if caches is None:
+            return None, None
+        n = self.n_target_layers
+        return caches[:n], (caches[n:] if len(caches) > n else None)
+
+    def open(self, draft_caches: Optional[list], covered: Sequence[int], n: int) -> SpecPlan:
+        source = self.provider.open(draft_caches, covered if draft_caches is not None else ())
+        return SpecPlan(source=source, num_draft_tokens=n)
+
+    def policy(self, n: int):
+        return self.provider.policy(n)
+
+
+class SpecTotals:
+    """Server-wide speculative counters for /stats and /metrics (thread-safe)."""
+
+    def __init__(self, kind: Optional[str] = None, max_draft: int = 0):
+        self._lock = threading.Lock()
+        self.kind = kind
+        self.max_draft = max_draft
+        self.requests = 0
+        self.total = SpecStats()
+
+    def add(self, stats: SpecStats) -> None:
+        with self._lock:
+            self.requests += 1
+            self.total += stats
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            d = self.total.as_dict()
+            d.update({"enabled": self.kind is not None, "kind": self.kind, "num_draft_tokens": self.max_draft,
+                      "requests": self.requests})
+            return d

@@ -1,0 +1,97 @@
+"""The /admin endpoints: the prefix cache (``POST /admin/cache/clear``, ``/admin/cache/flush``) and LoRA adapters
+(``POST /admin/adapters``). The guard (server.http.guard) keeps every browser page away from them.
+
+``/admin/cache/clear`` drops the RAM tier (the SSD tier keeps its files). ``/admin/cache/flush?timeout=S`` writes
+every pending SSD entry now: 200 ``{"durable": true}`` once every cache entry is on disk, 503 with what is pending
+otherwise, 409 when the SSD tier is off.
+
+``/admin/adapters`` loads or unloads a LoRA adapter while the server runs. Body: ``{"action": "load", "name": NAME, "path": DIR}`` (``path`` may be left out with ``--adapter-dir``: then
+``DIR/NAME``) or ``{"action": "unload", "name": NAME}``. Who may load what is ``server.catalog.load_refusal``
+(a path from an unauthenticated client is never read). Loading runs on the lane thread (``Lane.call``: it owns
+the model and its MLX stream) between two decode steps; requests running under an unloaded adapter finish with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Literal, Optional
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
+
+from server.catalog import adapter_path_for, load_refusal
+from server.errors import Conflict, InvalidRequest, NotFound, PermissionDenied, error_body
+from server.http.wire import json_response, parse_body
+
+router = APIRouter()
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+
+
+class AdapterAction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    action: Literal["load", "unload"]
+    name: str
+    path: Optional[str] = None
+
+
+@router.post("/admin/adapters")
+async def admin_adapters(request: Request):
+    from models import ModelLoadError
+    from models.adapters import load_adapter
+
+    state = request.app.state.lane_state
+    req = await parse_body(request, AdapterAction, state.max_body_bytes)
+    if not _NAME.match(req.name) or "/" in req.name:
+        raise InvalidRequest("an adapter name is 1-128 letters, digits and _ . : - (no '/')", param="name")
+    if req.action == "unload":
+        adapter = state.adapters.remove(req.name)
+        if adapter is None:
+            raise NotFound(f"no adapter named '{req.name}' is loaded", param="name", code="adapter_not_found")
+        return {"object": "adapter", "name": req.name, "status": "unloaded"}
+    if state.distributed is not None:  # only rank 0 would load it: the ranks' forwards would no longer match
+        raise InvalidRequest("LoRA adapters are not supported while the model is sharded over processes "
+                             "(mlx.launch); serve adapters from a single-process server", param="action",
+                             code="unsupported_when_sharded")
+    if req.name in state.model_names or state.adapters.get(req.name) is not None:
+        raise InvalidRequest(f"the name '{req.name}' is taken (the base model or a loaded adapter); unload it first "
+                             "or pick another", param="name", code="adapter_exists")
+    try:
+        path = adapter_path_for(req.name, req.path, state.adapter_dir)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="path") from None
+    why = load_refusal(path, authenticated=bool(state.api_key), adapter_dir=state.adapter_dir)
+    if why:
+        raise PermissionDenied(why, param="path")
+    future = state.lane.call(lambda: load_adapter(state.loaded, req.name, path))
+    try:
+        adapter = await asyncio.wrap_future(future)
+    except ModelLoadError as exc:
+        raise InvalidRequest(str(exc), param="path", code="adapter_invalid") from None
+    state.adapters.add(adapter)
+    return {"object": "adapter", "name": adapter.name, "status": "loaded", "identity": adapter.identity[:16],
+            "rank": adapter.rank, "num_layers": adapter.num_layers}
+
+
+@router.post("/admin/cache/clear")
+async def cache_clear(request: Request):
+    state = request.app.state.lane_state
+    return {"cleared_entries": state.prompt_cache.clear(), "tier": "ram",
+            "note": "RAM tier only; the SSD tier keeps its files (delete the --ssd-cache dir to drop them)"}
+
+
+@router.post("/admin/cache/flush")
+async def cache_flush(request: Request, timeout: float = 10.0):
+    state = request.app.state.lane_state
+    if state.ssd is None:
+        raise Conflict("The SSD cache is off (--no-ssd-cache): there is nothing to flush.", code="ssd_cache_disabled")
+    timeout = min(max(timeout, 0.0), 600.0)
+    if await asyncio.to_thread(state.ssd.flush, timeout):
+        return {"durable": True}
+    pending = state.ssd.pending()
+    body = error_body(f"{len(pending)} cache entries are not durable yet (written within {timeout:g}s: "
+                      "no); retry, or see /stats ssd_cache.failed", "server_error", None, "not_durable")
+    body["pending"] = pending
+    return json_response(body, 503)

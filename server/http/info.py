@@ -1,0 +1,113 @@
+"""The small read-only endpoints: ``/health``, ``/v1/models`` (and one model), ``/stats``, ``/metrics``."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.errors import ModelNotFound
+from server.http.metrics import prometheus_text
+from server.http.wire import json_response
+
+__all__ = ["router", "stats_body", "server_version"]
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request):
+    state = request.app.state.lane_state
+    # the port opens only after the lane's warm-up (server.serve waits for lane.ready): "ok" means warm
+    return {"status": "ok", "warm": state.lane.ready.is_set(), "lane": state.lane.state.value,
+            "api_key_required": bool(state.api_key)}  # the dashboard asks for the key before it polls
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    state = request.app.state.lane_state
+    cards = [_model_card(state, name) for name in sorted(state.model_names)]
+    cards += [_adapter_card(state, a) for a in state.adapters.all()]
+    if state.embedder is not None:
+        cards.append(_embedding_card(state))
+    return {"object": "list", "data": cards}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str):
+    state = request.app.state.lane_state
+    adapter = state.adapters.get(model_id)
+    if adapter is not None:
+        return _adapter_card(state, adapter)
+    if state.embedder is not None and model_id == state.embedder.model_id:
+        return _embedding_card(state)
+    if model_id not in state.model_names:
+        raise ModelNotFound(f"The model '{model_id}' does not exist", param="model")
+    return _model_card(state, model_id)
+
+
+@router.get("/stats")
+async def stats(request: Request):
+    return json_response(stats_body(request.app.state.lane_state))
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    return Response(prometheus_text(request.app.state.lane_state),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _model_card(state, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
+            "context_length": state.loaded.context_length}
+
+
+def _adapter_card(state, adapter) -> dict:
+    return {"id": adapter.name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
+            "context_length": state.loaded.context_length, "parent": state.loaded.model_id,
+            "adapter": {"identity": adapter.identity[:16], "rank": adapter.rank, "num_layers": adapter.num_layers,
+                        "fine_tune_type": adapter.fine_tune_type}}
+
+
+def _embedding_card(state) -> dict:
+    e = state.embedder
+    return {"id": e.model_id, "object": "model", "created": state.created, "owned_by": "mlx-lane",
+            "type": "embedding", "dimensions": e.dims, "max_input_tokens": e.max_tokens}
+
+
+def stats_body(state) -> dict:
+    lane = state.stats.lane_block()
+    lane.update(state.stats.batch_block())
+    lane.update({"queue_depth": state.lane.queue_depth, "active_request": state.lane.active_job_id,
+                 "running_requests": list(state.lane.running_ids), "max_batch": state.lane.scheduler.limits.max_batch,
+                 "prefill_batch": state.lane.scheduler.limits.prefill_batch,
+                 "state": state.lane.state.value})
+    return {
+        "version": server_version(),
+        "model": state.loaded.model_id,
+        "fingerprint": state.loaded.fingerprint,
+        "device": state.device,
+        "dtype": state.loaded.dtype,
+        "blas": state.blas,
+        "lane": lane,
+        "prompt_cache": state.prompt_cache.stats(),
+        "kv_cache": state.lane.engine.kv_stats(),  # KV scheme + bytes per cached token (issue 8)
+        # one model over several processes: the group, and cache hits dropped because a rank lacked its shard
+        **({"distributed": {**state.distributed, **state.prompt_cache.shard_stats()}} if state.distributed else {}),
+        "ssd_cache": state.ssd.ssd_stats() if state.ssd is not None else {"enabled": False},
+        "speculative": state.stats.spec.as_dict() if state.stats.spec is not None else {"enabled": False},
+        "adapters": state.adapters.stats_block(),
+        "embeddings": state.stats.embeddings.as_dict(state.embedder),
+        "http": state.stats.http_block(),
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def server_version() -> str:
+    """mlx-lane's installed version (the package metadata), or 'unknown' when run from a bare checkout."""
+    try:
+        return importlib.metadata.version("mlx-lane")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,84 @@
+"""Anthropic Messages API: ``POST /v1/messages`` (JSON and SSE) and ``POST /v1/messages/count_tokens``.
+
+A door of server.http.pipeline: validate (server.http.messages.schemas), build the internal request
+(server.http.messages.translate), and write the message object or its event stream (server.http.messages.format).
+Every error under /v1/messages leaves in Anthropic's shape (server.http.error_shapes, chosen by path in the app's
+handlers); ``anthropic-version`` and ``anthropic-beta`` headers are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from server.catalog import check_model
+from server.core.generation import Done, Error, Generation, ReasoningOut, Result, TextOut
+from server.core.prompts import render_chat
+from server.http.messages.format import PING, MessagesStream, message_object
+from server.http.messages.schemas import CountTokensRequest, MessagesRequest
+from server.http.messages.translate import messages_request
+from server.http.pipeline import Call, Door, Formatter, run
+from server.http.wire import json_response, parse_body, session_of
+
+router = APIRouter()
+
+
+class MessagesOutput(Formatter):
+    keepalive_frame = PING  # Anthropic's keep-alive is a ping event, not an SSE comment
+
+    def __init__(self, message_id: str, model: str, prompt_tokens: int):
+        self.message_id, self.model = message_id, model
+        self.stream = MessagesStream(message_id, model, prompt_tokens)
+
+    def head(self) -> list[bytes]:
+        return self.stream.start()
+
+    async def on_text(self, ev: TextOut) -> list[bytes]:
+        return self.stream.text(ev.text) if ev.text else []
+
+    async def on_reasoning(self, ev: ReasoningOut) -> list[bytes]:
+        return self.stream.thinking(ev.text)
+
+    async def on_error(self, ev: Error) -> list[bytes]:
+        return self.stream.fail(ev.error)
+
+    async def on_done(self, ev: Done) -> list[bytes]:
+        return self.stream.finish(ev.calls, ev.reason, ev.stop_sequence, ev.finished)
+
+    async def body(self, res: Result) -> dict:
+        return message_object(self.message_id, self.model, res.text, res.reasoning, res.calls, res.reason,
+                              res.stop_sequence, res.finished)
+
+
+class MessagesDoor(Door):
+    schema = MessagesRequest
+    id_prefix = "msg_"
+
+    async def call(self, state, request: Request, body: MessagesRequest) -> Call:
+        adapter = check_model(state, body.model)
+        user = body.metadata.user_id if body.metadata else None
+        return Call(messages_request(body, session=session_of(request.headers, user), adapter=adapter),
+                    stream=body.stream)
+
+    def formatter(self, state, body: MessagesRequest, call: Call, gen: Generation) -> Formatter:
+        return MessagesOutput("msg_" + uuid.uuid4().hex, body.model, len(gen.prompt))
+
+
+_DOOR = MessagesDoor()
+
+
+@router.post("/v1/messages")
+async def create_message(request: Request):
+    return await run(_DOOR, request)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request):
+    """Prompt tokens of a Messages request as this server's model renders it (chat template + tools)."""
+    state = request.app.state.lane_state
+    req = await parse_body(request, CountTokensRequest, state.max_body_bytes)
+    check_model(state, req.model)
+    prompt = await run_in_threadpool(render_chat, state.loaded.tokenizer, messages_request(req))
+    return json_response({"input_tokens": len(prompt)})

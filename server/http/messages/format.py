@@ -1,0 +1,143 @@
+"""Anthropic Messages API output: the ``message`` object and its SSE event stream, as Anthropic's SDK parses them.
+
+Stream::
+
+    message_start (usage: the prompt so far), ping,
+    per content block: content_block_start, content_block_delta* (thinking_delta | text_delta |
+        input_json_delta), content_block_stop
+    message_delta (stop_reason, stop_sequence, final usage), message_stop
+    (event: error {"type": "error", "error": {...}} when the generation fails; nothing follows)
+
+Usage as Anthropic counts it: ``cache_read_input_tokens`` = prompt tokens served from the prefix cache,
+``input_tokens`` = the rest of the prompt (so input + cache_read = the prompt), ``cache_creation_input_tokens``
+= 0 (every prompt is cached here at no extra charge; counting it again would break that sum).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import orjson
+
+from server.errors import APIError
+from server.http.error_shapes import anthropic_error_body
+from server.lane.events import Finished
+
+__all__ = ["stop_reason_of", "message_usage", "tool_use_block", "message_object", "MessagesStream", "PING"]
+
+PING = b'event: ping\ndata: {"type": "ping"}\n\n'
+
+
+def stop_reason_of(reason: str, stop_sequence: Optional[str]) -> str:
+    if reason == "tool_calls":
+        return "tool_use"
+    if reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_sequence is not None else "end_turn"
+
+
+def message_usage(f: Finished) -> dict:
+    return {
+        "input_tokens": f.prompt_tokens - f.cached_tokens,
+        "output_tokens": f.completion_tokens,
+        "cache_read_input_tokens": f.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def tool_use_block(call: dict) -> dict:
+    """An OpenAI-shaped tool call as a ``tool_use`` block (``input`` must be an object: anything else the
+    model wrote is wrapped, never dropped)."""
+    args = call["function"]["arguments"]
+    try:
+        value = json.loads(args) if args else {}
+    except json.JSONDecodeError:
+        value = {"arguments": args}
+    if not isinstance(value, dict):
+        value = {"arguments": value}
+    call_id = call["id"] if call["id"].startswith("toolu_") else "toolu_" + call["id"].removeprefix("call_")
+    return {"type": "tool_use", "id": call_id, "name": call["function"]["name"], "input": value}
+
+
+def message_object(message_id: str, model: str, text: str, reasoning: str, calls, reason: str,
+                   stop_sequence: Optional[str], f: Finished) -> dict:
+    content: list[dict] = []
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if text:
+        content.append({"type": "text", "text": text})
+    content.extend(tool_use_block(c) for c in calls)
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason_of(reason, stop_sequence),
+        "stop_sequence": stop_sequence,
+        "usage": message_usage(f),
+    }
+
+
+def _event(type_: str, obj: dict) -> bytes:
+    return b"event: " + type_.encode() + b"\ndata: " + orjson.dumps({"type": type_, **obj}) + b"\n\n"
+
+
+class MessagesStream:
+    """Stateful formatter of one streamed message (see the module docstring)."""
+
+    def __init__(self, message_id: str, model: str, prompt_tokens: int):
+        self.message_id, self.model, self.prompt_tokens = message_id, model, prompt_tokens
+        self._index = -1  # index of the last block opened
+        self._open: Optional[str] = None  # "text" | "thinking"
+
+    def start(self) -> list[bytes]:
+        message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   # cached tokens are known only at the end: message_delta carries the final split
+                   "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0,
+                             "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
+        return [_event("message_start", {"message": message}), PING]
+
+    def text(self, delta: str) -> list[bytes]:
+        return self._delta("text", {"type": "text_delta", "text": delta})
+
+    def thinking(self, delta: str) -> list[bytes]:
+        return self._delta("thinking", {"type": "thinking_delta", "thinking": delta})
+
+    def _delta(self, kind: str, delta: dict) -> list[bytes]:
+        out = []
+        if self._open != kind:
+            out += self._close()
+            self._index += 1
+            self._open = kind
+            block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
+                                                                          "signature": ""}
+            out.append(_event("content_block_start", {"index": self._index, "content_block": block}))
+        out.append(_event("content_block_delta", {"index": self._index, "delta": delta}))
+        return out
+
+    def _close(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [_event("content_block_stop", {"index": self._index})]
+
+    def finish(self, calls, reason: str, stop_sequence: Optional[str], f: Finished) -> list[bytes]:
+        out = self._close()
+        for call in calls:
+            block = tool_use_block(call)
+            self._index += 1
+            out.append(_event("content_block_start", {"index": self._index, "content_block": dict(block, input={})}))
+            out.append(_event("content_block_delta", {"index": self._index, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}}))
+            out.append(_event("content_block_stop", {"index": self._index}))
+        out.append(_event("message_delta", {"delta": {"stop_reason": stop_reason_of(reason, stop_sequence),
+                                                      "stop_sequence": stop_sequence},
+                                            "usage": message_usage(f)}))
+        out.append(_event("message_stop", {}))
+        return out
+
+    def fail(self, error: APIError) -> list[bytes]:
+        return [_event("error", {"error": anthropic_error_body(error.status_code, error.message)["error"]})]

@@ -1,0 +1,160 @@
+"""Request types of Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``).
+
+A turn's role is user, assistant or system (a system turn mid-conversation, as Claude Code sends them; its
+text blocks only). Content blocks are a tagged union on ``type``: ``text``, ``tool_use``, ``tool_result`` (content a string
+or text blocks), ``thinking`` / ``redacted_thinking`` (accepted from history, not rendered). Image and
+document blocks are refused with a message saying why; an unknown block type, a wrong type, a missing
+``max_tokens`` or ``model`` is a 400 in Anthropic's error shape (mapped at the app boundary). Unknown
+fields (``cache_control``, ``service_tier``, ``container`` ...) are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "TextBlock", "ToolUseBlock", "ToolResultBlock", "ThinkingBlock", "RedactedThinkingBlock", "MessageParam",
+    "AnthropicTool", "ToolChoice", "CountTokensRequest", "MessagesRequest",
+]
+
+_MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
+MAX_STOP_SEQUENCES = 16  # as for OpenAI's stop (server.http.chat.schemas)
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextBlock(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+def _refuse_media(blocks):
+    if isinstance(blocks, list):
+        for block in blocks:
+            if isinstance(block, dict) and block.get("type") in _MEDIA_BLOCKS:
+                raise ValueError(f"content block type '{block['type']}' is not supported: this server serves "
+                                 "text-only models; send text blocks")
+    return blocks
+
+
+class ToolUseBlock(_Lenient):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=128)
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Lenient):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1, max_length=256)
+    content: Union[str, list[TextBlock]] = ""
+    is_error: Optional[bool] = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _media(cls, v):
+        return _refuse_media(v)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(b.text for b in self.content)
+
+
+class ThinkingBlock(_Lenient):
+    type: Literal["thinking"]
+    thinking: str
+    signature: Optional[str] = None
+
+
+class RedactedThinkingBlock(_Lenient):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[
+    Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+    Field(discriminator="type"),
+]
+
+
+class MessageParam(_Lenient):
+    # "system" mid-conversation: Claude Code sends it (anthropic-beta mid-conversation-system-2026-04-07)
+    role: Literal["user", "assistant", "system"]
+    content: Union[str, list[Block]]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _media(cls, v):
+        return _refuse_media(v)
+
+
+class AnthropicTool(_Lenient):
+    type: Optional[Literal["custom"]] = None
+    name: str = Field(min_length=1, max_length=128)
+    description: Optional[str] = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(_Lenient):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = Field(default=None, min_length=1, max_length=128)
+    disable_parallel_tool_use: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _name_for_tool(self) -> "ToolChoice":
+        if self.type == "tool" and not self.name:
+            raise ValueError("tool_choice of type 'tool' needs the tool's 'name'")
+        return self
+
+
+class Metadata(_Lenient):
+    user_id: Optional[str] = Field(default=None, max_length=1024)
+
+
+class CountTokensRequest(_Lenient):
+    """What ``/v1/messages/count_tokens`` reads: the prompt side of a Messages request."""
+
+    model: str = Field(min_length=1, max_length=256)
+    messages: list[MessageParam] = Field(min_length=1)
+    system: Union[str, list[TextBlock], None] = None
+    tools: Optional[list[AnthropicTool]] = Field(default=None, max_length=512)
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[dict[str, Any]] = None
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _system_media(cls, v):
+        return _refuse_media(v)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _client_tools_only(cls, v):
+        if isinstance(v, list):
+            for tool in v:
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                if kind not in (None, "custom"):
+                    raise ValueError(f"tool type '{kind}' is a server tool this server does not run; declare "
+                                     "client tools ({\"name\", \"description\", \"input_schema\"})")
+        return v
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: Optional[list[str]] = None
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    stream: bool = False
+    metadata: Optional[Metadata] = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stop_sequences(cls, v):
+        if v is None:
+            return None
+        if len(v) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        return [s for s in v if s]

@@ -1,0 +1,118 @@
+"""One pipeline for every generating front door: parse, open, then stream or collect.
+
+A door (chat completions, text completions, /v1/responses, /v1/messages) is a small object that knows its API and
+nothing else::
+
+    schema                         its pydantic wire type (validated once, by ``parse_body``)
+    id_prefix                      the response id's prefix ("chatcmpl-", "resp_", ...)
+    async call(state, request, body) -> Call     the wire body as the internal request (+ stream or not)
+    formatter(state, body, call, generation) -> Formatter
+
+``run(door, request)`` does the rest, the same for all four: read and validate the body, let the door build the
+internal request (server.core.request), open the generation (server.core.generation: template, grammar, sampling,
+off the event loop), then either stream the formatter's frames as server-sent events or collect the whole result
+and answer the formatter's JSON body. Errors raised on the way are ``APIError``s; the app maps each into the error
+shape of the API the path belongs to (server.http.error_shapes), and a stream that fails midway ends with the
+formatter's own error frames.
+
+A ``Formatter`` writes one generation in its API's shape: ``head()`` (frames before the first event),
+``on_text`` / ``on_reasoning`` / ``on_keepalive`` / ``on_done`` / ``on_error`` (one per generation event: each event
+names its hook, so nothing here tests types), ``tail()`` (after the end, e.g. ``data: [DONE]``), and ``body(result)``
+(the non-streamed response).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from server.core.generation import Done, Error, Generation, KeepAlive, ReasoningOut, Result, TextOut, open_generation
+from server.core.request import GenerationRequest
+from server.http.wire import SSE_HEADERS, SSE_KEEPALIVE, json_response, parse_body
+
+__all__ = ["Call", "Door", "Formatter", "run"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a door made of one request: the internal request, and whether the client wants a stream."""
+
+    request: GenerationRequest
+    stream: bool = False
+    context: Any = None  # anything of the door's own its formatter needs (e.g. a Responses conversation)
+
+
+class Formatter:
+    """One generation in an API's shape (see the module docstring). The defaults write nothing, and a keep-alive
+    as an SSE comment; each door overrides what its API sends."""
+
+    keepalive_frame = SSE_KEEPALIVE
+
+    def head(self) -> list[bytes]:
+        return []
+
+    async def on_text(self, ev: TextOut) -> list[bytes]:
+        return []
+
+    async def on_reasoning(self, ev: ReasoningOut) -> list[bytes]:
+        return []
+
+    async def on_keepalive(self, ev: KeepAlive) -> list[bytes]:
+        return [self.keepalive_frame]
+
+    async def on_done(self, ev: Done) -> list[bytes]:
+        raise NotImplementedError
+
+    async def on_error(self, ev: Error) -> list[bytes]:
+        raise NotImplementedError
+
+    def tail(self) -> list[bytes]:
+        return []
+
+    async def body(self, result: Result) -> dict:
+        raise NotImplementedError
+
+
+class Door:
+    """A front door (see the module docstring); subclasses set ``schema`` and ``id_prefix``."""
+
+    schema: Any
+    id_prefix: str
+
+    async def call(self, state, request: Request, body) -> Call:
+        raise NotImplementedError
+
+    def formatter(self, state, body, call: Call, gen: Generation) -> Formatter:
+        raise NotImplementedError
+
+
+async def run(door: Door, request: Request):
+    """Serve one request through ``door``: a JSON response, or a stream of server-sent events."""
+    state = request.app.state.lane_state
+    body = await parse_body(request, door.schema, state.max_body_bytes)
+    call = await door.call(state, request, body)
+    gen = await open_generation(state, request, call.request, door.id_prefix)
+    fmt = door.formatter(state, body, call, gen)
+    headers = {"X-Request-Id": gen.id}
+    if call.stream:
+        await gen.__aenter__()  # submits the job (may raise QueueFull: a 429 before any byte is sent)
+        return StreamingResponse(_frames(gen, fmt), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    async with gen:
+        result = await gen.collect()
+    return json_response(await fmt.body(result), headers=headers)
+
+
+async def _frames(gen: Generation, fmt: Formatter) -> AsyncIterator[bytes]:
+    try:
+        for frame in fmt.head():
+            yield frame
+        async for ev in gen.events():
+            for frame in await getattr(fmt, ev.hook)(ev):
+                yield frame
+        for frame in fmt.tail():
+            yield frame
+    finally:
+        await gen.__aexit__(None, None, None)

@@ -1,0 +1,62 @@
+"""Admission by memory: a sequence joins only when its KV fits beside the running ones, the weights and the RAM tier.
+
+``MemoryBudget`` is policy over numbers only: ``budget_bytes`` (``--memory-budget``; 0 turns the check off), the
+model's KV bytes per token (all layers), ``fixed_bytes`` (what is not ours to free: the weights), and two hooks of
+the RAM prefix cache: ``cache_bytes()`` (what it holds now) and ``make_room(n)`` (evict / spill n bytes; the lane
+calls it, never the budget). A sequence reserves the KV of its prompt + ``max_tokens``. The RAM tier yields first:
+a sequence that fits once the cache shrinks is admitted, and the plan asks the cache to make that room.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Optional
+
+__all__ = ["MemoryBudget"]
+
+
+class MemoryBudget:
+    def __init__(self, budget_bytes: int, kv_bytes_per_token: float, *, fixed_bytes: int = 0,
+                 cache_bytes: Callable[[], int] = lambda: 0, make_room: Callable[[int], int] = lambda n: 0):
+        self.budget_bytes = budget_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.fixed_bytes = fixed_bytes
+        self.cache_bytes = cache_bytes
+        self.make_room = make_room
+
+    def need(self, prompt_tokens: int, max_tokens: int) -> int:
+        return int(self.kv_bytes_per_token * (prompt_tokens + max_tokens))
+
+    def never_fits(self, prompt_tokens: int, max_tokens: int) -> Optional[str]:
+        """Why a request can never be admitted (None when it can)."""
+        if not self.budget_bytes:
+            return None
+        room = self.budget_bytes - self.fixed_bytes
+        need = self.need(prompt_tokens, max_tokens)
+        if need > room:
+            return (f"this request needs about {need / 2**20:.0f} MiB of KV cache for {prompt_tokens} prompt + "
+                    f"{max_tokens} completion tokens, more than the server's --memory-budget leaves beside the "
+                    f"model ({room / 2**20:.0f} MiB): lower max_tokens or shorten the prompt")
+        return None
+
+    def admissible(self, needs: Iterable[int], reserved: int) -> tuple[int, int]:
+        """How many of ``needs`` (bytes of the waiting sequences, in queue order) fit now beside ``reserved`` bytes
+        of admitted sequences, stopping at the first that does not (no overtaking), and how many bytes the RAM tier
+        must yield for them: ``(count, make_room)``."""
+        if not self.budget_bytes:
+            return sum(1 for _ in needs), 0
+        cache = max(0, int(self.cache_bytes()))
+        free = self.budget_bytes - self.fixed_bytes - reserved - cache  # may be negative: the cache is over
+        count = yield_ = 0
+        for need in needs:
+            if need <= free:
+                free -= need
+            elif need <= free + cache:  # fits once the RAM tier yields what it lacks
+                short = need - free
+                yield_ += short
+                cache -= short
+                free = 0
+            else:
+                break
+            count += 1
+        return count, yield_

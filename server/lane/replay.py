@@ -1,0 +1,121 @@
+"""Rank 0 leads the lane, the other ranks replay it: the tick plans of a model sharded over processes.
+
+A sharded model's forward is a collective: every rank must run the same model calls, on the same shapes, in the
+same order, or the group deadlocks or computes garbage. Only rank 0 sees the HTTP side, so only rank 0 schedules:
+at the start of every tick in which it does model work it broadcasts the ``TickPlan`` (server.lane.plan, every
+sequence by id, admissions as full specs: prompt, session, sampling parameters, the grammar's source text) and every
+follower executes the very same plan (``Lane.execute``) on its own sequences.
+
+What the plan leaves to execution is the same on every rank: the sharded forward ends with the same logits on every
+rank (an all-reduce), sampling is seeded the same on every rank (``Group.same_seed`` for unseeded requests, the
+request's seed otherwise), grammars are compiled from the same text, and prefix-cache hits are agreed by all ranks
+(cache.sharded). Cancellations are part of the plan (the scheduler ends a cancelled sequence at the start of a tick,
+never in the middle of one), so a client that disconnects mid-tick changes nothing until every rank knows of it. The
+plan also carries each running sequence's generated-token count, which followers check: a divergence is logged as
+an error, never silent. Each follower computes its own cache namespace (its shard's fingerprint) for the sequences
+it rebuilds.
+
+A stop message ends the followers (rank 0's lane stopped: shutdown); they flush their SSD tier and exit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+import orjson
+
+from server.lane.events import SamplingParams
+from server.lane.plan import TickPlan
+from server.lane.sequence import Sequence
+
+log = logging.getLogger("mlx_lane.replay")
+
+_STOP = orjson.dumps({"stop": True})
+
+
+def seq_spec(seq: Sequence) -> dict:
+    """What a follower needs to rebuild ``seq`` (no sink: a follower's events go nowhere)."""
+    params = dataclasses.asdict(dataclasses.replace(seq.params, grammar=None, adapter=None))
+    if params.get("logit_bias"):
+        params["logit_bias"] = [[int(k), float(v)] for k, v in params["logit_bias"].items()]
+    params["stop"] = list(params["stop"])
+    grammar = seq.params.grammar.grammar if seq.params.grammar is not None else None
+    return {"id": seq.id, "prompt": list(seq.prompt), "session": seq.session, "params": params,
+            "grammar": grammar, "cancelled": seq.cancelled}
+
+
+def seq_from_spec(spec: dict, tokenizer, engine=None) -> Sequence:
+    """The follower's own sequence for a spec (its namespace and facts from its own ``engine``, when given)."""
+    params = dict(spec["params"])
+    params.pop("grammar", None)
+    params.pop("adapter", None)
+    if params.get("logit_bias"):
+        params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"]}
+    params["stop"] = tuple(params["stop"])
+    grammar = None
+    if spec.get("grammar") is not None:
+        from server.core.grammar import GrammarSpec
+
+        grammar = GrammarSpec.compile(tokenizer, spec["grammar"])
+    params = SamplingParams(**params, grammar=grammar)
+    seq = Sequence(prompt=list(spec["prompt"]), params=params, sink=_discard, session=spec.get("session"),
+                   id=spec["id"], ns=engine.namespace_for(params) if engine is not None else "")
+    if engine is not None:
+        engine.classify(seq)
+    if spec.get("cancelled"):
+        seq.cancel.set()
+    return seq
+
+
+def _discard(event) -> None:
+    pass
+
+
+class Leader:
+    """Rank 0's side: broadcasts each tick's plan before the lane executes it."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def lead(self, plan: TickPlan, running: list) -> None:
+        check = {s.id: len(s.generated) for s in running}
+        self.group.share_bytes(plan.encode(seq_spec, check))
+
+    def stop(self) -> None:
+        """Tell the followers the lane stopped (they flush their SSD tier and exit)."""
+        self.group.share_bytes(_STOP)
+
+
+class Follower:
+    """A follower's side: receives each plan and executes it on its own lane."""
+
+    def __init__(self, group, tokenizer):
+        self.group = group
+        self.tokenizer = tokenizer
+        self.diverged = 0
+
+    def follow(self, lane) -> None:
+        """Execute plans on ``lane`` until a stop message (lane thread)."""
+        while True:
+            message = orjson.loads(self.group.share_bytes(None))
+            if message.get("stop"):
+                log.info("rank 0 stopped; rank %d stops", self.group.rank)
+                return
+            running = {s.id: s for s in lane.running()}
+            plan, check = TickPlan.decode_from(message, running, lambda spec: seq_from_spec(spec, self.tokenizer,
+                                                                                           lane.engine))
+            self._check(check, running)
+            for seq in plan.cancel:
+                seq.cancel.set()
+            lane.execute(plan)
+
+    def _check(self, check: dict, running: dict) -> None:
+        for seq_id, n in check.items():
+            seq = running.get(seq_id)
+            mine: Optional[int] = len(seq.generated) if seq is not None else None
+            if mine != n:
+                self.diverged += 1
+                log.error("rank %d diverged from rank 0 on sequence %s: %s generated tokens here, %d on rank 0",
+                          self.group.rank, seq_id, mine, n)

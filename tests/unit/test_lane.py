@@ -1,0 +1,260 @@
+"""The lane executing its plans, tick by tick, with the real engine on a tiny random model (no tokenizer files, no
+server): several sequences at once give each the tokens it makes alone, across solo -> batch -> solo moves and
+adapter groups; a cancelled one leaves the others untouched; the queue limit, drain and abort; one task per tick.
+The rules that decide each tick are tested on plans alone in test_scheduler.py."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from types import SimpleNamespace
+
+import pytest
+
+from cache.prompt_cache import NullPromptCache, PromptCache
+from server.engine.engine import Engine
+from server.errors import InvalidRequest, QueueFull, ShuttingDown
+from server.lane.budget import MemoryBudget
+from server.lane.events import Delta, Failed, Finished, SamplingParams
+from server.lane.lane import Lane, LaneState
+from server.lane.sequence import Phase, Sequence
+from server.stats import ServingStats
+from tests.fixtures.tiny_models import tiny_llama
+
+EOS = 0
+
+
+class TextOfIds:
+    """A detokenizer that writes token t as "<t>" (what the lane streams does not depend on the vocabulary)."""
+
+    def reset(self):
+        self.last_segment = ""
+
+    def add_token(self, token):
+        self.last_segment = f"<{token}>"
+
+    def finalize(self):
+        self.last_segment = ""
+
+
+class IdTokenizer:
+    eos_token_ids = {EOS}
+
+    @property
+    def detokenizer(self):
+        return TextOfIds()
+
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {None: tiny_llama(seed=11), "X": tiny_llama(seed=12), "Y": tiny_llama(seed=13)}
+
+
+def make_lane(models, *, max_batch=8, max_queue=0, chunk=4, prefill_batch=1, budget=None, cache_bytes=0):
+    loaded = SimpleNamespace(model=models[None], tokenizer=IdTokenizer(), fingerprint="0" * 16)
+    cache = PromptCache(cache_bytes) if cache_bytes else NullPromptCache()
+    engine = Engine(loaded, cache, ServingStats(), prefill_chunk=chunk)
+    engine.bind_stream()
+    return Lane(engine, max_queue=max_queue, max_batch=max_batch, budget=budget, prefill_batch=prefill_batch)
+
+
+def adapter(models, name):
+    return SimpleNamespace(identity=name, name=name, model=models[name])
+
+
+def submit(lane, name, prompt, max_tokens=6, **kw):
+    events = []
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+    seq = Sequence(prompt=list(prompt), params=params, sink=events.append, id=name,
+                   ns=lane.engine.namespace_for(params))
+    lane.submit(seq)
+    return seq, events
+
+
+def run_until_idle(lane, limit=400):
+    for _ in range(limit):
+        if lane.idle():
+            return
+        lane.tick()
+    raise AssertionError("the lane did not become idle")
+
+
+def finished(events) -> Finished:
+    assert isinstance(events[-1], Finished), events[-1]
+    return events[-1]
+
+
+def text(events) -> str:
+    return "".join(e.text for e in events if isinstance(e, Delta))
+
+
+PROMPTS = {"a": [5, 17, 99, 3, 42], "b": [8, 1, 2, 3, 4, 5, 6, 7, 9, 10], "c": [200, 201, 7], "d": [61, 62, 63, 64]}
+
+
+def alone(models, name, max_tokens, **kw):
+    lane = make_lane(models)
+    seq, events = submit(lane, name, PROMPTS[name], max_tokens, **kw)
+    run_until_idle(lane)
+    return list(seq.generated), text(events)
+
+
+def test_sequences_run_together_make_the_tokens_each_makes_alone(models):
+    lengths = {"a": 9, "b": 3, "c": 6, "d": 12}
+    want = {n: alone(models, n, m) for n, m in lengths.items()}
+    lane = make_lane(models)
+    a, ea = submit(lane, "a", PROMPTS["a"], lengths["a"])
+    lane.tick()  # a alone: the solo path
+    assert a.phase == Phase.SOLO
+    runs = {"a": (a, ea)}
+    for n in "bcd":
+        runs[n] = submit(lane, n, PROMPTS[n], lengths[n])
+    phases = set()
+    for _ in range(200):
+        if lane.idle():
+            break
+        lane.tick()
+        phases |= {s.phase for s, _ in runs.values()}
+    assert Phase.BATCHED in phases  # they did share a batch (a migrated into it) ...
+    for n, (s, events) in runs.items():
+        assert (s.generated, text(events)) == want[n], n  # ... and each made its own tokens, text included
+        assert finished(events).finish_reason == "length"
+    assert lane.engine.batch_size() == 0
+
+
+def test_cancelling_one_sequence_mid_batch_leaves_the_others_untouched(models):
+    want_b = alone(models, "b", 8)
+    lane = make_lane(models)
+    a, ea = submit(lane, "a", PROMPTS["a"], 8)
+    b, eb = submit(lane, "b", PROMPTS["b"], 8)
+    for _ in range(6):
+        lane.tick()
+    assert a.phase == Phase.BATCHED and b.phase == Phase.BATCHED
+    a.cancel.set()
+    lane.tick()
+    assert finished(ea).finish_reason == "cancelled" and a.phase == Phase.FINISHED
+    run_until_idle(lane)
+    assert (b.generated, text(eb)) == want_b and finished(eb).finish_reason == "length"
+
+
+def test_adapter_groups_each_have_a_batch_and_make_the_tokens_they_make_alone(models):
+    def seqs(lane):
+        out = {}
+        for name, group in (("x1", "X"), ("x2", "X"), ("y1", "Y"), ("y2", "Y"), ("base", None)):
+            prompt = PROMPTS["abcd"[len(out) % 4]]
+            kw = {"adapter": adapter(models, group)} if group else {}
+            out[name] = submit(lane, name, prompt, 16, **kw)
+        return out
+
+    lane1 = make_lane(models, max_batch=1)  # one sequence at a time: each alone
+    runs1 = seqs(lane1)
+    run_until_idle(lane1)
+    single = {n: list(s.generated) for n, (s, _) in runs1.items()}
+
+    lane = make_lane(models)
+    runs = seqs(lane)
+    steps = []
+    for _ in range(100):
+        if lane.idle():
+            break
+        before = {g: lane.engine.batches.rows(g) for g in ("X", "Y")}
+        lane.tick()
+        steps.append(before)
+    assert any(s["X"] == 2 and s["Y"] == 2 for s in steps)  # both adapter groups batched at the same time
+    for name, (s, _) in runs.items():
+        assert s.generated == single[name], name
+    assert lane.engine.batches.rows("X") == lane.engine.batches.rows("Y") == 0
+
+
+def test_fifo_admission_under_the_batch_limit(models):
+    lane = make_lane(models, max_batch=2)
+    for n in "abc":
+        submit(lane, n, PROMPTS[n], 3)
+    lane.tick()
+    assert lane.queue_depth == 1 and lane.running_ids == ("a", "b")
+    run_until_idle(lane)
+    assert list(lane.engine.stats.recent_started) == ["a", "b", "c"]
+
+
+def test_a_sequence_cancelled_while_waiting_ends_without_being_admitted(models):
+    lane = make_lane(models, max_batch=1)
+    submit(lane, "a", PROMPTS["a"], 3)
+    b, eb = submit(lane, "b", PROMPTS["b"], 3)
+    b.cancel.set()
+    run_until_idle(lane)
+    assert finished(eb).finish_reason == "cancelled" and finished(eb).completion_tokens == 0
+    assert b.caches is None  # never admitted: no cache was taken for it
+
+
+def test_the_queue_limit_is_a_429_and_drain_then_abort_end_every_sequence(models):
+    lane = make_lane(models, max_queue=1)
+    submit(lane, "a", PROMPTS["a"])
+    with pytest.raises(QueueFull):
+        submit(lane, "b", PROMPTS["b"])
+
+    lane = make_lane(models)
+    a, ea = submit(lane, "a", PROMPTS["a"], 3)
+    lane.tick()
+    assert lane.drain() == 1
+    with pytest.raises(ShuttingDown):
+        submit(lane, "b", PROMPTS["b"])
+    run_until_idle(lane)
+    assert finished(ea).finish_reason == "length"
+
+    lane = make_lane(models)
+    c, ec = submit(lane, "c", PROMPTS["c"], 50)
+    lane.tick()
+    lane.drain()
+    assert lane.abort() == 1 and lane.aborted and lane.state == LaneState.ABORTED
+    lane.tick()
+    assert finished(ec).finish_reason == "cancelled" and 0 < len(c.generated) < 50
+
+
+def test_a_request_the_budget_can_never_admit_is_a_400(models):
+    lane = make_lane(models, budget=MemoryBudget(400, 10.0, fixed_bytes=100))
+    with pytest.raises(InvalidRequest, match="memory-budget"):
+        lane.check_fits(2, 30)
+    lane.check_fits(2, 10)
+
+
+def test_a_prompt_computed_by_one_sequence_serves_the_next_from_the_cache(models):
+    lane = make_lane(models, cache_bytes=1 << 26)
+    shared = list(range(20, 60))
+    a, ea = submit(lane, "a", shared + [1, 2], 3)
+    run_until_idle(lane)
+    b, eb = submit(lane, "b", shared + [1, 2, 4, 5], 3)
+    run_until_idle(lane)
+    assert finished(ea).cached_tokens == 0
+    assert finished(eb).cached_tokens >= len(shared) + 2  # a's whole prompt (and what it generated) was stored
+
+
+def test_one_task_per_tick_between_decode_steps(models):
+    lane = make_lane(models)
+    seq, events = submit(lane, "a", PROMPTS["a"], 6)
+    lane.tick()
+    done_at = []
+    futures = [lane.call(lambda i=i: done_at.append((i, len(seq.generated))) or i) for i in range(3)]
+    for _ in range(3):
+        lane.tick()
+    assert [f.result(timeout=0) for f in futures] == [0, 1, 2]
+    assert [n for _, n in done_at] == sorted(n for _, n in done_at) and len({n for _, n in done_at}) == 3
+    lane.drain()
+    with pytest.raises(ShuttingDown):
+        lane.call(lambda: None)
+    assert isinstance(futures[0], concurrent.futures.Future)
+
+
+def test_a_failing_step_fails_its_sequence_and_the_lane_serves_on(models):
+    lane = make_lane(models)
+
+    def boom(seq):
+        if seq.id == "bad":
+            raise RuntimeError("injected")
+
+    lane.engine.fault_hook = boom
+    _, bad = submit(lane, "bad", PROMPTS["a"], 3)
+    good, eg = submit(lane, "good", PROMPTS["b"], 3)
+    run_until_idle(lane)
+    assert isinstance(bad[-1], Failed) and finished(eg).finish_reason == "length"
+    assert len(good.generated) == 3

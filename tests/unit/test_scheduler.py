@@ -1,0 +1,222 @@
+"""The lane's scheduling rules, table by table, on plans (server.lane.scheduler): no model, no engine, no lane.
+
+Each case builds the queue and the running sequences as plain data (phase, prompt, what the engine recorded of
+them) and checks the ``TickPlan`` the scheduler makes for that tick.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from server.lane.budget import MemoryBudget
+from server.lane.events import SamplingParams
+from server.lane.plan import Start
+from server.lane.scheduler import SHARED_PREFIX_MIN, Limits, Scheduler
+from server.lane.sequence import Phase, Sequence
+
+GRAMMAR = object()  # any grammar: the scheduler only asks whether there is one
+
+
+def seq(name: str, prompt_len: int = 3, *, phase: Phase = Phase.WAITING, done: int = 0, group=None,
+        batchable: bool = True, together: bool = True, max_tokens: int = 4, cancelled: bool = False,
+        prefilled: bool = False, generated: int = 0, grammar=None, window=None, prompt=None) -> Sequence:
+    s = Sequence(prompt=list(prompt) if prompt is not None else [7] * prompt_len,
+                 params=SamplingParams(max_tokens=max_tokens, grammar=grammar), sink=lambda e: None, id=name,
+                 phase=phase, done=done, group=group, batchable=batchable, prefill_together=together,
+                 prefilled=prefilled, window=window)
+    s.generated = [1] * generated
+    if cancelled:
+        s.cancel.set()
+    return s
+
+
+def names(seqs) -> list[str]:
+    return [s.id for s in seqs]
+
+
+def chunks(plan) -> list[list[tuple[str, int]]]:
+    return [[(c.seq.id, c.tokens) for c in group] for group in plan.prefill]
+
+
+def starts(plan) -> list[tuple]:
+    return [(st.group, names(st.batch), names(st.solo)) for st in plan.start]
+
+
+def sched(max_batch=8, chunk=4, prefill_batch=1, budget=None) -> Scheduler:
+    return Scheduler(Limits(max_batch=max_batch, prefill_chunk=chunk, prefill_batch=prefill_batch), budget)
+
+
+# -- admission ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_batch,running,queued,admitted", [
+    (2, 0, "abc", "ab"),  # FIFO up to the batch limit; c waits
+    (2, 1, "abc", "a"),  # one slot left
+    (2, 2, "abc", ""),  # full
+    (8, 0, "abc", "abc"),
+])
+def test_admission_is_fifo_up_to_max_batch(max_batch, running, queued, admitted):
+    run = [seq(f"r{i}", phase=Phase.SOLO, prefilled=True, generated=1) for i in range(running)]
+    plan = sched(max_batch=max_batch).schedule([seq(n) for n in queued], run)
+    assert names(plan.admit) == list(admitted)
+
+
+def test_cancelled_sequences_end_queued_ones_without_the_model_and_take_no_slot():
+    queue = [seq("a", cancelled=True), seq("b"), seq("c")]
+    running = [seq("r", phase=Phase.BATCHED, prefilled=True, generated=2, cancelled=True),
+               seq("s", phase=Phase.SOLO, prefilled=True, generated=2)]
+    plan = sched(max_batch=3).schedule(queue, running)
+    assert names(plan.end_waiting) == ["a"] and names(plan.cancel) == ["r"]
+    assert names(plan.admit) == ["b", "c"]  # r ends this tick: its slot is free
+    assert starts(plan) == [(None, ["s", "b", "c"], [])]  # nothing of r runs: b and c start the batch with s
+    assert "r" not in names(plan.solo) + names(plan.leave)
+
+
+def test_a_prompt_whose_prefix_is_still_being_read_waits_outside_and_blocks_no_one():
+    queue = [seq("a"), seq("b"), seq("c")]
+    plan = sched(max_batch=2).schedule(queue, [], ready=lambda s: s.id != "a")
+    assert names(plan.waiting_io) == ["a"] and names(plan.admit) == ["b", "c"]
+
+
+@pytest.mark.parametrize("needs,cache,admitted,make_room", [
+    # budget 400, weights 100, 10 bytes per token: 300 bytes for KV and the RAM tier together
+    ([12, 12, 22, 3], 0, "ab", 0),  # a 120 + b 120 fit; c 220 does not, and d (30) must not overtake it
+    ([12], 250, "a", 70),  # 50 free: the cache yields 70 more
+    ([12, 12], 250, "ab", 190),  # and 120 more for b
+    ([40], 0, "", 0),  # larger than the whole room: never admitted here (check_fits refuses it up front)
+])
+def test_memory_budget_admits_fifo_without_overtaking_and_the_cache_yields_first(needs, cache, admitted, make_room):
+    budget = MemoryBudget(400, 10.0, fixed_bytes=100, cache_bytes=lambda: cache)
+    queue = [seq(n, prompt_len=2, max_tokens=need - 2) for n, need in zip("abcd", needs)]
+    plan = sched(budget=budget).schedule(queue, [])
+    assert names(plan.admit) == list(admitted) and plan.make_room == make_room
+
+
+def test_running_sequences_reserve_their_kv():
+    budget = MemoryBudget(400, 10.0, fixed_bytes=100)
+    running = [seq("r", prompt_len=2, max_tokens=18, phase=Phase.SOLO, prefilled=True, generated=1)]  # 200
+    plan = sched(budget=budget).schedule([seq("a", prompt_len=2, max_tokens=8), seq("b", prompt_len=2,
+                                                                                      max_tokens=8)], running)
+    assert names(plan.admit) == ["a"]  # 200 + 100 = the whole room; b waits
+
+
+# -- prefill --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk,prompts,expected", [
+    (4, [31], [[("a", 4)]]),  # a long prompt: one chunk per tick
+    (8, [4, 4, 4], [[("a", 3)], [("b", 3)], [("c", 2)]]),  # short prompts share the tick's budget
+    (8, [1, 4], [[("a", 0)], [("b", 3)]]),  # nothing to compute but the last token: a chunk of 0 completes it
+    (4, [9, 4], [[("a", 4)]]),  # the oldest first: b waits until a's prompt is done
+])
+def test_one_chunks_worth_of_prompt_per_tick_oldest_first(chunk, prompts, expected):
+    queue = [seq(n, prompt_len=p) for n, p in zip("abc", prompts)]
+    assert chunks(sched(chunk=chunk).schedule(queue, [])) == expected
+
+
+def test_the_cached_prefix_sizes_a_new_sequences_first_chunk():
+    plan = sched(chunk=512).schedule([seq("a", prompt_len=100)], [], lookup=lambda s: 90)
+    assert chunks(plan) == [[("a", 9)]]  # 99 prompt tokens before the last; 90 of them come from the cache
+
+
+def test_a_sequence_already_prefilling_goes_before_new_ones():
+    running = [seq("r", prompt_len=20, phase=Phase.PREFILL, done=16)]
+    plan = sched(chunk=8).schedule([seq("a", prompt_len=9)], running)
+    assert chunks(plan) == [[("r", 3)], [("a", 5)]]
+
+
+def test_prefill_batch_gathers_chunks_into_forwards_of_prompts_that_may_go_together():
+    queue = [seq("a", prompt_len=7), seq("b", prompt_len=7), seq("c", prompt_len=7)]
+    plan = sched(chunk=4, prefill_batch=2).schedule(queue, [])
+    assert chunks(plan) == [[("a", 4), ("b", 4)]]  # at most prefill_batch prompts a tick, each one chunk
+
+    queue = [seq("a", prompt_len=7), seq("s", prompt_len=7, together=False), seq("b", prompt_len=7)]
+    plan = sched(chunk=4, prefill_batch=3).schedule(queue, [])
+    assert chunks(plan) == [[("a", 4)], [("s", 4)], [("b", 4)]]  # one that may not go together runs alone
+
+    hit = seq("h", prompt_len=900)  # a long cached prefix: its rows would be copied in and out
+    plan = sched(chunk=512, prefill_batch=2).schedule([seq("a", prompt_len=9), hit], [], lookup=lambda s: 600 * (s is hit))
+    assert chunks(plan) == [[("a", 8)], [("h", 299)]]
+
+
+def test_a_prompt_sharing_a_prefix_with_one_gathered_before_waits_for_a_later_forward():
+    shared = list(range(100, 100 + SHARED_PREFIX_MIN + 36))
+    queue = [seq("a", prompt=[1, *shared, 7]), seq("b", prompt=[1, *shared, 8]), seq("c", prompt=list(range(300, 400)))]
+    plan = sched(chunk=4096, prefill_batch=4).schedule(queue, [])
+    # b would compute a's prefix again: it goes in the next forward, and takes that prefix from the cache first
+    assert [[n for n, _ in g] for g in chunks(plan)] == [["a"], ["b", "c"]]
+    assert plan.share  # several prefill: each prompt goes into the cache as soon as it is computed
+
+
+@pytest.mark.parametrize("queued,prefilling,share", [(0, 1, False), (1, 1, True), (0, 2, True)])
+def test_prompts_are_shared_at_once_when_others_wait_or_prefill(queued, prefilling, share):
+    queue = [seq(f"p{i}", prompt_len=3) for i in range(prefilling)] + [seq(f"w{i}") for i in range(queued)]
+    plan = sched(max_batch=prefilling).schedule(queue, [])
+    assert plan.share is share
+
+
+# -- start, leave, decode -------------------------------------------------------------------------------------------
+def test_the_only_plain_decoding_sequence_goes_solo():
+    plan = sched().schedule([seq("a")], [])
+    assert starts(plan) == [(None, [], ["a"])] and names(plan.solo) == ["a"] and not plan.decode
+
+
+def test_a_second_plain_sequence_starts_the_batch_and_the_solo_one_migrates_into_it():
+    running = [seq("s", phase=Phase.SOLO, prefilled=True, generated=3)]
+    plan = sched().schedule([seq("a")], running)
+    assert starts(plan) == [(None, ["s", "a"], [])]
+    assert plan.decode == (None,) and not plan.solo
+
+
+def test_sequences_that_cannot_batch_stay_solo_beside_the_batch():
+    running = [seq("x", phase=Phase.BATCHED, prefilled=True, generated=2),
+               seq("y", phase=Phase.BATCHED, prefilled=True, generated=2),
+               seq("spec", phase=Phase.SOLO, prefilled=True, generated=2, batchable=False)]
+    plan = sched().schedule([seq("q", batchable=False)], running)
+    assert starts(plan) == [(None, [], ["q"])]
+    assert plan.decode == (None,) and names(plan.solo) == ["spec", "q"]  # both solo, the batch steps too
+
+
+@pytest.mark.parametrize("kwargs", [dict(grammar=GRAMMAR), dict(window=8)])
+def test_a_sequence_that_cannot_move_stays_where_it_is(kwargs):
+    # a grammar processor must see each token once; a sliding window that wrapped cannot take the trim
+    running = [seq("s", phase=Phase.SOLO, prefilled=True, generated=6, prompt_len=3, **kwargs)]
+    plan = sched().schedule([seq("a")], running)
+    assert starts(plan) == [(None, [], ["a"])]  # a goes solo too: s does not migrate, so a is the only plain one
+    assert names(plan.solo) == ["s", "a"]
+
+
+def test_a_batch_down_to_one_row_goes_solo_unless_its_group_is_busy():
+    alone = [seq("x", phase=Phase.BATCHED, prefilled=True, generated=5)]
+    plan = sched().schedule([], alone)
+    assert names(plan.leave) == ["x"] and names(plan.solo) == ["x"] and not plan.decode
+
+    busy = alone + [seq("p", prompt_len=40, phase=Phase.PREFILL, done=4)]
+    plan = sched().schedule([], busy)
+    assert not plan.leave and plan.decode == (None,)
+
+    held = [seq("g", phase=Phase.BATCHED, prefilled=True, generated=5, grammar=GRAMMAR)]
+    assert not sched().schedule([], held).leave
+
+
+def test_each_adapter_group_has_its_own_batch_and_every_group_steps_every_tick():
+    running = [seq(f"{g}{i}", phase=Phase.BATCHED, prefilled=True, generated=1, group=g) for g in "XY" for i in (1, 2)]
+    running.append(seq("base", phase=Phase.SOLO, prefilled=True, generated=1))
+    plan = sched().schedule([], running)
+    assert set(plan.decode) == {"X", "Y"} and names(plan.solo) == ["base"]
+    plan = sched().schedule([seq("y3", group="Y")], running)
+    assert starts(plan) == [("Y", ["y3"], [])]  # joins its own group's batch, not the base model's
+
+
+def test_a_prefill_that_completed_early_is_started_on_the_next_plan():
+    running = [seq("a", prompt_len=9, phase=Phase.PREFILL, done=4, prefilled=True),
+               seq("b", phase=Phase.SOLO, prefilled=True, generated=2)]
+    plan = sched().schedule([], running)
+    assert not plan.prefill and starts(plan) == [(None, ["b", "a"], [])]
+
+
+def test_a_task_runs_and_an_idle_plan_is_empty():
+    assert sched().schedule([], []).empty
+    plan = sched().schedule([], [], task=True)
+    assert plan.task and not plan.model_work
+
+
+def test_start_records_are_frozen():
+    with pytest.raises(Exception):
+        Start(None).group = "X"  # type: ignore[misc]
