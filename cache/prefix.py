@@ -26,14 +26,14 @@ Token sequences are numpy int64 arrays (one vectorized pass per comparison); ``i
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["Usable", "PrefixKey", "ids", "common_prefix", "is_prefix", "usable", "supersedes", "covers",
-           "namespace"]
+__all__ = ["Usable", "PrefixKey", "ids", "common_prefix", "is_prefix", "usable", "best_match", "supersedes",
+           "covers", "namespace"]
 
 
 def ids(tokens: Sequence[int]) -> np.ndarray:
@@ -95,6 +95,25 @@ def usable(entry: np.ndarray, trimmable: bool, prompt: np.ndarray) -> Optional[U
         return None  # it would need a trim it cannot take
     p = min(common, cap)
     return Usable(p, n - p) if p > 0 else None
+
+
+def best_match(prompt: np.ndarray, candidates: Iterable[tuple[Any, np.ndarray, bool, float]]
+               ) -> Optional[tuple[Any, Usable]]:
+    """The candidate that serves ``prompt`` best, by ``Usable.rank``: ``candidates`` are (entry, tokens, trimmable,
+    recency) of one namespace. Entries that cannot beat the best so far (shorter than its length) are not
+    compared at all."""
+    best, best_use, best_rank = None, None, None
+    cap = len(prompt) - 1
+    for entry, tokens, trimmable, recency in candidates:
+        if best_use is not None and min(len(tokens), cap) < best_use.length:
+            continue
+        use = usable(tokens, trimmable, prompt)
+        if use is None:
+            continue
+        rank = use.rank(recency)
+        if best_rank is None or rank > best_rank:
+            best, best_use, best_rank = entry, use, rank
+    return (best, best_use) if best is not None else None
 
 
 def supersedes(new: np.ndarray, new_trimmable: bool, old: np.ndarray) -> bool:

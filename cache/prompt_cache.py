@@ -52,7 +52,7 @@ import numpy as np
 from cache.copying import all_trimmable, fork, iter_offsets, total_nbytes
 from cache.policy import LruSessionLast
 from cache.prefix import ids as _as_ids
-from cache.prefix import is_prefix, supersedes, usable
+from cache.prefix import best_match, is_prefix, supersedes
 
 __all__ = ["CacheHit", "NullPromptCache", "PromptCache", "make_prompt_cache"]
 
@@ -264,21 +264,10 @@ class PromptCache:
             entry = self._sessions.get((ns, session))
             if entry is not None and len(entry.tokens) <= cap and is_prefix(entry.ids, prompt):
                 return entry, len(entry.tokens), "session"
-        best: _Entry | None = None
-        best_rank: tuple | None = None
-        for entry in entries.values():
-            # Skip what cannot win: a shorter bound on its usable length (cache.prefix ranks by length first).
-            if best_rank is not None and min(len(entry.tokens), cap) < best_rank[0]:
-                continue
-            use = usable(entry.ids, entry.trimmable, prompt)
-            if use is None:
-                continue
-            rank = use.rank(entry.last_use)
-            if best_rank is None or rank > best_rank:
-                best, best_rank = entry, rank
-        if best is None:
+        found = best_match(prompt, ((e, e.ids, e.trimmable, e.last_use) for e in entries.values()))
+        if found is None:
             return None
-        return best, best_rank[0], "ram"
+        return found[0], found[1].length, "ram"
 
     def _insert(self, entry: _Entry, session: str | None) -> list[_Entry]:
         """Index `entry`; return the entries the byte cap evicted (possibly `entry` itself)."""

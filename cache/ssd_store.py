@@ -65,7 +65,7 @@ import mlx.core as mx
 import numpy as np
 
 from cache import filelocks, kvfile
-from cache.prefix import covers, supersedes, usable
+from cache.prefix import best_match, covers, supersedes
 
 __all__ = ["SSDStore", "NullSSDStore", "SSDMatch", "Restored"]
 
@@ -204,20 +204,13 @@ class SSDStore:
         cap = len(prompt) - 1  # the last prompt token is always forwarded
         if cap <= 0:
             return None
-        best, best_rank = None, None
-        with self._lock:
-            for e in self._entries.values():
-                if e.ns != ns:
-                    continue
-                use = usable(e.tokens, e.trimmable, prompt)  # cache.prefix: the RAM tier's rule too
-                if use is None:
-                    continue
-                rank = use.rank(e.mtime)
-                if best_rank is None or rank > best_rank:
-                    best, best_rank = e, rank
-            if best is None:
+        with self._lock:  # cache.prefix: the RAM tier's rule too
+            found = best_match(prompt, ((e, e.tokens, e.trimmable, e.mtime) for e in self._entries.values()
+                                        if e.ns == ns))
+            if found is None:
                 return None
-            return SSDMatch(best.path, best.ns, best_rank[0], len(best.tokens), best.size, best.trimmable)
+            e, use = found
+            return SSDMatch(e.path, e.ns, use.length, len(e.tokens), e.size, e.trimmable)
 
     def restore(self, match: SSDMatch) -> Restored | None:
         """Read `match` and trim it to `match.length`. None (never an exception) when it cannot be used."""

@@ -42,7 +42,10 @@ def build_state(args):
         from server.lane.replay import Follower, Leader
 
         prompt_cache = ShardedPromptCache(prompt_cache, group)
-        replay = Leader(group) if group.leader else Follower(group, loaded.tokenizer)
+        from server.core.grammar import GrammarSpec
+
+        compile_grammar = lambda text: GrammarSpec.compile(loaded.tokenizer, text)  # noqa: E731
+        replay = Leader(group) if group.leader else Follower(group, compile_grammar)
     stats = ServingStats()
     chunk = args.prefill_chunk or (512 if device_name() == "cpu" else 2048)
     engine = Engine(loaded, prompt_cache, stats, prefill_chunk=chunk,

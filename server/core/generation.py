@@ -31,7 +31,6 @@ from server.core.output_parse import make_output_parser, prompt_opens_thinking
 from server.core.prompts import chat_grammar, render, sampling_params
 from server.core.request import GenerationRequest
 from server.errors import APIError, ShuttingDown
-from server.http.wire import request_id
 from server.lane.events import Delta, Failed, Finished, SamplingParams, TokenLogprob
 
 __all__ = [
@@ -123,12 +122,12 @@ class Generation:
     """One request's job on the lane and the parser over its output (see the module docstring)."""
 
     def __init__(self, state, request: Request, prompt: list[int], params: SamplingParams, *,
-                 session: Optional[str], id_prefix: str, parser=None):
+                 session: Optional[str], request_id: str, parser=None):
         self.state = state
         self.prompt = prompt
         self.params = params
         self.parser = parser  # None: raw text (text completions)
-        self.id = request_id(request, id_prefix)
+        self.id = request_id
         self.t0 = time.monotonic()
         state.lane.check_fits(len(prompt), params.max_tokens)  # 400 when the memory budget can never admit it
         ns = state.lane.engine.namespace_for(params)  # the one place, once: the prefetch and the lane use it
@@ -206,11 +205,12 @@ class Generation:
         return APIError("The server cancelled this response. Please retry.", code="cancelled")
 
 
-async def open_generation(state, request: Request, req: GenerationRequest, id_prefix: str) -> Generation:
+async def open_generation(state, request: Request, req: GenerationRequest, request_id: str) -> Generation:
     """Render, size and open a generation for an internal request (not yet submitted): the prompt's token ids
     (chat template or raw prompt), its grammar (response_format, forced or strict tool calls) and the lane's
     parameters, all computed off the event loop. Chat-shaped requests get the model family's output parser (tool
-    calls, reasoning); a raw text completion's output is passed through as it is."""
+    calls, reasoning); a raw text completion's output is passed through as it is. ``request_id``: the id the
+    lane, the logs and the ``X-Request-Id`` header know the request by."""
     tok = state.loaded.tokenizer
     prompt = await run_in_threadpool(render, tok, req, state.vocab_size)
     grammar = None if req.prompt is not None else await run_in_threadpool(chat_grammar, tok, req)
@@ -222,7 +222,7 @@ async def open_generation(state, request: Request, req: GenerationRequest, id_pr
         parser = make_output_parser(  # the model family's tool-call format and thinking tags (server.core.output_parse)
             tok, tools=tools, in_reasoning=prompt_opens_thinking(tok, prompt),
             tool_specs=list(req.tools) if tools else None)
-    return Generation(state, request, prompt, params, session=req.session, id_prefix=id_prefix, parser=parser)
+    return Generation(state, request, prompt, params, session=req.session, request_id=request_id, parser=parser)
 
 
 def _internal(ev: Failed) -> APIError:

@@ -31,7 +31,7 @@ from fastapi.responses import StreamingResponse
 
 from server.core.generation import Done, Error, Generation, KeepAlive, ReasoningOut, Result, TextOut, open_generation
 from server.core.request import GenerationRequest
-from server.http.wire import SSE_HEADERS, SSE_KEEPALIVE, json_response, parse_body
+from server.http.wire import SSE_HEADERS, SSE_KEEPALIVE, json_response, parse_body, request_id
 
 __all__ = ["Call", "Door", "Formatter", "run"]
 
@@ -94,7 +94,7 @@ async def run(door: Door, request: Request):
     state = request.app.state.lane_state
     body = await parse_body(request, door.schema, state.max_body_bytes)
     call = await door.call(state, request, body)
-    gen = await open_generation(state, request, call.request, door.id_prefix)
+    gen = await open_generation(state, request, call.request, request_id(request, door.id_prefix))
     fmt = door.formatter(state, body, call, gen)
     headers = {"X-Request-Id": gen.id}
     if call.stream:

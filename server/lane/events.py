@@ -9,11 +9,8 @@ lane accepted, cancelled ones included.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:
-    from models.adapters import Adapter
-    from server.core.grammar import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -32,8 +29,8 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     num_draft_tokens: Optional[int] = None  # None: the server's setting; 0: no speculation
-    grammar: Optional[GrammarSpec] = None  # constrained decoding: one grammar.processor() per request
-    adapter: Optional[Adapter] = None  # the LoRA adapter the request's `model` selected (None: the base model)
+    grammar: Any = None  # server.core.grammar.GrammarSpec: constrained decoding, one .processor() per request
+    adapter: Any = None  # models.adapters.Adapter the request's `model` selected (None: the base model)
 
 
 @dataclass(frozen=True)

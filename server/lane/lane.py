@@ -183,7 +183,12 @@ class Lane:
                     if self.replay is not None:
                         self.replay.stop()  # the followers stop too
                     return  # stopped and nothing left
-            if not self.tick():
+            try:
+                busy = self.tick()
+            except Exception:  # each step reports its own failures; this is the last resort that keeps the lane up
+                log.exception("lane tick failed")
+                busy = False
+            if not busy:
                 with self._cond:  # only sequences whose SSD prefix is still being read: wait for it, do not spin
                     self._cond.wait(0.005)
 

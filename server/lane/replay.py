@@ -46,8 +46,10 @@ def seq_spec(seq: Sequence) -> dict:
             "grammar": grammar, "cancelled": seq.cancelled}
 
 
-def seq_from_spec(spec: dict, tokenizer, engine=None) -> Sequence:
-    """The follower's own sequence for a spec (its namespace and facts from its own ``engine``, when given)."""
+def seq_from_spec(spec: dict, compile_grammar=None, engine=None) -> Sequence:
+    """The follower's own sequence for a spec (its namespace and facts from its own ``engine``, when given).
+    ``compile_grammar(text)``: the grammar spec of a grammar's source text (server.core.grammar.GrammarSpec.compile
+    with this rank's tokenizer; the lane does not import the core, so the process wiring hands it in)."""
     params = dict(spec["params"])
     params.pop("grammar", None)
     params.pop("adapter", None)
@@ -56,9 +58,9 @@ def seq_from_spec(spec: dict, tokenizer, engine=None) -> Sequence:
     params["stop"] = tuple(params["stop"])
     grammar = None
     if spec.get("grammar") is not None:
-        from server.core.grammar import GrammarSpec
-
-        grammar = GrammarSpec.compile(tokenizer, spec["grammar"])
+        if compile_grammar is None:
+            raise ValueError("a sequence with a grammar needs compile_grammar to rebuild it")
+        grammar = compile_grammar(spec["grammar"])
     params = SamplingParams(**params, grammar=grammar)
     seq = Sequence(prompt=list(spec["prompt"]), params=params, sink=_discard, session=spec.get("session"),
                    id=spec["id"], ns=engine.namespace_for(params) if engine is not None else "")
@@ -91,9 +93,9 @@ class Leader:
 class Follower:
     """A follower's side: receives each plan and executes it on its own lane."""
 
-    def __init__(self, group, tokenizer):
+    def __init__(self, group, compile_grammar=None):
         self.group = group
-        self.tokenizer = tokenizer
+        self.compile_grammar = compile_grammar  # see seq_from_spec
         self.diverged = 0
 
     def follow(self, lane) -> None:
@@ -104,8 +106,8 @@ class Follower:
                 log.info("rank 0 stopped; rank %d stops", self.group.rank)
                 return
             running = {s.id: s for s in lane.running()}
-            plan, check = TickPlan.decode_from(message, running, lambda spec: seq_from_spec(spec, self.tokenizer,
-                                                                                           lane.engine))
+            plan, check = TickPlan.decode_from(message, running, lambda spec: seq_from_spec(
+                spec, self.compile_grammar, lane.engine))
             self._check(check, running)
             for seq in plan.cancel:
                 seq.cancel.set()

@@ -152,13 +152,17 @@ def test_models_and_health(server, client):
 
 
 def test_stats_lane_block(server, client):
-    client.chat.completions.create(model="default", messages=HI, max_tokens=4, temperature=0)
+    before = httpx.get(server.url + "/stats").json()["lane"]
+    r = client.chat.completions.create(model="default", messages=HI, max_tokens=4, temperature=0)
     s = httpx.get(server.url + "/stats").json()
     lane = s["lane"]
     assert s["device"] in ("cpu", "gpu") and s["dtype"] == "float32"
-    assert lane["requests_served"] >= 1
-    assert lane["queue_depth"] == 0
-    assert lane["prompt_tokens"] > 0 and lane["completion_tokens"] > 0
+    # this request, counted once (the session's server ran other tests before: compare with what it had then)
+    assert lane["requests_served"] == before["requests_served"] + 1
+    assert lane["prompt_tokens"] - before["prompt_tokens"] == r.usage.prompt_tokens
+    assert lane["completion_tokens"] - before["completion_tokens"] == r.usage.completion_tokens
+    assert lane["cached_tokens"] - before["cached_tokens"] == r.usage.prompt_tokens_details.cached_tokens
+    assert lane["queue_depth"] == 0 and lane["recent_started"][-1] == r.id
     assert lane["decode_tokens_per_s"]["last"] is None or lane["decode_tokens_per_s"]["last"] > 0
     assert "OpenBLAS" in s["blas"] or "reference" in s["blas"]
 

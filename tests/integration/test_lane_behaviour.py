@@ -110,8 +110,20 @@ def test_tool_and_assistant_tool_call_messages_are_accepted(client):
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"},
     ]
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from models import ensure_default_model
+
     r = client.chat.completions.create(model="default", messages=msgs, max_tokens=4, temperature=0)
-    assert r.choices[0].message.content is not None
+    alone = client.chat.completions.create(model="default", messages=msgs[:1], max_tokens=4, temperature=0)
+    # the call and its result are in the prompt, as the model's own chat template renders them (arguments as JSON)
+    tok = load_tokenizer(Path(ensure_default_model(progress=False)))
+    rendered = [msgs[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        msgs[2]]
+    assert r.usage.prompt_tokens == len(tok.apply_chat_template(rendered, add_generation_prompt=True))
+    assert r.usage.prompt_tokens > alone.usage.prompt_tokens + len(tok.encode("18C and sunny"))
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
 
 
 @pytest.fixture(scope="module")

@@ -119,4 +119,8 @@ def test_property_based_bodies_never_500(rserver, body):
 
 def test_server_alive_after_hostile_input(rserver):
     r = httpx.post(rserver.url + "/v1/chat/completions", json={"messages": OK_MSG, "max_tokens": 2}, timeout=120)
-    assert r.status_code == 200
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] in (1, 2)
+    stats = httpx.get(rserver.url + "/stats").json()
+    assert not [s for s in stats["http"]["by_status"] if s.startswith("5")]  # no hostile body was ever a 500
+    assert stats["lane"]["requests_failed"] == 0 and stats["lane"]["state"] == "serving"

@@ -18,33 +18,9 @@ from server.lane.events import Delta, Failed, Finished, SamplingParams
 from server.lane.lane import Lane, LaneState
 from server.lane.sequence import Phase, Sequence
 from server.stats import ServingStats
-from tests.fixtures.tiny_models import tiny_llama
+from tests.fixtures.tiny_models import IdTokenizer, tiny_llama
 
 EOS = 0
-
-
-class TextOfIds:
-    """A detokenizer that writes token t as "<t>" (what the lane streams does not depend on the vocabulary)."""
-
-    def reset(self):
-        self.last_segment = ""
-
-    def add_token(self, token):
-        self.last_segment = f"<{token}>"
-
-    def finalize(self):
-        self.last_segment = ""
-
-
-class IdTokenizer:
-    eos_token_ids = {EOS}
-
-    @property
-    def detokenizer(self):
-        return TextOfIds()
-
-    def decode(self, ids):
-        return "".join(f"<{i}>" for i in ids)
 
 
 @pytest.fixture(scope="module")

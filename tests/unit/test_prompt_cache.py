@@ -227,8 +227,8 @@ def test_session_hit_is_o1(monkeypatch):
         put(cache, (first, 1, 2, 3))
     put(cache, (9, 9, 9, 9, 9), session="s", trimmable=False)
     calls = []
-    real = pc_module.usable  # the prefix rule (cache.prefix.usable): one call per entry a scan looks at
-    monkeypatch.setattr(pc_module, "usable", lambda *a: calls.append(1) or real(*a))
+    real = pc_module.best_match  # the prefix rule's scan (cache.prefix.best_match)
+    monkeypatch.setattr(pc_module, "best_match", lambda *a: calls.append(1) or real(*a))
     hit = cache.take((9, 9, 9, 9, 9, 4), "m", session="s")
     assert hit.source == "session" and hit.length == 5 and calls == []  # no scan
     assert cache.stats()["session_hits"] == 1

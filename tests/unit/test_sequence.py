@@ -4,19 +4,9 @@ from __future__ import annotations
 
 from server.lane.events import Delta, SamplingParams
 from server.lane.sequence import FinishReason, Phase, Sequence
+from tests.fixtures.tiny_models import TextOfIds
 
 EOS = 0
-
-
-class TextOfIds:
-    def reset(self):
-        self.last_segment = ""
-
-    def add_token(self, token):
-        self.last_segment = f"<{token}>"
-
-    def finalize(self):
-        self.last_segment = ""
 
 
 def seq(max_tokens=10, stop=()):

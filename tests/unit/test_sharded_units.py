@@ -33,7 +33,7 @@ def test_a_plan_round_trips_through_bytes_onto_the_followers_own_sequences():
                     solo=(running["s"],), make_room=123)
     data = plan.encode(seq_spec, check={"r": 5})
     mine = {n: make(n) for n in ("r", "s", "t")}  # the follower's own objects for the same ids
-    back, check = TickPlan.decode_from(data, mine, lambda spec: seq_from_spec(spec, tokenizer=None))
+    back, check = TickPlan.decode_from(data, mine, lambda spec: seq_from_spec(spec))
     assert check == {"r": 5} and back.make_room == 123 and back.share and back.decode == (None,)
     (admitted,) = back.admit
     assert admitted is not new and admitted.id == "n" and admitted.prompt == new.prompt
@@ -48,7 +48,7 @@ def test_a_sequence_spec_round_trip_keeps_what_the_lane_reads():
     seq = make("a", prompt=(5, 6, 7), **params)
     seq.session = "s1"
     seq.cancel.set()
-    back = seq_from_spec(orjson.loads(orjson.dumps(seq_spec(seq))), tokenizer=None)
+    back = seq_from_spec(orjson.loads(orjson.dumps(seq_spec(seq))))
     assert back.params == seq.params and back.prompt == seq.prompt and back.session == "s1" and back.id == "a"
     assert back.cancel.is_set() and back.phase == Phase.WAITING
 
@@ -63,7 +63,7 @@ def test_grammar_travels_as_text_and_compiles_on_the_follower():
     tok = load_tokenizer(Path(ensure_default_model(progress=False)))
     grammar = GrammarSpec.compile(tok, '{"grammars": [{"json_schema": {"type": "object"}}]}')
     seq = make("g", prompt=(1,), grammar=grammar)
-    back = seq_from_spec(seq_spec(seq), tok)
+    back = seq_from_spec(seq_spec(seq), lambda text: GrammarSpec.compile(tok, text))
     assert back.params.grammar is not None and back.params.grammar.grammar == grammar.grammar
     assert not back.cancel.is_set()
 
@@ -178,7 +178,7 @@ def test_the_leader_broadcasts_each_plan_and_a_follower_executes_it_on_its_own_s
             return self.messages.pop(0)
 
     lane = FollowerLane()
-    follower = Follower(Replayed([data, b'{"stop": true}']), tokenizer=None)
+    follower = Follower(Replayed([data, b'{"stop": true}']))
     follower.follow(lane)
     (plan,) = lane.executed
     assert plan.cancel == (lane.mine,) and lane.mine.cancel.is_set() and follower.diverged == 0
