@@ -13,10 +13,12 @@ functions only, so the tiers can never disagree about what a file or an entry is
     p == 0 is no match. Ranking (``Usable.rank``, larger is better): the longest p, then the smaller trim, then the
     more recently used (the caller's clock: the RAM tier's LRU time, a file's mtime).
 
-``supersedes(new, new_trimmable, old) -> bool``
+``supersedes(new, new_trimmable, old, old_anchor=False) -> bool``
     Within one namespace, ``old`` is redundant once ``new`` is stored: the same tokens, or a strict prefix of them
     when ``new`` is trimmable (it can then serve every prompt ``old`` could, trimmed). An untrimmable entry never
     supersedes its ancestors: a prompt-boundary snapshot of a sliding-window model must survive the longer entry.
+    Nor is an anchor ever superseded by a longer entry: an anchor is a prefix kept on purpose (a client's cache
+    breakpoint, a shared system prompt), so that it outlives the per-conversation entries that extend it.
     ``covers(entry, trimmable, tokens)`` is the same question asked the other way round: can ``entry`` serve all of
     ``tokens``?
 
@@ -116,9 +118,9 @@ def best_match(prompt: np.ndarray, candidates: Iterable[tuple[Any, np.ndarray, b
     return (best, best_use) if best is not None else None
 
 
-def supersedes(new: np.ndarray, new_trimmable: bool, old: np.ndarray) -> bool:
+def supersedes(new: np.ndarray, new_trimmable: bool, old: np.ndarray, old_anchor: bool = False) -> bool:
     """Is ``old`` redundant once ``new`` is stored (same namespace)? See the module docstring."""
-    if len(old) > len(new) or (len(old) < len(new) and not new_trimmable):
+    if len(old) > len(new) or (len(old) < len(new) and (not new_trimmable or old_anchor)):
         return False
     return bool(np.array_equal(new[: len(old)], old))
 

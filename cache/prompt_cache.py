@@ -76,6 +76,7 @@ class _Entry:
     trimmable: bool
     last_use: float
     sessions: set[str] = field(default_factory=set)
+    anchor: bool = False  # kept on purpose: never superseded, evicted last (see put)
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -126,8 +127,11 @@ class PromptCache:
         caches = fork(entry.caches, trim=len(entry.tokens) - length)
         return CacheHit(caches=caches, length=length, source=source)
 
-    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None) -> bool:
-        """Store `caches` (covering exactly `tokens`) under `ns`, optionally as `session`'s latest entry.
+    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None, *,
+            anchor: bool = False) -> bool:
+        """Store `caches` (covering exactly `tokens`) under `ns`, optionally as `session`'s latest entry. An `anchor`
+        (a prefix kept on purpose: a cache breakpoint, a shared system prompt) is never superseded by the longer
+        entries that extend it, and is evicted only after every plain entry, with the session-bound ones.
 
         The cache keeps its own objects (views of the same arrays); the caller keeps ownership of `caches` and may
         go on mutating them. ValueError if a cache's offset disagrees with len(tokens): such an entry would
@@ -156,6 +160,7 @@ class PromptCache:
             nbytes=nbytes,
             trimmable=all_trimmable(stored),
             last_use=self._clock(),
+            anchor=anchor,
         )
         with self._lock:
             evicted = self._insert(entry, session)
@@ -186,7 +191,7 @@ class PromptCache:
                 self._on_evict(victim.ns, victim.tokens, victim.caches)
         return freed
 
-    def peek(self, tokens: Sequence[int], ns: str, session: str | None = None) -> int:
+    def peek(self, tokens: Sequence[int], ns: str, session: str | None = None, *, local: bool = False) -> int:
         """The prefix length `take` would return now (0 for a miss). Touches no counter and no LRU time."""
         prompt = _as_ids(tokens)
         with self._lock:
@@ -278,13 +283,15 @@ class PromptCache:
         if old is not None:
             names |= old.sessions  # same tokens: the new entry serves those sessions exactly as the old one did
             self._drop(old)
+        if old is not None and old.anchor:
+            entry.anchor = True  # the same prefix, stored again: it stays an anchor
         for other in list(existing.values()):
-            if supersedes(entry.ids, entry.trimmable, other.ids):  # strict ancestors only when trimmable
+            if supersedes(entry.ids, entry.trimmable, other.ids, other.anchor):  # strict ancestors, when trimmable
                 self._drop(other)
                 self._superseded += 1
         self._by_ns.setdefault(entry.ns, {})[entry.tokens] = entry
         self._bytes += entry.nbytes
-        self._policy.add(entry.key, session_bound=False)
+        self._policy.add(entry.key, session_bound=entry.anchor)
         if session is not None:
             names.add(session)
         for name in sorted(names):
@@ -307,7 +314,7 @@ class PromptCache:
         previous = self._sessions.get(slot)
         if previous is not None and previous is not entry:
             previous.sessions.discard(session)
-            if not previous.sessions:
+            if not previous.sessions and not previous.anchor:
                 self._policy.set_session_bound(previous.key, False)
         entry.sessions.add(session)
         self._sessions[slot] = entry
@@ -331,13 +338,14 @@ class NullPromptCache:
     def take(self, tokens: Sequence[int], ns: str, session: str | None = None) -> CacheHit | None:
         return None
 
-    def peek(self, tokens: Sequence[int], ns: str, session: str | None = None) -> int:
+    def peek(self, tokens: Sequence[int], ns: str, session: str | None = None, *, local: bool = False) -> int:
         return 0
 
     def ready(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:
         return True
 
-    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None) -> bool:
+    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None, *,
+            anchor: bool = False) -> bool:
         return False
 
     def prefetch(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:

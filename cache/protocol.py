@@ -26,11 +26,14 @@ class PrefixCache(Protocol):
     def take(self, tokens: Sequence[int], ns: str, session: Optional[str] = None) -> Any:
         """The longest usable cached prefix (``cache.prompt_cache.CacheHit``: the caller owns its caches), or None."""
 
-    def put(self, tokens: Sequence[int], caches: list, ns: str, session: Optional[str] = None) -> bool:
-        """Store ``caches`` (covering exactly ``tokens``); the caller keeps its own objects. True when kept in RAM."""
+    def put(self, tokens: Sequence[int], caches: list, ns: str, session: Optional[str] = None, *,
+            anchor: bool = False) -> bool:
+        """Store ``caches`` (covering exactly ``tokens``); the caller keeps its own objects. ``anchor``: a prefix kept
+        on purpose (never superseded by longer entries, evicted last). True when the cache took it."""
 
-    def peek(self, tokens: Sequence[int], ns: str, session: Optional[str] = None) -> int:
-        """The prefix length ``take`` would give from RAM now (0: none); touches no counter and no LRU time."""
+    def peek(self, tokens: Sequence[int], ns: str, session: Optional[str] = None, *, local: bool = False) -> int:
+        """The prefix length ``take`` would give from RAM now (0: none); touches no counter and no LRU time.
+        ``local``: this process's own answer, never agreed with other ranks of a sharded model (an estimate)."""
 
     def ready(self, tokens: Sequence[int], ns: str, session: Optional[str] = None) -> bool:
         """False while this prompt's prefix is still being read from a slower tier (index-only, never blocks)."""

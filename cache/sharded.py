@@ -57,13 +57,18 @@ class ShardedPromptCache:
             return None
         return hit if n else None
 
-    def peek(self, tokens: Sequence[int], ns: str, session: str | None = None) -> int:
+    def peek(self, tokens: Sequence[int], ns: str, session: str | None = None, *, local: bool = False) -> int:
+        """Rank 0's answer on every rank (a collective: every rank must ask at the same point), or with ``local``
+        this rank's own (no collective: an estimate only rank 0's scheduler makes)."""
+        if local:
+            return self._inner.peek(tokens, ns, session)
         g = self._group
         return g.share_int(self._inner.peek(tokens, ns, session) if g.leader else 0)
 
     # -- this rank's own tiers ------------------------------------------------------------------------------------
-    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None) -> bool:
-        return self._inner.put(tokens, caches, ns, session)
+    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None, *,
+            anchor: bool = False) -> bool:
+        return self._inner.put(tokens, caches, ns, session, anchor=anchor)
 
     def ready(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:
         return self._inner.ready(tokens, ns, session)

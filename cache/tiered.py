@@ -144,13 +144,16 @@ class TieredCache:
             return dataclasses.replace(hit, source="ssd")
         return hit
 
-    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None) -> bool:
-        """RAM put plus debounced write-behind. Never writes on the caller's thread. True when RAM kept it."""
+    def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None, *,
+            anchor: bool = False) -> bool:
+        """RAM put (``anchor``: see `PromptCache.put`) plus debounced write-behind. Never writes on the caller's
+        thread. True when either tier took it: RAM kept it, or its write to SSD is scheduled."""
+        scheduled = False
         try:
-            self._durability.schedule(tokens, caches, ns)
+            scheduled = bool(self._durability.schedule(tokens, caches, ns))
         except Exception:  # durability is best effort: never fail a request for it
             log.exception("ssd cache: scheduling a write failed")
-        return self._ram.put(tokens, caches, ns, session)
+        return bool(self._ram.put(tokens, caches, ns, session, anchor=anchor)) or scheduled
 
     def ready(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:
         """False while this prompt's SSD prefix is being read (index-only, never blocks). The lane asks before it
@@ -167,7 +170,7 @@ class TieredCache:
             return fut.done()
         return landed or not self.prefetch(tokens, ns, session)
 
-    def peek(self, tokens: Sequence[int], ns: str, session: str | None = None) -> int:
+    def peek(self, tokens: Sequence[int], ns: str, session: str | None = None, *, local: bool = False) -> int:
         """The prefix length a RAM take would return now (index-only; no counter, no LRU time)."""
         return self._ram.peek(tokens, ns, session)
 

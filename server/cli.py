@@ -75,6 +75,10 @@ def _serve_parser(sub) -> None:
                    help="let web pages from ORIGIN (scheme://host[:port]) call the API from a browser (CORS); '*' for "
                         "any page on the web. By default only the server's own dashboard; /admin never. Repeatable "
                         "[MLX_LANE_ALLOWED_ORIGINS, comma-separated]")
+    p.add_argument("--keep-billing-header", action="store_true", default=_env_flag("keep_billing_header"),
+                   help="keep Claude Code's 'x-anthropic-billing-header: cc_version=...' system block in the prompt. "
+                        "By default it is dropped: its suffix changes with every prompt, so no two Claude Code "
+                        "sessions would share their system prompt in the prefix cache [MLX_LANE_KEEP_BILLING_HEADER=1]")
     p.add_argument("--no-dashboard", action="store_true", default=_env_flag("no_dashboard"),
                    help="do not serve the dashboard page at / and /dashboard [MLX_LANE_NO_DASHBOARD=1]")
     p.add_argument("--dtype", default=_env("dtype"), choices=["float32", "bfloat16", "float16"],
@@ -122,9 +126,12 @@ def _serve_parser(sub) -> None:
                    help="requests allowed to wait for the lane before 429 (0 = unbounded; default 256)")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes(_env("max_body_bytes", "8M")),
                    help="largest accepted request body (default 8M)")
-    p.add_argument("--default-max-tokens", type=int, default=int(_env("default_max_tokens", "2048")),
-                   help="completion length when a chat request gives no max_tokens (default 2048, "
-                        "never past the context)")
+    p.add_argument("--default-max-tokens", type=int,
+                   default=int(_env("default_max_tokens")) if _env("default_max_tokens") else None,
+                   help="completion length when a chat or Messages request gives none (default 2048, never past the "
+                        "context). A /v1/responses request without max_output_tokens gets the room left in the "
+                        "context, as OpenAI's does, unless this flag is given: then it is the cap there too "
+                        "[MLX_LANE_DEFAULT_MAX_TOKENS]")
     p.add_argument("--prefill-chunk", type=int,
                    default=int(_env("prefill_chunk")) if _env("prefill_chunk") else None,
                    help="prompt tokens per prefill step: cancel and keep-alive granularity (default 512 on the "

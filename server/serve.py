@@ -73,11 +73,14 @@ def build_state(args):
     )
     return ServerState(
         loaded=loaded, lane=lane, stats=stats, prompt_cache=prompt_cache, device=device_name(), blas=blas,
-        api_key=args.api_key, keepalive_s=args.keepalive, default_max_tokens=args.default_max_tokens,
+        api_key=args.api_key, keepalive_s=args.keepalive,
+        default_max_tokens=args.default_max_tokens if args.default_max_tokens is not None else 2048,
+        max_tokens_cap=args.default_max_tokens,
         max_body_bytes=args.max_body_bytes, model_names={"default"} if args.model == "default" else set(),
         ssd=tiered, shutdown_timeout_s=args.shutdown_timeout, model_aliases=tuple(getattr(args, "model_alias", None) or ()),
         adapters=adapters, adapter_dir=getattr(args, "adapter_dir", None), embedder=embedder,
         web=_web_policy(args), dashboard=not getattr(args, "no_dashboard", False),
+        keep_billing_header=getattr(args, "keep_billing_header", False),
         distributed=group.describe() if group is not None else None,
     )
 

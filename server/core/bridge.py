@@ -60,13 +60,14 @@ class _EventPump:
 
 class JobRun:
     def __init__(self, lane, request: Request, prompt: list[int], params: SamplingParams,
-                 session: Optional[str], keepalive_s: float, request_id: Optional[str] = None, ns: str = ""):
+                 session: Optional[str], keepalive_s: float, request_id: Optional[str] = None, ns: str = "",
+                 anchors: tuple = ()):
         self.lane = lane
         self.request = request
         self.keepalive_s = keepalive_s
         self._pump = _EventPump.of(asyncio.get_running_loop())
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.seq = Sequence(prompt=prompt, params=params, sink=self._sink, session=session, ns=ns)
+        self.seq = Sequence(prompt=prompt, params=params, sink=self._sink, session=session, ns=ns, anchors=anchors)
         if request_id:
             self.seq.id = request_id
         self._watcher: Optional[asyncio.Task] = None

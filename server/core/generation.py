@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 
 from server.core.bridge import JobRun
 from server.core.output_parse import make_output_parser, prompt_opens_thinking
-from server.core.prompts import chat_grammar, render, sampling_params
+from server.core.prompts import breakpoint_positions, chat_grammar, render, sampling_params
 from server.core.request import GenerationRequest
 from server.errors import APIError, ShuttingDown
 from server.lane.events import Delta, Failed, Finished, SamplingParams, TokenLogprob
@@ -122,7 +122,7 @@ class Generation:
     """One request's job on the lane and the parser over its output (see the module docstring)."""
 
     def __init__(self, state, request: Request, prompt: list[int], params: SamplingParams, *,
-                 session: Optional[str], request_id: str, parser=None):
+                 session: Optional[str], request_id: str, parser=None, anchors: tuple = ()):
         self.state = state
         self.prompt = prompt
         self.params = params
@@ -132,7 +132,8 @@ class Generation:
         state.lane.check_fits(len(prompt), params.max_tokens)  # 400 when the memory budget can never admit it
         ns = state.lane.engine.namespace_for(params)  # the one place, once: the prefetch and the lane use it
         _prefetch(state, prompt, ns, session)  # starts SSD reads while the sequence waits for the lane
-        self.run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s, request_id=self.id, ns=ns)
+        self.run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s, request_id=self.id, ns=ns,
+                          anchors=anchors)
 
     async def __aenter__(self) -> "Generation":
         await self.run.__aenter__()
@@ -221,8 +222,10 @@ async def open_generation(state, request: Request, req: GenerationRequest, reque
         tools = req.tools_enabled
         parser = make_output_parser(  # the model family's tool-call format and thinking tags (server.core.output_parse)
             tok, tools=tools, in_reasoning=prompt_opens_thinking(tok, prompt),
-            tool_specs=list(req.tools) if tools else None)
-    return Generation(state, request, prompt, params, session=req.session, request_id=request_id, parser=parser)
+            tool_specs=list(req.tools) if tools else None, custom_tools=req.custom_names if tools else ())
+    anchors = await run_in_threadpool(breakpoint_positions, tok, req, prompt) if req.breakpoints else ()
+    return Generation(state, request, prompt, params, session=req.session, request_id=request_id, parser=parser,
+                      anchors=anchors)
 
 
 def _internal(ev: Failed) -> APIError:

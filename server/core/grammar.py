@@ -27,7 +27,8 @@ Contract
 
 Grammars are built by ``json_schema_grammar`` (response_format) and ``tool_call_grammar``
 (forced or strict tool calls in the Hermes ``<tool_call>{json}</tool_call>`` format that
-server/core/output_parse.py parses). JSON is generated without free whitespace, with ", " and ": "
+server/core/output_parse.py parses, and calls to custom tools, whose raw input follows the tool's own
+Lark or regex grammar). JSON is generated without free whitespace, with ", " and ": "
 separators (what ``json.dumps`` writes): flexible whitespace lets small models loop on
 newlines until max_tokens.
 """
@@ -54,6 +55,9 @@ __all__ = [
     "GrammarError",
     "json_schema_grammar",
     "tool_call_grammar",
+    "CustomInput",
+    "custom_call_header",
+    "check_custom_grammar",
     "ll_tokenizer",
     "TOOL_CALL_OPEN",
     "TOOL_CALL_CLOSE",
@@ -144,6 +148,43 @@ def _call_schema(name: str, parameters: Optional[dict]) -> dict:
 
 # Free text that never contains the call marker (so a call cannot hide inside "text").
 _TEXT = r"/(?s:.*)/ & ~/(?s:.*)" + TOOL_CALL_OPEN + r"(?s:.*)/"
+_NAME_OPEN, _CLOSE_BRACE = json.dumps('{"name": '), json.dumps("}")  # Lark literals of a call's JSON opening, end
+# A free-text custom input and the end of its call (a lazy lexeme: it ends at the first end of the call).
+_CUSTOM_TEXT = r"/(?s:.*)\n<\/tool_call>/"
+
+
+@dataclass(frozen=True)
+class CustomInput:
+    """A custom (freeform) tool as the grammar sees it: its name, and its input's grammar (``syntax`` "lark" or
+    "regex" with a ``definition``; None: free text)."""
+
+    name: str
+    syntax: Optional[str] = None
+    definition: Optional[str] = None
+
+
+def custom_call_header(name: str) -> str:
+    r"""What opens a call to a custom tool after the ``<tool_call>\n`` marker: ``{"name": NAME}`` and a newline;
+    the raw input follows, then ``\n</tool_call>`` (the Hermes format, with the input written as it is: a patch
+    in a JSON string would need escaping that small models get wrong)."""
+    return "{" + '"name": ' + json.dumps(name, ensure_ascii=False) + "}\n"
+
+
+def check_custom_grammar(tool: CustomInput) -> Optional[str]:
+    """Why a custom tool's grammar does not compile (llguidance's reason), or None when it does."""
+    if tool.syntax is None:
+        return None
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(_custom_lark(tool))
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return llguidance.LLMatcher.validate_grammar(grammar) or None
+
+
+def _custom_lark(tool: CustomInput) -> str:
+    if tool.syntax == "regex":
+        return "start: /" + tool.definition.replace("/", "\\/") + "/\n"
+    return tool.definition
 
 
 def tool_call_grammar(
@@ -151,35 +192,67 @@ def tool_call_grammar(
     *,
     answer: Union[Literal["text"], dict, None],
     parallel: bool,
+    custom: Sequence[CustomInput] = (),
 ) -> str:
-    """A Lark grammar for Hermes tool calls ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
+    r"""A grammar for Hermes tool calls ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``.
 
     ``tools``: (name, parameters schema or None) of the functions the calls may name; each call's arguments
-    follow its function's schema. ``answer``: None = at least one call is required (tool_choice "required" or a
-    named function); "text" = free text (never containing ``<tool_call>``) or text followed by calls
-    (tool_choice "auto" with strict tools); a dict = a JSON answer matching that schema, or calls.
-    ``parallel``: more than one call may follow, one per line. A single trailing newline may end the output.
+    follow its function's schema. ``custom``: the custom tools a call may name instead, written
+    ``<tool_call>\n{"name": NAME}\n<input>\n</tool_call>`` with the input in that tool's own grammar (a Lark
+    grammar is composed in as a sub-grammar of its own, so its rule names never clash with ours). ``answer``: None
+    = at least one call is required (tool_choice "required" or a named tool); "text" = free text (never containing
+    ``<tool_call>``) or text followed by calls (tool_choice "auto" with strict or grammar tools); a dict = a JSON
+    answer matching that schema, or calls. ``parallel``: more than one call may follow, one per line. A single
+    trailing newline may end the output.
     """
-    if not tools:
+    if not tools and not custom:
         raise InvalidRequest("a tool call was required but the request declares no tools", param="tools")
-    bodies = [_call_schema(name, params) for name, params in tools]
-    body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
     more = ' ("\\n" call)*' if parallel else ""
     open_, close = json.dumps(TOOL_CALL_OPEN + "\n"), json.dumps("\n" + TOOL_CALL_CLOSE)
-    lines = [
-        f"call: {open_} body {close}",
-        f"body: {_lark_json(body)}",
-    ]
+    lines, subs = [], []
+    if not custom:  # one JSON value names the function and holds its arguments
+        schemas = [_call_schema(name, params) for name, params in tools]
+        lines += [f"after: body {close}",
+                  f"body: {_lark_json(schemas[0] if len(schemas) == 1 else {'anyOf': schemas})}"]
+    else:
+        # Every call opens with {"name": ; the name then decides the rest: a function's arguments (JSON), or a custom
+        # tool's raw input. (Alternatives that both start inside one JSON lexeme and a literal would be ambiguous to
+        # llguidance's lexer, so the shared opening is a literal of its own.)
+        names = []
+        for i, (name, params) in enumerate(tools):
+            if params is None:  # OpenAI: omitting parameters declares an empty parameter list
+                params = {"type": "object", "properties": {}, "additionalProperties": False}
+            head = json.dumps(json.dumps(name, ensure_ascii=False) + ', "arguments": ')
+            lines += [f"fn_{i}: {head} args_{i} {_CLOSE_BRACE} {close}", f"args_{i}: {_lark_json(params)}"]
+            names.append(f"fn_{i}")
+        for i, tool in enumerate(custom):
+            end = close
+            if tool.syntax is None:  # lazy: free text up to the first end of the call (the lexer is greedy)
+                item, end = f"custom_text_{i}", ""
+                lines.append(f"custom_text_{i}[lazy]: {_CUSTOM_TEXT}")
+            elif tool.syntax == "regex":
+                item = "/" + tool.definition.replace("/", "\\/") + "/"
+            else:
+                item = f"@custom_{i}"
+                subs.append({"name": f"custom_{i}", "lark_grammar": tool.definition})
+            header = custom_call_header(tool.name).removeprefix('{"name": ')
+            lines.append(f"custom_{i}: {json.dumps(header)} {item} {end}".rstrip())
+            names.append(f"custom_{i}")
+        lines.insert(0, f"after: {_NAME_OPEN} ({' | '.join(names)})")
+    lines.insert(1, f"call: {open_} after")
     if answer is None:
         lines.insert(0, f'start: call{more} "\\n"?')
     elif answer == "text":
-        # lazy: the header ends at the first marker, where the call's JSON takes over
-        lines.insert(0, f'start: TEXT | lead body {close}{more} "\\n"?')
+        # lazy: the header ends at the first marker, where a call's grammar takes over
+        lines.insert(0, f'start: TEXT | lead after{more} "\\n"?')
         lines += [f"TEXT: {_TEXT}", f"lead[lazy]: /(?s:.*){TOOL_CALL_OPEN}\\n/"]
     else:
         lines.insert(0, f'start: answer | call{more} "\\n"?')
         lines.append(f"answer: {_lark_json(answer)}")
-    return llguidance.LLMatcher.grammar_from_lark("\n".join(lines) + "\n")
+    main = "\n".join(lines) + "\n"
+    if not subs:
+        return llguidance.LLMatcher.grammar_from_lark(main)
+    return json.dumps({"grammars": [{"lark_grammar": main}, *subs]})
 
 
 # -- the compiled spec and its per-request processor ------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -31,6 +32,8 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.tool_parsers import json_tools
+
+from server.core.request import custom_call
 
 __all__ = [
     "Piece",
@@ -44,6 +47,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("mlx_lane.output_parse")
+
+# a call to a custom tool: {"name": NAME} on the first line, the raw input after it (server.core.grammar)
+_CUSTOM_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*\}\n(.*)\Z', re.DOTALL)
 
 ParseFn = Callable[[str, Optional[list]], Any]
 
@@ -138,11 +144,12 @@ class OutputParser:
     """Fed the detokenized deltas of one reply in order; see the module docstring for the contract."""
 
     def __init__(self, tokenizer, *, tools: bool, in_reasoning: bool = False,
-                 tool_specs: Optional[list[dict]] = None) -> None:
+                 tool_specs: Optional[list[dict]] = None, custom_tools: Sequence[str] = ()) -> None:
         self.format = tool_format(tokenizer)
         spec = _machine_spec(tokenizer, self.format, tools)
         self._tools = tools
         self._tool_specs = tool_specs
+        self._custom = frozenset(custom_tools)
         self._passthrough = not (spec.has_thinking or tools or spec.structural_markers or spec.response_transitions)
         self._sm = make_text_state_machine(spec)
         initial = getattr(tokenizer, "response_initial_state", None)
@@ -226,14 +233,48 @@ class OutputParser:
         if not self._tools:
             self._emit("text", raw)  # a response format's tool state while tools are off: plain text
             return
+        custom = self._custom_call(body)
+        if custom is not None:
+            self._calls.append(custom)
+            self._consumed_markup()
+            return
         try:
-            calls = _openai_calls(self.format.parse(body, self._tool_specs))
+            calls = [self._as_custom(c) for c in _openai_calls(self.format.parse(body, self._tool_specs))]
         except Exception as exc:  # noqa: BLE001 - foreign parsers raise anything on model output; it is text then
             log.info("tool-call markup did not parse (%s: %s); returned as text", type(exc).__name__, exc)
             self._emit("text", raw)
             return
         self._calls.extend(calls)
         self._consumed_markup()
+
+    def _custom_call(self, body: str) -> Optional[dict]:
+        """A call to a custom tool written ``{"name": NAME}`` + newline + the raw input (server.core.grammar), or
+        None when the body is not one."""
+        if not self._custom:
+            return None
+        m = _CUSTOM_CALL.match(body)
+        if m is None:
+            return None
+        try:
+            name = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            return None
+        if name not in self._custom:
+            return None
+        text = m.group(2)
+        return custom_call(_call_id(), name, text[:-1] if text.endswith("\n") else text)  # the close's newline
+
+    def _as_custom(self, call: dict) -> dict:
+        """A function-shaped call to a custom tool (a model that wrote JSON: ``{"input": ...}``) as a custom call."""
+        name = call["function"]["name"]
+        if name not in self._custom:
+            return call
+        try:
+            args = json.loads(call["function"]["arguments"] or "{}")
+        except json.JSONDecodeError:
+            args = call["function"]["arguments"]
+        text = args.get("input", "") if isinstance(args, dict) else str(args)
+        return custom_call(call["id"], name, text if isinstance(text, str) else json.dumps(text, ensure_ascii=False))
 
     def _consumed_markup(self) -> None:
         self._ws = ""
@@ -266,12 +307,15 @@ class OutputParser:
 
 
 def make_output_parser(tokenizer, *, tools: bool, in_reasoning: bool = False,
-                       tool_specs: Optional[list[dict]] = None) -> OutputParser:
+                       tool_specs: Optional[list[dict]] = None, custom_tools: Sequence[str] = ()) -> OutputParser:
     """Choose the tool-call format from mlx-lm's tokenizer wrapper (falls back to Hermes) and the thinking tags
     when the model has them. ``tools=False``: tool markup is plain text. ``in_reasoning``: the prompt left a
     think block open (see ``prompt_opens_thinking``), so the reply starts as reasoning. ``tool_specs``: the
-    request's tools (OpenAI shape), which some families' parsers use to type argument values."""
-    return OutputParser(tokenizer, tools=tools, in_reasoning=in_reasoning, tool_specs=tool_specs)
+    request's tools (OpenAI shape), which some families' parsers use to type argument values. ``custom_tools``: the
+    names of the request's custom (freeform) tools: their calls come back as ``{"type": "custom", "custom": {"name",
+    "input"}}`` with the raw input text."""
+    return OutputParser(tokenizer, tools=tools, in_reasoning=in_reasoning, tool_specs=tool_specs,
+                        custom_tools=custom_tools)
 
 
 def parse_complete(tokenizer, text: str, *, tools: bool, in_reasoning: bool = False,

@@ -10,8 +10,11 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from server.core.grammar import TOOL_CALL_OPEN, GrammarSpec, json_schema_grammar, tool_call_grammar
-from server.core.request import GenerationRequest, MaxTokens
+from server.core.grammar import (
+    TOOL_CALL_CLOSE, TOOL_CALL_OPEN, CustomInput, GrammarSpec, check_custom_grammar, custom_call_header,
+    json_schema_grammar, tool_call_grammar,
+)
+from server.core.request import ROOM, GenerationRequest, MaxTokens
 from server.errors import ContextLengthExceeded, InvalidRequest
 from server.lane.events import SamplingParams
 
@@ -27,17 +30,72 @@ def render(tokenizer, req: GenerationRequest, vocab_size: int) -> list[int]:
 
 
 def render_chat(tokenizer, req: GenerationRequest) -> list[int]:
-    """Apply the model's chat template (tools included) and tokenize."""
+    """Apply the model's chat template (tools included: custom tools as functions of one ``input`` string) and
+    tokenize. Calls to custom tools in the history are written the way this model writes them (``_custom_calls``)."""
     kwargs = {"add_generation_prompt": True}
     if req.tools_enabled:
-        kwargs["tools"] = list(req.tools)
+        kwargs["tools"] = list(req.tools) + [c.as_function() for c in req.custom_tools]
+    messages = _custom_calls(list(req.messages), hermes=_hermes(tokenizer))
     try:
-        ids = tokenizer.apply_chat_template(list(req.messages), **kwargs)
+        ids = tokenizer.apply_chat_template(messages, **kwargs)
     except Exception as exc:  # jinja raises for roles/orders a template refuses
         raise InvalidRequest(f"the chat template rejected these messages: {exc}", param=req.param("messages")) from exc
     if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def breakpoint_positions(tokenizer, req: GenerationRequest, prompt: list[int]) -> tuple[int, ...]:
+    """Token positions of the request's cache breakpoints in ``prompt``: for each, the prefix of the first N
+    messages rendered alone (same tools, no generation prompt), as far as it agrees with the whole prompt (a
+    template may close a turn differently at the end). Positions that leave nothing to compute, or cover
+    nothing, are dropped."""
+    out = set()
+    kwargs = {"add_generation_prompt": False}
+    if req.tools_enabled:
+        kwargs["tools"] = list(req.tools) + [c.as_function() for c in req.custom_tools]
+    for n in sorted(set(req.breakpoints)):
+        if not 0 < n < len(req.messages):
+            continue
+        try:
+            ids = tokenizer.apply_chat_template(_custom_calls(list(req.messages[:n]), hermes=_hermes(tokenizer)),
+                                                **kwargs)
+        except Exception:  # noqa: BLE001 - a template may refuse a conversation cut short: no breakpoint then
+            continue
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        common = next((i for i, (a, b) in enumerate(zip(ids, prompt)) if a != b), min(len(ids), len(prompt)))
+        if 0 < common < len(prompt) - 1:
+            out.add(common)
+    return tuple(sorted(out))
+
+
+def _custom_calls(messages: list[dict], *, hermes: bool) -> list[dict]:
+    """Assistant turns with calls to custom tools, in the form this model reads and writes them. A Hermes model
+    writes them itself as ``<tool_call>\\n{"name": NAME}\\n<input>\\n</tool_call>`` (server.core.grammar), so
+    the history shows them the same way, as the turn's own text (the next turn's prompt then repeats the tokens the
+    model produced and the prefix cache hits past them); for a model with another tool-call format they become
+    calls of a function whose one argument is ``input``."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") or ()
+        if not any(c.get("type") == "custom" for c in calls):
+            out.append(m)
+            continue
+        m = dict(m)
+        plain = [c for c in calls if c.get("type") != "custom"]
+        custom = [c for c in calls if c.get("type") == "custom"]
+        if hermes:
+            text = "".join(f"{TOOL_CALL_OPEN}\n{custom_call_header(c['custom']['name'])}{c['custom']['input']}\n"
+                           f"{TOOL_CALL_CLOSE}" for c in custom)
+            m["content"] = (m.get("content") or "") + ("\n" if m.get("content") else "") + text
+            custom = []
+        m["tool_calls"] = plain + [{"id": c["id"], "type": "function", "function": {
+            "name": c["custom"]["name"], "arguments": {"input": c["custom"]["input"]}}} for c in custom]
+        if not m["tool_calls"]:
+            del m["tool_calls"]
+        out.append(m)
+    return out
 
 
 def chat_grammar(tokenizer, req: GenerationRequest) -> Optional[GrammarSpec]:
@@ -47,39 +105,48 @@ def chat_grammar(tokenizer, req: GenerationRequest) -> Optional[GrammarSpec]:
       unless ``parallel_tool_calls`` is false. Arguments follow each function's ``parameters``.
     - ``tool_choice`` auto with a ``strict`` tool: the answer (free text, or the answer schema's JSON) or calls;
       strict tools' arguments follow their schema, the others' are any JSON object.
+    - custom tools whose input has a grammar: whenever they are offered, the input of a call to one follows that
+      grammar, forced or not (with tool_choice auto the answer is free text or calls, as with strict tools).
     - otherwise an ``answer_schema`` (response_format json_object / json_schema): one JSON value.
     Calls use the Hermes ``<tool_call>{json}</tool_call>`` format (server/core/output_parse.py). Raises InvalidRequest
-    for a schema that does not compile, a tool_choice naming an unknown function, or a forced call on a model
-    whose chat template uses another tool-call format.
+    for a schema or custom grammar that does not compile (naming the tool), a tool_choice naming an unknown tool, or
+    a forced call on a model whose chat template uses another tool-call format.
     """
     answer = req.answer_schema
     forced, choice = req.forced_tool, req.tool_choice
-    names = req.function_names
+    names = req.function_names + req.custom_names
     tools_param, choice_param = req.param("tools"), req.param("tool_choice")
     if forced is not None and forced not in names:
-        raise InvalidRequest(f"{choice_param} names the function '{forced}', which is not in '{tools_param}'",
+        raise InvalidRequest(f"{choice_param} names the tool '{forced}', which is not in '{tools_param}'",
                              param=choice_param)
     if choice == "required" and not names:
         raise InvalidRequest(f"{choice_param} 'required' needs at least one tool in '{tools_param}'", param=choice_param)
+    custom = [CustomInput(c.name, c.syntax, c.definition) for c in req.custom_tools] if req.tools_enabled else []
+    for tool in custom:
+        why = check_custom_grammar(tool)
+        if why:
+            raise InvalidRequest(f"the {tool.syntax} grammar of custom tool '{tool.name}' does not compile: {why}",
+                                 param=tools_param)
     required = forced is not None or choice == "required"
     functions = [t["function"] for t in req.tools]
-    strict = req.tools_enabled and any(f.get("strict") for f in functions)
+    strict = req.tools_enabled and (any(f.get("strict") for f in functions) or any(c.syntax for c in custom))
     if (required or strict) and not _hermes(tokenizer):
         if required:
             raise InvalidRequest(
                 f"this model's chat template writes tool calls as '{tokenizer.tool_call_start}...', which mlx-lane "
                 f"cannot constrain yet; use {choice_param} 'auto'", param=choice_param)
-        log.info("strict tools are not enforced for this model's tool-call format")
+        log.info("strict tools and custom tool grammars are not enforced for this model's tool-call format")
         strict = False
     if required or strict:
         if forced is not None:
             tools = [(f["name"], f.get("parameters")) for f in functions if f["name"] == forced][:1]
+            custom = [c for c in custom if c.name == forced][:1] if not tools else []
         else:
             tools = [(f["name"], f.get("parameters") if (f.get("strict") or required) else {"type": "object"})
                      for f in functions]
         parallel = forced is None and req.parallel_tool_calls is not False
         grammar = _build(req, tool_call_grammar, tools, answer=None if required else (answer or "text"),
-                         parallel=parallel)
+                         parallel=parallel, custom=custom)
         return GrammarSpec.compile(tokenizer, grammar, param=tools_param)
     if answer is not None:
         fmt_param = req.param("response_format")
@@ -141,7 +208,7 @@ def sampling_params(req: GenerationRequest, prompt_len: int, context_length: int
             )
     if requested is None:
         default = req.default_max_tokens if req.default_max_tokens is not None else default_max_tokens
-        requested = min(room, default)
+        requested = room if default == ROOM else min(room, default)
 
     logit_bias = None
     if req.logit_bias:

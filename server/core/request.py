@@ -19,7 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-__all__ = ["GenerationRequest", "MaxTokens", "template_message", "function_tool"]
+__all__ = ["GenerationRequest", "MaxTokens", "ROOM", "CustomTool", "template_message", "function_tool", "custom_call",
+           "system_breakpoint"]
+
+
+ROOM = "room"  # a default max_tokens: the whole room the prompt leaves in the context (OpenAI's Responses API)
 
 
 class MaxTokens(enum.Enum):
@@ -30,17 +34,40 @@ class MaxTokens(enum.Enum):
 
 
 @dataclass(frozen=True)
+class CustomTool:
+    """A freeform tool (OpenAI's ``custom`` tools): its one input is raw text, free (``syntax`` None) or following a
+    grammar (``syntax`` "lark" or "regex", ``definition``). Chat templates know only JSON tools: they are shown one
+    as a function whose single string parameter is ``input`` (``as_function``); server.core.prompts decides how a
+    call to it is written and rendered."""
+
+    name: str
+    description: Optional[str] = None
+    syntax: Optional[str] = None
+    definition: Optional[str] = None
+
+    def as_function(self) -> dict:
+        what = "raw text" if self.syntax is None else f"raw text in the tool's own {self.syntax} grammar"
+        description = (self.description or "").strip()
+        note = f"(A freeform tool: its input is {what}, not JSON.)"
+        return function_tool(self.name, f"{description} {note}".strip(), {
+            "type": "object", "properties": {"input": {"type": "string", "description": f"The input, {what}."}},
+            "required": ["input"]})
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     messages: tuple[dict, ...] = ()  # chat messages as the template reads them (see template_message)
     prompt: Union[str, tuple[int, ...], None] = None  # a text completion's prompt instead of messages
     tools: tuple[dict, ...] = ()  # offered functions: {"type": "function", "function": {"name", ...}}
+    custom_tools: tuple[CustomTool, ...] = ()  # offered freeform tools (Responses ``custom`` tools)
     tool_choice: str = "auto"  # "auto" | "none" | "required"
-    forced_tool: Optional[str] = None  # the function every call must name (tool_choice naming one)
+    forced_tool: Optional[str] = None  # the tool (a function or a custom tool) every call must name
     parallel_tool_calls: Optional[bool] = None
     answer_schema: Optional[dict] = None  # the JSON schema the answer must follow (response_format)
     max_tokens: Optional[int] = None
     max_tokens_over_room: MaxTokens = MaxTokens.REFUSE
-    default_max_tokens: Optional[int] = None  # when max_tokens is None (None: the server's --default-max-tokens)
+    default_max_tokens: Union[int, str, None] = None  # when max_tokens is None: this, ROOM (all the room the
+    # prompt leaves in the context), or None (the server's --default-max-tokens)
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
@@ -55,6 +82,7 @@ class GenerationRequest:
     top_logprobs: int = 0
     num_draft_tokens: Optional[int] = None  # mlx-lane extension: cap the speculative draft (0: none)
     session: Optional[str] = None  # the prefix cache's session (header, prompt_cache_key, user ...)
+    breakpoints: tuple[int, ...] = ()  # cache hints: the prefix of the first N messages is kept as its own entry
     adapter: Optional[Any] = None  # the LoRA adapter the request's model name selected (None: the base model)
     names: Mapping[str, str] = field(default_factory=dict)  # internal field -> the client's parameter name
 
@@ -65,11 +93,15 @@ class GenerationRequest:
     @property
     def tools_enabled(self) -> bool:
         """Tools are offered to the model unless ``tool_choice`` is ``"none"``."""
-        return bool(self.tools) and self.tool_choice != "none"
+        return bool(self.tools or self.custom_tools) and self.tool_choice != "none"
 
     @property
     def function_names(self) -> list[str]:
         return [t["function"]["name"] for t in self.tools]
+
+    @property
+    def custom_names(self) -> list[str]:
+        return [c.name for c in self.custom_tools]
 
 
 def template_message(role: str, content: Optional[str], *, name: Optional[str] = None, tool_calls=(),
@@ -77,13 +109,15 @@ def template_message(role: str, content: Optional[str], *, name: Optional[str] =
     """One chat message in the shape chat templates read: ``developer`` is ``system``, no content is "";
     ``tool_calls`` given as ``(id, name, arguments JSON text)`` become ``{"id", "type", "function": {"name",
     "arguments"}}`` with the arguments parsed back into a JSON value when they are JSON (templates render objects,
-    not quoted strings)."""
+    not quoted strings); a call given as a dict (``custom_call``) is kept as it is."""
     d: dict = {"role": "system" if role == "developer" else role, "content": content or ""}
     if name:
         d["name"] = name
     if tool_calls:
-        d["tool_calls"] = [{"id": call_id, "type": "function", "function": {"name": fn, "arguments": _maybe_json(args)}}
-                           for call_id, fn, args in tool_calls]
+        d["tool_calls"] = [call if isinstance(call, dict) else
+                           {"id": call[0], "type": "function", "function": {"name": call[1],
+                                                                           "arguments": _maybe_json(call[2])}}
+                           for call in tool_calls]
     if tool_call_id:
         d["tool_call_id"] = tool_call_id
     return d
@@ -93,6 +127,20 @@ def function_tool(name: str, description: Optional[str] = None, parameters: Opti
     """An offered function in OpenAI's chat shape (what chat templates and the grammar read)."""
     fn = {k: v for k, v in (("name", name), ("description", description), ("parameters", parameters)) if v is not None}
     return {"type": "function", "function": fn}
+
+
+def system_breakpoint(messages) -> tuple[int, ...]:
+    """The implicit cache breakpoint of an OpenAI request: after its leading system (developer) messages, the part
+    agents share across sessions (instructions, tool rules), when anything follows them."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    return (n,) if 0 < n < len(messages) else ()
+
+
+def custom_call(call_id: str, name: str, text: str) -> dict:
+    """A call to a custom tool, in OpenAI's shape: ``{"id", "type": "custom", "custom": {"name", "input"}}``."""
+    return {"id": call_id, "type": "custom", "custom": {"name": name, "input": text}}
 
 
 def _maybe_json(s):

@@ -243,6 +243,8 @@ class Engine:
             seq.done += n
             seq.prefill_s += time.monotonic() - t0
             seq.sink(Progress(seq.done, len(prompt)))
+            if seq.done in seq.anchors and seq.done < end:
+                self._store(prompt[: seq.done], seq.caches, seq, anchor=True)  # a breakpoint: an entry of its own
             if seq.done < end:
                 return False
         return self._prefill_complete(seq, share)
@@ -270,6 +272,9 @@ class Engine:
             seq.sink(Progress(seq.done, len(seq.prompt)))
             if seq.done >= len(seq.prompt) - 1 and self._prefill_complete(seq, share):
                 complete.append(seq)
+            elif seq.done in seq.anchors:
+                with mx.stream(self.stream):
+                    self._store(seq.prompt[: seq.done], seq.caches, seq, anchor=True)
         return complete
 
     def _prefill_complete(self, seq: Sequence, share: bool) -> bool:
@@ -282,7 +287,9 @@ class Engine:
         if seq.spec is not None:
             with mx.stream(self.stream):
                 seq.spec.source.prefill(prompt[: seq.done])
-        if not all(c.is_trimmable() for c in seq.caches) or (seq.done > seq.cached and share):
+        if seq.done in seq.anchors:
+            self._store(prompt[:-1], seq.caches, seq, anchor=True)
+        elif not all(c.is_trimmable() for c in seq.caches) or (seq.done > seq.cached and share):
             # a prompt-boundary entry: the next turn of a sliding-window model needs it (its caches cannot be
             # trimmed back to the prompt later), and requests beside this one may share its prefix now; for
             # trimmable caches the final put supersedes it
@@ -425,7 +432,7 @@ class Engine:
         return self.tokenizer.decode([token])
 
     # -- cache ------------------------------------------------------------------------
-    def _store(self, tokens: Seq[int], caches: list, seq: Sequence) -> None:
+    def _store(self, tokens: Seq[int], caches: list, seq: Sequence, anchor: bool = False) -> None:
         if not tokens:
             return
         plan = seq.spec
@@ -438,6 +445,7 @@ class Engine:
             return
         self.kv_bytes_per_token = _state_nbytes(caches) / len(tokens)
         try:
-            self.prompt_cache.put(list(tokens), caches, seq.ns, seq.session)
+            if self.prompt_cache.put(list(tokens), caches, seq.ns, seq.session, anchor=anchor):
+                seq.stored = max(seq.stored, len(tokens))
         except Exception:  # caching is an optimisation: never fail the request for it
             log.exception("prompt cache put failed")

@@ -44,7 +44,8 @@ class ServerState:
     blas: str
     api_key: Optional[str] = None
     keepalive_s: float = 10.0
-    default_max_tokens: int = 2048
+    default_max_tokens: int = 2048  # when a chat / completions / Messages request gives no max_tokens
+    max_tokens_cap: Optional[int] = None  # --default-max-tokens when given: also caps Responses' default (the room)
     max_body_bytes: int = 8 * 1024 * 1024
     model_names: set = field(default_factory=set)
     model_aliases: tuple = ()  # --model-alias glob patterns answered by the served model (server/catalog.py)
@@ -57,6 +58,7 @@ class ServerState:
     adapter_dir: Optional[str] = None  # --adapter-dir: what /admin/adapters may load without --api-key
     embedder: Optional[object] = None  # models.embedding.EmbeddingModel behind /v1/embeddings, or None
     web: WebPolicy = field(default_factory=WebPolicy)  # Host / Origin allow-lists (server/http/guard.py)
+    keep_billing_header: bool = False  # --keep-billing-header: Claude Code's per-prompt system block stays
     dashboard: bool = True  # GET / and /dashboard (server/http/dashboard.py); --no-dashboard turns it off
 
     @property

@@ -32,9 +32,9 @@ def sse(obj) -> bytes:
 
 
 def session_header(headers) -> Optional[str]:
-    """The session a request's headers name: ``X-Session-Id``, else ``session_id`` (what Codex CLI sends; the
-    replicas' proxy routes on both, deploy/haproxy.cfg.in)."""
-    return headers.get("x-session-id") or headers.get("session_id") or None
+    """The session a request's headers name: ``X-Session-Id``, else ``session-id`` (what Codex CLI 0.171 sends),
+    else ``session_id`` (older Codex CLIs); the replicas' proxy routes on the same ones (deploy/haproxy.cfg.in)."""
+    return headers.get("x-session-id") or headers.get("session-id") or headers.get("session_id") or None
 
 
 def session_of(headers, *fallbacks: Optional[str]) -> Optional[str]:

@@ -67,6 +67,7 @@ class Finished:
     queued_s: float
     spec: Optional[dict] = None  # speculative decoding counters of this request, when it speculated
     stop_sequence: Optional[str] = None  # the stop string that ended it (None: EOS, length, or no stop strings)
+    cache_write_tokens: int = 0  # prompt tokens this request newly put in the prefix cache (beyond cached_tokens)
 
 
 @dataclass(frozen=True)

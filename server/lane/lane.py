@@ -227,7 +227,8 @@ class Lane:
         return ready
 
     def _cached_length(self, seq: Sequence) -> int:
-        return self.engine.prompt_cache.peek(seq.prompt, seq.ns, seq.session)
+        # local: the scheduler runs on rank 0 alone, before its plan is broadcast (an agreement would deadlock)
+        return self.engine.prompt_cache.peek(seq.prompt, seq.ns, seq.session, local=True)
 
     # -- executing a plan -------------------------------------------------------------
     def execute(self, plan: TickPlan) -> None:

@@ -43,7 +43,7 @@ def seq_spec(seq: Sequence) -> dict:
     params["stop"] = list(params["stop"])
     grammar = seq.params.grammar.grammar if seq.params.grammar is not None else None
     return {"id": seq.id, "prompt": list(seq.prompt), "session": seq.session, "params": params,
-            "grammar": grammar, "cancelled": seq.cancelled}
+            "grammar": grammar, "cancelled": seq.cancelled, "anchors": list(seq.anchors)}
 
 
 def seq_from_spec(spec: dict, compile_grammar=None, engine=None) -> Sequence:
@@ -63,7 +63,8 @@ def seq_from_spec(spec: dict, compile_grammar=None, engine=None) -> Sequence:
         grammar = compile_grammar(spec["grammar"])
     params = SamplingParams(**params, grammar=grammar)
     seq = Sequence(prompt=list(spec["prompt"]), params=params, sink=_discard, session=spec.get("session"),
-                   id=spec["id"], ns=engine.namespace_for(params) if engine is not None else "")
+                   id=spec["id"], ns=engine.namespace_for(params) if engine is not None else "",
+                   anchors=tuple(spec.get("anchors") or ()))
     if engine is not None:
         engine.classify(seq)
     if spec.get("cancelled"):

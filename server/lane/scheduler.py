@@ -13,7 +13,8 @@ without a model (tests/unit/test_scheduler.py). The rules, in plan order:
    not on the lane's clock.
 3. Prefill: at most one chunk's worth of prompt tokens (``prefill_chunk``) per tick, oldest admitted first, so a
    long prompt delays the running decodes by at most one chunk per tick; short prompts share the tick's budget
-   (they finish together and join the batch in one step). With ``prefill_batch`` B > 1 (a GPU, where one forward
+   (they finish together and join the batch in one step). A chunk ends at a sequence's anchor (a client's cache
+   breakpoint), so the engine can store that prefix as an entry of its own. With ``prefill_batch`` B > 1 (a GPU, where one forward
    over several prompts beats one forward each), up to B sequences get up to one chunk each, gathered into
    batched forwards of those that may prefill together; one that shares at least ``SHARED_PREFIX_MIN`` tokens
    with a prompt gathered before it goes in a later group, so that it takes the shared prefix from the cache
@@ -142,6 +143,9 @@ class Scheduler:
                 break
             computing += bool(n_left)
             n = min(n_left, budget, chunk)
+            anchor = s.next_anchor(len(s.prompt) - 1 - n_left)
+            if anchor is not None and anchor - (len(s.prompt) - 1 - n_left) < n:
+                n = anchor - (len(s.prompt) - 1 - n_left)  # a chunk ends at an anchor: that prefix is stored
             plan.append(Chunk(s, n))
             budget -= n
             if n < n_left and rows == 1:

@@ -80,6 +80,7 @@ class Sequence:
     sink: Callable[[Event], None]
     ns: str = ""  # the prefix cache's namespace (Engine.namespace_for, computed once, at submit)
     session: Optional[str] = None
+    anchors: tuple = ()  # prompt positions kept as cache entries of their own (a client's cache breakpoints)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.monotonic)
@@ -97,6 +98,7 @@ class Sequence:
     done: int = 0  # prompt tokens the caches cover (during prefill)
     cached: int = 0  # prompt tokens served by the prefix cache
     prefilled: bool = False  # the prompt is computed (all but its last token): ready to decode
+    stored: int = 0  # prompt tokens covered by what it put in the prefix cache so far
 
     # -- model side (the engine's; lane thread only) -------------------------------------------------------------
     caches: Optional[list] = None  # own caches while prefilling / solo; None while the batch holds them
@@ -127,6 +129,10 @@ class Sequence:
     def prefill_left(self) -> int:
         """Prompt tokens still to prefill (the last prompt token is the first decode step's input)."""
         return max(0, len(self.prompt) - 1 - self.done)
+
+    def next_anchor(self, done: int) -> Optional[int]:
+        """The first anchor past ``done`` (where a prefill chunk stops, so that prefix is stored), or None."""
+        return next((a for a in self.anchors if a > done), None)
 
     @property
     def decoding(self) -> bool:
@@ -195,4 +201,5 @@ class Sequence:
             queued_s=max(0.0, (t.admitted_at or now) - self.enqueued_at),
             spec=self.spec_stats,
             stop_sequence=matched if reason == FinishReason.STOP else None,
+            cache_write_tokens=max(0, min(self.stored, len(self.prompt)) - self.cached),
         )

@@ -11,60 +11,19 @@ import json
 
 import jsonschema
 import mlx.core as mx
-import numpy as np
 import pytest
 from pydantic import ValidationError
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from server.core.grammar import GrammarError, GrammarSpec, json_schema_grammar, ll_tokenizer, tool_call_grammar
 from server.core.prompts import chat_grammar, sampling_params
 from server.errors import InvalidRequest
 from server.http.chat.door import chat_request
 from server.http.chat.schemas import ChatCompletionRequest
-
-EOS = 256
-
-
-def _byte_chars() -> dict[str, int]:
-    """GPT-2's byte -> printable character table (what ByteLevel pre-tokenization emits), as char -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-class ByteTokenizer:
-    """What the grammar code reads from mlx-lm's TokenizerWrapper: ``_tokenizer``, ``eos_token_ids``."""
-
-    def __init__(self, tool_call_start=None):
-        tok = Tokenizer(models.BPE(vocab=_byte_chars(), merges=[]))  # token id == byte value
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens([AddedToken("<eos>", special=True)])
-        assert tok.token_to_id("<eos>") == EOS
-        self._tokenizer = tok
-        self.eos_token_ids = {EOS}
-        self.tool_call_start = tool_call_start
-
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
-
-    def decode(self, ids) -> str:
-        return self._tokenizer.decode(list(ids))
-
+from tests.fixtures.byte_tokenizer import EOS, ByteTokenizer, accepts, allowed
 
 @pytest.fixture(scope="module")
 def tok():
     return ByteTokenizer()
-
-
-def allowed(out: mx.array) -> set[int]:
-    return set(np.nonzero(np.isfinite(np.array(out[0])))[0].tolist())
 
 
 def run(proc, ids: list[int], width: int = 257) -> list[set[int]]:
@@ -148,18 +107,6 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "requir
 TOOLS = [("get_weather", WEATHER), ("ping", None)]
 GOOD = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WRONG_ARGS = '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n</tool_call>'
-
-
-def accepts(tok, grammar: str, text: str) -> bool:
-    """Whether ``text`` is a complete output of ``grammar`` (every byte allowed, then EOS)."""
-    proc = GrammarSpec.compile(tok, grammar, param="tools").processor()
-    logits = mx.zeros((1, 257))
-    ok = allowed(proc(mx.array([1]), logits))
-    for t in tok.encode(text):
-        if t not in ok:
-            return False
-        ok = allowed(proc(mx.array([t]), logits))
-    return EOS in ok
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,9 @@ from server.http.wire import session_header, session_of
 
 
 def test_x_session_id_first_then_codex_session_id_then_none():
-    assert session_header({"x-session-id": "a", "session_id": "b"}) == "a"
-    assert session_header({"session_id": "b"}) == "b"  # Codex CLI sends session_id
+    assert session_header({"x-session-id": "a", "session-id": "c", "session_id": "b"}) == "a"
+    assert session_header({"session-id": "c", "session_id": "b"}) == "c"  # Codex CLI 0.171 sends session-id
+    assert session_header({"session_id": "b"}) == "b"  # older Codex CLIs sent session_id
     assert session_header({"x-session-id": "", "session_id": ""}) is None
     assert session_header({}) is None
 

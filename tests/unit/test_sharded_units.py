@@ -146,6 +146,14 @@ def test_peek_is_rank_0s_answer():
     assert ShardedPromptCache(FakeTier(have=4), ScriptedGroup(0)).peek([1] * 10, "ns") == 4
 
 
+def test_a_local_peek_is_no_collective():
+    """Rank 0's scheduler sizes a new sequence's first chunk before its plan goes out: asking the other ranks then
+    would deadlock them (they wait for the plan), so that estimate is this rank's own."""
+    group = ScriptedGroup(0)
+    assert ShardedPromptCache(FakeTier(have=4), group).peek([1] * 10, "ns", local=True) == 4
+    assert group.calls == []
+
+
 def test_the_leader_broadcasts_each_plan_and_a_follower_executes_it_on_its_own_sequences():
     group = ScriptedGroup(0)
     leader = Leader(group)

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 
 from server.catalog import check_model
 from server.core.generation import Done, Error, Generation, ReasoningOut, Result, TextOut
-from server.core.request import GenerationRequest, template_message
+from server.core.request import GenerationRequest, system_breakpoint, template_message
 from server.http.chat.format import ChatFormatter, CompletionFormatter
 from server.http.chat.schemas import ChatCompletionRequest, CompletionRequest
 from server.http.pipeline import Call, Door, Formatter, run
@@ -51,7 +51,7 @@ def chat_request(body: ChatCompletionRequest, headers, adapter=None) -> Generati
         max_tokens=body.requested_max_tokens(),
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
         session=session_of(headers, body.prompt_cache_key, body.user), adapter=adapter,
-        **_sampling(body),
+        breakpoints=system_breakpoint(messages), **_sampling(body),
     )
 
 

@@ -18,7 +18,7 @@ from server.core.generation import Done, Error, Generation, ReasoningOut, Result
 from server.core.prompts import render_chat
 from server.http.messages.format import PING, MessagesStream, message_object
 from server.http.messages.schemas import CountTokensRequest, MessagesRequest
-from server.http.messages.translate import messages_request
+from server.http.messages.translate import messages_request, session_of_user_id
 from server.http.pipeline import Call, Door, Formatter, run
 from server.http.wire import json_response, parse_body, session_of
 
@@ -58,9 +58,9 @@ class MessagesDoor(Door):
 
     async def call(self, state, request: Request, body: MessagesRequest) -> Call:
         adapter = check_model(state, body.model)
-        user = body.metadata.user_id if body.metadata else None
-        return Call(messages_request(body, session=session_of(request.headers, user), adapter=adapter),
-                    stream=body.stream)
+        user = session_of_user_id(body.metadata.user_id if body.metadata else None)
+        return Call(messages_request(body, session=session_of(request.headers, user), adapter=adapter,
+                                     keep_billing_header=state.keep_billing_header), stream=body.stream)
 
     def formatter(self, state, body: MessagesRequest, call: Call, gen: Generation) -> Formatter:
         return MessagesOutput("msg_" + uuid.uuid4().hex, body.model, len(gen.prompt))
@@ -80,5 +80,6 @@ async def count_tokens(request: Request):
     state = request.app.state.lane_state
     req = await parse_body(request, CountTokensRequest, state.max_body_bytes)
     check_model(state, req.model)
-    prompt = await run_in_threadpool(render_chat, state.loaded.tokenizer, messages_request(req))
+    req_ = messages_request(req, keep_billing_header=state.keep_billing_header)
+    prompt = await run_in_threadpool(render_chat, state.loaded.tokenizer, req_)
     return json_response({"input_tokens": len(prompt)})

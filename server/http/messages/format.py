@@ -8,9 +8,10 @@ Stream::
     message_delta (stop_reason, stop_sequence, final usage), message_stop
     (event: error {"type": "error", "error": {...}} when the generation fails; nothing follows)
 
-Usage as Anthropic counts it: ``cache_read_input_tokens`` = prompt tokens served from the prefix cache,
-``input_tokens`` = the rest of the prompt (so input + cache_read = the prompt), ``cache_creation_input_tokens``
-= 0 (every prompt is cached here at no extra charge; counting it again would break that sum).
+Usage as Anthropic counts it (input + cache_creation + cache_read = the prompt): ``cache_read_input_tokens`` =
+prompt tokens served from the prefix cache, ``cache_creation_input_tokens`` = prompt tokens this request newly put
+in it (every computed prompt token is cached here, not only those before a ``cache_control`` breakpoint; none when
+the cache is off), ``input_tokens`` = the rest.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def stop_reason_of(reason: str, stop_sequence: Optional[str]) -> str:
 
 
 def message_usage(f: Finished) -> dict:
+    written = max(0, min(f.cache_write_tokens, f.prompt_tokens - f.cached_tokens))
     return {
-        "input_tokens": f.prompt_tokens - f.cached_tokens,
+        "input_tokens": f.prompt_tokens - f.cached_tokens - written,
         "output_tokens": f.completion_tokens,
         "cache_read_input_tokens": f.cached_tokens,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": written,
     }
 
 

@@ -22,18 +22,52 @@ from server.http.messages.schemas import (
     CountTokensRequest, MessageParam, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock,
 )
 
-__all__ = ["messages_request", "turn_to_messages", "system_text", "MESSAGES_NAMES"]
+__all__ = ["messages_request", "turn_to_messages", "system_text", "system_blocks", "session_of_user_id",
+           "MESSAGES_NAMES", "BILLING_HEADER"]
 
 # the internal request's fields under their Messages names (server.core.request.GenerationRequest.param)
 MESSAGES_NAMES = {"stop": "stop_sequences"}
 
 
-def system_text(system) -> str:
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block (see system_blocks)
+
+
+def system_blocks(system, *, keep_billing_header: bool = False) -> list:
+    """The system prompt's text blocks. Claude Code's first block is ``x-anthropic-billing-header:
+    cc_version=2.1.197.<3 hex>; ...``, whose suffix changes with the prompt: every new session would differ from
+    every other at token ~10 and recompute the whole system prompt and tool list. It carries nothing a model uses,
+    so it is dropped (``keep_billing_header`` keeps it: ``--keep-billing-header``)."""
     if system is None:
-        return ""
-    if isinstance(system, str):
-        return system
-    return "\n".join(block.text for block in system)
+        return []
+    blocks = [TextBlock(type="text", text=system)] if isinstance(system, str) else list(system)
+    if not keep_billing_header:
+        blocks = [b for b in blocks if not b.text.lstrip().startswith(BILLING_HEADER)]
+    return blocks
+
+
+def system_text(system, *, keep_billing_header: bool = False) -> str:
+    return "\n".join(b.text for b in system_blocks(system, keep_billing_header=keep_billing_header))
+
+
+def _marked(block) -> bool:
+    """Does a block carry a ``cache_control`` breakpoint?"""
+    extra = getattr(block, "model_extra", None) or {}
+    return isinstance(extra.get("cache_control"), dict)
+
+
+def session_of_user_id(user_id: Optional[str]) -> Optional[str]:
+    """The cache session ``metadata.user_id`` names: Claude Code sends a JSON string holding ``session_id``; any
+    other value is the session as it is."""
+    if not user_id:
+        return None
+    if user_id.lstrip().startswith("{"):
+        try:
+            value = json.loads(user_id)
+        except json.JSONDecodeError:
+            return user_id
+        if isinstance(value, dict) and isinstance(value.get("session_id"), str) and value["session_id"]:
+            return value["session_id"]
+    return user_id
 
 
 def turn_to_messages(turn: MessageParam) -> list[dict]:
@@ -82,16 +116,26 @@ def _tool_choice(req: CountTokensRequest) -> tuple[str, Optional[str]]:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], None
 
 
-def messages_request(req: CountTokensRequest, *, session: Optional[str] = None, adapter=None) -> GenerationRequest:
+def messages_request(req: CountTokensRequest, *, session: Optional[str] = None, adapter=None,
+                     keep_billing_header: bool = False) -> GenerationRequest:
     """The internal request for ``req`` (a ``MessagesRequest``, or the prompt side of one for counting);
-    ``session``: the prefix cache's session (the door's header, else ``metadata.user_id``)."""
+    ``session``: the prefix cache's session (the door's header, else ``metadata.user_id``). Each ``cache_control``
+    breakpoint becomes a breakpoint of the internal request at the message boundary at or before it: on the system
+    prompt or a tool, after the system prompt; on a turn's last block, after that turn; on an earlier block, before
+    that turn (the rest of a turn changes with it)."""
     messages: list[dict] = []
-    system = system_text(req.system)
-    if system:
-        messages.append(template_message("system", system))
+    breakpoints: set[int] = set()
+    blocks = system_blocks(req.system, keep_billing_header=keep_billing_header)
+    if blocks:
+        messages.append(template_message("system", "\n".join(b.text for b in blocks)))
+    if messages and (any(_marked(b) for b in blocks) or any(_marked(t) for t in req.tools or ())):
+        breakpoints.add(1)
     for turn in req.messages:
+        before = len(messages)
         for message in turn_to_messages(turn):
             _append(messages, message)
+        if isinstance(turn.content, list) and any(_marked(b) for b in turn.content):
+            breakpoints.add(len(messages) if _marked(turn.content[-1]) else before)
     choice, forced = _tool_choice(req)
     fields: dict = {}
     if isinstance(req, MessagesRequest):
@@ -103,4 +147,4 @@ def messages_request(req: CountTokensRequest, *, session: Optional[str] = None, 
         messages=tuple(messages),
         tools=tuple(function_tool(t.name, t.description, t.input_schema) for t in req.tools or ()),
         tool_choice=choice, forced_tool=forced, parallel_tool_calls=parallel, session=session, adapter=adapter,
-        names=MESSAGES_NAMES, **fields)
+        breakpoints=tuple(sorted(b for b in breakpoints if b > 0)), names=MESSAGES_NAMES, **fields)

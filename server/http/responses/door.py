@@ -21,7 +21,7 @@ from server.http.responses.format import ResponsesStream, response_base, respons
 from server.http.responses.schemas import ResponsesRequest
 from server.http.responses.store import StoredResponse
 from server.http.responses.translate import (
-    input_items, items_for_history, output_to_items, responses_request, tool_namespaces,
+    input_items, items_for_history, output_to_items, responses_request, tool_index,
 )
 from server.http.wire import json_response, session_of
 
@@ -33,7 +33,8 @@ class ResponsesOutput(Formatter):
 
     def __init__(self, state, body: ResponsesRequest, base: dict, conversation: tuple):
         self.state, self.req, self.base, self.conversation = state, body, base, conversation
-        self.stream = ResponsesStream(base, tool_namespaces(body))
+        self.tools = tool_index(body, conversation)  # what each call is: a function, a custom tool, a tool search
+        self.stream = ResponsesStream(base, self.tools)
         self._reasoning: list[str] = []
 
     def head(self) -> list[bytes]:
@@ -57,8 +58,7 @@ class ResponsesOutput(Formatter):
 
     async def body(self, res: Result) -> dict:
         status = status_of(res.reason)
-        output = output_to_items(res.text, res.reasoning, res.calls, status=status,
-                                 namespaces=tool_namespaces(self.req))
+        output = output_to_items(res.text, res.reasoning, res.calls, status=status, tools=self.tools)
         obj = response_object(self.base, output, status, finished=res.finished,
                               reasoning_tokens=await self._count(res.reasoning))
         self._store(obj)
@@ -92,7 +92,7 @@ class ResponsesDoor(Door):
                                param="previous_response_id", code="previous_response_not_found")
             history = prev.history
         req = responses_request(body, history, session=session_of(request.headers, body.prompt_cache_key, body.user),
-                                adapter=adapter)
+                                adapter=adapter, max_tokens_cap=state.max_tokens_cap)
         return Call(req, stream=body.stream, context=(adapter, (*history, *input_items(body))))
 
     def formatter(self, state, body: ResponsesRequest, call: Call, gen: Generation) -> Formatter:

@@ -10,6 +10,8 @@ events into OpenAI's event sequence::
         reasoning: response.content_part.added, response.reasoning_text.delta*, response.reasoning_text.done,
                    response.content_part.done
         function_call: response.function_call_arguments.delta, response.function_call_arguments.done
+        custom_tool_call: response.custom_tool_call_input.delta, response.custom_tool_call_input.done
+        tool_search_call: (the item events only)
     response.output_item.done,
     response.completed (or response.incomplete when max_output_tokens ran out; response.failed on an error)
 
@@ -25,7 +27,7 @@ import orjson
 
 from server.errors import APIError
 from server.http.responses.schemas import ResponsesRequest
-from server.http.responses.translate import function_call_item, message_item, reasoning_item
+from server.http.responses.translate import ToolIndex, call_item, message_item, reasoning_item
 from server.lane.events import Finished
 
 __all__ = ["response_base", "response_object", "response_usage", "ResponsesStream"]
@@ -67,8 +69,8 @@ def _tool_choice_echo(req: ResponsesRequest):
 def response_usage(f: Finished, reasoning_tokens: int = 0) -> dict:
     return {
         "input_tokens": f.prompt_tokens,
-        # cache_write_tokens: OpenAI's explicit-caching writes; this server caches every prompt implicitly
-        "input_tokens_details": {"cached_tokens": f.cached_tokens, "cache_write_tokens": 0},
+        # cache_write_tokens: prompt tokens this request newly put in the prefix cache
+        "input_tokens_details": {"cached_tokens": f.cached_tokens, "cache_write_tokens": f.cache_write_tokens},
         "output_tokens": f.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, f.completion_tokens)},
         "total_tokens": f.prompt_tokens + f.completion_tokens,
@@ -98,9 +100,10 @@ class ResponsesStream:
     """Stateful formatter of one streamed response (see the module docstring). ``output`` holds the finished
     output items, for the final object and the response store."""
 
-    def __init__(self, base: dict, namespaces: Optional[dict] = None):
+    def __init__(self, base: dict, tools=None):
         self.base = base
-        self.namespaces = namespaces  # function name -> namespace group (translate_responses.tool_namespaces)
+        # what the calls are (server.http.responses.translate.ToolIndex; a plain dict: function -> namespace group)
+        self.tools = tools if isinstance(tools, ToolIndex) else ToolIndex(tools or {})
         self.output: list[dict] = []
         self._seq = 0
         self._open: Optional[dict] = None  # the item being streamed: {"kind", "item", "parts"}
@@ -171,14 +174,25 @@ class ResponsesStream:
     def calls(self, calls) -> list[bytes]:
         out = self._close()
         for call in calls:
-            done = function_call_item(call, namespaces=self.namespaces)
+            done = call_item(call, self.tools)
             idx = len(self.output)
-            out.append(self._event("response.output_item.added", output_index=idx,
-                                   item=dict(done, arguments="", status="in_progress")))
-            out.append(self._event("response.function_call_arguments.delta", item_id=done["id"], output_index=idx,
-                                   delta=done["arguments"]))
-            out.append(self._event("response.function_call_arguments.done", item_id=done["id"], output_index=idx,
-                                   name=done["name"], arguments=done["arguments"]))
+            if done["type"] == "custom_tool_call":
+                out.append(self._event("response.output_item.added", output_index=idx,
+                                       item=dict(done, input="", status="in_progress")))
+                out.append(self._event("response.custom_tool_call_input.delta", item_id=done["id"], output_index=idx,
+                                       delta=done["input"]))
+                out.append(self._event("response.custom_tool_call_input.done", item_id=done["id"], output_index=idx,
+                                       input=done["input"]))
+            elif done["type"] == "tool_search_call":
+                out.append(self._event("response.output_item.added", output_index=idx,
+                                       item=dict(done, status="in_progress")))
+            else:
+                out.append(self._event("response.output_item.added", output_index=idx,
+                                       item=dict(done, arguments="", status="in_progress")))
+                out.append(self._event("response.function_call_arguments.delta", item_id=done["id"],
+                                       output_index=idx, delta=done["arguments"]))
+                out.append(self._event("response.function_call_arguments.done", item_id=done["id"],
+                                       output_index=idx, name=done["name"], arguments=done["arguments"]))
             out.append(self._event("response.output_item.done", output_index=idx, item=done))
             self.output.append(done)
         return out

@@ -2,26 +2,33 @@
 
 Input items are a tagged union on ``type`` (a message may omit it when it has a ``role``, as the SDK's
 "easy input message" does): ``message`` (input_text / output_text / refusal parts), ``function_call``,
-``function_call_output`` and ``reasoning`` (accepted, not rendered: chat templates drop past thinking).
-An unknown item or part type, an image or file part, a malformed function tool or a wrong type is a 400
-naming the parameter. Tools: ``function`` tools, and ``namespace`` groups of them (Codex CLI sends both);
-tools the model could only use through OpenAI's own servers or a client-side grammar (``web_search``,
-``file_search``, ``code_interpreter``, ``mcp``, ``custom``, ``local_shell`` ...) are not offered to the model:
-Codex CLI always sends ``web_search``, and refusing it would refuse every Codex request. Unknown top-level
-fields (``include``, ``truncation``, ``service_tier`` ...) are ignored.
+``function_call_output``, ``custom_tool_call``, ``custom_tool_call_output``, ``tool_search_call``,
+``tool_search_output`` and ``reasoning`` (accepted, not rendered: chat templates drop past thinking).
+An unknown item or part type, an image or file part, a malformed tool or a wrong type is a 400 naming the
+parameter. Tools: ``function`` tools, ``namespace`` groups of them, ``custom`` (freeform) tools whose input is
+free text or follows a Lark or regex grammar, and a client-executed ``tool_search`` (Codex CLI sends all of them
+for models it knows). Tools that only OpenAI's own servers can run (``web_search``, ``file_search``,
+``code_interpreter``, ``computer_use_preview``, ``image_generation``, ``mcp``, ``local_shell``, a server-executed
+``tool_search`` ...) are not offered to the model, and the log says so once per kind: Codex CLI always sends
+``web_search``, and refusing it would refuse every Codex request. Unknown top-level fields (``include``,
+``truncation``, ``service_tier`` ...) are ignored.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator
 
 __all__ = [
     "InputText", "OutputText", "Refusal", "MessageItem", "FunctionCallItem", "FunctionCallOutputItem",
-    "ReasoningItem", "InputItem", "FunctionTool", "NamespaceTool", "ToolChoiceFunction", "TextFormat", "TextConfig",
-    "ResponsesRequest", "INPUT_ITEMS",
+    "ReasoningItem", "CustomToolCallItem", "CustomToolCallOutputItem", "ToolSearchCallItem", "ToolSearchOutputItem",
+    "InputItem", "FunctionTool", "NamespaceTool", "CustomTool", "ToolSearchTool", "ToolChoiceFunction",
+    "ToolChoiceCustom", "TextFormat", "TextConfig", "ResponsesRequest", "INPUT_ITEMS", "TOOLS",
 ]
+
+log = logging.getLogger("mlx_lane.responses")
 
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio", "image", "image_url")
 
@@ -101,6 +108,47 @@ class FunctionCallOutputItem(_Lenient):
         return "".join(part_text(p) for p in self.output)
 
 
+class CustomToolCallItem(_Lenient):
+    """A call the model made to a custom (freeform) tool: its raw text ``input``."""
+
+    type: Literal["custom_tool_call"]
+    call_id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=128)
+    input: str = ""
+
+
+class CustomToolCallOutputItem(_Lenient):
+    type: Literal["custom_tool_call_output"]
+    call_id: str = Field(min_length=1, max_length=256)
+    output: Union[str, list[ContentPart]]
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _media(cls, v):
+        return _refuse_media(v)
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part_text(p) for p in self.output)
+
+
+class ToolSearchCallItem(_Lenient):
+    """A client-executed tool search the model asked for (its ``arguments``: the query)."""
+
+    type: Literal["tool_search_call"]
+    call_id: Optional[str] = Field(default=None, max_length=256)
+    arguments: Any = None
+
+
+class ToolSearchOutputItem(_Lenient):
+    """What the client's tool search found: tool definitions offered to the model from then on."""
+
+    type: Literal["tool_search_output"]
+    call_id: Optional[str] = Field(default=None, max_length=256)
+    tools: list[dict[str, Any]] = Field(default_factory=list, max_length=512)
+
+
 class ReasoningItem(_Lenient):
     type: Literal["reasoning"]
     summary: list[dict[str, Any]] = Field(default_factory=list)
@@ -119,12 +167,17 @@ InputItem = Annotated[
         Annotated[MessageItem, Tag("message")],
         Annotated[FunctionCallItem, Tag("function_call")],
         Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+        Annotated[CustomToolCallItem, Tag("custom_tool_call")],
+        Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")],
+        Annotated[ToolSearchCallItem, Tag("tool_search_call")],
+        Annotated[ToolSearchOutputItem, Tag("tool_search_output")],
         Annotated[ReasoningItem, Tag("reasoning")],
     ],
     Discriminator(
         _item_tag,
         custom_error_type="invalid_input_item",
         custom_error_message="each input item needs a known 'type' (message, function_call, function_call_output, "
+                             "custom_tool_call, custom_tool_call_output, tool_search_call, tool_search_output, "
                              "reasoning) or a 'role'",
     ),
 ]
@@ -149,11 +202,66 @@ class NamespaceTool(_Lenient):
     tools: list[FunctionTool] = Field(max_length=512)
 
 
-OFFERED_TOOL_TYPES = ("function", "namespace")
+class TextInput(_Lenient):
+    type: Literal["text"]
+
+
+class GrammarInput(_Lenient):
+    """The input follows a grammar: Lark (llguidance's dialect, a superset of what OpenAI accepts) or a regex."""
+
+    type: Literal["grammar"]
+    syntax: Literal["lark", "regex"]
+    definition: str = Field(min_length=1, max_length=200_000)
+
+
+class CustomTool(_Lenient):
+    """A freeform tool: one text input (Codex CLI's apply_patch takes a patch in its own Lark grammar)."""
+
+    type: Literal["custom"]
+    name: str = Field(min_length=1, max_length=128)
+    description: Optional[str] = None
+    format: Optional[Annotated[Union[TextInput, GrammarInput], Field(discriminator="type")]] = None
+
+
+class ToolSearchTool(_Lenient):
+    """Tool search the client runs itself (``execution: "client"``): offered to the model like a function."""
+
+    type: Literal["tool_search"]
+    execution: Literal["client"] = "client"
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+Tool = Annotated[Union[FunctionTool, NamespaceTool, CustomTool, ToolSearchTool], Field(discriminator="type")]
+TOOLS = TypeAdapter(list[Tool])
+OFFERED_TOOL_TYPES = ("function", "namespace", "custom", "tool_search")
+
+_not_offered_logged: set = set()  # hosted tool kinds already named in the log (once per process)
+
+
+def _offered(tool) -> bool:
+    """Can the model be offered this tool here? Hosted tools (run on OpenAI's servers) cannot."""
+    if not (isinstance(tool, dict) and isinstance(tool.get("type"), str)):
+        return True  # malformed: validation refuses it with a message
+    kind = tool["type"]
+    if kind == "tool_search" and tool.get("execution", "client") != "client":
+        kind = "tool_search (server-executed)"
+    elif kind in OFFERED_TOOL_TYPES:
+        return True
+    if kind not in _not_offered_logged:
+        _not_offered_logged.add(kind)
+        log.info("responses: tool type '%s' runs on OpenAI's servers and is not offered to the model here "
+                 "(logged once)", kind)
+    return False
 
 
 class ToolChoiceFunction(_Lenient):
     type: Literal["function"]
+    name: str = Field(min_length=1, max_length=128)
+
+
+class ToolChoiceCustom(_Lenient):
+    type: Literal["custom"]
     name: str = Field(min_length=1, max_length=128)
 
 
@@ -173,9 +281,10 @@ class ResponsesRequest(_Lenient):
     model: Optional[str] = None
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None
-    tools: Optional[list[Annotated[Union[FunctionTool, NamespaceTool], Field(discriminator="type")]]] = Field(
-        default=None, max_length=512)
-    tool_choice: Union[Literal["auto", "none", "required"], ToolChoiceFunction, None] = None
+    tools: Optional[list[Tool]] = Field(default=None, max_length=512)
+    tool_choice: Union[Literal["auto", "none", "required"],
+                       Annotated[Union[ToolChoiceFunction, ToolChoiceCustom], Field(discriminator="type")],
+                       None] = None
     parallel_tool_calls: Optional[bool] = None
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
@@ -196,8 +305,7 @@ class ResponsesRequest(_Lenient):
         """Drop the tools this server cannot offer the model (see the module docstring); keep anything
         malformed for validation to refuse."""
         if isinstance(v, list):
-            return [t for t in v if not (isinstance(t, dict) and isinstance(t.get("type"), str)
-                                         and t["type"] not in OFFERED_TOOL_TYPES)]
+            return [t for t in v if _offered(t)]
         return v
 
     @field_validator("background")
