@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from cache import kvfile
-from cache.copying import fork
+from cache.copying import all_trimmable, fork
 from cache.prompt_cache import CacheHit, PromptCache
 from cache.ssd_store import thread_stream
 
@@ -147,12 +147,18 @@ class TieredCache:
     def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None, *,
             anchor: bool = False) -> bool:
         """RAM put (``anchor``: see `PromptCache.put`) plus debounced write-behind. Never writes on the caller's
-        thread. True when either tier took it: RAM kept it, or its write to SSD is scheduled."""
+        thread. True when either tier took it: RAM kept it, or its write to SSD is scheduled.
+
+        A trimmable anchor is not written at once: the entries that extend it are (each such file holds the anchor's
+        prefix too, and on SSD a longer trimmable file supersedes its prefixes), so it would be written and deleted
+        again; it reaches the disk if RAM evicts it first (a spill, as for any entry). An untrimmable one is written:
+        nothing longer can serve its prefix."""
         scheduled = False
-        try:
-            scheduled = bool(self._durability.schedule(tokens, caches, ns))
-        except Exception:  # durability is best effort: never fail a request for it
-            log.exception("ssd cache: scheduling a write failed")
+        if not anchor or not all_trimmable(caches):
+            try:
+                scheduled = bool(self._durability.schedule(tokens, caches, ns))
+            except Exception:  # durability is best effort: never fail a request for it
+                log.exception("ssd cache: scheduling a write failed")
         return bool(self._ram.put(tokens, caches, ns, session, anchor=anchor)) or scheduled
 
     def ready(self, tokens: Sequence[int], ns: str, session: str | None = None) -> bool:

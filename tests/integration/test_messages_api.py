@@ -44,8 +44,9 @@ def test_create_text(claude):
     assert m.stop_reason in ("end_turn", "max_tokens") and m.stop_sequence is None
     assert 1 <= m.usage.output_tokens <= 12
     prompt = claude.messages.count_tokens(model="default", messages=HI).input_tokens
-    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == prompt
-    assert m.usage.cache_creation_input_tokens == 0
+    # Anthropic's split of the prompt: read from the cache + newly written to it + the rest
+    assert m.usage.input_tokens + m.usage.cache_creation_input_tokens + m.usage.cache_read_input_tokens == prompt
+    assert m.usage.cache_creation_input_tokens == prompt - m.usage.cache_read_input_tokens  # all of it is cached
 
 
 def test_stream_matches_create(claude):
@@ -96,7 +97,7 @@ def test_tool_use_round_trip_and_count_tokens(claude):
             assert block.id.startswith("toolu_") and block.name == "get_weather" and isinstance(block.input, dict)
     assert m.stop_reason in ("end_turn", "max_tokens", "tool_use")
     counted = claude.messages.count_tokens(model="default", messages=history, tools=TOOLS).input_tokens
-    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted
+    assert m.usage.input_tokens + m.usage.cache_creation_input_tokens + m.usage.cache_read_input_tokens == counted
     string_result = history[:2] + [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_01", "content": "18C, sunny", "is_error": False}]}]
     assert claude.messages.count_tokens(model="default", messages=string_result, tools=TOOLS).input_tokens > 0
@@ -120,7 +121,7 @@ def test_multi_turn_hits_the_prefix_cache(claude):
     turn2 = turn1 + [{"role": "assistant", "content": [b.model_dump() for b in r1.content]},
                      {"role": "user", "content": "And about the sun?"}]
     r2 = claude.messages.create(max_tokens=8, messages=turn2, **kw)
-    prompt1 = r1.usage.input_tokens + r1.usage.cache_read_input_tokens
+    prompt1 = r1.usage.input_tokens + r1.usage.cache_creation_input_tokens + r1.usage.cache_read_input_tokens
     assert r2.usage.cache_read_input_tokens > prompt1 / 2
     assert r2.usage.input_tokens < r2.usage.cache_read_input_tokens
 
@@ -263,4 +264,5 @@ def test_real_tool_use_json_stream_and_round_trip(claude):
                                                         "content": "It is 10:42."}]}]
     follow = claude.messages.create(**dict(kw, messages=history, max_tokens=8))
     assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    assert follow.usage.cache_read_input_tokens > (m.usage.input_tokens + m.usage.cache_read_input_tokens) / 2
+    assert follow.usage.cache_read_input_tokens > (m.usage.input_tokens + m.usage.cache_creation_input_tokens
+                                                   + m.usage.cache_read_input_tokens) / 2

@@ -185,3 +185,28 @@ def test_the_history_writes_custom_calls_the_way_the_model_writes_them():
     assert "tool_calls" not in hermes and hermes["content"] == custom_call_text("apply_patch", PATCH)
     (_, other) = _custom_calls(messages, hermes=False)  # a template that only knows JSON calls
     assert other["tool_calls"][0]["function"] == {"name": "apply_patch", "arguments": {"input": PATCH}}
+
+
+# -- cache breakpoints: where they fall in the prompt ----------------------------------------------------------------
+class ChatML:
+    """apply_chat_template of a ChatML model, one id per byte (what breakpoint_positions needs of a tokenizer)."""
+
+    tool_call_start = None
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tools=None):
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return list((text + ("<|im_start|>assistant\n" if add_generation_prompt else "")).encode())
+
+
+def test_a_breakpoint_is_the_token_position_where_its_messages_end():
+    from server.core.prompts import breakpoint_positions, render_chat
+    from server.core.request import GenerationRequest, system_breakpoint
+
+    messages = ({"role": "system", "content": "Rules."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "More"})
+    req = GenerationRequest(messages=messages, breakpoints=(1, 3, 4, 9))
+    prompt = render_chat(ChatML(), req)
+    first = len("<|im_start|>system\nRules.<|im_end|>\n")
+    third = first + len("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n")
+    assert breakpoint_positions(ChatML(), req, prompt) == (first, third)  # 4 = the whole prompt, 9: none
+    assert system_breakpoint(messages) == (1,) and system_breakpoint(messages[:1]) == ()

@@ -234,3 +234,22 @@ def test_a_failing_step_fails_its_sequence_and_the_lane_serves_on(models):
     run_until_idle(lane)
     assert isinstance(bad[-1], Failed) and finished(eg).finish_reason == "length"
     assert len(good.generated) == 3
+
+
+def test_an_anchor_is_stored_as_an_entry_of_its_own_and_what_was_written_is_reported(models):
+    lane = make_lane(models, cache_bytes=1 << 26, chunk=8)
+    prompt = list(range(20, 60))
+    events = []
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    seq = Sequence(prompt=prompt, params=params, sink=events.append, id="a", ns=lane.engine.namespace_for(params),
+                   anchors=(13,))
+    lane.submit(seq)
+    run_until_idle(lane)
+    keys = lane.engine.prompt_cache.keys()
+    assert (seq.ns, tuple(prompt[:13])) in keys  # the breakpoint's prefix, kept beside the whole conversation
+    assert max(len(tokens) for _, tokens in keys) > len(prompt)  # the whole conversation, generated tokens too
+    f = finished(events)
+    assert f.cached_tokens == 0 and f.cache_write_tokens == len(prompt)
+    b, eb = submit(lane, "b", prompt[:13] + [7, 7, 7], 2)
+    run_until_idle(lane)
+    assert finished(eb).cached_tokens == 13 and finished(eb).cache_write_tokens == 3

@@ -347,3 +347,28 @@ def test_concurrent_stats_and_clear_while_lane_works():
         thread.join()
     assert errors == []
     assert cache.stats()["queries"] == 2000
+
+
+# -------------------------------------------------------------------------------------------------------- anchors
+
+
+def test_an_anchor_is_not_superseded_by_the_entries_that_extend_it():
+    cache = big()
+    cache.put((1, 2, 3), layers(3), "m", anchor=True)  # a shared system prompt (a cache breakpoint)
+    put(cache, (1, 2, 3, 4, 5))  # one conversation's turn: a plain entry would supersede its prefix
+    assert set(cache.keys()) == {("m", (1, 2, 3)), ("m", (1, 2, 3, 4, 5))}
+    put(cache, (1, 2))  # a plain prefix of the anchor is superseded as usual by a later, longer put
+    put(cache, (1, 2, 3, 4, 5, 6))
+    assert set(cache.keys()) == {("m", (1, 2, 3)), ("m", (1, 2, 3, 4, 5, 6))}  # (1, 2) and the old turn went
+    assert cache.stats()["superseded"] == 2
+
+
+def test_anchors_are_evicted_after_every_plain_entry():
+    cache = PromptCache(2 * 3 * PER_TOKEN * 2)  # room for 12 tokens' worth of two layers... about two entries
+    cache.put((1, 2, 3), layers(3), "m", anchor=True)
+    put(cache, (7, 8, 9))
+    put(cache, (4, 5, 6))  # over the cap: the oldest PLAIN entry goes, not the older anchor
+    assert ("m", (1, 2, 3)) in cache.keys() and ("m", (7, 8, 9)) not in cache.keys()
+    cache.put((1, 2, 3), layers(3), "m")  # stored again without the flag: it stays an anchor
+    put(cache, (10, 11, 12))
+    assert ("m", (1, 2, 3)) in cache.keys()

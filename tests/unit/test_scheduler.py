@@ -110,6 +110,18 @@ def test_one_chunks_worth_of_prompt_per_tick_oldest_first(chunk, prompts, expect
     assert chunks(sched(chunk=chunk).schedule(queue, [])) == expected
 
 
+def test_a_chunk_ends_at_an_anchor_so_that_prefix_is_stored_as_an_entry_of_its_own():
+    a = seq("a", prompt_len=30)
+    a.anchors = (6, 20)
+    assert chunks(sched(chunk=16).schedule([a], [])) == [[("a", 6)]]
+    running = seq("r", prompt_len=30, phase=Phase.PREFILL, done=6)
+    running.anchors = (6, 20)
+    assert chunks(sched(chunk=16).schedule([], [running])) == [[("r", 14)]]  # up to the next one
+    hit = seq("h", prompt_len=30)
+    hit.anchors = (6,)
+    assert chunks(sched(chunk=16).schedule([hit], [], lookup=lambda s: 10)) == [[("h", 16)]]  # cached past it
+
+
 def test_the_cached_prefix_sizes_a_new_sequences_first_chunk():
     plan = sched(chunk=512).schedule([seq("a", prompt_len=100)], [], lookup=lambda s: 90)
     assert chunks(plan) == [[("a", 9)]]  # 99 prompt tokens before the last; 90 of them come from the cache

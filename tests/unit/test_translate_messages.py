@@ -147,3 +147,59 @@ def test_mid_conversation_system_turn_stays_in_place():
     assert [(m["role"], m["content"]) for m in dump(first)] == [("system", "S"), ("user", "u")]
     with pytest.raises(InvalidRequest):
         translate(messages=[{"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]}])
+
+
+# -- Claude Code -------------------------------------------------------------------------------------------------
+BILLING = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.a3f; cc_entrypoint=sdk-cli;"}
+EPHEMERAL = {"type": "ephemeral"}
+
+
+def test_claude_codes_billing_header_is_dropped_unless_kept():
+    system = [BILLING, {"type": "text", "text": "You are Claude Code.", "cache_control": EPHEMERAL}]
+    body = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "system": system,
+                                           "messages": [{"role": "user", "content": "hi"}]})
+    assert messages_request(body).messages[0]["content"] == "You are Claude Code."
+    kept = messages_request(body, keep_billing_header=True).messages[0]["content"]
+    assert kept.startswith("x-anthropic-billing-header:") and kept.endswith("You are Claude Code.")
+    other = {**BILLING, "text": BILLING["text"].replace("a3f", "0c1")}  # the suffix changes with every prompt
+    body2 = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "system": [other, system[1]],
+                                            "messages": [{"role": "user", "content": "hi"}]})
+    assert messages_request(body2).messages == messages_request(body).messages  # the same prompt: shared
+
+
+def test_cache_control_breakpoints_become_message_boundaries():
+    marked = {"type": "text", "text": "Rules.", "cache_control": EPHEMERAL}
+    req = translate(system=[marked], messages=[
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b", "cache_control": EPHEMERAL}]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "c", "cache_control": EPHEMERAL},
+                                     {"type": "text", "text": "d"}]}])
+    # after the system prompt; after the first turn (its last block is marked); before the last turn (an early block)
+    assert req.breakpoints == (1, 2, 3)
+    tools_only = translate(system="Rules.", tools=[{**TOOL, "cache_control": EPHEMERAL}],
+                           messages=[{"role": "user", "content": "x"}])
+    assert tools_only.breakpoints == (1,)  # a marked tool: the system prompt (tools render there) is the prefix
+    assert translate(messages=[{"role": "user", "content": "x"}]).breakpoints == ()
+
+
+@pytest.mark.parametrize("user_id,session", [
+    ('{"device_id": "d", "account_uuid": "", "session_id": "s-123"}', "s-123"),  # Claude Code 2.1
+    ("user_abc_account__session_9", "user_abc_account__session_9"),
+    ('{"no": "session"}', '{"no": "session"}'),
+    (None, None),
+])
+def test_the_session_of_metadata_user_id(user_id, session):
+    from server.http.messages.translate import session_of_user_id
+
+    assert session_of_user_id(user_id) == session
+
+
+def test_usage_splits_the_prompt_into_read_created_and_the_rest():
+    from server.http.messages.format import message_usage
+    from server.lane.events import Finished
+
+    f = Finished("stop", 100, 5, 60, 40, 0.1, 4, 0.1, 0.0, cache_write_tokens=40)
+    u = message_usage(f)
+    assert (u["cache_read_input_tokens"], u["cache_creation_input_tokens"], u["input_tokens"]) == (60, 40, 0)
+    off = message_usage(Finished("stop", 100, 5, 0, 100, 0.1, 4, 0.1, 0.0))  # the cache off: nothing written
+    assert (off["cache_creation_input_tokens"], off["input_tokens"]) == (0, 100)

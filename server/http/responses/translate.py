@@ -201,7 +201,7 @@ def output_to_items(text: str, reasoning: str, calls, status: str = "completed",
     if text or not (reasoning or calls):
         items.append(message_item(text, status=status))
     for call in calls:
-        items.append(call_item(call, tools))
+        items.append(call_item(call, tools, status))  # a reply cut by max_output_tokens: its calls are incomplete
     return items
 
 
