@@ -8,8 +8,12 @@ machine (fed by the lane, `observe_prefill`) and SSD read bytes/s (fed by the SS
 a restore wins ~250x; on an H200 an 8B bf16 model recomputes 32k tokens in 2.0 s while reading their 4.3 GB of KV
 takes 4.0 s. The same rule decides prefetch.
 
+The same rule also decides what is worth writing at all (`worth_writing`): an entry that could never be restored
+faster than recomputed is not written in "auto" mode (on an H200 the write-behind of such entries cost 9-20% of
+decode under load and could never pay back); on this kind of CPU every entry is.
+
 `mode` overrides the rule: "always" restores whenever the disk holds more tokens, "never" always recomputes
-(rates are still measured and reported), "auto" (default) applies it.
+(rates are still measured and reported), "auto" (default) applies it. Only "auto" declines writes.
 
 Thread-safe: the lane observes prefill while I/O threads observe restores and the event loop asks.
 """
@@ -44,6 +48,7 @@ class CostModel:
         self._read_samples = 0
         self._restore = 0
         self._recompute = 0
+        self._declined = 0  # writes worth_writing declined
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """One prefill of `tokens` tokens took `seconds`. The first sample replaces the prior."""
@@ -76,11 +81,21 @@ class CostModel:
                 self._recompute += 1
             return restore
 
+    def worth_writing(self, nbytes: int, tokens: int) -> bool:
+        """Could an entry of `nbytes` covering `tokens` ever be restored faster than it is recomputed here? Always
+        True unless the mode is "auto"; counts the writes it declines."""
+        with self._lock:
+            if self.mode != "auto" or tokens <= 0 or nbytes / self._read < tokens / self._prefill:
+                return True
+            self._declined += 1
+            return False
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"prefill_tok_s": round(self._prefill, 2), "prefill_measured": self._prefill_samples > 0,
                     "read_mb_s": round(self._read / 1e6, 2), "read_measured": self._read_samples > 0,
-                    "mode": self.mode, "decisions_restore": self._restore, "decisions_recompute": self._recompute}
+                    "mode": self.mode, "decisions_restore": self._restore, "decisions_recompute": self._recompute,
+                    "writes_declined": self._declined}
 
     def snapshot(self) -> dict[str, float]:
         """The measured rates (only those measured), to carry across a restart."""

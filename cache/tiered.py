@@ -15,7 +15,8 @@ Rules (DESIGN.md "RAM tier contract", "SSD tier contract", "Durability coordinat
     the caller owns its caches exactly as with a RAM hit. A prefetch in flight for the same file is waited for,
     not read twice; a take with no prefetch reads on the lane (the lane would wait for it anyway).
   * `put` (lane thread): RAM put, and `schedule` on the durability coordinator (debounced). The lane only hands
-    over array references; serialization and fsync run on the writer thread.
+    over array references; serialization and fsync run on the writer thread. An entry the cost model says could
+    never be restored faster than recomputed on this machine is not written (`writes_declined`; an H200).
   * RAM eviction of an entry (byte cap, or an entry larger than the whole RAM cap) spills it: `schedule(delay=0)`.
     The pending snapshot holds the arrays until the writer has them on disk, so the lane never waits for fsync;
     an entry already on disk costs one index lookup (`covers`).
@@ -52,7 +53,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from cache import kvfile
-from cache.copying import all_trimmable, fork
+from cache.copying import all_trimmable, fork, total_nbytes
 from cache.prompt_cache import CacheHit, PromptCache
 from cache.ssd_store import thread_stream
 
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 
 _MAX_LANDED = 64  # finished prefetches remembered until their take (bounded: a request may never come)
 _MIN_PREFILL_SAMPLE = 16  # shorter prefills are mostly fixed overhead: they say little about the rate
+_MAX_DECLINED = 4096  # declined entries remembered for flush (older ones have long left RAM)
 
 
 class _Loaded(NamedTuple):
@@ -90,8 +92,11 @@ class TieredCache:
         # request waiting until the read is done): its take still counts as an SSD hit
         self._landed: collections.OrderedDict[str, Future] = collections.OrderedDict()
         self._joined: set[Future] = set()  # in-flight reads a take already joined (they never land)
+        # entries the cost model declined to write (never durable, on purpose): flush does not wait for them
+        self._declined: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._c = dict(prefetches=0, prefetch_coalesced=0, prefetch_skipped=0, ssd_hits=0, ssd_tokens_hit=0,
-                       restores_on_lane=0, restores_failed=0, spills=0, spill_failed=0, demotions=0)
+                       restores_on_lane=0, restores_failed=0, spills=0, spill_failed=0, demotions=0,
+                       writes_declined=0)
         self._pool = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="mlx-lane-ssd-io")
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
@@ -154,7 +159,7 @@ class TieredCache:
         again; it reaches the disk if RAM evicts it first (a spill, as for any entry). An untrimmable one is written:
         nothing longer can serve its prefix."""
         scheduled = False
-        if not anchor or not all_trimmable(caches):
+        if (not anchor or not all_trimmable(caches)) and self._worth_writing(tokens, caches, ns):
             try:
                 scheduled = bool(self._durability.schedule(tokens, caches, ns))
             except Exception:  # durability is best effort: never fail a request for it
@@ -284,8 +289,11 @@ class TieredCache:
     def spill(self, ns: str, tokens: tuple[int, ...], caches: list) -> None:
         """The RAM tier is dropping this entry: make sure it reaches disk (writer thread, no debounce).
 
-        Called by the RAM tier's on_evict hook (outside its lock) and by demotion. Cheap when already durable.
+        Called by the RAM tier's on_evict hook (outside its lock) and by demotion. Cheap when already durable. An
+        entry that could never be restored faster than recomputed here is dropped instead (`_worth_writing`).
         """
+        if not self._worth_writing(tokens, caches, ns):
+            return
         try:
             ok = self._durability.schedule(tokens, caches, ns, delay=0.0)
         except Exception:
@@ -344,8 +352,23 @@ class TieredCache:
                 self._c["restores_failed"] += 1
             return None
 
+    def _worth_writing(self, tokens: Sequence[int], caches: list, ns: str) -> bool:
+        """The cost model's say on writing this entry at all (cache.rates.CostModel.worth_writing); a declined one
+        is remembered, so that `flush` does not wait for it."""
+        if self._cost.worth_writing(total_nbytes(caches), len(tokens)):
+            return True
+        with self._lock:
+            self._declined[(ns, tuple(tokens))] = None
+            while len(self._declined) > _MAX_DECLINED:
+                self._declined.popitem(last=False)
+            self._c["writes_declined"] += 1
+        return False
+
     def _not_durable(self) -> list[tuple[str, tuple[int, ...]]]:
-        return [(ns, tokens) for ns, tokens in self._ram.keys() if not self._durability.is_durable(tokens, ns)]
+        with self._lock:
+            declined = set(self._declined)
+        return [(ns, tokens) for ns, tokens in self._ram.keys()
+                if (ns, tokens) not in declined and not self._durability.is_durable(tokens, ns)]
 
     def _settled(self, path: str, fut: Future) -> None:
         with self._lock:

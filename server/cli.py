@@ -84,7 +84,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--dtype", default=_env("dtype"), choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU/Metal)")
     p.add_argument("--cache-bytes", type=parse_bytes, default=_env("cache_bytes"),
-                   help="RAM prefix-cache cap, e.g. 2G; 0 disables (default: min(8 GiB, 25%% of RAM))")
+                   help="RAM prefix-cache cap, e.g. 2G; 0 disables (default: min(8 GiB, 25%% of RAM) on the CPU; on a "
+                        "GPU half of what 90%% of its memory leaves beside the weights) [MLX_LANE_CACHE_BYTES]")
     p.add_argument("--ssd-cache", metavar="DIR", default=_env("ssd_cache"),
                    help="SSD cold tier of the prefix cache: KV files that survive restarts, under "
                         "DIR/<model fingerprint>/ (default: $MLX_LANE_HOME/kv, i.e. ~/.cache/mlx-lane/kv) "

@@ -31,7 +31,7 @@ def build_state(args):
     group = _group(args)
     loaded = load_model(args.model, args.dtype, progress=True, group=group)
     loaded = _with_kv_scheme(loaded, args)
-    cache_bytes = default_cache_bytes() if args.cache_bytes is None else args.cache_bytes
+    cache_bytes = default_cache_bytes(_weights_nbytes(loaded.model)) if args.cache_bytes is None else args.cache_bytes
     tiered = build_tiered_cache(args, loaded.fingerprint, cache_bytes, follower=group is not None and not group.leader)
     if tiered is not None and group is not None:
         _write_shard_manifest(tiered, group, loaded.model_fingerprint)
@@ -83,6 +83,12 @@ def build_state(args):
         keep_billing_header=getattr(args, "keep_billing_header", False),
         distributed=group.describe() if group is not None else None,
     )
+
+
+def _weights_nbytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 def _adapters(args, loaded):

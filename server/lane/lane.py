@@ -253,6 +253,8 @@ class Lane:
             self._running.append(seq)
         for seq in plan.cancel:
             self._end(seq, FinishReason.CANCELLED)
+        for seq, position in plan.anchor:  # a prefix others wait for: stored when this sequence's chunk gets there
+            seq.anchors = tuple(sorted({*seq.anchors, position}))
         t1 = time.perf_counter()
         prefilled = sum(self._prefill(group, plan.share) for group in plan.prefill)
         for start in plan.start:

@@ -8,6 +8,7 @@ sequences' own state (phase, tokens, done):
     make_room    bytes the RAM prefix cache yields first, so that the admissions fit the memory budget
     admit        queued sequences that join, FIFO (their prefix-cache take)
     cancel       running sequences whose client went away: what they computed is stored, then they end
+    anchor       new anchors (sequence, prompt position): where a prefix another sequence waits for ends
     prefill      groups of chunks, in order; a group of several is one batched forward. Before its group each
                  sequence takes again from the prefix cache (a prompt just computed may cover more of it); a
                  chunk is never more than planned, less when the cache now covers more
@@ -59,6 +60,7 @@ class TickPlan:
     make_room: int = 0
     admit: tuple[Sequence, ...] = ()
     cancel: tuple[Sequence, ...] = ()
+    anchor: tuple[tuple[Sequence, int], ...] = ()
     prefill: tuple[tuple[Chunk, ...], ...] = ()
     share: bool = False
     start: tuple[Start, ...] = ()
@@ -71,8 +73,8 @@ class TickPlan:
     @property
     def model_work(self) -> bool:
         """Does the plan touch the model (or a sequence)? A plan of nothing but a task does not."""
-        return bool(self.end_waiting or self.admit or self.cancel or self.prefill or self.start or self.leave
-                    or self.decode or self.solo)
+        return bool(self.end_waiting or self.admit or self.cancel or self.anchor or self.prefill or self.start
+                    or self.leave or self.decode or self.solo)
 
     @property
     def empty(self) -> bool:
@@ -86,6 +88,7 @@ class TickPlan:
         return orjson.dumps({
             "end_waiting": [spec_of(s) for s in self.end_waiting], "make_room": self.make_room,
             "admit": [spec_of(s) for s in self.admit], "cancel": ids(self.cancel),
+            "anchor": [[s.id, pos] for s, pos in self.anchor],
             "prefill": [[[c.seq.id, c.tokens] for c in group] for group in self.prefill], "share": self.share,
             "start": [[s.group, ids(s.batch), ids(s.solo)] for s in self.start], "leave": ids(self.leave),
             "decode": list(self.decode), "solo": ids(self.solo), "check": check or {},
@@ -102,6 +105,7 @@ class TickPlan:
         plan = cls(
             end_waiting=tuple(make(spec) for spec in d["end_waiting"]), make_room=d["make_room"],
             admit=tuple(admitted), cancel=seqs(d["cancel"]),
+            anchor=tuple((known[i], pos) for i, pos in d.get("anchor", ()) if i in known),
             prefill=tuple(tuple(Chunk(known[i], n) for i, n in group if i in known) for group in d["prefill"]),
             share=d["share"],
             start=tuple(Start(group, seqs(batch), seqs(solo)) for group, batch, solo in d["start"]),

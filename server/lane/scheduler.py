@@ -11,9 +11,12 @@ without a model (tests/unit/test_scheduler.py). The rules, in plan order:
    admission (no overtaking: a large request is not starved by a stream of small ones). One whose cached prefix is
    still being read from SSD (``ready`` says no) waits outside and does not block those behind it: the read is
    not on the lane's clock.
-3. Prefill: at most one chunk's worth of prompt tokens (``prefill_chunk``) per tick, oldest admitted first, so a
-   long prompt delays the running decodes by at most one chunk per tick; short prompts share the tick's budget
-   (they finish together and join the batch in one step). A chunk ends at a sequence's anchor (a client's cache
+3. Prefill: at most one chunk's worth of prompt tokens (``prefill_chunk``) per tick, so a long prompt delays the
+   running decodes by at most one chunk per tick. The cheapest remaining prefills go first (an agent's turn whose
+   prompt is almost all cached answers at once instead of waiting behind other requests' long prompts; ties keep
+   admission order); a sequence passed over ``STARVE_TICKS`` plans in a row goes first, so a long prompt is never
+   starved by a stream of short ones. Short prompts share the tick's budget (they finish together and join the
+   batch in one step). A chunk ends at a sequence's anchor (a client's cache
    breakpoint), so the engine can store that prefix as an entry of its own. With ``prefill_batch`` B > 1 (a GPU, where one forward
    over several prompts beats one forward each), up to B sequences get up to one chunk each, gathered into
    batched forwards of those that may prefill together; one that shares at least ``SHARED_PREFIX_MIN`` tokens
@@ -42,6 +45,7 @@ from server.lane.sequence import Phase, Sequence
 __all__ = ["Limits", "Scheduler", "SHARED_PREFIX_MIN"]
 
 SHARED_PREFIX_MIN = 64  # tokens of a prompt that another one computing this tick would put in the cache for it
+STARVE_TICKS = 8  # plans a prefilling sequence may be passed over before it goes first
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class Scheduler:
     def __init__(self, limits: Limits, budget: Optional[MemoryBudget] = None):
         self.limits = limits
         self.budget = budget or MemoryBudget(0, 0.0)
+        self._passed: dict[str, int] = {}  # sequence id -> plans in a row it had prompt left and got no chunk
 
     def need(self, seq: Sequence) -> int:
         """KV bytes a sequence reserves: its prompt + max_tokens."""
@@ -83,8 +88,12 @@ class Scheduler:
         left = lambda s: max(0, len(s.prompt) - 1 - done(s))  # noqa: E731
 
         # 3. prefill
-        prefilling = [s for s in live if s.phase == Phase.PREFILL and not s.prefilled] + list(admit)
-        chunks = self._chunks(prefilling, left)
+        prefilling = self._prefill_order([s for s in live if s.phase == Phase.PREFILL and not s.prefilled]
+                                         + list(admit), left)
+        waiters, anchors = self._shared_waits(prefilling, done, {id(s) for s in admit})
+        anchor_at = {id(s): pos for s, pos in anchors}
+        chunks = self._chunks([s for s in prefilling if id(s) not in waiters], left, anchor_at)
+        self._note_passed([s for s in prefilling if id(s) not in waiters], chunks, left)
         groups = self._gather(chunks, done)
         share = bool(left_queued) or len(prefilling) > 1
 
@@ -111,8 +120,8 @@ class Scheduler:
         solo = tuple(s for s in [*live, *admit] if (s.phase == Phase.SOLO and s not in migrating)
                      or id(s) in started_solo or s in leave)
         return TickPlan(end_waiting=end_waiting, make_room=make_room, admit=tuple(admit), cancel=cancel,
-                        prefill=groups, share=share and bool(groups), start=starts, leave=leave, decode=decode,
-                        solo=solo, task=task, waiting_io=io_wait)
+                        anchor=tuple(anchors), prefill=groups, share=share and bool(groups),
+                        start=starts, leave=leave, decode=decode, solo=solo, task=task, waiting_io=io_wait)
 
     # -- the rules -------------------------------------------------------------------------------------------------
     def _admit(self, queue: list, live: list, ready) -> tuple[list, tuple]:
@@ -130,8 +139,43 @@ class Scheduler:
             room -= 1
         return admit, tuple(io_wait)
 
-    def _chunks(self, prefilling: list, left) -> list[Chunk]:
-        """Admission order, at most ``prefill_chunk`` tokens in all (``prefill_batch`` > 1: at most that many
+    def _prefill_order(self, prefilling: list, left) -> list:
+        """Who prefills first (rule 3): those passed over ``STARVE_TICKS`` plans in a row, then the cheapest
+        remaining prefills; ties (and the starved among themselves) in admission order."""
+        starved = [s for s in prefilling if self._passed.get(s.id, 0) >= STARVE_TICKS]
+        rest = sorted((s for s in prefilling if self._passed.get(s.id, 0) < STARVE_TICKS), key=left)
+        return starved + rest
+
+    def _note_passed(self, prefilling: list, chunks: list, left) -> None:
+        served = {id(c.seq) for c in chunks if c.tokens or not left(c.seq)}
+        self._passed = {s.id: 0 if id(s) in served else self._passed.get(s.id, 0) + 1
+                        for s in prefilling if left(s)}
+
+    def _shared_waits(self, order: list, done, admitted: set) -> tuple[set, list]:
+        """Rule 3's shared prefixes: a sequence that has computed nothing of its own yet (all it covers came from the
+        cache) and shares at least ``SHARED_PREFIX_MIN`` more tokens with a sequence before it in ``order`` that has
+        not computed them yet, waits: that one gets an anchor where the shared part ends, stores it when its chunk
+        gets there, and the waiting one takes it from the cache. Returns the waiting sequences' ids and the new
+        ``(sequence, position)`` anchors."""
+        waiters: set = set()
+        anchors: dict = {}
+        for i, s in enumerate(order):
+            if id(s) not in admitted and s.done != s.cached:
+                continue  # it computed part of its prompt itself: a take could not replace its caches any more
+            for e in order[:i]:
+                if id(e) in waiters:
+                    continue
+                shared = _common_prefix(e.prompt, s.prompt, min(len(e.prompt), len(s.prompt)) - 1)
+                if shared - done(s) < SHARED_PREFIX_MIN or done(e) >= shared:
+                    continue
+                waiters.add(id(s))
+                if shared not in e.anchors and id(e) not in anchors:
+                    anchors[id(e)] = (e, shared)
+                break
+        return waiters, list(anchors.values())
+
+    def _chunks(self, prefilling: list, left, anchor_at: Optional[dict] = None) -> list[Chunk]:
+        """In ``_prefill_order``, at most ``prefill_chunk`` tokens in all (``prefill_batch`` > 1: at most that many
         sequences, each at most ``prefill_chunk``). A sequence with nothing left (its prompt is covered but for
         the last token, which the first decode step computes) gets a chunk of 0 so it moves on to decoding."""
         chunk, rows = self.limits.prefill_chunk, max(1, self.limits.prefill_batch)
@@ -143,9 +187,10 @@ class Scheduler:
                 break
             computing += bool(n_left)
             n = min(n_left, budget, chunk)
-            anchor = s.next_anchor(len(s.prompt) - 1 - n_left)
-            if anchor is not None and anchor - (len(s.prompt) - 1 - n_left) < n:
-                n = anchor - (len(s.prompt) - 1 - n_left)  # a chunk ends at an anchor: that prefix is stored
+            at = len(s.prompt) - 1 - n_left
+            ahead = [a for a in (s.next_anchor(at), (anchor_at or {}).get(id(s))) if a is not None and a > at]
+            if ahead and min(ahead) - at < n:
+                n = min(ahead) - at  # a chunk ends at an anchor: that prefix is stored
             plan.append(Chunk(s, n))
             budget -= n
             if n < n_left and rows == 1:
@@ -195,6 +240,21 @@ class Scheduler:
             solo = tuple(solo_only.get(group, [])) + (tuple(new) if alone else ())
             starts.append(Start(group, batch, solo))
         return tuple(starts), migrating
+
+
+def _common_prefix(a: list, b: list, cap: int) -> int:
+    """Length of the common prefix of two token lists, at most ``cap`` (a binary search over C-speed slice
+    compares: prompts are thousands of tokens and the scheduler runs every tick)."""
+    lo, hi = 0, max(0, cap)
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi - 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _shares_prefix(before: Sequence, s: Sequence, done: int) -> bool:

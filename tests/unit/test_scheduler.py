@@ -103,9 +103,10 @@ def test_running_sequences_reserve_their_kv():
     (4, [31], [[("a", 4)]]),  # a long prompt: one chunk per tick
     (8, [4, 4, 4], [[("a", 3)], [("b", 3)], [("c", 2)]]),  # short prompts share the tick's budget
     (8, [1, 4], [[("a", 0)], [("b", 3)]]),  # nothing to compute but the last token: a chunk of 0 completes it
-    (4, [9, 4], [[("a", 4)]]),  # the oldest first: b waits until a's prompt is done
+    (4, [9, 4], [[("b", 3)], [("a", 1)]]),  # the cheapest first; the rest of the budget to the long one
+    (8, [6, 6], [[("a", 5)], [("b", 3)]]),  # ties keep admission order
 ])
-def test_one_chunks_worth_of_prompt_per_tick_oldest_first(chunk, prompts, expected):
+def test_one_chunks_worth_of_prompt_per_tick_cheapest_first(chunk, prompts, expected):
     queue = [seq(n, prompt_len=p) for n, p in zip("abc", prompts)]
     assert chunks(sched(chunk=chunk).schedule(queue, [])) == expected
 
@@ -120,6 +121,25 @@ def test_a_chunk_ends_at_an_anchor_so_that_prefix_is_stored_as_an_entry_of_its_o
     hit = seq("h", prompt_len=30)
     hit.anchors = (6,)
     assert chunks(sched(chunk=16).schedule([hit], [], lookup=lambda s: 10)) == [[("h", 16)]]  # cached past it
+
+
+def test_an_almost_cached_turn_does_not_wait_behind_a_long_prompt():
+    long = seq("long", prompt_len=2000, phase=Phase.PREFILL, done=100)
+    plan = sched(chunk=512).schedule([seq("turn", prompt_len=900)], [long], lookup=lambda s: 880)
+    assert chunks(plan) == [[("turn", 19)], [("long", 493)]]  # the turn completes and decodes in this very tick
+    assert starts(plan) == [(None, [], ["turn"])]
+
+
+def test_a_long_prompt_passed_over_too_often_goes_first():
+    from server.lane.scheduler import STARVE_TICKS
+
+    s = sched(chunk=4)
+    long = seq("long", prompt_len=40, phase=Phase.PREFILL, done=0)
+    for i in range(STARVE_TICKS):  # each tick a new short prompt takes the whole budget
+        plan = s.schedule([seq(f"short{i}", prompt_len=5)], [long])
+        assert [c.seq.id for g in plan.prefill for c in g] == [f"short{i}"]
+    plan = s.schedule([seq("one-more", prompt_len=5)], [long])
+    assert chunks(plan) == [[("long", 4)]]  # its turn now; the short one waits
 
 
 def test_the_cached_prefix_sizes_a_new_sequences_first_chunk():
@@ -147,13 +167,30 @@ def test_prefill_batch_gathers_chunks_into_forwards_of_prompts_that_may_go_toget
     assert chunks(plan) == [[("a", 8)], [("h", 299)]]
 
 
-def test_a_prompt_sharing_a_prefix_with_one_gathered_before_waits_for_a_later_forward():
-    shared = list(range(100, 100 + SHARED_PREFIX_MIN + 36))
-    queue = [seq("a", prompt=[1, *shared, 7]), seq("b", prompt=[1, *shared, 8]), seq("c", prompt=list(range(300, 400)))]
+def test_a_shared_prefix_is_computed_once_the_others_wait_for_it():
+    shared = list(range(100, 100 + SHARED_PREFIX_MIN + 136))  # 200 shared tokens after the first
+    queue = [seq("a", prompt=[1, *shared, *range(500, 540)]), seq("b", prompt=[1, *shared, *range(600, 650)]),
+             seq("c", prompt=list(range(300, 400)))]
     plan = sched(chunk=4096, prefill_batch=4).schedule(queue, [])
-    # b would compute a's prefix again: it goes in the next forward, and takes that prefix from the cache first
-    assert [[n for n, _ in g] for g in chunks(plan)] == [["a"], ["b", "c"]]
-    assert plan.share  # several prefill: each prompt goes into the cache as soon as it is computed
+    # b would compute a's 201 shared tokens again: it waits, a gets an anchor where they end and its chunk stops
+    # there (stored at once), c has nothing in common and goes with a
+    assert [(s.id, pos) for s, pos in plan.anchor] == [("a", 201)]
+    assert chunks(plan) == [[("c", 99), ("a", 201)]]
+    a, b = queue[0], queue[1]
+    a.phase, a.done, a.anchors = Phase.PREFILL, 201, (201,)  # the next tick: a stored its prefix
+    b.phase, b.cached = Phase.PREFILL, 0
+    plan = sched(chunk=4096, prefill_batch=4).schedule([], [a, b])
+    assert {c.seq.id for g in plan.prefill for c in g} == {"a", "b"} and not plan.anchor  # b takes it, then goes on
+
+
+def test_one_that_computed_part_of_its_prompt_itself_never_waits():
+    shared = list(range(100, 100 + 2 * SHARED_PREFIX_MIN))
+    a = seq("a", prompt=[1, *shared, 5], phase=Phase.PREFILL, done=0)
+    b = seq("b", prompt=[1, *shared, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], phase=Phase.PREFILL, done=10)
+    b.cached = 0  # 10 tokens of its own: a take could not replace its caches any more
+    plan = sched(chunk=4096, prefill_batch=4).schedule([], [a, b])
+    assert [c.seq.id for g in plan.prefill for c in g] == ["b"]  # b goes on; a, which has nothing yet, waits for it
+    assert [(s.id, pos) for s, pos in plan.anchor] == [("b", 1 + 2 * SHARED_PREFIX_MIN)]
 
 
 @pytest.mark.parametrize("queued,prefilling,share", [(0, 1, False), (1, 1, True), (0, 2, True)])
