@@ -185,7 +185,7 @@ def test_an_entry_that_could_never_pay_back_is_not_written(make):
     assert tier.pending() == [] and tier.flush(5) is True and store.stats()["writes"] == 0
     stats = tier.ssd_stats()
     assert stats["writes_declined"] == 1 and stats["cost_model"]["writes_declined"] == 1
-    tier.cost_model._prefill = 1.0  # where restoring wins (this CPU), the same entry is written
+    tier.cost_model._prefill, tier.cost_model._read = 1.0, 1e12  # where restoring wins (this CPU), it is written
     tier.put(A[:10], kv(A[:10]), NS)
     assert tier.flush(5) and store.covers(A[:10], NS)
 
