@@ -7,7 +7,7 @@ each client and the server runs a small recording proxy: for every request it no
 byte of the reply (TTFT as the client sees it) and the usage the server reported (prompt tokens, cached tokens,
 cache writes), from the JSON body or the final SSE events.
 
-    codex   `codex exec --full-auto "create hello.txt containing hi"` in an empty folder: done when hello.txt holds
+    codex   `codex exec --sandbox workspace-write "create hello.txt containing hi"` in an empty folder: done when hello.txt holds
             "hi" (its edit goes through apply_patch)
     claude  `claude -p "create hello.txt containing hi"` twice, two separate sessions in two folders (Write tool,
             edits accepted): done when hello.txt holds "hi"; the second session's first request shows how much of
@@ -152,7 +152,8 @@ def run_codex(codex: Path, port: int, timeout: float) -> dict:
         'model = "gpt-5.5"\nmodel_provider = "mlx-lane"\n\n[model_providers.mlx-lane]\nname = "mlx-lane"\n'
         f'base_url = "http://127.0.0.1:{port}/v1"\nwire_api = "responses"\n')
     t0 = time.monotonic()
-    p = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "--full-auto", TASK], cwd=work,
+    p = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", TASK],
+                       cwd=work,
                        env={**os.environ, "CODEX_HOME": str(home)}, capture_output=True, text=True, timeout=timeout)
     done = (work / "hello.txt").exists() and (work / "hello.txt").read_text().strip() == "hi"
     return {"client": "codex", "done": done, "wall_s": round(time.monotonic() - t0, 1), "exit": p.returncode,
