@@ -150,7 +150,7 @@ def run_codex(codex: Path, port: int, timeout: float) -> dict:
     work, home = Path(tempfile.mkdtemp(prefix="codex-work-")), Path(tempfile.mkdtemp(prefix="codex-home-"))
     (home / "config.toml").write_text(
         'model = "gpt-5.5"\nmodel_provider = "mlx-lane"\n\n[model_providers.mlx-lane]\nname = "mlx-lane"\n'
-        f'base_url = "http://127.0.0.1:{port}/v1"\nwire_api = "responses"\n')
+        f'base_url = "http://127.0.0.1:{port}/v1"\nwire_api = "responses"\nstream_idle_timeout_ms = 7200000\n')
     t0 = time.monotonic()
     p = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", TASK],
                        cwd=work,
@@ -164,7 +164,7 @@ def run_codex(codex: Path, port: int, timeout: float) -> dict:
 def run_claude(claude: Path, port: int, timeout: float, n: int) -> dict:
     work, home = Path(tempfile.mkdtemp(prefix=f"claude-work{n}-")), Path(tempfile.mkdtemp(prefix="claude-home-"))
     env = {**os.environ, "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}", "ANTHROPIC_API_KEY": "unused",
-           "HOME": str(home), "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024", "DISABLE_TELEMETRY": "1",
+           "HOME": str(home), "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024", "API_TIMEOUT_MS": "7200000", "DISABLE_TELEMETRY": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
     t0 = time.monotonic()
     p = subprocess.run([str(claude), "-p", TASK, "--model", "claude-sonnet-4-5", "--permission-mode", "acceptEdits",
