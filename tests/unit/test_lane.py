@@ -253,3 +253,25 @@ def test_an_anchor_is_stored_as_an_entry_of_its_own_and_what_was_written_is_repo
     b, eb = submit(lane, "b", prompt[:13] + [7, 7, 7], 2)
     run_until_idle(lane)
     assert finished(eb).cached_tokens == 13 and finished(eb).cache_write_tokens == 3
+
+
+def test_prompts_that_arrive_together_compute_their_shared_prefix_once(models):
+    """Two agents with one long system prompt arrive in the same tick: the first computes it and stores it at the
+    point where the two prompts part (a dynamic anchor), the second waits and takes it from the cache, and each
+    still makes the tokens it makes alone."""
+    shared = list(range(100, 180))  # 80 tokens, above SHARED_PREFIX_MIN
+    pa, pb = shared + [1, 2], shared + [3, 4, 5]
+    solo = {}
+    for name, prompt in (("a", pa), ("b", pb)):
+        lane = make_lane(models, chunk=16)
+        seq, _ = submit(lane, name, prompt, 4)
+        run_until_idle(lane)
+        solo[name] = list(seq.generated)
+    lane = make_lane(models, chunk=16, cache_bytes=1 << 26)
+    a, ea = submit(lane, "a", pa, 4)
+    b, eb = submit(lane, "b", pb, 4)
+    run_until_idle(lane)
+    assert finished(ea).cached_tokens == 0
+    assert finished(eb).cached_tokens == len(shared)  # b computed only its own tail
+    assert (b.ns, tuple(shared)) in lane.engine.prompt_cache.keys()
+    assert list(a.generated) == solo["a"] and list(b.generated) == solo["b"]
