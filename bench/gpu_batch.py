@@ -9,6 +9,8 @@ tokens (default 128), greedy, EOS suppressed (logit_bias -100, as bench/gpu.py d
           TTFT of a row = insert -> its first generated token
   mlx_lm  `mlx_lm.server --decode-concurrency 32 --prompt-concurrency 8` (streamed /v1/completions)
   ours    `mlx-lane serve --dtype bfloat16 --no-ssd-cache --prefill-chunk 2048` (+ --ours-args), streamed
+  ours_ssd  the same server at its defaults, SSD tier on (`--ssd-cache` in the run's temp dir, its own home), only
+          when --systems names it: what the write-behind costs; its /stats ssd_cache section is kept at the end
 Servers get their N requests from N client threads, connections opened --stagger-ms apart (mlx_lm.server's
 listen backlog is 5). Both servers stay up for the whole run; every (round, N) draws fresh prompts shared by the
 three systems, which run one after the other in an order rotated every round and level. A warm-up pass (8 tokens
@@ -17,8 +19,9 @@ at every level, its own prompts) comes first, since MLX JIT-compiles each new sh
 Per system and N: aggregate tok/s = all completion tokens / wall (first request sent -> last token), mean TTFT
 (each request's send -> its first token chunk), median (min-max) over --rounds rounds. Also the single-stream
 decode rate served (ours, mlx_lm) vs raw mlx-lm generate_step (bench/gpu.py's raw_run) alternated --single-rounds
-times, and ours / mlx_lm and ours / raw ratios per N. Rounds after the first are skipped when the previous round's
-duration would overrun --time-budget-s (counted from the script's start), so a run fits its device time.
+times, and ours / mlx_lm, ours / raw (and ours_ssd / ours) ratios per N. Rounds after the first are skipped when
+the previous round's duration would overrun --time-budget-s (counted from the script's start), so a run fits its
+device time.
 
 Writes OUT/gpu_batch.json (after every step) and OUT/gpu_batch.log; copy gpu_batch.json to bench/results/ for
 bench/report.py's `gpu_batch` section.
@@ -53,7 +56,7 @@ T0 = time.monotonic()
 R: dict = {"script": "bench/gpu_batch.py"}
 OUT = Path(".")
 LOG = None
-SYSTEMS = ("raw", "mlx_lm", "ours")
+SYSTEMS = ("raw", "mlx_lm", "ours")  # the default; "ours_ssd" (SSD tier on) only when --systems names it
 
 
 def log(msg: str) -> None:
@@ -220,7 +223,7 @@ def main() -> int:
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(gpu.SHAPES))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--levels", default="1,4,8,16,32", help="concurrency levels (default 1,4,8,16,32)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of raw, mlx_lm, ours")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of raw, mlx_lm, ours, ours_ssd")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
@@ -292,6 +295,12 @@ def main() -> int:
             servers["ours"] = peers.Ours(workdir, model_dir, extra=(
                 "--dtype", args.dtype, "--cache-bytes", args.cache_bytes, "--prefill-chunk", "2048",
                 *shlex.split(args.ours_args)))
+        if "ours_ssd" in systems:  # its own home and KV dir: the cost model it measures and saves is its own
+            (workdir / "ssd").mkdir()
+            servers["ours_ssd"] = peers.Ours(workdir / "ssd", model_dir, persistent=True, extra=(
+                "--dtype", args.dtype, "--cache-bytes", args.cache_bytes, "--prefill-chunk", "2048",
+                *shlex.split(args.ours_args)))
+            R["ours_ssd_dir_fs"] = fs_type(str(workdir))
         if "mlx_lm" in systems:
             servers["mlx_lm"] = peers.MlxLm(workdir, model_dir, extra=(
                 "--decode-concurrency", str(args.decode_concurrency), "--prompt-concurrency",
@@ -339,7 +348,7 @@ def main() -> int:
                               "method": "client side: (tokens - 1) / (last text chunk - first chunk); raw: "
                                         "generate_step per token (bench/gpu.py raw_run); alternated, order rotated"}
         raw_med = R["single_stream"]["decode_tok_s"].get("raw", {}).get("median")
-        for s in ("ours", "mlx_lm"):
+        for s in ("ours", "ours_ssd", "mlx_lm"):
             med = R["single_stream"]["decode_tok_s"].get(s, {}).get("median")
             if med and raw_med:
                 R["single_stream"][f"{s}_over_raw"] = round(med / raw_med, 3)
@@ -363,7 +372,7 @@ def main() -> int:
                         m = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
                     m["round"] = rnd + 1
                     R["levels"].setdefault(str(n), {}).setdefault(system, {"rows": []})["rows"].append(m)
-                    log(f"round {rnd + 1} N={n:<2} {system:6s} " + (m["error"] if "error" in m else
+                    log(f"round {rnd + 1} N={n:<2} {system:8s} " + (m["error"] if "error" in m else
                         f"{m['tok_s']:8.1f} tok/s  mean TTFT {m['ttft_mean_s']:.3f}s  wall {m['wall_s']:.2f}s"
                         + (f"  errors {len(m['errors'])}" if m.get("errors") else "")))
                 save()
@@ -371,6 +380,8 @@ def main() -> int:
         finish(systems)
         if "ours" in servers:
             R["ours_lane_end"] = httpx.get(servers["ours"].url + "/stats", timeout=60).json().get("lane")
+        if "ours_ssd" in servers:  # writes done, writes declined by the cost model, its measured rates
+            R["ours_ssd_cache_end"] = httpx.get(servers["ours_ssd"].url + "/stats", timeout=60).json().get("ssd_cache")
     finally:
         for name, p in servers.items():
             rc = p.stop()
@@ -387,7 +398,8 @@ def main() -> int:
 
 
 def finish(systems: list[str]) -> None:
-    """Per level and system: median (min-max) over rounds; ours / mlx_lm and ours / raw ratios of the medians."""
+    """Per level and system: median (min-max) over rounds; ours / mlx_lm, ours / raw and ours_ssd / ours ratios of
+    the medians."""
     ratios: dict = {}
     for n, per in R["levels"].items():
         for system, d in per.items():
@@ -402,6 +414,11 @@ def finish(systems: list[str]) -> None:
                 ratios.setdefault(n, {})[peer] = {
                     "tok_s_ours_over_peer": round(o["tok_s"]["median"] / p["tok_s"]["median"], 3),
                     "ttft_mean_ours_over_peer": round(o["ttft_mean_s"]["median"] / p["ttft_mean_s"]["median"], 3)}
+        q = per.get("ours_ssd") or {}
+        if o.get("tok_s", {}).get("median") and q.get("tok_s", {}).get("median"):
+            ratios.setdefault(n, {})["ours_ssd_over_ours"] = {
+                "tok_s": round(q["tok_s"]["median"] / o["tok_s"]["median"], 3),
+                "ttft_mean": round(q["ttft_mean_s"]["median"] / o["ttft_mean_s"]["median"], 3)}
     R["ratios"] = ratios
 
 
