@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.serverproc import free_port
+from tests.serverproc import free_port, server_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,11 @@ class LaunchedServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="mlx-lane-launch-", suffix=".log")[1])
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        # n processes on one host share its cores: each gets its share of BLAS threads (OpenBLAS's idle threads
+        # spin, and on a 2-core machine 3 ranks of 2 threads each made every decode step ~3x slower)
+        threads = str(max(1, (os.cpu_count() or 1) // n))
+        full_env = server_env({"OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", threads),
+                               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads), **(env or {})})
         ports = ["--starting-port", str(free_port())] if backend == "ring" else ["--nccl-port", str(free_port())]
         cmd = [*mlx_launch(), "-n", str(n), "--backend", backend, *ports,
                "--python", sys.executable, "--", "-m", "server.cli", "serve", "--port", str(self.port), *args]

@@ -20,6 +20,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+NO_TORCH = Path(__file__).resolve().parent / "fixtures" / "no_torch"
+
+
+def server_env(env: dict | None = None) -> dict:
+    """The environment of a server subprocess: this one's, unbuffered, torch hidden as in the product's own
+    environment (tests/fixtures/no_torch/sitecustomize.py says why), then ``env``."""
+    path = os.pathsep.join(p for p in (str(NO_TORCH), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}
+
+
 def _mentions_ssd(args, env) -> bool:
     return any(a in ("--ssd-cache", "--no-ssd-cache") for a in args) or any(
         k in env for k in ("MLX_LANE_SSD_CACHE", "MLX_LANE_NO_SSD_CACHE"))
@@ -34,7 +44,7 @@ class ServerProc:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="mlx-lane-", suffix=".log")[1])
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        full_env = server_env(env)
         if not _mentions_ssd(args, full_env):
             # The SSD tier is on by default in the product; a test (or bench) server opts in explicitly, so it
             # never touches the user's ~/.cache/mlx-lane/kv and /admin/cache/clear (RAM only) gives a cold server.

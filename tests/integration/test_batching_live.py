@@ -168,10 +168,10 @@ def test_a_hit_on_an_entry_whose_donor_is_still_decoding(slow_server):
 def test_memory_budget_queues_instead_of_overcommitting_and_refuses_what_never_fits(default_model_dir):
     weights = (Path(default_model_dir) / "model.safetensors").stat().st_size
     per_token = 30 * 3 * 64 * 2 * 4  # SmolLM2: 30 layers x 3 KV heads x 64 dims x (K, V) x float32
-    budget = weights + per_token * 700
+    budget = weights + per_token * 450
     srv = ServerProc("--model", "default", "--cache-bytes", "64M", "--memory-budget", str(budget))
     try:
-        long_text = " ".join(f"item{i}" for i in range(120))  # ~250-token prompts: two fit at once, not three
+        long_text = " ".join(f"item{i}" for i in range(60))  # ~210-token prompts: two fit at once, not three
         bodies = [{"messages": [{"role": "user", "content": f"{i}: {long_text}"}], "max_tokens": 8,
                    "temperature": 0} for i in range(5)]
         results = concurrently(stream_chat, [(srv.url, b) for b in bodies])
