@@ -165,7 +165,8 @@ def run_claude(claude: Path, port: int, timeout: float, n: int) -> dict:
     work, home = Path(tempfile.mkdtemp(prefix=f"claude-work{n}-")), Path(tempfile.mkdtemp(prefix="claude-home-"))
     env = {**os.environ, "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}", "ANTHROPIC_API_KEY": "unused",
            "HOME": str(home), "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024", "API_TIMEOUT_MS": "7200000",
-           "API_FORCE_IDLE_TIMEOUT": "0", "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+           "API_FORCE_IDLE_TIMEOUT": "0", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",  # README "Slow machines"
+           "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
     t0 = time.monotonic()
     p = subprocess.run([str(claude), "-p", TASK, "--model", "claude-sonnet-4-5", "--permission-mode", "acceptEdits",
                         "--allowedTools", "Write"], cwd=work, env=env, capture_output=True, text=True,
