@@ -92,8 +92,9 @@ class FunctionCallItem(_Lenient):
     arguments: str = ""
 
 
-class FunctionCallOutputItem(_Lenient):
-    type: Literal["function_call_output"]
+class _ToolOutputItem(_Lenient):
+    """What the client's run of a tool returned, for the call ``call_id`` (each kind adds its ``type``)."""
+
     call_id: str = Field(min_length=1, max_length=256)
     output: Union[str, list[ContentPart]]
 
@@ -106,6 +107,10 @@ class FunctionCallOutputItem(_Lenient):
         if isinstance(self.output, str):
             return self.output
         return "".join(part_text(p) for p in self.output)
+
+
+class FunctionCallOutputItem(_ToolOutputItem):
+    type: Literal["function_call_output"]
 
 
 class CustomToolCallItem(_Lenient):
@@ -117,20 +122,8 @@ class CustomToolCallItem(_Lenient):
     input: str = ""
 
 
-class CustomToolCallOutputItem(_Lenient):
+class CustomToolCallOutputItem(_ToolOutputItem):
     type: Literal["custom_tool_call_output"]
-    call_id: str = Field(min_length=1, max_length=256)
-    output: Union[str, list[ContentPart]]
-
-    @field_validator("output", mode="before")
-    @classmethod
-    def _media(cls, v):
-        return _refuse_media(v)
-
-    def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(part_text(p) for p in self.output)
 
 
 class ToolSearchCallItem(_Lenient):
