@@ -1,6 +1,6 @@
 """Requests with random shared prefixes under a small --cache-bytes: the cap holds, RSS stays bounded.
 
-100 requests in the suite (the cap is full from the 10th on, ~130 evictions); `make soak` runs 1,000
+60 requests in the suite (the cap is full from the 10th on, ~75 evictions); `make soak` runs 1,000
 (MLX_LANE_SOAK_REQUESTS) and writes the RSS and cache-bytes curve to $MLX_LANE_SOAK_CURVE when set.
 """
 
@@ -18,8 +18,8 @@ from tests.serverproc import ServerProc
 pytestmark = pytest.mark.model
 
 CAP = 48 << 20
-REQUESTS = int(os.environ.get("MLX_LANE_SOAK_REQUESTS", "100"))
-WARMUP = 30  # requests before the RSS baseline: the cache has filled to its cap by then
+REQUESTS = int(os.environ.get("MLX_LANE_SOAK_REQUESTS", "60"))
+WARMUP = 20  # requests before the RSS baseline: the cache has filled to its cap by then
 SYSTEMS = [
     "You are a terse code reviewer.",
     "You are a helpful shell assistant. Answer with one command.",
