@@ -1,6 +1,6 @@
 """Assemble model, cache, lane and app from parsed CLI arguments, then run uvicorn.
 
-(About 460 lines, one job: assembly and process lifecycle. Each part it wires (adapters, embedder, web policy,
+(About 470 lines, one job: assembly and process lifecycle. Each part it wires (adapters, embedder, web policy,
 distributed group, tiered cache, graceful shutdown) is one small function; the parts themselves live elsewhere.)
 """
 
@@ -22,7 +22,7 @@ def build_state(args):
     """Load the model and start the lane; returns a ready ``ServerState``."""
     from cache.prompt_cache import make_prompt_cache
     from models import blas_info, device_name, load_model
-    from server.engine.engine import Engine
+    from server.engine.engine import Engine, weights_nbytes
     from server.http.app import ServerState
     from server.lane.lane import Lane
     from server.sizes import default_cache_bytes
@@ -31,7 +31,7 @@ def build_state(args):
     group = _group(args)
     loaded = load_model(args.model, args.dtype, progress=True, group=group)
     loaded = _with_kv_scheme(loaded, args)
-    cache_bytes = default_cache_bytes(_weights_nbytes(loaded.model)) if args.cache_bytes is None else args.cache_bytes
+    cache_bytes = default_cache_bytes(weights_nbytes(loaded.model)) if args.cache_bytes is None else args.cache_bytes
     tiered = build_tiered_cache(args, loaded.fingerprint, cache_bytes, follower=group is not None and not group.leader)
     if tiered is not None and group is not None:
         _write_shard_manifest(tiered, group, loaded.model_fingerprint)
@@ -83,12 +83,6 @@ def build_state(args):
         keep_billing_header=getattr(args, "keep_billing_header", False),
         distributed=group.describe() if group is not None else None,
     )
-
-
-def _weights_nbytes(model) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 def _adapters(args, loaded):

@@ -41,7 +41,7 @@ from server.engine.speculation import speculative_decode
 from server.lane.events import Failed, Progress
 from server.lane.sequence import FinishReason, Phase, Sequence
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "weights_nbytes"]
 
 log = logging.getLogger("mlx_lane.engine")
 
@@ -145,9 +145,7 @@ class Engine:
         return caches if self.kv_bits is None else _quantize_fresh(caches, self.kv_bits, self.kv_group_size)
 
     def weights_nbytes(self) -> int:
-        from mlx.utils import tree_flatten
-
-        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        return weights_nbytes(self.model)
 
     def kv_bytes_per_token_estimate(self) -> float:
         """KV bytes one cached token costs in this model (all layers), measured on a one-token forward."""
@@ -449,3 +447,10 @@ class Engine:
                 seq.stored = max(seq.stored, len(tokens))
         except Exception:  # caching is an optimisation: never fail the request for it
             log.exception("prompt cache put failed")
+
+
+def weights_nbytes(model) -> int:
+    """Bytes of a model's parameters (what its weights hold in memory)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
