@@ -13,6 +13,7 @@
 #   OUT=/some/dir bench/gpu.sh [bench/gpu.py flags...]
 #   OUT=/some/dir bench/gpu.sh batch [bench/gpu_batch.py flags...]    # issue 12's batching benchmark instead
 #   OUT=/some/dir bench/gpu.sh sharded [bench/gpu_sharded.py flags...] # issue 15: 1 GPU vs 2 GPUs tensor-parallel
+#   OUT=/some/dir bench/gpu.sh bench/gpu_write_cost.py [flags...]    # any other GPU script (issue 22: write-behind)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHL=${WHL:-.whl}
@@ -37,6 +38,9 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 SCRIPT=bench/gpu.py
 if [ "${1:-}" = batch ]; then
   SCRIPT=bench/gpu_batch.py
+  shift
+elif [[ "${1:-}" == bench/*.py ]]; then  # any other in-process GPU script, e.g. bench/gpu_write_cost.py
+  SCRIPT=$1
   shift
 elif [ "${1:-}" = sharded ]; then  # issue 15: one GPU vs tensor-parallel over 2 (needs 2 GPUs: nvidia-h200-x2)
   SCRIPT=bench/gpu_sharded.py
