@@ -198,6 +198,14 @@ def run_raw(model, prompts: list[list[int]], max_tokens: int, procs, decode_conc
     return metrics(wall, [first[u] - t0 for u in uids], sum(count.values()), prompt_tokens=[len(p) for p in prompts])
 
 
+def lane_ticks(url: str) -> tuple[int, dict]:
+    """The lane's tick count and seconds per phase so far (/stats lane.ticks, lane.tick_seconds)."""
+    import httpx
+
+    lane = httpx.get(url + "/stats", timeout=60).json().get("lane") or {}
+    return int(lane.get("ticks") or 0), dict(lane.get("tick_seconds") or {})
+
+
 def metrics(wall: float, ttfts: list[float], tokens: int, **extra) -> dict:
     return {"wall_s": round(wall, 4), "tok_s": round(tokens / wall, 2), "ttft_mean_s": round(statistics.mean(ttfts), 4),
             "ttft_max_s": round(max(ttfts), 4), "completion_tokens": tokens, **extra}
@@ -314,7 +322,13 @@ def main() -> int:
         def run(system: str, n_tok: int, texts: list[str], ids: list[list[int]]) -> dict:
             if system == "raw":
                 return run_raw(model, ids, n_tok, procs, args.decode_concurrency, args.prompt_concurrency)
-            return run_served(servers[system].url, texts, n_tok, bias, args.stagger_ms / 1e3)
+            before = lane_ticks(servers[system].url) if system.startswith("ours") else None
+            m = run_served(servers[system].url, texts, n_tok, bias, args.stagger_ms / 1e3)
+            if before is not None:  # where the lane's time went during this run (its /stats tick_seconds)
+                after = lane_ticks(servers[system].url)
+                m["lane_ticks"] = after[0] - before[0]
+                m["lane_tick_s"] = {k: round(v - before[1].get(k, 0.0), 3) for k, v in after[1].items()}
+            return m
 
         def prompts(n: int) -> tuple[list[str], list[list[int]]]:
             texts = [make_prompt(rng, words, tokenizer, args.prompt_tokens) for _ in range(n)]

@@ -11,6 +11,7 @@ as the lane's `leave_rows` does (slice + eval: the same in every condition). The
   read_only     a thread copies each snapshot to host memory (numpy copy of the MLX buffer), writes nothing
   disk_only     a thread writes a host buffer of the row's size to a file + fsync per leave (no MLX memory read)
   gil_spin      a thread spinning pure Python (how much a GIL-holding neighbour costs this loop)
+  <any>_si      the same under sys.setswitchinterval(--switch-interval) (Python's default is 5 ms)
 
 Ratios are step times over `none` in the same run. Each condition runs twice, interleaved (ABAB), so drift shows.
 
@@ -38,6 +39,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 CONDITIONS = ("none", "encode_only", "current", "read_only", "disk_only", "gil_spin")
+_KEYS = [0]  # a counter that keeps every scheduled entry's tokens unique across conditions and repeats
+
 
 
 def build(shape: str, dtype: str):
@@ -126,7 +129,20 @@ class Neighbour:
         self.thread.join(30)
 
 
-def run_condition(model, args, kind: str, folder: str) -> dict:
+def run_condition(model, args, name: str, folder: str) -> dict:
+    kind = name.removesuffix("_si")
+    interval = sys.getswitchinterval()
+    if name.endswith("_si"):
+        sys.setswitchinterval(args.switch_interval)
+    try:
+        out = _run(model, args, kind, folder)
+    finally:
+        sys.setswitchinterval(interval)
+    out["condition"] = name
+    return out
+
+
+def _run(model, args, kind: str, folder: str) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     from cache import kvfile
@@ -165,7 +181,8 @@ def run_condition(model, args, kind: str, folder: str) -> dict:
             if kind == "encode_only":
                 kvfile.encode(caches)
             elif kind == "current":
-                coord.schedule(list(range(step, step + caches[0].offset)), caches, "bench")
+                _KEYS[0] += 1
+                coord.schedule([_KEYS[0]] + list(range(caches[0].offset - 1)), caches, "bench")
             elif neighbour is not None:
                 neighbour.feed(caches)
             del caches
@@ -205,6 +222,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=12.0)
     ap.add_argument("--conditions", default=",".join(CONDITIONS))
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--switch-interval", type=float, default=0.0005, help="seconds, for the *_si conditions")
     ap.add_argument("--dir", default=None, help="folder for the files (default: a temp folder)")
     args = ap.parse_args()
     model, cfg = build(args.shape, args.dtype)

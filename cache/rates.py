@@ -3,14 +3,16 @@
     restore  iff  nbytes / read_rate  <  saved_tokens / prefill_rate
 
 Both rates are exponential moving averages of what this process measured: prefill tokens/s of this model on this
-machine (fed by the lane, `observe_prefill`) and SSD read bytes/s (fed by the SSD tier's restores,
+machine (fed by the lane, `observe_prefill`: the compute rate, a forward of several prompts charged to each by its
+share of the tokens, not the wall time each waited) and SSD read bytes/s (fed by the SSD tier's restores,
 `observe_restore`). Until a rate has been measured its prior holds. The answer differs by machine: on a 2-core CPU
 a restore wins ~250x; on an H200 an 8B bf16 model recomputes 32k tokens in 2.0 s while reading their 4.3 GB of KV
 takes 4.0 s. The same rule decides prefetch.
 
 The same rule also decides what is worth writing at all (`worth_writing`): an entry that could never be restored
-faster than recomputed is not written in "auto" mode (on an H200 the write-behind of such entries cost 9-20% of
-decode under load and could never pay back); on this kind of CPU every entry is.
+faster than recomputed is not written in "auto" mode (on an H200 the write-behind of such entries cost 8-18% of
+decode under load and could never pay back; declined, the SSD tier costs nothing measurable); on this kind of CPU
+every entry is.
 
 `mode` overrides the rule: "always" restores whenever the disk holds more tokens, "never" always recomputes
 (rates are still measured and reported), "auto" (default) applies it. Only "auto" declines writes.

@@ -196,7 +196,8 @@ class ServingStats:
                 "ttft_s": self.ttft.as_dict(),
                 # where the lane thread's time went: admit (take, caches), prefill (chunks), batch_step (the
                 # batched forward, including waiting for the device), batch_rows (per-row tokens: detokenize,
-                # stops, events; joins and leaves), solo (solo sequences' steps)
+                # stops, events), batch_leave (finished rows out of the batch and their caches stored: RAM put,
+                # SSD write scheduled), solo (solo sequences' steps)
                 "tick_seconds": {k: round(v, 3) for k, v in sorted(self.tick_seconds.items())},
             }
 

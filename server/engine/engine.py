@@ -239,7 +239,9 @@ class Engine:
                 if self._gpu:  # as mlx-lm's batch prefill does: freed activations go back to the device (on the
                     mx.clear_cache()  # CPU that only costs page faults on the next chunk's buffers)
             seq.done += n
-            seq.prefill_s += time.monotonic() - t0
+            dt = time.monotonic() - t0
+            seq.prefill_s += dt
+            seq.prefill_cost_s += dt
             seq.sink(Progress(seq.done, len(prompt)))
             if seq.done in seq.anchors and seq.done < end:
                 self._store(prompt[: seq.done], seq.caches, seq, anchor=True)  # a breakpoint: an entry of its own
@@ -263,10 +265,12 @@ class Engine:
             if self._gpu:
                 mx.clear_cache()
         dt = time.monotonic() - t0
+        total = sum(n for _, n in items)
         complete = []
         for (seq, n), row in zip(items, caches):
             seq.caches, seq.done = row, seq.done + n
             seq.prefill_s += dt
+            seq.prefill_cost_s += dt * n / total  # the cost model wants this machine's rate, not B times less
             seq.sink(Progress(seq.done, len(seq.prompt)))
             if seq.done >= len(seq.prompt) - 1 and self._prefill_complete(seq, share):
                 complete.append(seq)
@@ -281,7 +285,7 @@ class Engine:
             return True
         prompt = seq.prompt
         if seq.done > seq.cached:  # feeds the restore-or-recompute decision of the SSD tier
-            self.prompt_cache.observe_prefill(seq.done - seq.cached, seq.prefill_s)
+            self.prompt_cache.observe_prefill(seq.done - seq.cached, seq.prefill_cost_s)
         if seq.spec is not None:
             with mx.stream(self.stream):
                 seq.spec.source.prefill(prompt[: seq.done])

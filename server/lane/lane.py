@@ -356,11 +356,15 @@ class Lane:
             reason = seq.on_token(token, logprobs)
             if reason is not None:
                 ending.append((seq, reason))
+        t2 = time.perf_counter()
         if ending:
             for (seq, reason), covered in zip(ending, self.engine.leave_rows(group, [s for s, _ in ending])):
                 self._drop(seq)
                 self.engine.finish(seq, reason, covered)
-        phases["batch_rows"] = phases.get("batch_rows", 0.0) + time.perf_counter() - t1
+        t3 = time.perf_counter()
+        phases["batch_rows"] = phases.get("batch_rows", 0.0) + t2 - t1
+        if ending:
+            phases["batch_leave"] = phases.get("batch_leave", 0.0) + t3 - t2
         return len(rows)
 
     def _end(self, seq: Sequence, reason: FinishReason) -> None:

@@ -110,7 +110,8 @@ class Sequence:
     steps: Any = None  # its iterator
     solo_base: Optional[list] = None  # the history the solo decoder was opened with (None: the prompt)
     solo_gen0: int = 0  # generated tokens already in solo_base
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # wall seconds of the prefill forwards this sequence was in (what its request waited)
+    prefill_cost_s: float = 0.0  # its share of them: a forward of several prompts is split by their tokens
 
     # -- output side ---------------------------------------------------------------------------------------------
     generated: list = field(default_factory=list)

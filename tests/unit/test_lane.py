@@ -275,3 +275,21 @@ def test_prompts_that_arrive_together_compute_their_shared_prefix_once(models):
     assert finished(eb).cached_tokens == len(shared)  # b computed only its own tail
     assert (b.ns, tuple(shared)) in lane.engine.prompt_cache.keys()
     assert list(a.generated) == solo["a"] and list(b.generated) == solo["b"]
+
+
+def test_a_forward_of_several_prompts_feeds_the_cost_model_each_prompts_share(models):
+    """Two prompts prefilled in one forward both waited for all of it (prefill_s), but the SSD tier's cost model
+    must learn this machine's prefill rate: each prompt is charged its share of the forward by tokens, so the two
+    charges add up to the forward once (charging each the whole forward made the rate look 2x lower)."""
+    lane = make_lane(models, chunk=64, prefill_batch=2, cache_bytes=1 << 26)
+    seen = []
+    cache = lane.engine.prompt_cache
+    cache.observe_prefill = lambda tokens, seconds: seen.append((tokens, seconds))
+    a, _ = submit(lane, "a", list(range(300, 308)), 2)  # 7 tokens to compute (the last one is decoded)
+    b, _ = submit(lane, "b", list(range(400, 424)), 2)  # 23
+    run_until_idle(lane)
+    assert lane.engine.stats.prefill_batches == 1  # both in one forward
+    assert a.prefill_s == b.prefill_s > 0
+    assert a.prefill_cost_s + b.prefill_cost_s == pytest.approx(a.prefill_s)
+    assert a.prefill_cost_s / b.prefill_cost_s == pytest.approx(7 / 23)
+    assert sorted(seen) == sorted([(7, a.prefill_cost_s), (23, b.prefill_cost_s)])
