@@ -166,6 +166,7 @@ def run_claude(claude: Path, port: int, timeout: float, n: int) -> dict:
     env = {**os.environ, "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}", "ANTHROPIC_API_KEY": "unused",
            "HOME": str(home), "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024", "API_TIMEOUT_MS": "7200000",
            "API_FORCE_IDLE_TIMEOUT": "0", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",  # README "Slow machines"
+           "CLAUDE_ENABLE_STREAM_WATCHDOG": "0",  # a first prefill of ~27k tokens outlasts even 30 minutes here
            "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
     t0 = time.monotonic()
     p = subprocess.run([str(claude), "-p", TASK, "--model", "claude-sonnet-4-5", "--permission-mode", "acceptEdits",
