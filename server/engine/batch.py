@@ -103,9 +103,10 @@ class DecodeBatch:
 
 
 class BatchGroups:
-    """The decode batches by group (None: the base model). ``make(model)`` builds an empty batch for a model."""
+    """The decode batches by group (None: the base model). ``make(model, group)`` builds an empty batch for a
+    model (a ``server.engine.spec_batch.SpecBatch`` for a speculating group)."""
 
-    def __init__(self, make: Callable[[Any], DecodeBatch]):
+    def __init__(self, make: Callable[[Any, Any], Any]):
         self._make = make
         self._batches: dict = {}
 
@@ -121,7 +122,7 @@ class BatchGroups:
         """``rows`` (see ``DecodeBatch.add_many``) join the group's batch, made now if the group has none."""
         batch = self._batches.get(group)
         if batch is None:
-            batch = self._batches[group] = self._make(model)
+            batch = self._batches[group] = self._make(model, group)
         batch.add_many(rows)
 
     def step(self, group) -> list:

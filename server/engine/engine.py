@@ -34,6 +34,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, tri
 
 from cache.prefix import namespace
 from server.engine.batch import BatchGroups, DecodeBatch, can_batch
+from server.engine.spec_batch import SpecBatch, is_spec_group, spec_group
 from server.engine.kv_layout import _covered_length, _quantize_fresh, _state_nbytes, kv_scheme
 from server.engine.sampling import build_logits_processors, build_sampler, token_logprobs
 from server.engine.solo import PlainDecode
@@ -65,15 +66,19 @@ class Engine:
         if kv_bits is not None:
             self._check_kv_quantization()
         self.speculation = None  # server.engine.speculation.Speculation when a draft is configured
+        self.spec_in_batch = True  # n-gram requests running at once verify their drafts in one batch
         self.adapters = None  # server.catalog.AdapterRegistry: per-adapter counters (set by server.serve)
         self.kv_bytes_per_token = 0.0  # of the last stored entry, all layers (see kv_stats)
         self._gpu = mx.default_device() != mx.cpu
-        self.batches = BatchGroups(lambda model: DecodeBatch(model, clear_cache=self._gpu))
+        self.batches = BatchGroups(self._make_batch)
         layers = make_prompt_cache(self.model)
         self._plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)
         self._mergeable = can_batch(self._new_caches())
         windows = [c.max_size for c in layers if isinstance(c, RotatingKVCache)]
         self._window = min(windows) if windows else None
+
+    def _make_batch(self, model, group):
+        return SpecBatch(model) if is_spec_group(group) else DecodeBatch(model, clear_cache=self._gpu)
 
     def bind_stream(self, as_default: bool = False) -> None:
         """Create the MLX stream owned by the calling (lane) thread. ``as_default``: make it the thread's default
@@ -179,8 +184,16 @@ class Engine:
         speculating = bool(self.draft_tokens(params))
         seq.group = params.adapter.identity if params.adapter is not None else None
         seq.batchable = not speculating and self._mergeable
+        if speculating and self._spec_batchable(params):  # n-gram rows speculate together (server.engine.spec_batch)
+            seq.group, seq.batchable = spec_group(seq.group), True
         seq.prefill_together = not speculating and self._plain_kv and params.adapter is None
         seq.window = self._window
+
+    def _spec_batchable(self, params) -> bool:
+        """May this speculating request decode in a speculating batch? n-gram drafts (no draft model to batch), plain
+        KV layers (``server.engine.ragged_kv``), no grammar (its stateful processor must see each token once)."""
+        return (self.speculation.kind == "ngram" and self._plain_kv and params.grammar is None
+                and self.spec_in_batch)
 
     def model_for(self, params):
         """The model that computes a request: its adapter's (base weights shared, LoRA layers on top) or the base."""
@@ -309,8 +322,14 @@ class Engine:
         rows = []
         for seq in seqs:
             caches, history = self._batch_entry(seq)
-            rows.append((seq, caches, history, {"sampler": None if seq.params.temperature == 0 else seq.sampler,
-                                                 "processors": build_logits_processors(seq.params, (), seq.grammar)}))
+            opts = {"sampler": None if seq.params.temperature == 0 else seq.sampler,
+                    "processors": build_logits_processors(seq.params, (), seq.grammar)}
+            if is_spec_group(group):
+                plan = seq.spec
+                if plan.policy is None:
+                    plan.policy = self.speculation.policy(plan.num_draft_tokens)
+                opts.update(source=plan.source, policy=plan.policy, max_draft=plan.num_draft_tokens, stats=plan.stats)
+            rows.append((seq, caches, history, opts))
         self.batches.join(group, seqs[0].model, rows)  # one group, one model: the base's or one adapter's
         for seq in seqs:
             seq.phase = Phase.BATCHED
@@ -342,7 +361,10 @@ class Engine:
         """A batch row goes on solo: its caches cover prompt + every generated token; trimmed by one, so that the
         solo decoder feeds the last generated token and samples the next."""
         (tokens, caches), = self.batches.remove(seq.group, [seq])
-        trim_prompt_cache(caches, 1)
+        if is_spec_group(seq.group):  # its caches cover all but its last token (a speculating row's next input)
+            tokens = list(seq.prompt) + list(seq.generated)
+        else:
+            trim_prompt_cache(caches, 1)
         seq.caches, seq.phase = caches, Phase.SOLO
         seq.solo_base, seq.solo_gen0 = list(tokens), len(seq.generated)
 
@@ -361,14 +383,15 @@ class Engine:
     def _open_solo(self, seq: Sequence):
         params = seq.params
         prompt = seq.prompt
-        if seq.spec is not None:
-            return speculative_decode(  # the target is the adapter's model; the draft stays the base's (or n-gram)
-                seq.model, seq.caches, prompt[-1], seq.spec.source, sampler=seq.sampler,
-                logits_processors=build_logits_processors(params, prompt[:-1]),
-                max_tokens=params.max_tokens, num_draft_tokens=seq.spec.num_draft_tokens, stream=self.stream,
-                policy=self.speculation.policy(seq.spec.num_draft_tokens), stats=seq.spec.stats,
-            )
         base = seq.solo_base if seq.solo_base is not None else list(prompt)
+        if seq.spec is not None:  # the caches cover base[:-1] (fresh, or back from a speculating batch)
+            return speculative_decode(  # the target is the adapter's model; the draft stays the base's (or n-gram)
+                seq.model, seq.caches, base[-1], seq.spec.source, sampler=seq.sampler,
+                logits_processors=build_logits_processors(params, base[:-1]),
+                max_tokens=params.max_tokens - seq.solo_gen0, num_draft_tokens=seq.spec.num_draft_tokens,
+                stream=self.stream, policy=seq.spec.policy or self.speculation.policy(seq.spec.num_draft_tokens),
+                stats=seq.spec.stats,
+            )
         return PlainDecode(
             seq.model, seq.caches, base, max_tokens=params.max_tokens - seq.solo_gen0, sampler=seq.sampler,
             stream=self.stream, processors_for=lambda history: build_logits_processors(params, history, seq.grammar),

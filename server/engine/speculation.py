@@ -27,6 +27,7 @@ class SpecPlan:
     source: object = None
     num_draft_tokens: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
+    policy: object = None  # the draft-length policy of its batch rows (kept across batch joins)
 
 
 class Speculation:

@@ -351,11 +351,14 @@ class Lane:
             return 0
         t1 = time.perf_counter()
         phases["batch_step"] = phases.get("batch_step", 0.0) + t1 - t0
-        ending = []
-        for seq, token, logprobs in rows:
+        ending, ended = [], set()
+        for seq, token, logprobs in rows:  # a speculating row may bring several tokens; none after its end
+            if id(seq) in ended:
+                continue
             reason = seq.on_token(token, logprobs)
             if reason is not None:
                 ending.append((seq, reason))
+                ended.add(id(seq))
         t2 = time.perf_counter()
         if ending:
             for (seq, reason), covered in zip(ending, self.engine.leave_rows(group, [s for s, _ in ending])):

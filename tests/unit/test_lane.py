@@ -293,3 +293,47 @@ def test_a_forward_of_several_prompts_feeds_the_cost_model_each_prompts_share(mo
     assert a.prefill_cost_s + b.prefill_cost_s == pytest.approx(a.prefill_s)
     assert a.prefill_cost_s / b.prefill_cost_s == pytest.approx(7 / 23)
     assert sorted(seen) == sorted([(7, a.prefill_cost_s), (23, b.prefill_cost_s)])
+
+
+def spec_lane(models, *, in_batch: bool, max_batch=8):
+    from server.engine.speculation import Speculation
+    from spec import NgramProvider
+
+    lane = make_lane(models, max_batch=max_batch, chunk=64)
+    lane.engine.speculation = Speculation(NgramProvider(), models[None], num_draft_tokens=4, kind="ngram")
+    lane.engine.spec_in_batch = in_batch
+    return lane
+
+
+ECHO = {  # prompts that repeat themselves, so that prompt lookup has something to propose
+    "e1": [5, 6, 7, 8, 9] * 6,
+    "e2": [40, 41, 42] * 9 + [40],
+    "e3": [100, 7, 100, 8, 100, 9] * 4,
+    "e4": list(range(60, 75)) * 2,
+}
+
+
+def test_speculating_requests_verify_their_drafts_in_one_batch_and_make_the_tokens_they_make_alone(models):
+    """Four n-gram requests at once share one verify forward per step (rows of different draft lengths, each
+    rewound by its own rejected count) and each makes the tokens it makes alone without speculation."""
+    alone_tokens = {}
+    for name, prompt in ECHO.items():
+        lane = make_lane(models, chunk=64)
+        seq, _ = submit(lane, name, prompt, 24)
+        run_until_idle(lane)
+        alone_tokens[name] = list(seq.generated)
+    lane = spec_lane(models, in_batch=True)
+    seqs = {name: submit(lane, name, prompt, 24) for name, prompt in ECHO.items()}
+    batches = []
+    for _ in range(400):
+        if lane.idle():
+            break
+        lane.tick()
+        batches += [b for b in lane.engine.batches._batches.values() if len(b) > 1]
+    assert lane.idle()
+    spec_batches = [b for b in batches if type(b).__name__ == "SpecBatch"]
+    assert spec_batches, "the speculating requests never ran in one batch"
+    assert max(b.accepted for b in spec_batches) > 0  # drafts were accepted while several rows ran together
+    for name, (seq, events) in seqs.items():
+        assert finished(events).finish_reason in ("length", "stop")
+        assert list(seq.generated) == alone_tokens[name], name

@@ -1,0 +1,225 @@
+"""The speculating decode batch: every row drafts on its own, one forward verifies all rows' drafts together.
+
+Each step, row i asks its draft source (n-gram lookup over its own prompt + output) for up to n_i tokens, n_i from
+its own adaptive policy (``spec.adaptive``; a row whose drafts keep failing pauses, one whose drafts hit drafts
+more) and capped by what is left of its ``max_tokens``. One forward over the batch feeds every row its pending
+token and its drafts (W = 1 + the longest draft; shorter rows are right-padded, their padding is never kept). Each
+row is then verified with its own sampler and logits processors, exactly as ``spec.verify`` does for one sequence:
+the token at every fed position is drawn from the target's (processed) distribution given the accepted prefix,
+drafts are kept while they equal those tokens, and the first differing token (or the one after the last draft)
+is the row's new pending token. Greedy rows therefore emit what greedy decoding emits; sampled rows follow the
+target distribution exactly (for a deterministic draft, "draw and compare" is the standard acceptance rule:
+the draft survives with probability p(draft), and a rejection yields a draw from p without it). Rows without
+drafts decode one token in the same forward. The KV layout (``server.engine.ragged_kv``) keeps each row's
+accepted positions and drops the rest per row, with no copy.
+
+Interface as ``server.engine.batch.DecodeBatch``: ``add_many``, ``step`` (a row may yield several tokens: the
+list is in row order, each row's tokens in sequence order), ``remove`` (the row's caches and exactly the tokens
+they cover, cut back to what the sequence kept when a stop ended it inside a step).
+
+Not here: grammars (their processor is stateful and sees each token once: such requests do not speculate in a
+batch), two-model drafts (the draft model would need a batch of its own), pipelining (a step must know what was
+accepted before it can draft the next one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+
+from server.engine.ragged_kv import RaggedKV
+from spec import SpecStats
+
+__all__ = ["SpecBatch", "spec_group", "is_spec_group"]
+
+_SPEC = "speculating"
+
+
+def spec_group(group):
+    """The batch group of speculating rows of ``group`` (None: the base model, else an adapter's identity)."""
+    return (_SPEC, group)
+
+
+def is_spec_group(group) -> bool:
+    return isinstance(group, tuple) and len(group) == 2 and group[0] == _SPEC
+
+
+PENALTY_CONTEXT = 256  # tokens of history the penalty processors read (mlx-lm's context sizes are within this)
+
+
+@dataclass
+class _Row:
+    seq: Any
+    tokens: list  # what the row's KV covers
+    pending: int  # the next input (sampled, not yet fed)
+    source: Any  # spec.ngram.NgramSource
+    policy: Any  # spec.adaptive.AdaptiveDraftLength
+    max_draft: int
+    sampler: Any = None  # None: greedy
+    processors: list = field(default_factory=list)
+    stats: Optional[SpecStats] = None
+    feed: list = field(default_factory=list)  # tokens the source has not heard of yet
+
+
+class SpecBatch:
+    def __init__(self, model):
+        self.model = model
+        self._rows: list[_Row] = []
+        self._kv: Optional[RaggedKV] = None
+        self.steps = 0
+        self.row_steps = 0
+        self.drafted = 0
+        self.accepted = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, seq) -> bool:
+        return any(r.seq is seq for r in self._rows)
+
+    @property
+    def sequences(self) -> list:
+        return [r.seq for r in self._rows]
+
+    def add_many(self, rows: list) -> None:
+        """``[(seq, caches, history, opts), ...]``: caches cover history[:-1]; history[-1] is the next input. opts:
+        "sampler" (None: greedy), "processors" (history-free mlx-lm processors), "source", "policy", "max_draft",
+        "stats"."""
+        if not rows:
+            return
+        new = []
+        for seq, caches, history, opts in rows:
+            source = opts["source"]
+            source.prefill(list(history[:-1]))  # n-gram lookup over everything the row has seen
+            new.append(_Row(seq, list(history[:-1]), int(history[-1]), source, opts["policy"],
+                            int(opts["max_draft"]), opts.get("sampler"), list(opts.get("processors") or ()),
+                            opts.get("stats"), [int(history[-1])]))
+        caches = [c for _, c, _, _ in rows]
+        if self._kv is None:
+            self._kv = RaggedKV.from_rows(caches)
+        else:
+            self._kv.extend(caches)
+        self._rows.extend(new)
+
+    def step(self) -> list:
+        """One verify forward for every row: ``[(seq, token, logprobs), ...]``, a row's tokens in order."""
+        if not self._rows:
+            return []
+        drafts = [self._draft(r) for r in self._rows]
+        width = 1 + max(len(d) for d in drafts)
+        inputs = mx.array([[r.pending] + d + [r.pending] * (width - 1 - len(d)) for r, d in zip(self._rows, drafts)])
+        self._kv.reserve(width)
+        logits = self.model(inputs, cache=self._kv.layers)  # (B, W, V)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        picked = self._sample(logits, logprobs, drafts)
+        mx.eval(picked.arrays, picked.lp)
+        rows_out, kept = [], []
+        for i, (row, d) in enumerate(zip(self._rows, drafts)):
+            tokens = picked[i]
+            a = 0
+            while a < len(d) and tokens[a] == d[a]:
+                a += 1
+            emitted = d[:a] + [tokens[a]]
+            kept.append(1 + a)  # the pending token and the accepted drafts are now in the KV
+            row.tokens.append(row.pending)
+            row.tokens.extend(d[:a])
+            row.pending = tokens[a]
+            if d:
+                row.source.commit(d, a)
+                row.policy.update(len(d), a)
+                self.drafted += len(d)
+                self.accepted += a
+                if row.stats is not None:
+                    row.stats.rounds += 1
+                    row.stats.drafted += len(d)
+                    row.stats.accepted += a
+            if row.stats is not None:
+                row.stats.emitted += len(emitted)
+            row.feed.append(row.pending)
+            lp = self._logprob_rows(i, picked.lp, a)
+            rows_out.extend((row.seq, t, lp[j]) for j, t in enumerate(emitted))
+        self._kv.commit(kept)
+        self.steps += 1
+        self.row_steps += len(self._rows)
+        return rows_out
+
+    def remove(self, seqs: list) -> list:
+        """Take these rows out: ``[(tokens, caches), ...]`` in the order given. The caches cover exactly ``tokens``:
+        what the row fed, cut back to the sequence's own prompt + generated tokens when it stopped inside a step."""
+        index = {id(r.seq): i for i, r in enumerate(self._rows)}
+        out = []
+        for seq in seqs:
+            i = index[id(seq)]
+            row = self._rows[i]
+            caches = self._kv.extract(i)
+            keep = min(len(row.tokens), len(seq.prompt) + len(seq.generated))
+            cut = len(row.tokens) - keep
+            if cut:
+                for c in caches:
+                    c.trim(cut)
+            out.append((row.tokens[:keep], caches))
+        gone = {id(s) for s in seqs}
+        keep_idx = [i for i, r in enumerate(self._rows) if id(r.seq) not in gone]
+        self._rows = [self._rows[i] for i in keep_idx]
+        self._kv.filter(keep_idx)
+        if not self._rows:
+            self._kv = None
+        return out
+
+    # -- parts of a step ---------------------------------------------------------------------------
+    def _draft(self, row: _Row) -> list:
+        left = row.seq.params.max_tokens - len(row.seq.generated) - 1  # the step emits one token beyond the drafts
+        n = min(row.policy.next_length(), row.max_draft, left)
+        if n <= 0:
+            return []
+        drafts = [int(t) for t in row.source.draft(row.feed, n)][:n]
+        row.feed = []
+        return drafts
+
+    def _sample(self, logits: mx.array, logprobs: mx.array, drafts: list):
+        """The row's token at each fed position (its sampler over its processed logprobs)."""
+        B, W, _ = logits.shape
+        greedy_plain = [i for i, r in enumerate(self._rows) if r.sampler is None and not r.processors]
+        per_row: list = [None] * B
+        lp_rows: list = [logprobs[i] for i in range(B)]
+        if greedy_plain:
+            best = mx.argmax(logprobs, axis=-1)  # (B, W): one op for every greedy row
+            for i in greedy_plain:
+                per_row[i] = best[i]
+        for i, row in enumerate(self._rows):
+            if per_row[i] is not None:
+                continue
+            n = len(drafts[i]) + 1
+            lp = logprobs[i, :n]
+            if row.processors:
+                seen = (row.tokens + [row.pending])[-PENALTY_CONTEXT:]
+                rows = []
+                for q in range(n):
+                    x = logits[i, q: q + 1]
+                    hist = mx.array(seen + drafts[i][:q], dtype=mx.uint32)
+                    for proc in row.processors:
+                        x = proc(hist, x)
+                    rows.append(x - mx.logsumexp(x, axis=-1, keepdims=True))
+                lp = mx.concatenate(rows, axis=0)
+                lp_rows[i] = lp
+            per_row[i] = row.sampler(lp) if row.sampler is not None else mx.argmax(lp, axis=-1)
+        return _Picked(per_row, lp_rows)
+
+    @staticmethod
+    def _logprob_rows(i: int, lp_rows: list, a: int) -> list:
+        return [lp_rows[i][j] for j in range(a + 1)]
+
+
+class _Picked:
+    """The sampled tokens of a step: ``picked[i]`` is row i's token list (after ``mx.eval(picked)``)."""
+
+    def __init__(self, arrays: list, lp: list):
+        self.arrays, self.lp = arrays, lp
+        self._lists: Optional[list] = None
+
+    def __getitem__(self, i: int) -> list:
+        if self._lists is None:
+            self._lists = [a.tolist() for a in self.arrays]
+        return self._lists[i]

@@ -1,0 +1,207 @@
+"""Speculation inside the batch (server.engine.spec_batch, server.engine.ragged_kv): the ragged KV layout on a tiny
+random model (rows of different lengths and draft widths give exactly their own logits), per-row acceptance and
+rewind with fake logits, the sampled acceptance rule's distribution on a toy vocabulary."""
+
+from __future__ import annotations
+
+import collections
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from server.engine.ragged_kv import RaggedKV
+from server.engine.spec_batch import SpecBatch
+from spec import AdaptiveDraftLength, FixedDraftLength, NgramSource, SpecStats
+from tests.fixtures.tiny_models import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=5)
+
+
+def own_caches(model, tokens):
+    caches = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def test_ragged_rows_of_different_lengths_and_widths_give_each_its_own_logits(model):
+    p1, p2, p3 = list(range(5, 25)), list(range(40, 47)), list(range(80, 81))
+    kv = RaggedKV.from_rows([own_caches(model, p[:-1]) if len(p) > 1 else own_caches(model, [99]) for p in (p1, p2)])
+    # row 0 feeds its last token and three drafts; row 1 its last token, one draft and padding
+    logits = model(mx.array([[p1[-1], 7, 8, 9], [p2[-1], 3, 3, 3]]), cache=kv.layers)
+    alone0 = model(mx.array([[p1[-1], 7, 8, 9]]), cache=own_caches(model, p1[:-1]))
+    alone1 = model(mx.array([[p2[-1], 3]]), cache=own_caches(model, p2[:-1]))
+    assert mx.allclose(logits[0], alone0[0], atol=1e-5)
+    assert mx.allclose(logits[1, :2], alone1[0], atol=1e-5)
+    kv.commit([2, 1])  # row 0 keeps its last token and the first draft; row 1 only its last token
+    assert kv.lengths == [len(p1) + 1, len(p2)]
+    step = model(mx.array([[11], [12]]), cache=kv.layers)  # what each row wrote past its end is not seen
+    assert mx.allclose(step[0], model(mx.array([[11]]), cache=own_caches(model, p1 + [7]))[0], atol=1e-5)
+    assert mx.allclose(step[1], model(mx.array([[12]]), cache=own_caches(model, p2))[0], atol=1e-5)
+    kv.commit([1, 1])
+    # a row joins a running batch, one leaves: the others keep their KV
+    kv.extend([own_caches(model, p3 + [81, 82])])
+    out = kv.extract(0)
+    assert out[0].offset == len(p1) + 2
+    nxt = model(mx.array([[13]]), cache=out)
+    assert mx.allclose(nxt, model(mx.array([[13]]), cache=own_caches(model, p1 + [7, 11])), atol=1e-5)
+    kv.filter([1, 2])
+    assert kv.lengths == [len(p2) + 1, 3]
+    last = model(mx.array([[14], [15]]), cache=kv.layers)
+    assert mx.allclose(last[1], model(mx.array([[15]]), cache=own_caches(model, p3 + [81, 82]))[0], atol=1e-5)
+
+
+class NextTokenModel:
+    """Fake logits: after token t the target's choice is table.get(t, (t + 1) % V); writes nothing that matters."""
+
+    def __init__(self, vocab: int = 50, table=None, probs=None):
+        self.vocab, self.table, self.probs = vocab, dict(table or {}), probs
+
+    def __call__(self, inputs, cache):
+        B, W = inputs.shape
+        for layer in cache:  # the layout still gets its writes (zeros), as from a real model
+            z = mx.zeros((B, 1, W, 2))
+            layer.update_and_fetch(z, z)
+        if self.probs is not None:  # every position: the same distribution
+            return mx.broadcast_to(mx.log(mx.array(self.probs))[None, None], (B, W, self.vocab))
+        nxt = [[self.table.get(t, (t + 1) % self.vocab) for t in row] for row in inputs.tolist()]
+        return mx.where(mx.arange(self.vocab)[None, None] == mx.array(nxt)[..., None], 10.0, 0.0)
+
+
+class ScriptedSource:
+    """Proposes the drafts it is given, one list per step."""
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.commits = []
+
+    def prefill(self, ids):
+        pass
+
+    def draft(self, feed, n):
+        return self.script.pop(0)[:n] if self.script else []
+
+    def commit(self, drafted, accepted):
+        self.commits.append((list(drafted), accepted))
+
+
+def empty_row_caches(length: int):
+    caches = []
+    for _ in range(2):
+        c = KVCache()
+        z = mx.zeros((1, 1, length, 2))
+        c.update_and_fetch(z, z)
+        caches.append(c)
+    return caches
+
+
+def seq(prompt, max_tokens=50):
+    return SimpleNamespace(prompt=list(prompt), generated=[], params=SimpleNamespace(max_tokens=max_tokens))
+
+
+def add(batch, s, source, *, policy=None, sampler=None, stats=None):
+    batch.add_many([(s, empty_row_caches(len(s.prompt) - 1), list(s.prompt),
+                     {"source": source, "policy": policy or FixedDraftLength(4), "max_draft": 4,
+                      "sampler": sampler, "stats": stats})])
+
+
+def test_each_row_keeps_its_own_accepted_prefix_and_is_rewound_by_its_own_rejections():
+    batch = SpecBatch(NextTokenModel(table={3: 9}))  # after 3 the target says 9, elsewhere t + 1
+    a, b, c = seq([1, 2]), seq([10, 11]), seq([20, 21])
+    # a: pending 2 -> target 3, then 9 (not 4): drafts [3, 4, 5] accept 1
+    # b: pending 11 -> 12, 13, 14: drafts [12, 13] accept both, bonus 14
+    # c: no drafts: one plain token
+    add(batch, a, ScriptedSource([[3, 4, 5]]))
+    add(batch, b, ScriptedSource([[12, 13]]))
+    add(batch, c, ScriptedSource([]))
+    out = batch.step()
+    got = collections.defaultdict(list)
+    for s, token, lp in out:
+        got[id(s)].append(token)
+        assert lp.shape == (50,)
+    assert got[id(a)] == [3, 9] and got[id(b)] == [12, 13, 14] and got[id(c)] == [22]
+    assert batch._kv.lengths == [1 + 2, 1 + 3, 1 + 1]  # prompt[:-1] plus pending + accepted drafts
+    assert batch.drafted == 5 and batch.accepted == 3
+    # the sequences take the tokens; c stops after its first: its caches cover exactly its prompt + that token
+    for s, token, _ in out:
+        s.generated.append(token)
+    c.generated = c.generated[:1]
+    (tokens, caches), = batch.remove([c])
+    assert tokens == [20, 21] and caches[0].offset == 2
+    # the next step starts from each row's new pending token
+    out = batch.step()
+    assert [t for s, t, _ in out if s is a] == [10]  # after 9, t + 1
+    assert [t for s, t, _ in out if s is b] == [15]
+
+
+def test_a_row_stopped_inside_a_step_stores_only_what_it_kept():
+    batch = SpecBatch(NextTokenModel())
+    a = seq([1, 2])
+    add(batch, a, ScriptedSource([[3, 4, 5, 6]]))
+    out = batch.step()
+    assert [t for _, t, _ in out] == [3, 4, 5, 6, 7]
+    a.generated = [3, 4]  # a stop string ended it at its second token
+    (tokens, caches), = batch.remove([a])
+    assert tokens == [1, 2, 3, 4] and caches[0].offset == 4  # prompt + what it kept (both were fed)
+
+
+def test_drafts_never_run_past_max_tokens():
+    batch = SpecBatch(NextTokenModel())
+    a = seq([1, 2], max_tokens=3)
+    add(batch, a, ScriptedSource([[3, 4, 5, 6]]))
+    out = batch.step()
+    assert [t for _, t, _ in out] == [3, 4, 5]  # two drafts and the bonus: max_tokens exactly
+
+
+def test_the_adaptive_length_pauses_a_row_whose_drafts_fail():
+    batch = SpecBatch(NextTokenModel())
+    stats = SpecStats()
+    a = seq([1, 2], max_tokens=200)
+    policy = AdaptiveDraftLength(4, pause=16)
+    add(batch, a, ScriptedSource([[0, 0, 0, 0]] * 40), policy=policy, stats=stats)  # always wrong
+    drafted = []
+    for _ in range(12):
+        before = batch.drafted
+        for s, t, _ in batch.step():
+            s.generated.append(t)
+        drafted.append(batch.drafted - before)
+    assert drafted[0] == 4 and drafted[-1] == 0  # it shrank, then paused
+    assert stats.accepted == 0 and stats.emitted == 12
+
+
+def test_sampled_rows_follow_the_target_distribution():
+    """Draw-and-compare with a deterministic draft: the first emitted token is distributed as the target's p,
+    whatever the draft (here always token 0, p(0) = 0.5)."""
+    probs = [0.5, 0.3, 0.15, 0.05]
+    sampler = lambda lp: mx.random.categorical(lp)  # noqa: E731
+    mx.random.seed(7)
+    counts = collections.Counter()
+    trials = 1500
+    for _ in range(trials):
+        batch = SpecBatch(NextTokenModel(vocab=4, probs=probs))
+        a = seq([1, 2])
+        add(batch, a, ScriptedSource([[0, 0]]), sampler=sampler)
+        first = batch.step()[0][1]
+        counts[first] += 1
+    for token, p in enumerate(probs):
+        assert abs(counts[token] / trials - p) < 0.04, (token, counts)
+
+
+def test_ngram_source_rows_in_a_batch_draft_from_their_own_history():
+    batch = SpecBatch(NextTokenModel(vocab=50))
+    # the target continues t + 1; a prompt that already contains "5 6 7 8" lets lookup propose it after "4"
+    a = seq([5, 6, 7, 8, 9, 1, 2, 3, 4])
+    b = seq([30, 31, 32, 33])
+    add(batch, a, NgramSource())
+    add(batch, b, NgramSource())
+    out = batch.step()
+    assert [t for s, t, _ in out if s is a][0] == 5
+    for s, t, _ in out:
+        s.generated.append(t)
+    out = batch.step()  # after "4 5" lookup proposes "6 7 8 ..." and the target agrees
+    assert len([t for s, t, _ in out if s is a]) > 1
