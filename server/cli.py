@@ -118,6 +118,10 @@ def _serve_parser(sub) -> None:
                    help="largest draft per verify step; drafting adapts below it and stops for a request when it "
                         "does not pay (default 4 for two-model, 8 for ngram). Requests may lower it with "
                         "'num_draft_tokens' (0 = no speculation for that request) [MLX_LANE_NUM_DRAFT_TOKENS]")
+    p.add_argument("--no-spec-batch", action="store_true", default=_env_flag("no_spec_batch"),
+                   help="with --draft-kind ngram, decode each speculating request on its own (solo) instead of "
+                        "verifying the drafts of all those running at once in one batched forward "
+                        "[MLX_LANE_NO_SPEC_BATCH=1]")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=int(_env("kv_bits")) if _env("kv_bits") else None,
                    help="quantize the KV cache to 8 or 4 bits (mlx-lm QuantizedKVCache): less RAM and SSD per "
                         "cached token; a separate cache namespace (default: the model's dtype) [MLX_LANE_KV_BITS]")

@@ -52,6 +52,7 @@ def build_state(args):
                     kv_bits=getattr(args, "kv_bits", None), kv_group_size=getattr(args, "kv_group_size", 64))
     engine.fault_hook = _fault_hook_from_env(loaded.tokenizer)
     engine.speculation = _speculation(args, loaded)
+    engine.spec_in_batch = not getattr(args, "no_spec_batch", False)
     if engine.speculation is not None:
         from server.engine.speculation import SpecTotals
 

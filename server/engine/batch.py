@@ -129,6 +129,10 @@ class BatchGroups:
         batch = self._batches.get(group)
         return batch.step() if batch is not None else []
 
+    def get(self, group):
+        """The group's batch, or None."""
+        return self._batches.get(group)
+
     def remove(self, group, seqs: list) -> list:
         """Take these rows out of the group's batch: ``[(tokens, caches), ...]``; an empty adapter batch goes."""
         batch = self._batches[group]

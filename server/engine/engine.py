@@ -346,8 +346,12 @@ class Engine:
         return caches, history
 
     def step_batch(self, group) -> list:
-        """One decode step of a group's batch: ``[(seq, token, logprobs), ...]``."""
-        return self.batches.step(group)
+        """One decode step of a group's batch: ``[(seq, token, logprobs), ...]`` (a speculating batch's rows may
+        bring several tokens each)."""
+        rows = self.batches.step(group)
+        if is_spec_group(group) and self.stats.spec is not None:
+            self.stats.spec.on_batch_step(*self.batches.get(group).last_step)
+        return rows
 
     def leave_rows(self, group, seqs: list[Sequence]) -> list:
         """Take rows out of their batch: ``[(tokens, caches), ...]`` covering what each computed, for ``finish``."""

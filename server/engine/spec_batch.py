@@ -72,6 +72,7 @@ class SpecBatch:
         self.row_steps = 0
         self.drafted = 0
         self.accepted = 0
+        self.last_step = (0, 0, 0, 0)  # rows, drafted, accepted, emitted of the latest step (for /stats)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -143,6 +144,7 @@ class SpecBatch:
         self._kv.commit(kept)
         self.steps += 1
         self.row_steps += len(self._rows)
+        self.last_step = (len(self._rows), sum(len(d) for d in drafts), sum(k - 1 for k in kept), len(rows_out))
         return rows_out
 
     def remove(self, seqs: list) -> list:

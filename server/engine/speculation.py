@@ -69,15 +69,31 @@ class SpecTotals:
         self.max_draft = max_draft
         self.requests = 0
         self.total = SpecStats()
+        # verify steps of speculating batches (server.engine.spec_batch): steps, rows over them, tokens
+        self.batch = dict(steps=0, row_steps=0, drafted=0, accepted=0, emitted=0)
 
     def add(self, stats: SpecStats) -> None:
         with self._lock:
             self.requests += 1
             self.total += stats
 
+    def on_batch_step(self, rows: int, drafted: int, accepted: int, emitted: int) -> None:
+        with self._lock:
+            b = self.batch
+            b["steps"] += 1
+            b["row_steps"] += rows
+            b["drafted"] += drafted
+            b["accepted"] += accepted
+            b["emitted"] += emitted
+
     def as_dict(self) -> dict:
         with self._lock:
             d = self.total.as_dict()
             d.update({"enabled": self.kind is not None, "kind": self.kind, "num_draft_tokens": self.max_draft,
                       "requests": self.requests})
+            b = dict(self.batch)
+            b["mean_rows"] = round(b["row_steps"] / b["steps"], 3) if b["steps"] else None
+            b["acceptance_rate"] = round(b["accepted"] / b["drafted"], 4) if b["drafted"] else None
+            b["tokens_per_row_step"] = round(b["emitted"] / b["row_steps"], 3) if b["row_steps"] else None
+            d["in_batch"] = b
             return d

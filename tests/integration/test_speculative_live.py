@@ -76,3 +76,61 @@ def test_mismatched_draft_is_refused_at_start(tmp_path, default_model_dir):
     with pytest.raises(RuntimeError) as info:
         ServerProc("--model", "default", "--draft-model", str(other), startup_timeout=120)
     assert "vocab" in str(info.value).lower() or "tokenizer" in str(info.value).lower()
+
+
+SNIPPETS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i, i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\nprint(os.path.join('a', 'b'))\n",
+]
+
+
+def test_concurrent_ngram_streams_verify_in_one_batch_and_a_cancelled_one_leaves_the_others_unchanged(spec_server):
+    """Four speculating streams at once share one verify forward per step (/stats speculative.in_batch: accepted
+    drafts over steps of more than one row) and each gives the text it gives alone without speculation; a fifth,
+    dropped by its client after its first chunks, leaves their text unchanged."""
+    import threading
+
+    url = spec_server.url
+    bodies = [{"messages": [{"role": "user", "content": f"Repeat this code exactly:\n{t}"}], "max_tokens": 24,
+               "temperature": 0} for t in SNIPPETS]
+    alone = []
+    for b in bodies:
+        r = httpx.post(url + "/v1/chat/completions", json={**b, "num_draft_tokens": 0}, timeout=300)
+        alone.append(r.json()["choices"][0]["message"]["content"])
+    before = httpx.get(url + "/stats").json()["speculative"]["in_batch"]
+    httpx.post(url + "/admin/cache/clear")
+    texts: list = [None] * len(bodies)
+
+    def run(i):
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**bodies[i], "stream": True},
+                          timeout=300) as r:
+            parts = []
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    import json
+
+                    choice = json.loads(line[6:])["choices"]
+                    if choice and choice[0]["delta"].get("content"):
+                        parts.append(choice[0]["delta"]["content"])
+            texts[i] = "".join(parts)
+
+    def dropped():
+        body = {**bodies[2], "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 4:
+                    return  # the client leaves: the row is cancelled in the batch
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))] + [threading.Thread(target=dropped)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert texts == alone
+    after = httpx.get(url + "/stats").json()["speculative"]["in_batch"]
+    assert after["steps"] > before["steps"]
+    assert after["row_steps"] - before["row_steps"] > after["steps"] - before["steps"]  # more than one row per step
+    assert after["accepted"] > before["accepted"]
+    assert "mlx_lane:spec_decode_batch_accepted_tokens_total" in httpx.get(url + "/metrics").text
