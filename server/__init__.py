@@ -36,6 +36,7 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
     engine/              the mechanism: model verbs that execute a plan (lane thread only)
       engine.py          admit (cache take), prefill, batch joins/leaves, solo steps, finish (cache put)
       batch.py           mlx-lm's GenerationBatch per group; solo.py: plain decode; speculation.py
+      spec_batch.py      speculating rows verified together (n-gram), over ragged_kv.py (rows write at their ends)
       sampling.py        samplers and logits processors; kv_layout.py; distributed.py (process groups)
 
 The prefix cache itself lives in ``cache/`` (one prefix rule in cache.prefix, one protocol in cache.protocol), model

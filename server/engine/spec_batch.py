@@ -161,6 +161,7 @@ class SpecBatch:
             if cut:
                 for c in caches:
                     c.trim(cut)
+            row.source.prefill(row.tokens[:keep])  # the source hears what it has not yet (a solo decoder goes on)
             out.append((row.tokens[:keep], caches))
         gone = {id(s) for s in seqs}
         keep_idx = [i for i, r in enumerate(self._rows) if id(r.seq) not in gone]
