@@ -9,14 +9,14 @@ Public API::
     speculative_decode(model, caches, first_token_input, source, *, sampler, logits_processors,
                        max_tokens, num_draft_tokens, stream, policy, stats)
         -> yields (token, logprobs, from_draft)
-    AdaptiveDraftLength, FixedDraftLength, break_even_rate
+    AdaptiveDraftLength, FixedDraftLength, BatchVerifyCost, break_even_rate
     SpecStats
     SpecError, DraftMismatch, UnsupportedDraft (ValueError)
 
 Layering: imports mlx / mlx-lm (and may import `models`); never `server` or `cache`.
 """
 
-from spec.adaptive import AdaptiveDraftLength, FixedDraftLength, break_even_rate
+from spec.adaptive import AdaptiveDraftLength, BatchVerifyCost, FixedDraftLength, break_even_rate
 from spec.errors import DraftMismatch, SpecError, UnsupportedDraft
 from spec.ngram import NgramProvider, NgramSource
 from spec.source import DraftProvider, DraftSource
@@ -33,6 +33,7 @@ __all__ = [
     "NgramSource",
     "speculative_decode",
     "AdaptiveDraftLength",
+    "BatchVerifyCost",
     "FixedDraftLength",
     "break_even_rate",
     "SpecStats",

@@ -17,9 +17,9 @@ shrinks it after a round that kept less than half.
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
+from typing import Optional, Protocol
 
-__all__ = ["DraftPolicy", "FixedDraftLength", "AdaptiveDraftLength", "break_even_rate"]
+__all__ = ["DraftPolicy", "FixedDraftLength", "AdaptiveDraftLength", "BatchVerifyCost", "break_even_rate"]
 
 # A target forward over n+1 tokens costs ~ (1 + VERIFY_OVERHEAD * n) plain steps on a
 # bandwidth-bound machine (measured on the CPU: a 4-token forward ~1.2-1.3x a 1-token one).
@@ -144,3 +144,52 @@ class AdaptiveDraftLength:
             self.length = self.min_len
         elif self._rounds >= self.warmup and self.recent_rate >= 2 * self.stop_below:
             self._strikes = 0
+
+
+class BatchVerifyCost:
+    """What a drafted token costs in a batched verify step, measured: the break-even acceptance for the batch.
+
+    A step over B rows that feeds D drafted tokens in all takes about ``a*B + m*D`` seconds: ``a`` is a row's share of
+    a plain step, ``m`` what one more token in the forward adds. Drafts pay when the accepted fraction beats
+    ``m / a`` (each accepted token saves a row a plain step's share, each drafted one costs m). On a GPU a batched
+    step is far from compute-bound and ``m / a`` is small; on a CPU the forward's cost grows with its tokens
+    (measured on this 2-core machine, 4 rows of SmolLM2: 0.3-0.4), so drafts that keep only 1 in 10 tokens make a
+    batch slower than plain decoding. ``a`` and ``m`` are fitted (least squares, no intercept) over the last
+    ``window`` steps; ``probe()`` asks for a step without drafts when none of the recent ones was, so the fit always
+    sees both kinds. Until both are measured, ``break_even()`` is ``floor``."""
+
+    def __init__(self, window: int = 32, probe_every: int = 8, floor: float = VERIFY_OVERHEAD, cap: float = 0.9):
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self.probe_every, self.floor, self.cap = probe_every, floor, cap
+        self._since_plain = 0  # steps since the last one without drafts
+
+    def observe(self, rows: int, drafted: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        self._steps.append((rows, drafted, seconds))
+        self._since_plain = 0 if drafted == 0 else self._since_plain + 1
+
+    def probe(self) -> bool:
+        """True when the coming step should draft nothing (to measure a plain step)."""
+        return self._since_plain >= self.probe_every
+
+    def coefficients(self) -> Optional[tuple[float, float]]:
+        """(a, m) fitted over the recent steps, or None while the steps cannot tell them apart."""
+        sbb = sum(b * b for b, _, _ in self._steps)
+        sdd = sum(d * d for _, d, _ in self._steps)
+        sbd = sum(b * d for b, d, _ in self._steps)
+        sbt = sum(b * t for b, _, t in self._steps)
+        sdt = sum(d * t for _, d, t in self._steps)
+        det = sbb * sdd - sbd * sbd
+        if sdd == 0 or det <= 1e-9 * max(sbb * sdd, 1e-30):
+            return None
+        a = (sbt * sdd - sdt * sbd) / det
+        m = (sbb * sdt - sbd * sbt) / det
+        return (a, m) if a > 0 else None
+
+    def break_even(self) -> float:
+        fit = self.coefficients()
+        if fit is None:
+            return self.floor
+        a, m = fit
+        return min(self.cap, max(self.floor, m / a))

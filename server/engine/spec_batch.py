@@ -2,7 +2,10 @@
 
 Each step, row i asks its draft source (n-gram lookup over its own prompt + output) for up to n_i tokens, n_i from
 its own adaptive policy (``spec.adaptive``; a row whose drafts keep failing pauses, one whose drafts hit drafts
-more) and capped by what is left of its ``max_tokens``. One forward over the batch feeds every row its pending
+more) and capped by what is left of its ``max_tokens``. What "failing" means is measured on this batch
+(``spec.adaptive.BatchVerifyCost``: the time a drafted token adds to the forward against a row's share of a plain
+step, with a plain step now and then to keep measuring), so on a machine where every extra token in the forward
+costs (a CPU) rows draft only while their drafts are accepted often enough to pay. One forward over the batch feeds every row its pending
 token and its drafts (W = 1 + the longest draft; shorter rows are right-padded, their padding is never kept). Each
 row is then verified with its own sampler and logits processors, exactly as ``spec.verify`` does for one sequence:
 the token at every fed position is drawn from the target's (processed) distribution given the accepted prefix,
@@ -27,10 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import time
+
 import mlx.core as mx
 
 from server.engine.ragged_kv import RaggedKV
-from spec import SpecStats
+from spec import BatchVerifyCost, SpecStats
 
 __all__ = ["SpecBatch", "spec_group", "is_spec_group"]
 
@@ -61,6 +66,7 @@ class _Row:
     processors: list = field(default_factory=list)
     stats: Optional[SpecStats] = None
     feed: list = field(default_factory=list)  # tokens the source has not heard of yet
+    base_stop: Optional[float] = None  # the policy's own break-even (raised to the batch's measured one)
 
 
 class SpecBatch:
@@ -73,6 +79,7 @@ class SpecBatch:
         self.drafted = 0
         self.accepted = 0
         self.last_step = (0, 0, 0, 0)  # rows, drafted, accepted, emitted of the latest step (for /stats)
+        self.cost = BatchVerifyCost()  # what a drafted token costs this batch: the rows' break-even acceptance
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -96,7 +103,7 @@ class SpecBatch:
             source.prefill(list(history[:-1]))  # n-gram lookup over everything the row has seen
             new.append(_Row(seq, list(history[:-1]), int(history[-1]), source, opts["policy"],
                             int(opts["max_draft"]), opts.get("sampler"), list(opts.get("processors") or ()),
-                            opts.get("stats"), [int(history[-1])]))
+                            opts.get("stats"), [int(history[-1])], getattr(opts["policy"], "stop_below", None)))
         caches = [c for _, c, _, _ in rows]
         if self._kv is None:
             self._kv = RaggedKV.from_rows(caches)
@@ -108,7 +115,15 @@ class SpecBatch:
         """One verify forward for every row: ``[(seq, token, logprobs), ...]``, a row's tokens in order."""
         if not self._rows:
             return []
-        drafts = [self._draft(r) for r in self._rows]
+        t0 = time.perf_counter()
+        if self.cost.probe():  # a plain step now and then: what a drafted token costs is measured against it
+            drafts = [[] for _ in self._rows]
+        else:
+            pays = self.cost.break_even()
+            for r in self._rows:  # a row whose recent acceptance is below what a drafted token costs pauses
+                if r.base_stop is not None:
+                    r.policy.stop_below = max(r.base_stop, pays)
+            drafts = [self._draft(r) for r in self._rows]
         width = 1 + max(len(d) for d in drafts)
         inputs = mx.array([[r.pending] + d + [r.pending] * (width - 1 - len(d)) for r, d in zip(self._rows, drafts)])
         self._kv.reserve(width)
@@ -116,6 +131,7 @@ class SpecBatch:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         picked = self._sample(logits, logprobs, drafts)
         mx.eval(picked.arrays, picked.lp)
+        self.cost.observe(len(self._rows), sum(len(d) for d in drafts), time.perf_counter() - t0)
         rows_out, kept = [], []
         for i, (row, d) in enumerate(zip(self._rows, drafts)):
             tokens = picked[i]

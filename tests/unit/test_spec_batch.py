@@ -205,3 +205,19 @@ def test_ngram_source_rows_in_a_batch_draft_from_their_own_history():
         s.generated.append(t)
     out = batch.step()  # after "4 5" lookup proposes "6 7 8 ..." and the target agrees
     assert len([t for s, t, _ in out if s is a]) > 1
+
+
+def test_the_batch_measures_what_a_drafted_token_costs_and_raises_the_break_even():
+    from spec import BatchVerifyCost
+
+    cost = BatchVerifyCost(probe_every=4)
+    assert cost.break_even() == cost.floor  # nothing measured yet
+    steps = [(4, 0, 0.24), (4, 4, 0.34), (4, 12, 0.54), (3, 6, 0.33), (4, 8, 0.44)]  # a = 0.06/row, m = 0.025/token
+    for rows, drafted, seconds in steps:
+        cost.observe(rows, drafted, seconds)
+    assert cost.break_even() == pytest.approx(0.025 / 0.06, rel=1e-6)
+    for _ in range(4):
+        cost.observe(4, 8, 0.44)
+    assert cost.probe()  # four drafted steps in a row: the next one measures a plain step
+    cost.observe(4, 0, 0.24)
+    assert not cost.probe()
