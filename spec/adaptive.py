@@ -149,12 +149,13 @@ class AdaptiveDraftLength:
 class BatchVerifyCost:
     """What a drafted token costs in a batched verify step, measured: the break-even acceptance for the batch.
 
-    A step over B rows that feeds D drafted tokens in all takes about ``a*B + m*D`` seconds: ``a`` is a row's share of
-    a plain step, ``m`` what one more token in the forward adds. Drafts pay when the accepted fraction beats
-    ``m / a`` (each accepted token saves a row a plain step's share, each drafted one costs m). On a GPU a batched
-    step is far from compute-bound and ``m / a`` is small; on a CPU the forward's cost grows with its tokens
-    (measured on this 2-core machine, 4 rows of SmolLM2: 0.3-0.4), so drafts that keep only 1 in 10 tokens make a
-    batch slower than plain decoding. ``a`` and ``m`` are fitted (least squares, no intercept) over the last
+    A step over B rows, W tokens each (1 + the longest draft: shorter rows are padded, and padding is computed too),
+    takes about ``a*B + m*D`` seconds with D = B*(W - 1) the positions beyond a plain step: ``a`` is a row's share
+    of a plain step, ``m`` what one more position in the forward adds. Drafts pay when the accepted fraction of those
+    positions beats ``m / a`` (each accepted token saves a row a plain step's share, each position costs m). On a GPU
+    a batched step is far from compute-bound and ``m / a`` is small; on this 2-core CPU the forward is compute-bound
+    already at a few rows (4 rows of SmolLM2: 20 positions cost 3.3x a 4-position step, ``m / a`` ~0.5), so in a
+    batch there drafts pay only when almost all are accepted. ``a`` and ``m`` are fitted (least squares, no intercept) over the last
     ``window`` steps; ``probe()`` asks for a step without drafts when none of the recent ones was, so the fit always
     sees both kinds. Until both are measured, ``break_even()`` is ``floor``."""
 
@@ -164,6 +165,7 @@ class BatchVerifyCost:
         self._since_plain = 0  # steps since the last one without drafts
 
     def observe(self, rows: int, drafted: int, seconds: float) -> None:
+        """One step: ``drafted`` = positions beyond one per row (B*(W-1))."""
         if rows <= 0 or seconds <= 0:
             return
         self._steps.append((rows, drafted, seconds))

@@ -123,7 +123,9 @@ class SpecBatch:
             for r in self._rows:  # a row whose recent acceptance is below what a drafted token costs pauses
                 if r.base_stop is not None:
                     r.policy.stop_below = max(r.base_stop, pays)
-            drafts = [self._draft(r) for r in self._rows]
+            wanted = [self._wanted(r) for r in self._rows]
+            top = max(wanted)  # every row computes this many positions anyway: a drafting row may fill them
+            drafts = [self._draft(r, min(top, self._left(r))) if n else [] for r, n in zip(self._rows, wanted)]
         width = 1 + max(len(d) for d in drafts)
         inputs = mx.array([[r.pending] + d + [r.pending] * (width - 1 - len(d)) for r, d in zip(self._rows, drafts)])
         self._kv.reserve(width)
@@ -131,7 +133,7 @@ class SpecBatch:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         picked = self._sample(logits, logprobs, drafts)
         mx.eval(picked.arrays, picked.lp)
-        self.cost.observe(len(self._rows), sum(len(d) for d in drafts), time.perf_counter() - t0)
+        self.cost.observe(len(self._rows), len(self._rows) * (width - 1), time.perf_counter() - t0)
         rows_out, kept = [], []
         for i, (row, d) in enumerate(zip(self._rows, drafts)):
             tokens = picked[i]
@@ -188,9 +190,16 @@ class SpecBatch:
         return out
 
     # -- parts of a step ---------------------------------------------------------------------------
-    def _draft(self, row: _Row) -> list:
-        left = row.seq.params.max_tokens - len(row.seq.generated) - 1  # the step emits one token beyond the drafts
-        n = min(row.policy.next_length(), row.max_draft, left)
+    @staticmethod
+    def _left(row: _Row) -> int:
+        return row.seq.params.max_tokens - len(row.seq.generated) - 1  # a step emits one token beyond its drafts
+
+    def _wanted(self, row: _Row) -> int:
+        """The row's draft length this step by its policy (asked once per step: a pause counts down there)."""
+        return max(0, min(row.policy.next_length(), row.max_draft, self._left(row)))
+
+    @staticmethod
+    def _draft(row: _Row, n: int) -> list:
         if n <= 0:
             return []
         drafts = [int(t) for t in row.source.draft(row.feed, n)][:n]
