@@ -227,8 +227,10 @@ class Engine:
         """Before a sequence's first prefill chunk: take again when the prefix cache now holds a longer prefix than
         it had at admission (agents sent at once share a system prompt: the first one's prompt-boundary entry serves
         the others, instead of each prefilling it). True when the caches were replaced."""
-        if seq.spec is not None or seq.done != seq.cached or seq.done >= len(seq.prompt) - 1:
+        if seq.done != seq.cached or seq.done >= len(seq.prompt) - 1:
             return False
+        if seq.spec is not None and self.speculation.provider.identity is not None:
+            return False  # a two-model entry also holds the draft's layers: taken only at admission (split there)
         if self.prompt_cache.peek(seq.prompt, seq.ns, seq.session) <= seq.done:
             return False
         hit = self.prompt_cache.take(seq.prompt, seq.ns, seq.session)

@@ -51,6 +51,7 @@ def is_spec_group(group) -> bool:
     return isinstance(group, tuple) and len(group) == 2 and group[0] == _SPEC
 
 
+EXPLORE = 8  # of the steps whose drafts do not look worth it, one in this many drafts anyway (acceptance stays known)
 PENALTY_CONTEXT = 256  # tokens of history the penalty processors read (mlx-lm's context sizes are within this)
 
 
@@ -80,6 +81,7 @@ class SpecBatch:
         self.accepted = 0
         self.last_step = (0, 0, 0, 0)  # rows, drafted, accepted, emitted of the latest step (for /stats)
         self.cost = BatchVerifyCost()  # what a drafted token costs this batch: the rows' break-even acceptance
+        self._skipped = 0  # steps whose drafts were not worth their positions
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -124,6 +126,8 @@ class SpecBatch:
                 if r.base_stop is not None:
                     r.policy.stop_below = max(r.base_stop, pays)
             wanted = [self._wanted(r) for r in self._rows]
+            if any(wanted) and not self._worth_drafting(wanted, pays):
+                wanted = [0] * len(wanted)
             top = max(wanted)  # every row computes this many positions anyway: a drafting row may fill them
             drafts = [self._draft(r, min(top, self._left(r))) if n else [] for r, n in zip(self._rows, wanted)]
         width = 1 + max(len(d) for d in drafts)
@@ -190,6 +194,16 @@ class SpecBatch:
         return out
 
     # -- parts of a step ---------------------------------------------------------------------------
+    def _worth_drafting(self, wanted: list, pays: float) -> bool:
+        """Every row computes the longest draft's positions, so drafting pays for the batch only when the rows' recent
+        acceptance, averaged over all rows (a row not drafting counts 0), beats the measured break-even. Every
+        ``EXPLORE``-th step that is not drafts anyway, so the rows' acceptance stays measured."""
+        expected = sum(getattr(r.policy, "recent_rate", 1.0) for r, n in zip(self._rows, wanted) if n) / len(wanted)
+        if expected >= pays:
+            return True
+        self._skipped += 1
+        return self._skipped % EXPLORE == 0
+
     @staticmethod
     def _left(row: _Row) -> int:
         return row.seq.params.max_tokens - len(row.seq.generated) - 1  # a step emits one token beyond its drafts
