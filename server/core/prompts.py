@@ -225,7 +225,7 @@ def sampling_params(req: GenerationRequest, prompt_len: int, context_length: int
         max_tokens=requested,
         temperature=temperature,
         top_p=1.0 if not req.top_p else req.top_p,
-        top_k=req.top_k or 0,
+        top_k=req.top_k if req.top_k and req.top_k < vocab_size else 0,  # K >= the vocabulary keeps every token
         min_p=req.min_p or 0.0,
         seed=req.seed,
         stop=tuple(req.stop),

@@ -36,6 +36,7 @@ CORPUS = [
     json.dumps({"messages": OK_MSG, "logit_bias": {"1": 1e9}}).encode(),
     json.dumps({"messages": OK_MSG, "logit_bias": {str(10**12): 1}}).encode(),
     json.dumps({"messages": OK_MSG, "seed": 2**70}).encode(),
+    json.dumps({"messages": OK_MSG, "top_k": 524288, "max_tokens": 2}).encode(),  # more than the vocabulary
     json.dumps({"messages": OK_MSG, "model": "../../etc/passwd"}).encode(),
     json.dumps({"messages": OK_MSG, "tools": [{"type": "function"}]}).encode(),
     json.dumps({"messages": OK_MSG, "unknown_field": {"deep": [1, 2, 3]}, "max_tokens": 1}).encode(),
