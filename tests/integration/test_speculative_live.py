@@ -93,7 +93,7 @@ def test_concurrent_ngram_streams_verify_in_one_batch_and_a_cancelled_one_leaves
     import threading
 
     url = spec_server.url
-    bodies = [{"messages": [{"role": "user", "content": f"Repeat this code exactly:\n{t}"}], "max_tokens": 24,
+    bodies = [{"messages": [{"role": "user", "content": f"Repeat this code exactly:\n{t}"}], "max_tokens": 12,
                "temperature": 0} for t in SNIPPETS]
     alone = []
     for b in bodies:
