@@ -186,16 +186,15 @@ class Engine:
         speculating = bool(self.draft_tokens(params))
         seq.group = params.adapter.identity if params.adapter is not None else None
         seq.batchable = not speculating and self._mergeable
-        if speculating and self._spec_batchable(params):  # n-gram rows speculate together (server.engine.spec_batch)
+        if speculating and self._spec_batchable():  # n-gram rows speculate together (server.engine.spec_batch)
             seq.group, seq.batchable = spec_group(seq.group), True
         seq.prefill_together = not speculating and self._plain_kv and params.adapter is None
         seq.window = self._window
 
-    def _spec_batchable(self, params) -> bool:
-        """May this speculating request decode in a speculating batch? n-gram drafts (no draft model to batch), plain
-        KV layers (``server.engine.ragged_kv``), no grammar (its stateful processor must see each token once)."""
-        return (self.speculation.kind == "ngram" and self._plain_kv and params.grammar is None
-                and self.spec_in_batch)
+    def _spec_batchable(self) -> bool:
+        """May this speculating request decode in a speculating batch? n-gram drafts (no draft model to batch) and
+        plain KV layers (``server.engine.ragged_kv``). (Grammar requests never speculate: ``sampling_params``.)"""
+        return self.speculation.kind == "ngram" and self._plain_kv and self.spec_in_batch
 
     def model_for(self, params):
         """The model that computes a request: its adapter's (base weights shared, LoRA layers on top) or the base."""
@@ -287,7 +286,7 @@ class Engine:
         for (seq, n), row in zip(items, caches):
             seq.caches, seq.done = row, seq.done + n
             seq.prefill_s += dt
-            seq.prefill_cost_s += dt * n / total  # the cost model wants this machine's rate, not B times less
+            seq.prefill_cost_s += dt * n / total if total else 0.0  # this machine's rate, not B times less
             seq.sink(Progress(seq.done, len(seq.prompt)))
             if seq.done >= len(seq.prompt) - 1 and self._prefill_complete(seq, share):
                 complete.append(seq)

@@ -135,8 +135,9 @@ class SpecBatch:
         self._kv.reserve(width)
         logits = self.model(inputs, cache=self._kv.layers)  # (B, W, V)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        picked = self._sample(logits, logprobs, drafts)
-        mx.eval(picked.arrays, picked.lp)
+        token_rows, lp_rows = self._sample(logits, logprobs, drafts)
+        mx.eval(token_rows, lp_rows)
+        picked = [t.tolist() for t in token_rows]
         self.cost.observe(len(self._rows), len(self._rows) * (width - 1), time.perf_counter() - t0)
         rows_out, kept = [], []
         for i, (row, d) in enumerate(zip(self._rows, drafts)):
@@ -161,8 +162,7 @@ class SpecBatch:
             if row.stats is not None:
                 row.stats.emitted += len(emitted)
             row.feed.append(row.pending)
-            lp = self._logprob_rows(i, picked.lp, a)
-            rows_out.extend((row.seq, t, lp[j]) for j, t in enumerate(emitted))
+            rows_out.extend((row.seq, t, lp_rows[i][j]) for j, t in enumerate(emitted))
         self._kv.commit(kept)
         self.steps += 1
         self.row_steps += len(self._rows)
@@ -221,7 +221,7 @@ class SpecBatch:
         return drafts
 
     def _sample(self, logits: mx.array, logprobs: mx.array, drafts: list):
-        """The row's token at each fed position (its sampler over its processed logprobs)."""
+        """(tokens, logprobs) per row at each fed position: its sampler over its processed logprobs."""
         B, W, _ = logits.shape
         greedy_plain = [i for i, r in enumerate(self._rows) if r.sampler is None and not r.processors]
         per_row: list = [None] * B
@@ -247,21 +247,4 @@ class SpecBatch:
                 lp = mx.concatenate(rows, axis=0)
                 lp_rows[i] = lp
             per_row[i] = row.sampler(lp) if row.sampler is not None else mx.argmax(lp, axis=-1)
-        return _Picked(per_row, lp_rows)
-
-    @staticmethod
-    def _logprob_rows(i: int, lp_rows: list, a: int) -> list:
-        return [lp_rows[i][j] for j in range(a + 1)]
-
-
-class _Picked:
-    """The sampled tokens of a step: ``picked[i]`` is row i's token list (after ``mx.eval(picked)``)."""
-
-    def __init__(self, arrays: list, lp: list):
-        self.arrays, self.lp = arrays, lp
-        self._lists: Optional[list] = None
-
-    def __getitem__(self, i: int) -> list:
-        if self._lists is None:
-            self._lists = [a.tolist() for a in self.arrays]
-        return self._lists[i]
+        return per_row, lp_rows
