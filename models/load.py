@@ -30,7 +30,7 @@ from models.home import file_lock, mlx_lane_home
 from models.packaged import PACKAGED_MODELS, canonical_name, is_converted, packaged_paths
 from models.runtime import default_dtype
 
-__all__ = ["LoadedModel", "load_model", "DTYPES", "resolve_gguf"]
+__all__ = ["LoadedModel", "load_model", "DTYPES", "resolve_gguf", "read_context_length"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -124,6 +124,15 @@ def _context_length(config: dict[str, Any], model_dir: Path) -> int:
         return int(json.loads((model_dir / SOURCE_FILE).read_text())["context_length"])
     except (OSError, ValueError, KeyError, TypeError):
         return _FALLBACK_CONTEXT
+
+
+def read_context_length(model_dir: Path) -> int | None:
+    """The context length an mlx-lm directory's config.json declares, without loading it (None: unreadable)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return _context_length(config, Path(model_dir)) if isinstance(config, dict) else None
 
 
 def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, group: Any = None) -> LoadedModel:

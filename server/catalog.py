@@ -30,7 +30,8 @@ from typing import Optional
 
 from server.errors import ModelNotFound
 
-__all__ = ["AdapterRegistry", "load_refusal", "adapter_path_for", "AdapterCounters", "is_served", "check_model"]
+__all__ = ["AdapterRegistry", "load_refusal", "adapter_path_for", "AdapterCounters", "is_served", "check_model",
+           "on_demand_name"]
 
 
 @dataclass
@@ -40,6 +41,14 @@ class AdapterCounters:
     cached_tokens: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+
+    def add(self, finished) -> None:
+        """Count one finished request (server.lane.events.Finished)."""
+        self.requests += 1
+        self.cache_hits += 1 if finished.cached_tokens > 0 else 0
+        self.cached_tokens += finished.cached_tokens
+        self.prompt_tokens += finished.prompt_tokens
+        self.completion_tokens += finished.completion_tokens
 
     def as_dict(self) -> dict:
         return {"requests": self.requests, "cache_hits": self.cache_hits, "cached_tokens": self.cached_tokens,
@@ -81,12 +90,7 @@ class AdapterRegistry:
     def on_finished(self, name: str, finished) -> None:
         """Count a finished request of adapter ``name`` (lane thread)."""
         with self._lock:
-            c = self._counters.setdefault(name, AdapterCounters())
-            c.requests += 1
-            c.cache_hits += 1 if finished.cached_tokens > 0 else 0
-            c.cached_tokens += finished.cached_tokens
-            c.prompt_tokens += finished.prompt_tokens
-            c.completion_tokens += finished.completion_tokens
+            self._counters.setdefault(name, AdapterCounters()).add(finished)
 
     def stats_block(self) -> dict:
         """The ``adapters`` block of /stats: each name ever served, loaded or not, with its counters."""
@@ -144,17 +148,30 @@ def is_served(names, aliases, requested: str) -> bool:
     return requested in names or any(fnmatchcase(requested, pattern) for pattern in aliases)
 
 
+def on_demand_name(state, requested: Optional[str]) -> Optional[str]:
+    """``requested`` when it names one of the server's on-demand models (server.pool), else None. Names resolve
+    in this order: a LoRA adapter, the base model's names, an on-demand model, an alias pattern (onto the base)."""
+    pool = getattr(state, "models", None)
+    if pool is None or not requested or state.adapters.get(requested) is not None or requested in state.model_names:
+        return None
+    return requested if pool.knows(requested) else None
+
+
 def check_model(state, requested: Optional[str]):
-    """The adapter (models.adapters.Adapter) that ``requested`` names, or None for the base model. Raise
-    ``ModelNotFound`` for a name the server does not answer to (an absent name means the base model)."""
+    """The adapter (models.adapters.Adapter) that ``requested`` names, or None for the base model or an on-demand
+    model (``on_demand_name``). Raise ``ModelNotFound`` for a name the server does not answer to (an absent name
+    means the base model)."""
     adapter = state.adapters.get(requested) if requested else None
     if adapter is not None:
         return adapter
+    if on_demand_name(state, requested):
+        return None
     if requested and not is_served(state.model_names, state.model_aliases, requested):
         hint = " (or start the server with --model-alias PATTERN)" if not state.model_aliases else ""
+        pool = getattr(state, "models", None)
+        served = sorted(state.model_names) + (pool.names() if pool is not None else []) + state.adapters.names()
         raise ModelNotFound(
-            f"The model '{requested}' does not exist on this server. Served: "
-            f"{', '.join(sorted(state.model_names) + state.adapters.names())}{hint}",
+            f"The model '{requested}' does not exist on this server. Served: {', '.join(served)}{hint}",
             param="model",
         )
     return None

@@ -36,9 +36,27 @@ class _AppendOverEnv(argparse.Action):
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="start the OpenAI-compatible server",
                        description="Start the server. Every flag may also be set as MLX_LANE_<FLAG>.")
-    p.add_argument("--model", default=_env("model", "default"),
-                   help="'default' (offline SmolLM2-135M-Instruct), an mlx-lm model directory, a .gguf file, "
-                        "or a Hugging Face repo id (needs a reachable hub) [MLX_LANE_MODEL]")
+    p.add_argument("--model", action=_AppendOverEnv, metavar="[NAME=]PATH", default=[_env("model", "default")],
+                   help="the base model: 'default' (offline SmolLM2-135M-Instruct), an mlx-lm model directory, a "
+                        ".gguf file, or a Hugging Face repo id (needs a reachable hub). Repeat as NAME=PATH to "
+                        "serve more models, selected by \"model\": \"NAME\" and loaded on their first request "
+                        "(without a plain --model, the first NAME=PATH is the base model, always loaded) "
+                        "[MLX_LANE_MODEL]")
+    p.add_argument("--models-dir", metavar="DIR", default=_env("models_dir"),
+                   help="serve every mlx-lm model directory and .gguf file in DIR under its name (directory name, "
+                        "file name without .gguf), loaded on first request; models added later are found too "
+                        "[MLX_LANE_MODELS_DIR]")
+    p.add_argument("--max-loaded-models", type=int, default=int(_env("max_loaded_models", "4")),
+                   help="on-demand models (--model NAME=PATH, --models-dir) resident at once, beside the base "
+                        "model; loading one more unloads the least recently used idle one. 0: no cap (the memory "
+                        "budget still applies). Default 4 [MLX_LANE_MAX_LOADED_MODELS]")
+    p.add_argument("--model-ttl", type=float, default=float(_env("model_ttl", "0")),
+                   help="unload an on-demand model after this many idle seconds (no request running or queued); "
+                        "0 (the default): keep it until room is needed [MLX_LANE_MODEL_TTL]")
+    p.add_argument("--pin", action=_AppendOverEnv, metavar="NAME",
+                   default=[a.strip() for a in str(_env("pin", "")).split(",") if a.strip()],
+                   help="load this on-demand model at start and never unload it (not by --model-ttl, not to make "
+                        "room); repeatable [MLX_LANE_PIN, comma-separated]")
     p.add_argument("--model-alias", action=_AppendOverEnv, metavar="PATTERN",
                    default=[a.strip() for a in str(_env("model_alias", "")).split(",") if a.strip()],
                    help="also answer requests for model names matching this glob (fnmatch, case-sensitive) with "

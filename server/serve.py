@@ -28,8 +28,11 @@ def build_state(args):
     from server.sizes import default_cache_bytes
     from server.stats import ServingStats
 
-    group = _group(args)
-    loaded = load_model(args.model, args.dtype, progress=True, group=group)
+    from server.pool.flags import parse_model_flags
+
+    flags = parse_model_flags(args.model)
+    group = _group(args, flags)
+    loaded = load_model(flags.base, args.dtype, progress=True, group=group)
     loaded = _with_kv_scheme(loaded, args)
     cache_bytes = default_cache_bytes(weights_nbytes(loaded.model)) if args.cache_bytes is None else args.cache_bytes
     tiered = build_tiered_cache(args, loaded.fingerprint, cache_bytes, follower=group is not None and not group.leader)
@@ -62,10 +65,15 @@ def build_state(args):
     embedder = _embedder(args)
     max_batch = args.max_batch or (8 if device_name() == "cpu" else 32)
     prefill_batch = getattr(args, "prefill_batch", None) or (1 if device_name() == "cpu" else 8)
+    pool_box: list = []  # the model pool, once built: the budget counts its loaded models' weights
+    budget = _memory_budget(args, engine, prompt_cache, extra_weights=lambda: pool_box[0].loaded_bytes() if pool_box else 0)
     lane = Lane(engine, max_queue=args.max_queue, token_delay_s=_token_delay_from_env(), max_batch=max_batch,
-                budget=_memory_budget(args, engine, prompt_cache), prefill_batch=prefill_batch, replay=replay)
+                budget=budget, prefill_batch=prefill_batch, replay=replay)
     lane.start()
     lane.ready.wait()
+    pool = _model_pool(args, flags, engine, budget)
+    if pool is not None:
+        pool_box.append(pool)
     blas = blas_info()
     log.info(
         "model %s (%s) | device %s | dtype %s | BLAS %s | prefix cache %.2f GiB | fingerprint %s",
@@ -77,7 +85,9 @@ def build_state(args):
         api_key=args.api_key, keepalive_s=args.keepalive,
         default_max_tokens=args.default_max_tokens if args.default_max_tokens is not None else 2048,
         max_tokens_cap=args.default_max_tokens,
-        max_body_bytes=args.max_body_bytes, model_names={"default"} if args.model == "default" else set(),
+        max_body_bytes=args.max_body_bytes,
+        model_names=({"default"} if flags.base == "default" else set()) | ({flags.base_name} if flags.base_name else set()),
+        models=pool,
         ssd=tiered, shutdown_timeout_s=args.shutdown_timeout, model_aliases=tuple(getattr(args, "model_alias", None) or ()),
         adapters=adapters, adapter_dir=getattr(args, "adapter_dir", None), embedder=embedder,
         web=_web_policy(args), dashboard=not getattr(args, "no_dashboard", False),
@@ -158,7 +168,60 @@ def _write_shard_manifest(tiered, group, model_fingerprint: str) -> None:
         log.warning("could not write %s: %s", path, exc)
 
 
-def _group(args):
+def _model_pool(args, flags, engine, budget):
+    """The on-demand models (server.pool): ``--model NAME=PATH`` and ``--models-dir``; None when there are none.
+    Each loads on its own thread (``_load_slot``), its pinned ones now."""
+    from server.pool.pool import ModelPool
+    from server.pool.policy import ResidencyPolicy
+
+    models_dir = getattr(args, "models_dir", None)
+    if not flags.named and not models_dir:
+        if getattr(args, "pin", None):
+            from models import ModelLoadError
+
+            raise ModelLoadError("--pin names an on-demand model; give them with --model NAME=PATH or --models-dir")
+        return None
+    policy = ResidencyPolicy(budget_bytes=budget.budget_bytes, max_loaded=max(0, args.max_loaded_models),
+                             ttl_s=max(0.0, args.model_ttl), fixed_bytes=engine.weights_nbytes())
+    base_names = frozenset(n for n in (flags.base_name, engine.loaded.model_id, "default") if n)
+
+    def on_unload():
+        import mlx.core as mx
+
+        mx.clear_cache()
+
+    try:
+        pool = ModelPool(flags.named, lambda name, spec: _load_slot(args, name, spec), policy,
+                         pinned=tuple(getattr(args, "pin", None) or ()), models_dir=models_dir, on_unload=on_unload,
+                         reserved=base_names)
+    except ValueError as exc:
+        from models import ModelLoadError
+
+        raise ModelLoadError(str(exc)) from None
+    for entry in pool.entries():
+        log.info("model %s: %s (loads on first request%s)", entry.name, entry.spec, ", pinned" if entry.pinned else "")
+    pool.start()
+    log.info("models: %d on demand (--max-loaded-models %d%s), base %s", len(pool.names()), args.max_loaded_models,
+             f", --model-ttl {args.model_ttl:g} s" if args.model_ttl else "", engine.loaded.model_id)
+    return pool
+
+
+def _load_slot(args, name: str, spec: str):
+    """Load an on-demand model (a pool loader thread): weights, its KV scheme, its KV price, one warm forward."""
+    import mlx.core as mx
+
+    from models import load_model
+    from server.engine.slot import ModelSlot
+
+    loaded = _with_kv_scheme(load_model(spec, args.dtype, progress=False), args)
+    slot = ModelSlot(loaded, name=name, base=False, kv_bits=getattr(args, "kv_bits", None),
+                     kv_group_size=getattr(args, "kv_group_size", 64))
+    slot.measure_kv()  # also the warm forward: its first request pays no first-call cost
+    mx.clear_cache()
+    return slot
+
+
+def _group(args, flags=None):
     """The distributed group when launched under mlx.launch with more than one process, else None."""
     from models import ModelLoadError
     from server.engine.distributed import init_group
@@ -169,7 +232,9 @@ def _group(args):
             log.warning("--pipeline has no effect in a single process (start the server under mlx.launch)")
         return None
     unsupported = [flag for flag, on in (("--draft-model/--draft-kind", args.draft_model or args.draft_kind),
-                                         ("--adapter", getattr(args, "adapter", None)))
+                                         ("--adapter", getattr(args, "adapter", None)),
+                                         ("--model NAME=PATH", flags is not None and flags.named),
+                                         ("--models-dir", getattr(args, "models_dir", None)))
                    if on]
     if unsupported:
         raise ModelLoadError(f"{', '.join(unsupported)} is not supported when the model is sharded over "
@@ -177,8 +242,9 @@ def _group(args):
     return group
 
 
-def _memory_budget(args, engine, prompt_cache):
-    """Admission by memory (server.lane.budget.MemoryBudget): --memory-budget, or the device's default."""
+def _memory_budget(args, engine, prompt_cache, extra_weights=lambda: 0):
+    """Admission by memory (server.lane.budget.MemoryBudget): --memory-budget, or the device's default.
+    ``extra_weights()``: the weights of the on-demand models loaded now (server.pool)."""
     from server.lane.budget import MemoryBudget
     from server.sizes import default_memory_budget
 
@@ -191,7 +257,7 @@ def _memory_budget(args, engine, prompt_cache):
     if budget:
         log.info("memory budget %.2f GiB (%s): weights %.2f GiB, KV %.1f KiB per token; a request waits until its "
                  "KV for prompt + max_tokens fits", budget / (1 << 30), why, weights / (1 << 30), per_token / 1024)
-    return MemoryBudget(budget, per_token, fixed_bytes=weights,
+    return MemoryBudget(budget, per_token, fixed_bytes=lambda: weights + extra_weights(),
                         cache_bytes=lambda: int(prompt_cache.stats().get("bytes", 0) or 0),
                         make_room=prompt_cache.make_room)
 

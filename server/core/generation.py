@@ -129,7 +129,11 @@ class Generation:
         self.parser = parser  # None: raw text (text completions)
         self.id = request_id
         self.t0 = time.monotonic()
-        state.lane.check_fits(len(prompt), params.max_tokens)  # 400 when the memory budget can never admit it
+        served = params.served
+        self.model_name = (params.adapter.name if params.adapter is not None else served.name if served is not None
+                           else state.loaded.model_id)  # what the response says served it
+        state.lane.check_fits(len(prompt), params.max_tokens,  # 400 when the memory budget can never admit it
+                              served.kv_bytes_per_token if served is not None else None)
         ns = state.lane.engine.namespace_for(params)  # the one place, once: the prefetch and the lane use it
         _prefetch(state, prompt, ns, session)  # starts SSD reads while the sequence waits for the lane
         self.run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s, request_id=self.id, ns=ns,
@@ -212,11 +216,14 @@ async def open_generation(state, request: Request, req: GenerationRequest, reque
     parameters, all computed off the event loop. Chat-shaped requests get the model family's output parser (tool
     calls, reasoning); a raw text completion's output is passed through as it is. ``request_id``: the id the
     lane, the logs and the ``X-Request-Id`` header know the request by."""
-    tok = state.loaded.tokenizer
-    prompt = await run_in_threadpool(render, tok, req, state.vocab_size)
+    served = req.served  # an on-demand model (server.pool) renders with its own tokenizer and template
+    tok = served.tokenizer if served is not None else state.loaded.tokenizer
+    vocab_size = served.vocab_size if served is not None else state.vocab_size
+    context_length = served.context_length if served is not None else state.loaded.context_length
+    prompt = await run_in_threadpool(render, tok, req, vocab_size)
     grammar = None if req.prompt is not None else await run_in_threadpool(chat_grammar, tok, req)
-    params = sampling_params(req, len(prompt), state.loaded.context_length,
-                             default_max_tokens=state.default_max_tokens, vocab_size=state.vocab_size, grammar=grammar)
+    params = sampling_params(req, len(prompt), context_length,
+                             default_max_tokens=state.default_max_tokens, vocab_size=vocab_size, grammar=grammar)
     parser = None
     if req.prompt is None:
         tools = req.tools_enabled

@@ -84,6 +84,7 @@ class GenerationRequest:
     session: Optional[str] = None  # the prefix cache's session (header, prompt_cache_key, user ...)
     breakpoints: tuple[int, ...] = ()  # cache hints: the prefix of the first N messages is kept as its own entry
     adapter: Optional[Any] = None  # the LoRA adapter the request's model name selected (None: the base model)
+    served: Optional[Any] = None  # the ModelSlot of another model the name selected (None: the base; server.pool)
     names: Mapping[str, str] = field(default_factory=dict)  # internal field -> the client's parameter name
 
     def param(self, name: str) -> str:

@@ -32,14 +32,19 @@ from typing import Sequence as Seq
 
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, trim_prompt_cache
 
 from cache.prefix import namespace
 from server.engine.batch import BatchGroups, DecodeBatch, can_batch
-from server.engine.spec_batch import SpecBatch, is_spec_group, spec_group
-from server.engine.kv_layout import _covered_length, _quantize_fresh, _state_nbytes, kv_scheme
-from server.engine.sampling import build_logits_processors, build_sampler, token_logprobs
+from server.engine.kv_layout import _covered_length, _state_nbytes, kv_scheme
+from server.engine.sampling import (
+    build_logits_processors,
+    build_sampler,
+    token_logprobs,
+)
+from server.engine.slot import ModelSlot
 from server.engine.solo import PlainDecode
+from server.engine.spec_batch import SpecBatch, is_spec_group, spec_group
 from server.engine.speculation import speculative_decode
 from server.lane.events import Failed, Progress
 from server.lane.sequence import FinishReason, Phase, Sequence
@@ -55,6 +60,7 @@ class Engine:
     def __init__(self, loaded, prompt_cache, stats, *, prefill_chunk: int = 512, kv_bits: int | None = None,
                  kv_group_size: int = 64):
         self.loaded = loaded
+        self.base = ModelSlot(loaded, base=True, kv_bits=kv_bits, kv_group_size=kv_group_size)  # --model
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.namespace = loaded.fingerprint
@@ -63,7 +69,6 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.stream = None  # created on the lane thread by bind_stream()
         self.fault_hook = None  # tests may set a callable(seq) that raises inside a generation
-        self._eos = frozenset(self.tokenizer.eos_token_ids or [])
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         if kv_bits is not None:
             self._check_kv_quantization()
@@ -73,11 +78,7 @@ class Engine:
         self.kv_bytes_per_token = 0.0  # of the last stored entry, all layers (see kv_stats)
         self._gpu = mx.default_device() != mx.cpu
         self.batches = BatchGroups(self._make_batch)
-        layers = make_prompt_cache(self.model)
-        self._plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)
-        self._mergeable = can_batch(self._new_caches())
-        windows = [c.max_size for c in layers if isinstance(c, RotatingKVCache)]
-        self._window = min(windows) if windows else None
+        self._plain_kv = self.base.plain_kv
 
     def _make_batch(self, model, group):
         return SpecBatch(model) if is_spec_group(group) else DecodeBatch(model, clear_cache=self._gpu)
@@ -148,17 +149,18 @@ class Engine:
                 "(the KV cache then stays in the model's dtype).") from exc
 
     def _new_caches(self) -> list:
-        caches = make_prompt_cache(self.model)
-        return caches if self.kv_bits is None else _quantize_fresh(caches, self.kv_bits, self.kv_group_size)
+        return self.base.new_caches()
+
+    def slot_for(self, params) -> ModelSlot:
+        """The model a request runs on: the one its ``model`` selected (``params.served``), else the base."""
+        return params.served if params.served is not None else self.base
 
     def weights_nbytes(self) -> int:
         return weights_nbytes(self.model)
 
     def kv_bytes_per_token_estimate(self) -> float:
-        """KV bytes one cached token costs in this model (all layers), measured on a one-token forward."""
-        caches = self._new_caches()
-        mx.eval(self.model(mx.array([[1]]), cache=caches))
-        return float(_state_nbytes(caches))
+        """KV bytes one cached token costs in the base model (all layers), measured on a one-token forward."""
+        return self.base.measure_kv()
 
     def kv_stats(self) -> dict:
         """The `kv_cache` block of /stats: the scheme and the measured bytes per cached token (all layers)."""
@@ -168,8 +170,12 @@ class Engine:
 
     # -- what a request is, before it runs -------------------------------------------------
     def draft_tokens(self, params) -> int:
+        """Draft tokens per step for a request: speculation belongs to the base model (its draft, its n-gram
+        setting); the other models of the server decode without it."""
         spec = self.speculation
-        return spec.wanted(params.num_draft_tokens) if spec is not None else 0
+        if spec is None or not self.slot_for(params).base:
+            return 0
+        return spec.wanted(params.num_draft_tokens)
 
     def namespace_for(self, params) -> str:
         """The cache namespace of a request (``cache.prefix.namespace``): the model fingerprint (KV scheme included),
@@ -178,18 +184,22 @@ class Engine:
         request, when it is submitted; the sequence carries the answer to the SSD prefetch and the lane's take/put."""
         adapter = params.adapter
         draft = self.speculation.provider.identity if self.draft_tokens(params) else None
-        return namespace(self.namespace, adapter=adapter.identity if adapter is not None else None, draft=draft)
+        return namespace(self.slot_for(params).namespace, adapter=adapter.identity if adapter is not None else None,
+                         draft=draft)
 
     def classify(self, seq: Sequence) -> None:
         """The facts the scheduler plans with (see the module docstring); set once, when the sequence arrives."""
         params = seq.params
+        slot = self.slot_for(params)
         speculating = bool(self.draft_tokens(params))
         seq.group = params.adapter.identity if params.adapter is not None else None
-        seq.batchable = not speculating and self._mergeable
+        if not slot.base:  # one batch per model, as per adapter
+            seq.group = "model:" + slot.namespace
+        seq.batchable = not speculating and slot.mergeable
         if speculating and self._spec_batchable():  # n-gram rows speculate together (server.engine.spec_batch)
             seq.group, seq.batchable = spec_group(seq.group), True
-        seq.prefill_together = not speculating and self._plain_kv and params.adapter is None
-        seq.window = self._window
+        seq.prefill_together = not speculating and slot.plain_kv and slot.base and params.adapter is None
+        seq.window = slot.window
 
     def _spec_batchable(self) -> bool:
         """May this speculating request decode in a speculating batch? n-gram drafts (no draft model to batch) and
@@ -197,15 +207,19 @@ class Engine:
         return self.speculation.kind == "ngram" and self._plain_kv and self.spec_in_batch
 
     def model_for(self, params):
-        """The model that computes a request: its adapter's (base weights shared, LoRA layers on top) or the base."""
-        return self.model if params.adapter is None else params.adapter.model
+        """The model that computes a request: its adapter's (base weights shared, LoRA layers on top), the model its
+        name selected, or the base."""
+        if params.adapter is not None:
+            return params.adapter.model
+        return self.slot_for(params).model
 
     # -- admission and prefill ----------------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
         params = seq.params
+        slot = self.slot_for(params)
         n_draft = self.draft_tokens(params)
-        seq.start_output(self.tokenizer.detokenizer, self._eos,
-                         logprob_of=self._logprob_of(params) if params.logprobs else None)
+        seq.start_output(slot.tokenizer.detokenizer, slot.eos,
+                         logprob_of=self._logprob_of(params, slot) if params.logprobs else None)
         seq.timings.admitted_at = time.monotonic()
         hit = self.prompt_cache.take(seq.prompt, seq.ns, seq.session)
         seq.cached = hit.length if hit is not None else 0
@@ -214,7 +228,7 @@ class Engine:
             seq.caches = target_caches if target_caches is not None else self._new_caches()
             seq.spec = self.speculation.open(draft_caches, seq.prompt[: seq.cached], n_draft)
         else:
-            seq.caches = hit.caches if hit is not None else self._new_caches()
+            seq.caches = hit.caches if hit is not None else slot.new_caches()
         seq.done = seq.cached
         seq.phase = Phase.PREFILL
         seq.timings.prefill_started = time.monotonic()
@@ -272,7 +286,7 @@ class Engine:
         ``prefill``). One forward for B prompts beats B forwards on a GPU (mlx-lm's --prompt-concurrency)."""
         t0 = time.monotonic()
         with mx.stream(self.stream):
-            batch = PromptProcessingBatch(self.model, list(range(len(items))), [s.caches for s, _ in items],
+            batch = PromptProcessingBatch(items[0][0].model, list(range(len(items))), [s.caches for s, _ in items],
                                           tokens=[[] for _ in items], prefill_step_size=max(n for _, n in items))
             batch.prompt([list(s.prompt[s.done: s.done + n]) for s, n in items])
             caches = [batch.extract_cache(i) for i in range(len(items))]
@@ -443,6 +457,9 @@ class Engine:
         adapter = seq.params.adapter
         if adapter is not None and self.adapters is not None:
             self.adapters.on_finished(adapter.name, finished)
+        served = seq.params.served
+        if served is not None and getattr(served, "counters", None) is not None:  # an on-demand model's (server.pool)
+            served.counters.add(finished)
         seq.sink(finished)
 
     def fail(self, seq: Sequence, exc: BaseException) -> None:
@@ -456,12 +473,9 @@ class Engine:
         self.stats.on_failure()
         seq.sink(Failed(exc))
 
-    def _logprob_of(self, params):
+    def _logprob_of(self, params, slot: ModelSlot):
         top = params.top_logprobs
-        return lambda logprobs, token: token_logprobs(logprobs, token, top, self._decode_one)
-
-    def _decode_one(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        return lambda logprobs, token: token_logprobs(logprobs, token, top, slot.decode_one)
 
     # -- cache ------------------------------------------------------------------------
     def _store(self, tokens: Seq[int], caches: list, seq: Sequence, anchor: bool = False) -> None:

@@ -5,6 +5,10 @@
 every pending SSD entry now: 200 ``{"durable": true}`` once every cache entry is on disk, 503 with what is pending
 otherwise, 409 when the SSD tier is off.
 
+``/admin/models/load`` and ``/admin/models/unload`` (body ``{"model": NAME}``) load an on-demand model now (as its
+first request would) or unload one (409 while requests hold it). Only models the server was started with
+(``--model NAME=PATH``, ``--models-dir``) can be named: no path is read from the request.
+
 ``/admin/adapters`` loads or unloads a LoRA adapter while the server runs. Body: ``{"action": "load", "name": NAME, "path": DIR}`` (``path`` may be left out with ``--adapter-dir``: then
 ``DIR/NAME``) or ``{"action": "unload", "name": NAME}``. Who may load what is ``server.catalog.load_refusal``
 (a path from an unauthenticated client is never read). Loading runs on the lane thread (``Lane.call``: it owns
@@ -73,6 +77,52 @@ async def admin_adapters(request: Request):
     state.adapters.add(adapter)
     return {"object": "adapter", "name": adapter.name, "status": "loaded", "identity": adapter.identity[:16],
             "rank": adapter.rank, "num_layers": adapter.num_layers}
+
+
+class ModelAction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+
+
+def _on_demand_entry(state, name: str):
+    if name in state.model_names:
+        raise InvalidRequest(f"'{name}' is the base model: it is always loaded and cannot be unloaded", param="model",
+                             code="base_model")
+    if state.models is None or not state.models.knows(name):
+        served = (", ".join(state.models.names()) or "none") if state.models is not None else \
+            "none (start the server with --model NAME=PATH or --models-dir DIR)"
+        raise NotFound(f"no on-demand model named '{name}'; on-demand models: {served}", param="model",
+                       code="model_not_found")
+    return state.models.entry(name)
+
+
+@router.post("/admin/models/load")
+async def admin_model_load(request: Request):
+    from server.http.pipeline import acquire_model
+
+    state = request.app.state.lane_state
+    req = await parse_body(request, ModelAction, state.max_body_bytes)
+    entry = _on_demand_entry(state, req.model)
+    was = entry.state
+    lease = await acquire_model(state, req.model)
+    lease.release()
+    return {"object": "model", "id": entry.name, "state": entry.state, "was": was, "size_bytes": entry.nbytes,
+            "load_s": round(entry.load_s, 3)}
+
+
+@router.post("/admin/models/unload")
+async def admin_model_unload(request: Request):
+    from server.pool.pool import ModelInUse
+
+    state = request.app.state.lane_state
+    req = await parse_body(request, ModelAction, state.max_body_bytes)
+    entry = _on_demand_entry(state, req.model)
+    try:
+        unloaded = await asyncio.to_thread(state.models.unload, entry.name)
+    except ModelInUse as exc:
+        raise Conflict(str(exc), code="model_in_use") from None
+    return {"object": "model", "id": entry.name, "state": entry.state, "was": "loaded" if unloaded else "not_loaded"}
 
 
 @router.post("/admin/cache/clear")

@@ -56,6 +56,7 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses previous_response_id
     adapters: AdapterRegistry = field(default_factory=AdapterRegistry)  # LoRA adapters, selected by `model`
     adapter_dir: Optional[str] = None  # --adapter-dir: what /admin/adapters may load without --api-key
+    models: Optional[object] = None  # server.pool.pool.ModelPool: the on-demand models (None: only the base model)
     embedder: Optional[object] = None  # models.embedding.EmbeddingModel behind /v1/embeddings, or None
     web: WebPolicy = field(default_factory=WebPolicy)  # Host / Origin allow-lists (server/http/guard.py)
     keep_billing_header: bool = False  # --keep-billing-header: Claude Code's per-prompt system block stays
@@ -76,6 +77,8 @@ def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        if state.models is not None:
+            state.models.stop()
         state.lane.stop()
         if state.ssd is not None:  # after the lane: its last put is scheduled before the flush starts
             durable = await asyncio.to_thread(state.ssd.close, state.shutdown_timeout_s)

@@ -29,6 +29,9 @@ async def health(request: Request):
 async def models(request: Request):
     state = request.app.state.lane_state
     cards = [_model_card(state, name) for name in sorted(state.model_names)]
+    if state.models is not None:
+        state.models.refresh()  # models copied into --models-dir since start
+        cards += [_on_demand_card(state, e) for e in state.models.entries()]
     cards += [_adapter_card(state, a) for a in state.adapters.all()]
     if state.embedder is not None:
         cards.append(_embedding_card(state))
@@ -43,9 +46,11 @@ async def model(request: Request, model_id: str):
         return _adapter_card(state, adapter)
     if state.embedder is not None and model_id == state.embedder.model_id:
         return _embedding_card(state)
-    if model_id not in state.model_names:
-        raise ModelNotFound(f"The model '{model_id}' does not exist", param="model")
-    return _model_card(state, model_id)
+    if model_id in state.model_names:
+        return _model_card(state, model_id)
+    if state.models is not None and state.models.knows(model_id):
+        return _on_demand_card(state, state.models.entry(model_id))
+    raise ModelNotFound(f"The model '{model_id}' does not exist", param="model")
 
 
 @router.get("/stats")
@@ -60,8 +65,32 @@ async def metrics(request: Request):
 
 
 def _model_card(state, name: str) -> dict:
+    """The base model (always loaded)."""
     return {"id": name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
-            "context_length": state.loaded.context_length}
+            "context_length": state.loaded.context_length, "state": "loaded",
+            "size_bytes": state.lane.engine.weights_nbytes(), "adapters": state.adapters.names()}
+
+
+def _on_demand_card(state, entry) -> dict:
+    """An on-demand model (server.pool): its state (loaded / loading / not_loaded) and what is known of it."""
+    slot = entry.slot
+    return {"id": entry.name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
+            "context_length": slot.context_length if slot is not None else _configured_context(entry.spec),
+            "state": entry.state, "size_bytes": entry.nbytes, "pinned": entry.pinned, "adapters": []}
+
+
+def _configured_context(spec: str):
+    """The context length a not-yet-loaded model's config.json declares (None when it cannot be read cheaply)."""
+    from pathlib import Path
+
+    from models.load import read_context_length
+
+    return read_context_length(Path(spec).expanduser())
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx"):
+            if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                return cfg[key]
+    return None
 
 
 def _adapter_card(state, adapter) -> dict:
@@ -99,6 +128,7 @@ def stats_body(state) -> dict:
         "ssd_cache": state.ssd.ssd_stats() if state.ssd is not None else {"enabled": False},
         "speculative": state.stats.spec.as_dict() if state.stats.spec is not None else {"enabled": False},
         "adapters": state.adapters.stats_block(),
+        "models": state.models.stats_block() if state.models is not None else {},  # the on-demand models
         "embeddings": state.stats.embeddings.as_dict(state.embedder),
         "http": state.stats.http_block(),
     }

@@ -23,14 +23,16 @@ names its hook, so nothing here tests types), ``tail()`` (after the end, e.g. ``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from server.core.generation import Done, Error, Generation, KeepAlive, ReasoningOut, Result, TextOut, open_generation
 from server.core.request import GenerationRequest
+from server.errors import APIError, InvalidRequest
 from server.http.wire import SSE_HEADERS, SSE_KEEPALIVE, json_response, parse_body, request_id
 
 __all__ = ["Call", "Door", "Formatter", "run"]
@@ -93,19 +95,45 @@ async def run(door: Door, request: Request):
     """Serve one request through ``door``: a JSON response, or a stream of server-sent events."""
     state = request.app.state.lane_state
     body = await parse_body(request, door.schema, state.max_body_bytes)
-    call = await door.call(state, request, body)
-    gen = await open_generation(state, request, call.request, request_id(request, door.id_prefix))
-    fmt = door.formatter(state, body, call, gen)
-    headers = {"X-Request-Id": gen.id}
-    if call.stream:
-        await gen.__aenter__()  # submits the job (may raise QueueFull: a 429 before any byte is sent)
-        return StreamingResponse(_frames(gen, fmt), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-    async with gen:
-        result = await gen.collect()
-    return json_response(await fmt.body(result), headers=headers)
+    lease = await acquire_model(state, getattr(body, "model", None))  # an on-demand model: loaded and held
+    try:
+        call = await door.call(state, request, body)
+        if lease is not None:
+            call = dataclasses.replace(call, request=dataclasses.replace(call.request, served=lease.slot))
+        gen = await open_generation(state, request, call.request, request_id(request, door.id_prefix))
+        fmt = door.formatter(state, body, call, gen)
+        headers = {"X-Request-Id": gen.id}
+        if call.stream:
+            await gen.__aenter__()  # submits the job (may raise QueueFull: a 429 before any byte is sent)
+            frames, lease = _frames(gen, fmt, lease), None  # the stream releases the model when it ends
+            return StreamingResponse(frames, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        async with gen:
+            result = await gen.collect()
+        return json_response(await fmt.body(result), headers=headers)
+    finally:
+        if lease is not None:
+            lease.release()
 
 
-async def _frames(gen: Generation, fmt: Formatter) -> AsyncIterator[bytes]:
+async def acquire_model(state, requested: Optional[str]):
+    """A lease on the on-demand model ``requested`` names (server.pool), loading it first when it is not loaded;
+    None for the base model, its adapters and aliases. A model that can never fit is a 400, a failed load a 500."""
+    from server.catalog import on_demand_name
+    from server.pool.pool import ModelLoadFailed, ModelWontFit
+
+    name = on_demand_name(state, requested)
+    if name is None:
+        return None
+    try:
+        return await state.models.acquire(name)
+    except ModelWontFit as exc:
+        raise InvalidRequest(str(exc), param="model", code="model_too_large") from None
+    except ModelLoadFailed as exc:
+        raise APIError(f"{exc}. Check the model's files (see the server log), then retry.",
+                       code="model_load_failed") from None
+
+
+async def _frames(gen: Generation, fmt: Formatter, lease=None) -> AsyncIterator[bytes]:
     try:
         for frame in fmt.head():
             yield frame
@@ -116,3 +144,5 @@ async def _frames(gen: Generation, fmt: Formatter) -> AsyncIterator[bytes]:
             yield frame
     finally:
         await gen.__aexit__(None, None, None)
+        if lease is not None:
+            lease.release()

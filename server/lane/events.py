@@ -31,6 +31,7 @@ class SamplingParams:
     num_draft_tokens: Optional[int] = None  # None: the server's setting; 0: no speculation
     grammar: Any = None  # server.core.grammar.GrammarSpec: constrained decoding, one .processor() per request
     adapter: Any = None  # models.adapters.Adapter the request's `model` selected (None: the base model)
+    served: Any = None  # server.engine.slot.ModelSlot of the model the request's `model` selected (None: the base)
 
 
 @dataclass(frozen=True)

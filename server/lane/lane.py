@@ -108,9 +108,10 @@ class Lane:
             self._cond.notify_all()
         self._thread.join(timeout)
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """400 for a request that the memory budget can never admit (the handler asks before submitting)."""
-        why = self.scheduler.budget.never_fits(prompt_tokens, max_tokens)
+    def check_fits(self, prompt_tokens: int, max_tokens: int, per_token: Optional[float] = None) -> None:
+        """400 for a request that the memory budget can never admit (the handler asks before submitting);
+        ``per_token``: the KV price of the request's model when it is not the base model."""
+        why = self.scheduler.budget.never_fits(prompt_tokens, max_tokens, per_token)
         if why:
             raise InvalidRequest(why, param="max_tokens", code="memory_budget_exceeded")
 

@@ -37,7 +37,7 @@ _STOP = orjson.dumps({"stop": True})
 
 def seq_spec(seq: Sequence) -> dict:
     """What a follower needs to rebuild ``seq`` (no sink: a follower's events go nowhere)."""
-    params = dataclasses.asdict(dataclasses.replace(seq.params, grammar=None, adapter=None))
+    params = dataclasses.asdict(dataclasses.replace(seq.params, grammar=None, adapter=None, served=None))
     if params.get("logit_bias"):
         params["logit_bias"] = [[int(k), float(v)] for k, v in params["logit_bias"].items()]
     params["stop"] = list(params["stop"])
@@ -53,6 +53,7 @@ def seq_from_spec(spec: dict, compile_grammar=None, engine=None) -> Sequence:
     params = dict(spec["params"])
     params.pop("grammar", None)
     params.pop("adapter", None)
+    params.pop("served", None)
     if params.get("logit_bias"):
         params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"]}
     params["stop"] = tuple(params["stop"])

@@ -63,7 +63,9 @@ class Scheduler:
 
     def need(self, seq: Sequence) -> int:
         """KV bytes a sequence reserves: its prompt + max_tokens."""
-        return self.budget.need(len(seq.prompt), seq.params.max_tokens)
+        served = seq.params.served  # another model of the server: its own KV price (server.engine.slot)
+        return self.budget.need(len(seq.prompt), seq.params.max_tokens,
+                                served.kv_bytes_per_token if served is not None else None)
 
     def schedule(self, waiting: Seq[Sequence], running: Seq[Sequence], *, task: bool = False,
                  ready: Callable[[Sequence], bool] = lambda s: True,

@@ -92,12 +92,10 @@ class ChatDoor(Door):
 
     async def call(self, state, request: Request, body: ChatCompletionRequest) -> Call:
         adapter = check_model(state, body.model)
-        return Call(chat_request(body, request.headers, adapter), stream=body.stream, context=adapter)
+        return Call(chat_request(body, request.headers, adapter), stream=body.stream)
 
     def formatter(self, state, body: ChatCompletionRequest, call: Call, gen: Generation) -> Formatter:
-        adapter = call.context
-        chunks = ChatFormatter(model=adapter.name if adapter else state.loaded.model_id,
-                               fingerprint=state.system_fingerprint, id=gen.id)
+        chunks = ChatFormatter(model=gen.model_name, fingerprint=state.system_fingerprint, id=gen.id)
         return ChatOutput(chunks, bool(body.stream_options and body.stream_options.include_usage), gen.params.logprobs)
 
 
@@ -140,12 +138,10 @@ class CompletionDoor(Door):
             logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
             session=session_of(request.headers, body.prompt_cache_key, body.user), adapter=adapter,
             names={"messages": "prompt"}, **_sampling(body))
-        return Call(req, stream=body.stream, context=adapter)
+        return Call(req, stream=body.stream)
 
     def formatter(self, state, body: CompletionRequest, call: Call, gen: Generation) -> Formatter:
-        adapter = call.context
-        chunks = CompletionFormatter(model=adapter.name if adapter else state.loaded.model_id,
-                                     fingerprint=state.system_fingerprint, id=gen.id)
+        chunks = CompletionFormatter(model=gen.model_name, fingerprint=state.system_fingerprint, id=gen.id)
         return CompletionOutput(chunks, bool(body.stream_options and body.stream_options.include_usage),
                                 gen.params.logprobs)
 

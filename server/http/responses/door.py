@@ -96,8 +96,8 @@ class ResponsesDoor(Door):
         return Call(req, stream=body.stream, context=(adapter, (*history, *input_items(body))))
 
     def formatter(self, state, body: ResponsesRequest, call: Call, gen: Generation) -> Formatter:
-        adapter, conversation = call.context
-        base = response_base(body, "resp_" + uuid.uuid4().hex, adapter.name if adapter else state.loaded.model_id)
+        _, conversation = call.context
+        base = response_base(body, "resp_" + uuid.uuid4().hex, gen.model_name)
         return ResponsesOutput(state, body, base, conversation)
 
 

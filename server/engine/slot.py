@@ -1,0 +1,65 @@
+"""One loaded model as the engine computes with it: weights, tokenizer, cache namespace and its KV-layout facts.
+
+The engine serves its **base** model (``--model``: the one adapters, the draft model and model-less requests use)
+through its own slot, and every other model of the server (``--model NAME=PATH``, ``--models-dir``; loaded on
+demand by server.pool) through one slot each, which a request carries in ``SamplingParams.served``. A sequence
+takes everything model-specific from its slot: the forward, the fresh KV caches, the detokenizer and EOS ids, the
+namespace its KV is cached under (the model's fingerprint, KV scheme included), and whether its caches may join a
+batch. ``release()`` drops the references to the weights (the pool's unload): sequences still running keep the
+model through their own reference (``Sequence.model``) and finish with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from server.engine.batch import can_batch
+from server.engine.kv_layout import _quantize_fresh, _state_nbytes
+
+__all__ = ["ModelSlot"]
+
+
+class ModelSlot:
+    def __init__(self, loaded, *, name: Optional[str] = None, base: bool = True, kv_bits: Optional[int] = None,
+                 kv_group_size: int = 64):
+        self.loaded = loaded  # models.load.LoadedModel
+        self.name = name or loaded.model_id  # what requests call it (and what responses echo)
+        self.base = base  # the server's base model: adapters, the draft model and batched prefill apply to it
+        self.model: Any = loaded.model
+        self.tokenizer: Any = loaded.tokenizer
+        self.namespace: str = loaded.fingerprint
+        self.context_length: int = loaded.context_length
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.eos = frozenset(self.tokenizer.eos_token_ids or [])
+        layers = make_prompt_cache(self.model)
+        self.plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)  # the ragged/prefill layouts
+        self.mergeable = can_batch(self.new_caches())  # its rows may join a decode batch
+        windows = [c.max_size for c in layers if isinstance(c, RotatingKVCache)]
+        self.window = min(windows) if windows else None
+        args = getattr(self.model, "args", None)
+        self.vocab_size = getattr(args, "vocab_size", None) or len(self.tokenizer.vocab)
+        self.kv_bytes_per_token = 0.0  # measured by measure_kv (the memory budget's per-token price)
+        self.counters: Any = None  # server.catalog.AdapterCounters of an on-demand model (its pool entry's)
+
+    def new_caches(self) -> list:
+        caches = make_prompt_cache(self.model)
+        return caches if self.kv_bits is None else _quantize_fresh(caches, self.kv_bits, self.kv_group_size)
+
+    def measure_kv(self) -> float:
+        """KV bytes one cached token costs in this model (all layers), from a one-token forward."""
+        import mlx.core as mx
+
+        caches = self.new_caches()
+        mx.eval(self.model(mx.array([[1]]), cache=caches))
+        self.kv_bytes_per_token = float(_state_nbytes(caches))
+        return self.kv_bytes_per_token
+
+    def decode_one(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def release(self) -> None:
+        """Forget the weights (unloaded); running sequences keep their own reference."""
+        self.model = None
+        self.loaded = None
