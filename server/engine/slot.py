@@ -25,12 +25,12 @@ class ModelSlot:
     def __init__(self, loaded, *, name: Optional[str] = None, base: bool = True, kv_bits: Optional[int] = None,
                  kv_group_size: int = 64):
         self.loaded = loaded  # models.load.LoadedModel
-        self.name = name or loaded.model_id  # what requests call it (and what responses echo)
+        self.name = name or getattr(loaded, "model_id", None)  # what requests call it (and responses echo)
         self.base = base  # the server's base model: adapters, the draft model and batched prefill apply to it
         self.model: Any = loaded.model
         self.tokenizer: Any = loaded.tokenizer
         self.namespace: str = loaded.fingerprint
-        self.context_length: int = loaded.context_length
+        self.context_length: int = getattr(loaded, "context_length", 0)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.eos = frozenset(self.tokenizer.eos_token_ids or [])
         layers = make_prompt_cache(self.model)
@@ -39,7 +39,7 @@ class ModelSlot:
         windows = [c.max_size for c in layers if isinstance(c, RotatingKVCache)]
         self.window = min(windows) if windows else None
         args = getattr(self.model, "args", None)
-        self.vocab_size = getattr(args, "vocab_size", None) or len(self.tokenizer.vocab)
+        self.vocab_size = getattr(args, "vocab_size", None) or len(getattr(self.tokenizer, "vocab", ()))
         self.kv_bytes_per_token = 0.0  # measured by measure_kv (the memory budget's per-token price)
         self.counters: Any = None  # server.catalog.AdapterCounters of an on-demand model (its pool entry's)
 

@@ -218,9 +218,9 @@ class ModelPool:
                 return self._changed
             for victim in plan.evict:
                 self._unload_locked(self._entries[victim], why=f"to make room for {name}")
-            entry.loading = concurrent.futures.Future()
+            loading = entry.loading = concurrent.futures.Future()
         threading.Thread(target=self._load, args=(entry,), name=f"load-{name}", daemon=True).start()
-        return entry.loading
+        return loading
 
     def _load(self, entry: PoolEntry) -> None:
         t0 = time.monotonic()

@@ -1,0 +1,122 @@
+"""Many models in one server (issue 25), on real models behind a real uvicorn.
+
+One ``--models-dir`` with two tiny random-weight models (a llama and a qwen2 with the default model's tokenizer,
+tests/fixtures/tiny_models.py) beside the base model (the offline default), ``--max-loaded-models 1``. Checked:
+``/v1/models`` lists every model with its state, and the states change as requests alternate; each model's greedy
+text is its own and the same after it was evicted and loaded again; the same prompt never hits another model's KV
+(each first request of it to a model has nothing cached) while a model loaded again hits its own RAM entries; a
+burst of requests for an unloaded model loads it once; the admin endpoints load and unload; unknown names are a
+404 that lists the models. Then a restart on the same SSD directory with ``--model-ttl``: a model restores its
+prompt from SSD (its own namespace), and is unloaded once idle past the TTL.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.fixtures.tiny_models import write_shardable_model
+from tests.serverproc import ServerProc
+
+pytestmark = pytest.mark.model
+
+PROMPT = [{"role": "user", "content": "Write one sentence about rivers."}]
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("models")
+    write_shardable_model(root / "tiny-llama", default_model_dir, arch="llama", seed=1)
+    write_shardable_model(root / "tiny-qwen", default_model_dir, arch="qwen2", seed=2)
+    return root
+
+
+def states(url) -> dict:
+    return {m["id"]: m.get("state") for m in httpx.get(url + "/v1/models").json()["data"]}
+
+
+def loads(url, name) -> int:
+    return httpx.get(url + "/stats").json()["models"][name]["loads"]
+
+
+def test_models_load_on_demand_evict_each_other_keep_their_caches_apart_and_restore_per_model(models_dir, tmp_path):
+    kv = tmp_path / "kv"
+    srv = ServerProc("--model", "default", "--models-dir", str(models_dir), "--max-loaded-models", "1",
+                     "--ssd-cache", str(kv), "--cache-bytes", "256M", "--write-behind-debounce", "0.05")
+    try:
+        url = srv.url
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert states(url)["tiny-llama"] == states(url)["tiny-qwen"] == "not_loaded"
+        assert states(url)["default"] == "loaded"
+        card = httpx.get(url + "/v1/models/tiny-qwen").json()
+        assert card["state"] == "not_loaded" and card["context_length"] == 4096 and card["size_bytes"] > 0
+
+        texts, cached = {}, {}
+        for i, model in enumerate(["tiny-llama", "tiny-qwen", "tiny-llama", "default", "tiny-qwen"]):
+            r = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=6, temperature=0)
+            assert r.model == ("SmolLM2-135M-Instruct" if model == "default" else model)
+            texts.setdefault(model, []).append(r.choices[0].message.content)
+            cached.setdefault(model, []).append(r.usage.prompt_tokens_details.cached_tokens)
+            if i == 0:
+                assert states(url)["tiny-llama"] == "loaded" and states(url)["tiny-qwen"] == "not_loaded"
+            if i == 1:  # one slot: the llama went to make room
+                assert states(url)["tiny-llama"] == "not_loaded" and states(url)["tiny-qwen"] == "loaded"
+        for model, got in texts.items():
+            assert len(set(got)) == 1, f"{model} answered differently after a reload: {got}"
+        assert len({got[0] for got in texts.values()}) == 3, texts  # each model its own text
+        # the same prompt (same tokenizer) never hits another model's entries; a reloaded model hits its own
+        assert cached["tiny-llama"][0] == cached["tiny-qwen"][0] == cached["default"][0] == 0, cached
+        assert cached["tiny-llama"][1] > 0 and cached["tiny-qwen"][1] > 0, cached
+
+        # a burst for the unloaded llama: one load, every answer its text
+        before = loads(url, "tiny-llama")
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(lambda _: client.chat.completions.create(
+                model="tiny-llama", messages=PROMPT, max_tokens=6, temperature=0).choices[0].message.content,
+                range(4)))
+        assert got == [texts["tiny-llama"][0]] * 4
+        assert loads(url, "tiny-llama") == before + 1
+        stats = httpx.get(url + "/stats").json()["models"]["tiny-llama"]
+        assert stats["state"] == "loaded" and stats["requests"] == 6 and stats["in_use"] == 0
+
+        # streaming, through raw HTTP, on the other model (it loads first)
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
+                "model": "tiny-qwen", "messages": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}) as r:
+            assert r.status_code == 200
+            body = "".join(r.iter_text())
+        assert '"model":"tiny-qwen"' in body and body.rstrip().endswith("data: [DONE]")
+
+        # admin: unload, load; the base model stays; unknown names say what is served
+        h = {"Content-Type": "application/json"}
+        r = httpx.post(url + "/admin/models/unload", json={"model": "tiny-qwen"}, headers=h)
+        assert r.status_code == 200 and r.json()["state"] == "not_loaded"
+        r = httpx.post(url + "/admin/models/load", json={"model": "tiny-qwen"}, headers=h, timeout=120)
+        assert r.status_code == 200 and r.json()["state"] == "loaded" and r.json()["was"] == "not_loaded"
+        assert httpx.post(url + "/admin/models/unload", json={"model": "default"}, headers=h).status_code == 400
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-mistral", "messages": PROMPT})
+        assert r.status_code == 404 and "tiny-llama" in r.json()["error"]["message"]
+        assert httpx.post(url + "/admin/cache/flush", timeout=60).status_code == 200
+    finally:
+        assert srv.stop() == 0
+
+    # restart on the same SSD tier, with an idle TTL: the qwen restores its prompt from SSD, then unloads when idle
+    srv = ServerProc("--model", "default", "--models-dir", str(models_dir), "--ssd-cache", str(kv),
+                     "--cache-bytes", "256M", "--model-ttl", "1")
+    try:
+        url = srv.url
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="tiny-qwen", messages=PROMPT, max_tokens=6, temperature=0)
+        assert r.choices[0].message.content == texts["tiny-qwen"][0]
+        assert r.usage.prompt_tokens_details.cached_tokens > 0  # from its own SSD namespace
+        assert httpx.get(url + "/stats").json()["ssd_cache"]["restores"] >= 1
+        deadline = time.monotonic() + 30
+        while states(url)["tiny-qwen"] != "not_loaded" and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert states(url)["tiny-qwen"] == "not_loaded"
+        assert httpx.get(url + "/stats").json()["models"]["tiny-qwen"]["unloads"] == 1
+    finally:
+        assert srv.stop() == 0
