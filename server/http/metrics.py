@@ -17,6 +17,8 @@ def prometheus_text(state) -> bytes:
     if stats.spec is not None:
         body += generate_latest(_SpecCollector(stats.spec.as_dict()))
     body += generate_latest(_AdapterCollector(state.adapters.stats_block()))
+    if state.models is not None:
+        body += generate_latest(_ModelCollector(state.models.stats_block()))
     if state.ssd is not None:
         body += generate_latest(_SSDCollector(state.ssd.ssd_stats()))
     return body
@@ -84,6 +86,37 @@ class _AdapterCollector:
             m = CounterMetricFamily("mlx_lane:" + name, doc, labels=["adapter"])
             for adapter, row in self.block.items():
                 m.add_metric([adapter], float(row.get(key) or 0))
+            yield m
+
+
+class _ModelCollector:
+    """Per on-demand model (server.pool), labelled by model name: loaded or not, weights, loads and requests."""
+
+    _COUNTERS = [
+        ("loads", "model_loads", "Times an on-demand model was loaded"),
+        ("unloads", "model_unloads", "Times an on-demand model was unloaded (evicted, idle TTL, admin)"),
+        ("requests", "model_requests", "Finished requests served by an on-demand model"),
+        ("cached_tokens", "model_cached_tokens", "Prompt tokens of an on-demand model served by the prefix cache"),
+        ("prompt_tokens", "model_prompt_tokens", "Prompt tokens of an on-demand model's requests"),
+        ("completion_tokens", "model_completion_tokens", "Completion tokens of an on-demand model's requests"),
+    ]
+
+    def __init__(self, block: dict):
+        self.block = block
+
+    def collect(self):
+        loaded = GaugeMetricFamily("mlx_lane:model_loaded", "1 while the on-demand model is loaded", labels=["model"])
+        nbytes = GaugeMetricFamily("mlx_lane:model_weight_bytes", "Weights of the on-demand model (measured once "
+                                   "loaded, estimated from its files before)", labels=["model"])
+        for model, row in self.block.items():
+            loaded.add_metric([model], 1.0 if row["state"] == "loaded" else 0.0)
+            nbytes.add_metric([model], float(row.get("bytes") or 0))
+        yield loaded
+        yield nbytes
+        for key, name, doc in self._COUNTERS:
+            m = CounterMetricFamily("mlx_lane:" + name, doc, labels=["model"])
+            for model, row in self.block.items():
+                m.add_metric([model], float(row.get(key) or 0))
             yield m
 
 

@@ -61,10 +61,32 @@
       ? `restore when reading the KV (${cost.read_mb_s} MB/s${cost.read_measured ? ", measured" : ", prior"}) beats ` +
         `recomputing it (${cost.prefill_tok_s} tok/s${cost.prefill_measured ? ", measured" : ", prior"}); mode ${cost.mode}`
       : "";
+    fillModels(get(stats, "models") || {});
     const byStatus = get(stats, "http.by_status") || {};
     const errs = Object.entries(byStatus).filter(([code]) => +code >= 400);
     $("errors").textContent = errs.length ? errs.map(([c, n]) => `${c}: ${n}`).join(", ") : "none";
     $("errors").dataset.value = JSON.stringify(Object.fromEntries(errs));
+  }
+
+  function fillModels(models) {
+    // the on-demand models (--model NAME=PATH, --models-dir); names are text, never markup
+    const names = Object.keys(models);
+    for (const el of document.querySelectorAll(".models")) el.hidden = !names.length;
+    const rows = names.map((name) => {
+      const m = models[name];
+      const cells = [name, m.state + (m.pinned ? " (pinned)" : ""), fmt(m.bytes, "bytes"), fmt(m.loads, "int"),
+        fmt(m.requests, "int"), fmt(m.cached_tokens, "int"), m.idle_s == null ? "-" : fmt(m.idle_s, "num")];
+      const tr = document.createElement("tr");
+      tr.dataset.model = name;
+      tr.dataset.state = m.state;
+      for (const c of cells) {
+        const td = document.createElement("td");
+        td.textContent = c;
+        tr.appendChild(td);
+      }
+      return tr;
+    });
+    $("models").replaceChildren(...rows);
   }
 
   function rate(now, prev, path) {
