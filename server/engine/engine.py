@@ -37,11 +37,7 @@ from mlx_lm.models.cache import KVCache, trim_prompt_cache
 from cache.prefix import namespace
 from server.engine.batch import BatchGroups, DecodeBatch, can_batch
 from server.engine.kv_layout import _covered_length, _state_nbytes, kv_scheme
-from server.engine.sampling import (
-    build_logits_processors,
-    build_sampler,
-    token_logprobs,
-)
+from server.engine.sampling import build_logits_processors, build_sampler, repair_random_state, token_logprobs
 from server.engine.slot import ModelSlot
 from server.engine.solo import PlainDecode
 from server.engine.spec_batch import SpecBatch, is_spec_group, spec_group
@@ -377,6 +373,7 @@ class Engine:
     def reset_batch(self, group) -> None:
         """A batch whose step raised: its rows were failed; start the group afresh."""
         self.batches.reset(group)
+        self._repair_after_failure()
 
     def leave_batch(self, seq: Sequence) -> None:
         """A batch row goes on solo: its caches cover prompt + every generated token; trimmed by one, so that the
@@ -470,8 +467,18 @@ class Engine:
             except Exception:
                 log.exception("closing the decoder of %s failed", seq.id)
         seq.phase, seq.finish_reason = Phase.FINISHED, FinishReason.FAILED
+        self._repair_after_failure()
         self.stats.on_failure()
         seq.sink(Failed(exc))
+
+    @staticmethod
+    def _repair_after_failure() -> None:
+        """What a failed step may leave broken for the requests after it (see ``repair_random_state``)."""
+        try:
+            if repair_random_state():
+                log.warning("a failed step left MLX's random state unusable; reseeded it")
+        except Exception:
+            log.exception("repairing the random state failed")
 
     def _logprob_of(self, params, slot: ModelSlot):
         top = params.top_logprobs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -11,6 +12,22 @@ from server.lane.events import SamplingParams, TokenLogprob
 
 # Penalties look this many tokens back (mlx-lm's default window is 20).
 PENALTY_CONTEXT = 64
+
+
+def repair_random_state() -> bool:
+    """Give MLX's global random state a fresh seed when a failed step left it unusable; True when it did.
+
+    mlx-lm's sampler is compiled with ``mx.random.state`` as an input and an output: when anything inside the
+    compiled call raises (a filter refusing its argument, an out-of-memory), the state is left as an array without
+    a primitive, and every later sampled request of the process failed with "[eval] Attempting to eval an array
+    without a primitive" (greedy ones did not). A request with a ``seed`` samples from its own key, not from this
+    state, so its text stays reproducible. Lane thread, after a failure."""
+    try:
+        mx.eval(mx.random.state)
+        return False
+    except (RuntimeError, ValueError):
+        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+        return True
 
 
 def build_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:

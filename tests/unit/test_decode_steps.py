@@ -71,3 +71,19 @@ def test_penalties_see_the_prompt_history(model):
                                        logits_processors=make_logits_processors(repetition_penalty=1.8,
                                                                                 repetition_context_size=64))]
     assert got == ref
+
+
+def test_repair_random_state_reseeds_only_a_state_a_failed_compiled_sampler_left_unusable():
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    from server.engine.sampling import repair_random_state
+
+    x = mx.random.normal((1, 10))
+    assert repair_random_state() is False  # a usable state is left alone
+    with pytest.raises(ValueError):
+        mx.eval(make_sampler(temp=0.7, top_k=50)(x))  # raises inside the compiled call
+    with pytest.raises(RuntimeError, match="without a primitive"):
+        mx.eval(mx.random.uniform(shape=(2,)))
+    assert repair_random_state() is True
+    mx.eval(make_sampler(temp=0.7)(x), mx.random.uniform(shape=(2,)))

@@ -337,3 +337,21 @@ def test_speculating_requests_verify_their_drafts_in_one_batch_and_make_the_toke
     for name, (seq, events) in seqs.items():
         assert finished(events).finish_reason in ("length", "stop")
         assert list(seq.generated) == alone_tokens[name], name
+
+
+def test_a_step_that_raised_inside_the_compiled_sampler_leaves_the_next_sampled_request_working(models):
+    """mlx-lm's sampler is compiled over MLX's global random state: a filter that raises inside it (top_k past the
+    vocabulary, which the HTTP layer now clamps) left that state unusable, and every later sampled request of the
+    server failed with "[eval] Attempting to eval an array without a primitive". The engine reseeds it."""
+    lane = make_lane(models)
+    results = {}
+    for name, top_k in (("bad", 257 + 10), ("next", 0), ("greedy-too", 0)):
+        events = []
+        params = SamplingParams(max_tokens=4, temperature=0.0 if name == "greedy-too" else 0.8, top_k=top_k)
+        lane.submit(Sequence(prompt=[5, 17, 99, 3], params=params, sink=events.append, id=name,
+                             ns=lane.engine.namespace_for(params)))
+        run_until_idle(lane)
+        results[name] = events
+    assert isinstance(results["bad"][-1], Failed)
+    assert finished(results["next"]).completion_tokens == 4, results["next"][-1]
+    assert finished(results["greedy-too"]).completion_tokens == 4
