@@ -7,8 +7,9 @@ another name: its own entry, the base's weights loaded again). Per round, side b
   serve_first_token   `mlx-lane serve --model A` from the process start to the first token of one request
   load_first_token    a running server (base model warm), the first request for A: load + prefill to first token
   warm_first_token    the same server, a new prompt of the same length to A once loaded: prefill only
-  alternate_max1      --max-loaded-models 1: --turns requests alternating A, B, A, ... (every one loads its model)
-  alternate_max2      --max-loaded-models 2: the same requests (each model loads once)
+  alternate_max1      --max-loaded-models 1: --turns requests alternating A, B, A, ... (every one loads its model;
+                      both were loaded once before, so their files are in the page cache)
+  alternate_max2      --max-loaded-models 2: the same requests, both models resident
 
 and the ratios load_first_token / serve_first_token and alternate_max1 / alternate_max2 (the switching cost).
 Prompts are distinct per request (nothing cached); replies are --max-tokens long. JSON in
@@ -79,6 +80,8 @@ def main() -> int:
                 if max_loaded == 1:
                     row["load_first_token"] = first_token(srv.url, "model-a", prompt(f"load {r}"), args.max_tokens)
                     row["warm_first_token"] = first_token(srv.url, "model-a", prompt(f"warm {r}"), args.max_tokens)
+                for name in ("model-a", "model-b"):  # both loaded once (page cache warm): the loop times switches
+                    first_token(srv.url, name, prompt(f"pre {r} {max_loaded} {name}"), args.max_tokens)
                 t = time.perf_counter()
                 for i in range(args.turns):
                     first_token(srv.url, "model-a" if i % 2 == 0 else "model-b", prompt(f"alt {r} {max_loaded} {i}"),
