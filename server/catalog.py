@@ -150,11 +150,17 @@ def is_served(names, aliases, requested: str) -> bool:
 
 def on_demand_name(state, requested: Optional[str]) -> Optional[str]:
     """``requested`` when it names one of the server's on-demand models (server.pool), else None. Names resolve
-    in this order: a LoRA adapter, the base model's names, an on-demand model, an alias pattern (onto the base)."""
+    in this order: a LoRA adapter, the base model's names, an on-demand model's, then the ``--model-alias`` patterns
+    in the order given (``PATTERN=NAME`` onto the on-demand model NAME, a bare ``PATTERN`` onto the base)."""
     pool = getattr(state, "models", None)
     if pool is None or not requested or state.adapters.get(requested) is not None or requested in state.model_names:
         return None
-    return requested if pool.knows(requested) else None
+    if pool.knows(requested):
+        return requested
+    for pattern, target in getattr(state, "alias_rules", ()):  # the first matching --model-alias wins
+        if fnmatchcase(requested, pattern):
+            return target  # None: the base model's alias
+    return None
 
 
 def check_model(state, requested: Optional[str]):

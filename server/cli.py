@@ -57,11 +57,13 @@ def _serve_parser(sub) -> None:
                    default=[a.strip() for a in str(_env("pin", "")).split(",") if a.strip()],
                    help="load this on-demand model at start and never unload it (not by --model-ttl, not to make "
                         "room); repeatable [MLX_LANE_PIN, comma-separated]")
-    p.add_argument("--model-alias", action=_AppendOverEnv, metavar="PATTERN",
+    p.add_argument("--model-alias", action=_AppendOverEnv, metavar="PATTERN[=NAME]",
                    default=[a.strip() for a in str(_env("model_alias", "")).split(",") if a.strip()],
                    help="also answer requests for model names matching this glob (fnmatch, case-sensitive) with "
-                        "the served model, e.g. 'claude-*' for Claude Code or 'gpt-*'; repeatable. Unknown names "
-                        "are a 404 otherwise [MLX_LANE_MODEL_ALIAS, comma-separated]")
+                        "the base model, e.g. 'claude-*' for Claude Code or 'gpt-*'; PATTERN=NAME answers them with "
+                        "the on-demand model NAME instead (e.g. 'claude-*haiku*=small'). Repeatable: the first "
+                        "matching pattern wins. Unknown names are a 404 otherwise [MLX_LANE_MODEL_ALIAS, "
+                        "comma-separated]")
     p.add_argument("--adapter", action=_AppendOverEnv, metavar="NAME=PATH",
                    default=[a.strip() for a in str(_env("adapter", "")).split(",") if a.strip()],
                    help="serve a LoRA adapter (a directory mlx_lm.lora wrote: adapter_config.json + "

@@ -74,6 +74,7 @@ def build_state(args):
     pool = _model_pool(args, flags, engine, budget)
     if pool is not None:
         pool_box.append(pool)
+    alias_rules = _alias_rules(args, pool, flags)
     blas = blas_info()
     log.info(
         "model %s (%s) | device %s | dtype %s | BLAS %s | prefix cache %.2f GiB | fingerprint %s",
@@ -88,7 +89,7 @@ def build_state(args):
         max_body_bytes=args.max_body_bytes,
         model_names=({"default"} if flags.base == "default" else set()) | ({flags.base_name} if flags.base_name else set()),
         models=pool,
-        ssd=tiered, shutdown_timeout_s=args.shutdown_timeout, model_aliases=tuple(getattr(args, "model_alias", None) or ()),
+        ssd=tiered, shutdown_timeout_s=args.shutdown_timeout, model_aliases=tuple(p for p, target in alias_rules if target is None), alias_rules=alias_rules,
         adapters=adapters, adapter_dir=getattr(args, "adapter_dir", None), embedder=embedder,
         web=_web_policy(args), dashboard=not getattr(args, "no_dashboard", False),
         keep_billing_header=getattr(args, "keep_billing_header", False),
@@ -204,6 +205,26 @@ def _model_pool(args, flags, engine, budget):
     log.info("models: %d on demand (--max-loaded-models %d%s), base %s", len(pool.names()), args.max_loaded_models,
              f", --model-ttl {args.model_ttl:g} s" if args.model_ttl else "", engine.loaded.model_id)
     return pool
+
+
+def _alias_rules(args, pool, flags) -> tuple:
+    """``--model-alias PATTERN`` (onto the base model) and ``PATTERN=NAME`` (onto the on-demand model NAME), in the
+    order given: the first pattern that matches a request's model name wins."""
+    from models import ModelLoadError
+
+    rules = []
+    for value in getattr(args, "model_alias", None) or ():
+        pattern, sep, target = value.partition("=")
+        pattern, target = pattern.strip(), target.strip()
+        if not sep or not target or target in ("default", flags.base_name):
+            rules.append((pattern if sep else value, None))
+            continue
+        if pool is None or not pool.knows(target):
+            raise ModelLoadError(f"--model-alias {value!r}: no on-demand model named {target!r} (give it with "
+                                 "--model NAME=PATH or --models-dir; a pattern without '=NAME' maps onto the base "
+                                 "model)")
+        rules.append((pattern, target))
+    return tuple(rules)
 
 
 def _load_slot(args, name: str, spec: str):

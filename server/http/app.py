@@ -49,6 +49,7 @@ class ServerState:
     max_body_bytes: int = 8 * 1024 * 1024
     model_names: set = field(default_factory=set)
     model_aliases: tuple = ()  # --model-alias glob patterns answered by the served model (server/catalog.py)
+    alias_rules: tuple = ()  # every --model-alias in order: (pattern, on-demand model name or None for the base)
     ssd: Optional[object] = None  # cache.tiered.TieredCache (the same object as prompt_cache) or None
     shutdown_timeout_s: float = 30.0
     distributed: Optional[dict] = None  # server.engine.distributed.Group.describe() when sharded over processes

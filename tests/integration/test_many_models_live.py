@@ -5,8 +5,8 @@ tests/fixtures/tiny_models.py) beside the base model (the offline default), ``--
 ``/v1/models`` lists every model with its state, and the states change as requests alternate; each model's greedy
 text is its own and the same after it was evicted and loaded again; the same prompt never hits another model's KV
 (each first request of it to a model has nothing cached) while a model loaded again hits its own RAM entries; a
-burst of requests for an unloaded model loads it once; the admin endpoints load and unload; unknown names are a
-404 that lists the models. Then a restart on the same SSD directory with ``--model-ttl``: a model restores its
+burst of requests for an unloaded model loads it once; ``--model-alias PATTERN=NAME`` sends Claude Code's small
+model to an on-demand model; the admin endpoints load and unload; unknown names are a 404 that lists the models. Then a restart on the same SSD directory with ``--model-ttl``: a model restores its
 prompt from SSD (its own namespace), and is unloaded once idle past the TTL.
 """
 
@@ -46,7 +46,8 @@ def loads(url, name) -> int:
 def test_models_load_on_demand_evict_each_other_keep_their_caches_apart_and_restore_per_model(models_dir, tmp_path):
     kv = tmp_path / "kv"
     srv = ServerProc("--model", "default", "--models-dir", str(models_dir), "--max-loaded-models", "1",
-                     "--ssd-cache", str(kv), "--cache-bytes", "256M", "--write-behind-debounce", "0.05")
+                     "--ssd-cache", str(kv), "--cache-bytes", "256M", "--write-behind-debounce", "0.05",
+                     "--model-alias", "claude-*haiku*=tiny-qwen", "--model-alias", "claude-*")
     try:
         url = srv.url
         client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -89,6 +90,13 @@ def test_models_load_on_demand_evict_each_other_keep_their_caches_apart_and_rest
             assert r.status_code == 200
             body = "".join(r.iter_text())
         assert '"model":"tiny-qwen"' in body and body.rstrip().endswith("data: [DONE]")
+
+        # Claude Code's small fast model through an alias onto an on-demand model; its main model onto the base
+        for model, want in (("claude-3-5-haiku-20241022", texts["tiny-qwen"][0]), ("claude-sonnet-4-5",
+                                                                                    texts["default"][0])):
+            m = httpx.post(url + "/v1/messages", timeout=120, json={
+                "model": model, "max_tokens": 6, "messages": PROMPT, "temperature": 0})
+            assert m.status_code == 200 and m.json()["content"][0]["text"] == want, (model, m.text)
 
         # admin: unload, load; the base model stays; unknown names say what is served
         h = {"Content-Type": "application/json"}

@@ -252,3 +252,26 @@ def test_model_flags_split_the_base_from_the_named_models(values, base, base_nam
 def test_model_flags_that_cannot_mean_anything_say_what_to_write(values, match):
     with pytest.raises(ModelLoadError, match=match):
         parse_model_flags(values)
+
+
+# -- names -----------------------------------------------------------------------------------------------------
+
+
+def test_names_resolve_adapter_then_base_then_on_demand_then_alias_patterns_in_their_order():
+    from types import SimpleNamespace
+
+    from server.catalog import AdapterRegistry, check_model, on_demand_name
+    from server.errors import ModelNotFound
+
+    pool = make_pool(FakeLoader(), names=("coder", "small"))
+    adapters = AdapterRegistry()
+    adapters.add(SimpleNamespace(name="ada"))
+    rules = (("claude-*haiku*", "small"), ("claude-*", None), ("gpt-*", "coder"))
+    state = SimpleNamespace(models=pool, adapters=adapters, model_names={"default", "SmolLM2"}, alias_rules=rules,
+                            model_aliases=tuple(p for p, t in rules if t is None))
+    assert [on_demand_name(state, n) for n in ("coder", "ada", "default", "claude-3-5-haiku-2024", "claude-sonnet-4",
+                                               "gpt-5", None)] == ["coder", None, None, "small", None, "coder", None]
+    assert check_model(state, "ada").name == "ada"
+    assert check_model(state, "claude-sonnet-4") is None and check_model(state, "gpt-5") is None  # served
+    with pytest.raises(ModelNotFound, match="coder, small"):
+        check_model(state, "llama-9")
