@@ -74,7 +74,6 @@ class Engine:
         self.kv_bytes_per_token = 0.0  # of the last stored entry, all layers (see kv_stats)
         self._gpu = mx.default_device() != mx.cpu
         self.batches = BatchGroups(self._make_batch)
-        self._plain_kv = self.base.plain_kv
 
     def _make_batch(self, model, group):
         return SpecBatch(model) if is_spec_group(group) else DecodeBatch(model, clear_cache=self._gpu)
@@ -166,12 +165,17 @@ class Engine:
 
     # -- what a request is, before it runs -------------------------------------------------
     def draft_tokens(self, params) -> int:
-        """Draft tokens per step for a request: speculation belongs to the base model (its draft, its n-gram
-        setting); the other models of the server decode without it."""
+        """Draft tokens per step for a request. n-gram drafting (no draft model) applies to every model of the
+        server whose caches can be rewound; a draft model drafts for the base model only (it shares its vocabulary)."""
         spec = self.speculation
-        if spec is None or not self.slot_for(params).base:
+        if spec is None:
             return 0
-        return spec.wanted(params.num_draft_tokens)
+        slot = self.slot_for(params)
+        if slot.base:
+            return spec.wanted(params.num_draft_tokens)
+        if spec.provider.identity is not None or not slot.trimmable:
+            return 0
+        return spec.wanted(params.num_draft_tokens, supported=True)
 
     def namespace_for(self, params) -> str:
         """The cache namespace of a request (``cache.prefix.namespace``): the model fingerprint (KV scheme included),
@@ -192,15 +196,15 @@ class Engine:
         if not slot.base:  # one batch per model, as per adapter
             seq.group = "model:" + slot.namespace
         seq.batchable = not speculating and slot.mergeable
-        if speculating and self._spec_batchable():  # n-gram rows speculate together (server.engine.spec_batch)
+        if speculating and self._spec_batchable(slot):  # n-gram rows speculate together (server.engine.spec_batch)
             seq.group, seq.batchable = spec_group(seq.group), True
         seq.prefill_together = not speculating and slot.plain_kv and slot.base and params.adapter is None
         seq.window = slot.window
 
-    def _spec_batchable(self) -> bool:
+    def _spec_batchable(self, slot: ModelSlot) -> bool:
         """May this speculating request decode in a speculating batch? n-gram drafts (no draft model to batch) and
         plain KV layers (``server.engine.ragged_kv``). (Grammar requests never speculate: ``sampling_params``.)"""
-        return self.speculation.kind == "ngram" and self._plain_kv and self.spec_in_batch
+        return self.speculation.kind == "ngram" and slot.plain_kv and self.spec_in_batch
 
     def model_for(self, params):
         """The model that computes a request: its adapter's (base weights shared, LoRA layers on top), the model its
@@ -221,7 +225,7 @@ class Engine:
         seq.cached = hit.length if hit is not None else 0
         if n_draft:  # an entry holds the target's layers, then the draft's
             target_caches, draft_caches = self.speculation.split(hit.caches if hit is not None else None)
-            seq.caches = target_caches if target_caches is not None else self._new_caches()
+            seq.caches = target_caches if target_caches is not None else slot.new_caches()
             seq.spec = self.speculation.open(draft_caches, seq.prompt[: seq.cached], n_draft)
         else:
             seq.caches = hit.caches if hit is not None else slot.new_caches()

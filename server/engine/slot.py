@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
 from server.engine.batch import can_batch
 from server.engine.kv_layout import _quantize_fresh, _state_nbytes
@@ -35,6 +35,7 @@ class ModelSlot:
         self.eos = frozenset(self.tokenizer.eos_token_ids or [])
         layers = make_prompt_cache(self.model)
         self.plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)  # the ragged/prefill layouts
+        self.trimmable = can_trim_prompt_cache(layers)  # drafts can be verified (rejected ones rewound)
         self.mergeable = can_batch(self.new_caches())  # its rows may join a decode batch
         windows = [c.max_size for c in layers if isinstance(c, RotatingKVCache)]
         self.window = min(windows) if windows else None

@@ -39,9 +39,10 @@ class Speculation:
         # a target whose caches cannot be rewound (sliding windows, recurrent layers) cannot verify drafts
         self.supported = can_trim_prompt_cache(make_prompt_cache(model))
 
-    def wanted(self, requested: Optional[int]) -> int:
-        """Draft length cap for a request (0 = decode plainly)."""
-        if not self.supported or requested == 0:
+    def wanted(self, requested: Optional[int], supported: Optional[bool] = None) -> int:
+        """Draft length cap for a request (0 = decode plainly); ``supported``: whether its model's caches can be
+        rewound, when it is not the base model."""
+        if not (self.supported if supported is None else supported) or requested == 0:
             return 0
         return self.num_draft_tokens if requested is None else min(requested, self.num_draft_tokens)
 
@@ -49,6 +50,8 @@ class Speculation:
         """(target caches, draft caches) of a cache-hit entry; draft part None when absent."""
         if caches is None:
             return None, None
+        if self.provider.identity is None:  # n-gram: entries hold the target's layers only (of whichever model)
+            return caches, None
         n = self.n_target_layers
         return caches[:n], (caches[n:] if len(caches) > n else None)
 

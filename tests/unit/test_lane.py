@@ -355,3 +355,38 @@ def test_a_step_that_raised_inside_the_compiled_sampler_leaves_the_next_sampled_
     assert isinstance(results["bad"][-1], Failed)
     assert finished(results["next"]).completion_tokens == 4, results["next"][-1]
     assert finished(results["greedy-too"]).completion_tokens == 4
+
+
+def test_an_on_demand_model_speculates_with_ngram_drafts_in_its_own_batch_and_makes_its_own_tokens(models):
+    """n-gram drafting has no draft model, so it applies to every model of the server (issue 25): requests of
+    another model (a ModelSlot, as server.pool loads them) verify their drafts in one batch of that model and make
+    the tokens that model makes alone without speculation; its KV goes to its own namespace."""
+    from server.engine.slot import ModelSlot
+
+    other = ModelSlot(SimpleNamespace(model=models["X"], tokenizer=IdTokenizer(), fingerprint="1" * 16,
+                                      model_id="x", context_length=4096), name="x", base=False)
+    alone_tokens = {}
+    for name, prompt in ECHO.items():
+        lane = make_lane(models, chunk=64)
+        seq, _ = submit(lane, name, prompt, 16, served=other)
+        run_until_idle(lane)
+        alone_tokens[name] = list(seq.generated)
+    lane = make_lane(models, chunk=64)
+    seq, _ = submit(lane, "e1-base", ECHO["e1"], 16)
+    run_until_idle(lane)
+    assert list(seq.generated) != alone_tokens["e1"]  # the other model's tokens are its own
+    lane = spec_lane(models, in_batch=True)
+    seqs = {name: submit(lane, name, prompt, 16, served=other) for name, prompt in ECHO.items()}
+    assert all(s.ns.startswith("1" * 16) for s, _ in seqs.values())
+    batches = []
+    for _ in range(400):
+        if lane.idle():
+            break
+        lane.tick()
+        batches += [b for b in lane.engine.batches._batches.values() if len(b) > 1]
+    spec_batches = [b for b in batches if type(b).__name__ == "SpecBatch"]
+    assert spec_batches and all(b.model is models["X"] for b in spec_batches)
+    assert max(b.accepted for b in spec_batches) > 0
+    for name, (seq, events) in seqs.items():
+        assert finished(events).finish_reason in ("length", "stop")
+        assert list(seq.generated) == alone_tokens[name], name
