@@ -5,6 +5,7 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
 
     cli.py, serve.py     process wiring: flags, assembly of model + cache + lane + app, uvicorn, shutdown
     catalog.py           what the server serves: model names, --model-alias patterns, LoRA adapters
+    pool/                the on-demand models (--model NAME=PATH, --models-dir): residency policy, loads, leases
     stats.py             serving counters (/stats, /metrics); errors.py: the APIError hierarchy; sizes.py
 
     http/                the doors and the app around them
@@ -37,6 +38,7 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
       engine.py          admit (cache take), prefill, batch joins/leaves, solo steps, finish (cache put)
       batch.py           mlx-lm's GenerationBatch per group; solo.py: plain decode; speculation.py
       spec_batch.py      speculating rows verified together (n-gram), over ragged_kv.py (rows write at their ends)
+      slot.py            one loaded model as the engine computes with it (the base, or an on-demand one)
       sampling.py        samplers and logits processors; kv_layout.py; distributed.py (process groups)
 
 The prefix cache itself lives in ``cache/`` (one prefix rule in cache.prefix, one protocol in cache.protocol), model

@@ -1,7 +1,7 @@
 """Assemble model, cache, lane and app from parsed CLI arguments, then run uvicorn.
 
-(About 470 lines, one job: assembly and process lifecycle. Each part it wires (adapters, embedder, web policy,
-distributed group, tiered cache, graceful shutdown) is one small function; the parts themselves live elsewhere.)
+(About 490 lines, one job: assembly and process lifecycle. Each part it wires (adapters, embedder, web policy,
+distributed group, tiered cache, the on-demand models, graceful shutdown) is one small function; the parts themselves live elsewhere.)
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def build_state(args):
     from server.sizes import default_cache_bytes
     from server.stats import ServingStats
 
+    from server.pool.build import build_model_pool, model_alias_rules
     from server.pool.flags import parse_model_flags
 
     flags = parse_model_flags(args.model)
@@ -71,10 +72,10 @@ def build_state(args):
                 budget=budget, prefill_batch=prefill_batch, replay=replay)
     lane.start()
     lane.ready.wait()
-    pool = _model_pool(args, flags, engine, budget)
+    pool = build_model_pool(args, flags, engine, budget, prepare=lambda loaded: _with_kv_scheme(loaded, args))
     if pool is not None:
         pool_box.append(pool)
-    alias_rules = _alias_rules(args, pool, flags)
+    alias_rules = model_alias_rules(args, pool, flags)
     blas = blas_info()
     log.info(
         "model %s (%s) | device %s | dtype %s | BLAS %s | prefix cache %.2f GiB | fingerprint %s",
@@ -167,79 +168,6 @@ def _write_shard_manifest(tiered, group, model_fingerprint: str) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("could not write %s: %s", path, exc)
-
-
-def _model_pool(args, flags, engine, budget):
-    """The on-demand models (server.pool): ``--model NAME=PATH`` and ``--models-dir``; None when there are none.
-    Each loads on its own thread (``_load_slot``), its pinned ones now."""
-    from server.pool.pool import ModelPool
-    from server.pool.policy import ResidencyPolicy
-
-    models_dir = getattr(args, "models_dir", None)
-    if not flags.named and not models_dir:
-        if getattr(args, "pin", None):
-            from models import ModelLoadError
-
-            raise ModelLoadError("--pin names an on-demand model; give them with --model NAME=PATH or --models-dir")
-        return None
-    policy = ResidencyPolicy(budget_bytes=budget.budget_bytes, max_loaded=max(0, args.max_loaded_models),
-                             ttl_s=max(0.0, args.model_ttl), fixed_bytes=engine.weights_nbytes())
-    base_names = frozenset(n for n in (flags.base_name, engine.loaded.model_id, "default") if n)
-
-    def on_unload():
-        import mlx.core as mx
-
-        mx.clear_cache()
-
-    try:
-        pool = ModelPool(flags.named, lambda name, spec: _load_slot(args, name, spec), policy,
-                         pinned=tuple(getattr(args, "pin", None) or ()), models_dir=models_dir, on_unload=on_unload,
-                         reserved=base_names)
-    except ValueError as exc:
-        from models import ModelLoadError
-
-        raise ModelLoadError(str(exc)) from None
-    for entry in pool.entries():
-        log.info("model %s: %s (loads on first request%s)", entry.name, entry.spec, ", pinned" if entry.pinned else "")
-    pool.start()
-    log.info("models: %d on demand (--max-loaded-models %d%s), base %s", len(pool.names()), args.max_loaded_models,
-             f", --model-ttl {args.model_ttl:g} s" if args.model_ttl else "", engine.loaded.model_id)
-    return pool
-
-
-def _alias_rules(args, pool, flags) -> tuple:
-    """``--model-alias PATTERN`` (onto the base model) and ``PATTERN=NAME`` (onto the on-demand model NAME), in the
-    order given: the first pattern that matches a request's model name wins."""
-    from models import ModelLoadError
-
-    rules = []
-    for value in getattr(args, "model_alias", None) or ():
-        pattern, sep, target = value.partition("=")
-        pattern, target = pattern.strip(), target.strip()
-        if not sep or not target or target in ("default", flags.base_name):
-            rules.append((pattern if sep else value, None))
-            continue
-        if pool is None or not pool.knows(target):
-            raise ModelLoadError(f"--model-alias {value!r}: no on-demand model named {target!r} (give it with "
-                                 "--model NAME=PATH or --models-dir; a pattern without '=NAME' maps onto the base "
-                                 "model)")
-        rules.append((pattern, target))
-    return tuple(rules)
-
-
-def _load_slot(args, name: str, spec: str):
-    """Load an on-demand model (a pool loader thread): weights, its KV scheme, its KV price, one warm forward."""
-    import mlx.core as mx
-
-    from models import load_model
-    from server.engine.slot import ModelSlot
-
-    loaded = _with_kv_scheme(load_model(spec, args.dtype, progress=False), args)
-    slot = ModelSlot(loaded, name=name, base=False, kv_bits=getattr(args, "kv_bits", None),
-                     kv_group_size=getattr(args, "kv_group_size", 64))
-    slot.measure_kv()  # also the warm forward: its first request pays no first-call cost
-    mx.clear_cache()
-    return slot
 
 
 def _group(args, flags=None):

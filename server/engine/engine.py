@@ -1,6 +1,6 @@
 """The model work of the lane's plans: every verb the lane (server.lane.lane) calls to execute a ``TickPlan``.
 
-(About 490 lines, one job: the per-sequence model verbs. Batched decoding lives in server.engine.batch (and, for
+(About 515 lines, one job: the per-sequence model verbs. Batched decoding lives in server.engine.batch (and, for
 speculating rows, server.engine.spec_batch), the solo decoder in server.engine.solo, speculation in
 server.engine.speculation, sampling in server.engine.sampling.)
 
@@ -8,7 +8,8 @@ Contract of the verbs (lane thread only: they own the model, the MLX stream and 
 ``server.lane.sequence.Sequence`` objects and reports through their state (phase, done, prefilled, tokens):
 
 - ``classify(seq)`` (when a sequence arrives): the facts the scheduler plans with: its batch group (one per LoRA
-  adapter, and one speculating group beside each for n-gram requests), whether it may join a batch (caches that
+  adapter and per model of the server (``server.engine.slot``), and one speculating group beside each for n-gram
+  requests), whether it may join a batch (caches that
   merge; speculation only through a speculating group) and a batched prefill (plain KV layers, the base model, no
   speculation), the model's sliding window.
 - ``admit(seq)``: the prefix-cache ``take`` in the namespace the sequence carries, its sampler, grammar processor

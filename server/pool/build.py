@@ -1,0 +1,84 @@
+"""Build the model pool from the command line: ``--model NAME=PATH``, ``--models-dir``, ``--max-loaded-models``,
+``--model-ttl``, ``--pin`` and the ``--model-alias PATTERN=NAME`` rules (server.serve calls these once at start)."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("mlx_lane")
+
+__all__ = ["build_model_pool", "model_alias_rules", "load_slot"]
+
+
+def build_model_pool(args, flags, engine, budget, *, prepare=lambda loaded: loaded):
+    """The on-demand models (server.pool): ``--model NAME=PATH`` and ``--models-dir``; None when there are none.
+    Each loads on its own thread (``load_slot``), its pinned ones now; ``prepare(loaded)``: the
+    server's KV scheme applied to a loaded model (its namespace)."""
+    from server.pool.pool import ModelPool
+    from server.pool.policy import ResidencyPolicy
+
+    models_dir = getattr(args, "models_dir", None)
+    if not flags.named and not models_dir:
+        if getattr(args, "pin", None):
+            from models import ModelLoadError
+
+            raise ModelLoadError("--pin names an on-demand model; give them with --model NAME=PATH or --models-dir")
+        return None
+    policy = ResidencyPolicy(budget_bytes=budget.budget_bytes, max_loaded=max(0, args.max_loaded_models),
+                             ttl_s=max(0.0, args.model_ttl), fixed_bytes=engine.weights_nbytes())
+    base_names = frozenset(n for n in (flags.base_name, engine.loaded.model_id, "default") if n)
+
+    def on_unload():
+        import mlx.core as mx
+
+        mx.clear_cache()
+
+    try:
+        pool = ModelPool(flags.named, lambda name, spec: load_slot(args, name, spec, prepare), policy,
+                         pinned=tuple(getattr(args, "pin", None) or ()), models_dir=models_dir, on_unload=on_unload,
+                         reserved=base_names)
+    except ValueError as exc:
+        from models import ModelLoadError
+
+        raise ModelLoadError(str(exc)) from None
+    for entry in pool.entries():
+        log.info("model %s: %s (loads on first request%s)", entry.name, entry.spec, ", pinned" if entry.pinned else "")
+    pool.start()
+    log.info("models: %d on demand (--max-loaded-models %d%s), base %s", len(pool.names()), args.max_loaded_models,
+             f", --model-ttl {args.model_ttl:g} s" if args.model_ttl else "", engine.loaded.model_id)
+    return pool
+
+
+def model_alias_rules(args, pool, flags) -> tuple:
+    """``--model-alias PATTERN`` (onto the base model) and ``PATTERN=NAME`` (onto the on-demand model NAME), in the
+    order given: the first pattern that matches a request's model name wins."""
+    from models import ModelLoadError
+
+    rules = []
+    for value in getattr(args, "model_alias", None) or ():
+        pattern, sep, target = value.partition("=")
+        pattern, target = pattern.strip(), target.strip()
+        if not sep or not target or target in ("default", flags.base_name):
+            rules.append((pattern if sep else value, None))
+            continue
+        if pool is None or not pool.knows(target):
+            raise ModelLoadError(f"--model-alias {value!r}: no on-demand model named {target!r} (give it with "
+                                 "--model NAME=PATH or --models-dir; a pattern without '=NAME' maps onto the base "
+                                 "model)")
+        rules.append((pattern, target))
+    return tuple(rules)
+
+
+def load_slot(args, name: str, spec: str, prepare=lambda loaded: loaded):
+    """Load an on-demand model (a pool loader thread): weights, its KV scheme, its KV price, one warm forward."""
+    import mlx.core as mx
+
+    from models import load_model
+    from server.engine.slot import ModelSlot
+
+    loaded = prepare(load_model(spec, args.dtype, progress=False))
+    slot = ModelSlot(loaded, name=name, base=False, kv_bits=getattr(args, "kv_bits", None),
+                     kv_group_size=getattr(args, "kv_group_size", 64))
+    slot.measure_kv()  # also the warm forward: its first request pays no first-call cost
+    mx.clear_cache()
+    return slot
