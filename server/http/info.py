@@ -30,7 +30,7 @@ async def models(request: Request):
     state = request.app.state.lane_state
     cards = [_model_card(state, name) for name in sorted(state.model_names)]
     if state.models is not None:
-        state.models.refresh()  # models copied into --models-dir since start
+        state.models.refresh(max_age_s=0)  # models copied into --models-dir since start
         cards += [_on_demand_card(state, e) for e in state.models.entries()]
     cards += [_adapter_card(state, a) for a in state.adapters.all()]
     if state.embedder is not None:

@@ -89,6 +89,12 @@ class Lease:
             self._released = True
             self.pool._release(self.entry)
 
+    def __del__(self):  # a safety net: a response whose stream never started still gives the model back
+        try:
+            self.release()
+        except Exception:
+            pass
+
 
 def estimate_nbytes(spec: str) -> int:
     """Weights' bytes before a first load: the size of the model's weight files (a GGUF file's own size)."""
@@ -136,6 +142,7 @@ class ModelPool:
         self._changed = concurrent.futures.Future()  # resolved (and replaced) on every release and unload
         self._stop = threading.Event()
         self._sweeper: Optional[threading.Thread] = None
+        self._refreshed = float("-inf")  # monotonic time of the last --models-dir scan
         for name, spec in specs.items():
             if name not in self._reserved:
                 self._entries[name] = PoolEntry(name, spec, nbytes=estimate_nbytes(spec))
@@ -146,11 +153,16 @@ class ModelPool:
             self._entries[name].pinned = True
 
     # -- names ------------------------------------------------------------------------------------------------
-    def refresh(self) -> None:
-        """Pick up models added to ``--models-dir`` since start (a model removed from it stays listed until
-        restart; loading it then fails with what is missing)."""
+    def refresh(self, max_age_s: float = 1.0) -> None:
+        """Pick up models added to ``--models-dir`` since start, at most once per ``max_age_s`` (unknown names
+        arrive with every request of a client that a ``--model-alias`` answers). A model removed from the folder
+        stays listed until restart; loading it then fails with what is missing."""
         if not self.models_dir:
             return
+        now = time.monotonic()
+        if now - self._refreshed < max_age_s:
+            return
+        self._refreshed = now
         for name, spec in discover_models(self.models_dir).items():
             with self._lock:
                 if name not in self._entries and name not in self._reserved:

@@ -226,6 +226,7 @@ def test_models_dir_lists_model_directories_and_gguf_files_and_finds_new_ones(tm
     (tmp_path / "base" / "config.json").write_text("{}")
     (tmp_path / "late").mkdir()
     (tmp_path / "late" / "config.json").write_text("{}")
+    pool.refresh(max_age_s=0)  # what GET /v1/models does
     assert pool.knows("late") and not pool.knows("base") and pool.names() == ["coder", "late", "small"]
 
 
