@@ -96,6 +96,14 @@ class Lease:
             pass
 
 
+def _shared_future() -> concurrent.futures.Future:
+    """A future many requests wait on: marked running, so that one waiter's cancellation (its client left; asyncio's
+    wrap_future cancels the source) cannot cancel it for the others."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+    return future
+
+
 def estimate_nbytes(spec: str) -> int:
     """Weights' bytes before a first load: the size of the model's weight files (a GGUF file's own size)."""
     p = Path(spec).expanduser()
@@ -139,7 +147,7 @@ class ModelPool:
         self._on_unload = on_unload  # give freed memory back (mx.clear_cache)
         self._lock = threading.Lock()
         self._entries: dict[str, PoolEntry] = {}
-        self._changed = concurrent.futures.Future()  # resolved (and replaced) on every release and unload
+        self._changed = _shared_future()  # resolved (and replaced) on every release and unload
         self._stop = threading.Event()
         self._sweeper: Optional[threading.Thread] = None
         self._refreshed = float("-inf")  # monotonic time of the last --models-dir scan
@@ -230,7 +238,7 @@ class ModelPool:
                 return self._changed
             for victim in plan.evict:
                 self._unload_locked(self._entries[victim], why=f"to make room for {name}")
-            loading = entry.loading = concurrent.futures.Future()
+            loading = entry.loading = _shared_future()
         threading.Thread(target=self._load, args=(entry,), name=f"load-{name}", daemon=True).start()
         return loading
 
@@ -266,7 +274,7 @@ class ModelPool:
             self._notify_locked()
 
     def _notify_locked(self) -> None:
-        changed, self._changed = self._changed, concurrent.futures.Future()
+        changed, self._changed = self._changed, _shared_future()
         changed.set_result(None)
 
     def _resident_locked(self) -> list[Resident]:

@@ -276,3 +276,23 @@ def test_names_resolve_adapter_then_base_then_on_demand_then_alias_patterns_in_t
     assert check_model(state, "claude-sonnet-4") is None and check_model(state, "gpt-5") is None  # served
     with pytest.raises(ModelNotFound, match="coder, small"):
         check_model(state, "llama-9")
+
+
+def test_a_waiter_whose_client_left_cancels_neither_the_load_nor_the_other_waiters():
+    loader = FakeLoader()
+    loader.gate = threading.Event()
+    pool = make_pool(loader)
+
+    async def scenario():
+        leaver = asyncio.ensure_future(pool.acquire("a"))
+        stayer = asyncio.ensure_future(pool.acquire("a"))
+        await asyncio.sleep(0.1)
+        leaver.cancel()  # what a disconnect does to the handler awaiting the load
+        await asyncio.sleep(0.05)
+        loader.gate.set()
+        lease = await stayer
+        assert leaver.cancelled() and lease.slot is not None
+        lease.release()
+
+    asyncio.run(scenario())
+    assert loader.loads == ["a"] and pool.entry("a").state == "loaded" and pool.entry("a").in_use == 0
