@@ -23,6 +23,7 @@ names its hook, so nothing here tests types), ``tail()`` (after the end, e.g. ``
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
@@ -33,7 +34,7 @@ from fastapi.responses import StreamingResponse
 from server.core.generation import Done, Error, Generation, KeepAlive, ReasoningOut, Result, TextOut, open_generation
 from server.core.request import GenerationRequest
 from server.errors import APIError, InvalidRequest
-from server.http.wire import SSE_HEADERS, SSE_KEEPALIVE, json_response, parse_body, request_id
+from server.http.wire import SSE_DONE, SSE_HEADERS, SSE_KEEPALIVE, json_response, parse_body, request_id, sse
 
 __all__ = ["Call", "Door", "Formatter", "run"]
 
@@ -90,18 +91,24 @@ class Door:
     def formatter(self, state, body, call: Call, gen: Generation) -> Formatter:
         raise NotImplementedError
 
+    def stream_error(self, error: APIError) -> list[bytes]:
+        """The events of an error that ends a stream before its first event (OpenAI's shape: an error object,
+        then [DONE]); the Anthropic and Responses doors write their own."""
+        return [sse(error.body()), SSE_DONE]
+
 
 async def run(door: Door, request: Request):
     """Serve one request through ``door``: a JSON response, or a stream of server-sent events."""
     state = request.app.state.lane_state
     body = await parse_body(request, door.schema, state.max_body_bytes)
+    rid = request_id(request, door.id_prefix)
+    if getattr(body, "stream", False) and _must_load(state, getattr(body, "model", None)):
+        # the model loads first: the stream starts now and keeps the client's connection alive meanwhile
+        return StreamingResponse(_after_load(door, state, request, body, rid), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, "X-Request-Id": rid})
     lease = await acquire_model(state, getattr(body, "model", None))  # an on-demand model: loaded and held
     try:
-        call = await door.call(state, request, body)
-        if lease is not None:
-            call = dataclasses.replace(call, request=dataclasses.replace(call.request, served=lease.slot))
-        gen = await open_generation(state, request, call.request, request_id(request, door.id_prefix))
-        fmt = door.formatter(state, body, call, gen)
+        call, gen, fmt = await _open(door, state, request, body, lease, rid)
         headers = {"X-Request-Id": gen.id}
         if call.stream:
             await gen.__aenter__()  # submits the job (may raise QueueFull: a 429 before any byte is sent)
@@ -113,6 +120,51 @@ async def run(door: Door, request: Request):
     finally:
         if lease is not None:
             lease.release()
+
+
+async def _open(door: Door, state, request: Request, body, lease, rid: str):
+    """The door's call, its generation (on the leased model, if any) and its formatter."""
+    call = await door.call(state, request, body)
+    if lease is not None:
+        call = dataclasses.replace(call, request=dataclasses.replace(call.request, served=lease.slot))
+    gen = await open_generation(state, request, call.request, rid)
+    return call, gen, door.formatter(state, body, call, gen)
+
+
+def _must_load(state, requested: Optional[str]) -> bool:
+    """Whether ``requested`` names an on-demand model that is not loaded now."""
+    from server.catalog import on_demand_name
+
+    name = on_demand_name(state, requested)
+    entry = state.models.entry(name) if name is not None else None
+    return entry is not None and entry.slot is None
+
+
+async def _after_load(door: Door, state, request: Request, body, rid: str) -> AsyncIterator[bytes]:
+    """A stream whose model is loading: SSE comments every --keepalive seconds until it is in, then the stream
+    itself. What fails before the first event (the load, the prompt's checks, a full queue) is the door's error
+    event, since the status line is already sent."""
+    task = asyncio.ensure_future(acquire_model(state, getattr(body, "model", None)))
+    lease = None
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=state.keepalive_s)
+            if not task.done():
+                yield SSE_KEEPALIVE
+        lease = task.result()
+        call, gen, fmt = await _open(door, state, request, body, lease, rid)
+        await gen.__aenter__()
+    except APIError as exc:
+        if lease is not None:
+            lease.release()
+        for frame in door.stream_error(exc):
+            yield frame
+        return
+    finally:
+        if not task.done():  # the client left while the model loaded: the load goes on for the others
+            task.cancel()
+    async for frame in _frames(gen, fmt, lease):
+        yield frame
 
 
 async def acquire_model(state, requested: Optional[str]):

@@ -5,7 +5,8 @@ tests/fixtures/tiny_models.py) beside the base model (the offline default), ``--
 ``/v1/models`` lists every model with its state, and the states change as requests alternate; each model's greedy
 text is its own and the same after it was evicted and loaded again; the same prompt never hits another model's KV
 (each first request of it to a model has nothing cached) while a model loaded again hits its own RAM entries; a
-burst of requests for an unloaded model loads it once; ``--model-alias PATTERN=NAME`` sends Claude Code's small
+burst of requests for an unloaded model loads it once; a stream for an unloaded model gets SSE keep-alives while
+it loads; a model whose load fails is a 500 (streamed: the door's error event); ``--model-alias PATTERN=NAME`` sends Claude Code's small
 model to an on-demand model; the admin endpoints load and unload; unknown names are a 404 that lists the models. Then a restart on the same SSD directory with ``--model-ttl``: a model restores its
 prompt from SSD (its own namespace), and is unloaded once idle past the TTL.
 """
@@ -13,6 +14,7 @@ prompt from SSD (its own namespace), and is unloaded once idle past the TTL.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import httpx
@@ -32,6 +34,8 @@ def models_dir(tmp_path_factory, default_model_dir):
     root = tmp_path_factory.mktemp("models")
     write_shardable_model(root / "tiny-llama", default_model_dir, arch="llama", seed=1)
     write_shardable_model(root / "tiny-qwen", default_model_dir, arch="qwen2", seed=2)
+    (root / "broken").mkdir()  # a config.json and no weights: listed, and its load fails
+    (root / "broken" / "config.json").write_text('{"model_type": "llama"}')
     return root
 
 
@@ -47,7 +51,7 @@ def test_models_load_on_demand_evict_each_other_keep_their_caches_apart_and_rest
     kv = tmp_path / "kv"
     srv = ServerProc("--model", "default", "--models-dir", str(models_dir), "--max-loaded-models", "1",
                      "--ssd-cache", str(kv), "--cache-bytes", "256M", "--write-behind-debounce", "0.05",
-                     "--model-alias", "claude-*haiku*=tiny-qwen", "--model-alias", "claude-*")
+                     "--model-alias", "claude-*haiku*=tiny-qwen", "--model-alias", "claude-*", "--keepalive", "0.1")
     try:
         url = srv.url
         client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -84,12 +88,27 @@ def test_models_load_on_demand_evict_each_other_keep_their_caches_apart_and_rest
         stats = httpx.get(url + "/stats").json()["models"]["tiny-llama"]
         assert stats["state"] == "loaded" and stats["requests"] == 6 and stats["in_use"] == 0
 
-        # streaming, through raw HTTP, on the other model (it loads first)
+        # streaming, through raw HTTP, on the other model: it loads first, the stream keeps the connection alive
         with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
                 "model": "tiny-qwen", "messages": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}) as r:
             assert r.status_code == 200
             body = "".join(r.iter_text())
+        assert body.startswith(": keep-alive"), body[:200]  # SSE comments while it loaded
         assert '"model":"tiny-qwen"' in body and body.rstrip().endswith("data: [DONE]")
+        content = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                          for line in body.splitlines() if line.startswith("data: {"))
+        assert content == texts["tiny-qwen"][0]
+
+        # a model whose load fails: a 500 that says so, or (streamed) the door's error event after the keep-alives
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={"model": "broken", "messages": PROMPT})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "model_load_failed", r.text
+        assert "broken" in r.json()["error"]["message"]
+        with httpx.stream("POST", url + "/v1/messages", timeout=120, json={
+                "model": "broken", "max_tokens": 6, "messages": PROMPT, "stream": True}) as r:
+            assert r.status_code == 200
+            body = "".join(r.iter_text())
+        assert "event: error" in body and "could not be loaded" in body, body[-400:]
+        assert httpx.get(url + "/stats").json()["models"]["broken"]["error"]
 
         # Claude Code's small fast model through an alias onto an on-demand model; its main model onto the base
         for model, want in (("claude-3-5-haiku-20241022", texts["tiny-qwen"][0]), ("claude-sonnet-4-5",

@@ -56,6 +56,9 @@ class MessagesDoor(Door):
     schema = MessagesRequest
     id_prefix = "msg_"
 
+    def stream_error(self, error) -> list[bytes]:
+        return MessagesStream.error_event(error)  # Anthropic's `event: error`
+
     async def call(self, state, request: Request, body: MessagesRequest) -> Call:
         adapter = check_model(state, body.model)
         user = session_of_user_id(body.metadata.user_id if body.metadata else None)

@@ -142,4 +142,9 @@ class MessagesStream:
         return out
 
     def fail(self, error: APIError) -> list[bytes]:
+        return self.error_event(error)
+
+    @staticmethod
+    def error_event(error: APIError) -> list[bytes]:
+        """Anthropic's error event (also before message_start: a stream that failed before its first event)."""
         return [_event("error", {"error": anthropic_error_body(error.status_code, error.message)["error"]})]

@@ -80,6 +80,9 @@ class ResponsesDoor(Door):
     schema = ResponsesRequest
     id_prefix = "resp_"
 
+    def stream_error(self, error) -> list[bytes]:
+        return ResponsesStream.error_event(error)  # the Responses stream's `error` event
+
     async def call(self, state, request: Request, body: ResponsesRequest) -> Call:
         adapter = check_model(state, body.model)
         history = ()

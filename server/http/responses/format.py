@@ -208,6 +208,13 @@ class ResponsesStream:
                                response=obj))
         return out, obj
 
+    @staticmethod
+    def error_event(error: APIError) -> list[bytes]:
+        """The Responses API's ``error`` event: a stream that failed before its first event (no response yet)."""
+        obj = {"type": "error", "code": error.code or error.type, "message": error.message, "param": error.param,
+               "sequence_number": 0}
+        return [b"event: error\ndata: " + orjson.dumps(obj) + b"\n\n"]
+
     def fail(self, error: APIError) -> list[bytes]:
         out = self._close()
         obj = response_object(self.base, self.output, "failed", error=error)
