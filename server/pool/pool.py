@@ -39,6 +39,8 @@ __all__ = ["ModelPool", "Lease", "ModelWontFit", "ModelLoadFailed", "ModelInUse"
 
 log = logging.getLogger("mlx_lane.pool")
 
+LOAD_HOLD_S = 5.0  # how long a model just loaded stays held for the requests that waited on its load
+
 
 class ModelWontFit(Exception):
     """The model can never be loaded under the pool's limits (the message says why)."""
@@ -66,6 +68,7 @@ class PoolEntry:
     unloads: int = 0
     load_s: float = 0.0  # seconds of the last load
     error: Optional[str] = None  # the last load's failure
+    held_until: float = 0.0  # just loaded: kept for the requests that waited on the load until one takes it
     counters: AdapterCounters = field(default_factory=AdapterCounters)
 
     @property
@@ -227,6 +230,7 @@ class ModelPool:
             if entry.slot is not None:
                 entry.in_use += 1
                 entry.last_used = self._clock()
+                entry.held_until = 0.0  # the load's hold passes to this lease
                 return Lease(self, entry)
             if entry.loading is not None:
                 return entry.loading
@@ -239,6 +243,8 @@ class ModelPool:
             for victim in plan.evict:
                 self._unload_locked(self._entries[victim], why=f"to make room for {name}")
             loading = entry.loading = _shared_future()
+        if plan.evict:
+            self._collect()
         threading.Thread(target=self._load, args=(entry,), name=f"load-{name}", daemon=True).start()
         return loading
 
@@ -251,6 +257,7 @@ class ModelPool:
             with self._lock:
                 entry.error = f"{type(exc).__name__}: {exc}"
                 future, entry.loading = entry.loading, None
+                self._notify_locked()  # loads that waited for this one's room plan again
             log.error("loading model %s failed: %s", entry.name, entry.error)
             future.set_exception(ModelLoadFailed(f"model '{entry.name}' could not be loaded: {exc}"))
             return
@@ -263,7 +270,9 @@ class ModelPool:
             entry.loads += 1
             entry.load_s = time.monotonic() - t0
             entry.last_used = self._clock()
+            entry.held_until = entry.last_used + LOAD_HOLD_S
             future, entry.loading = entry.loading, None
+            self._notify_locked()
         log.info("model %s loaded in %.1f s (%.2f GiB)", entry.name, entry.load_s, nbytes / (1 << 30))
         future.set_result(None)
 
@@ -278,8 +287,13 @@ class ModelPool:
         changed.set_result(None)
 
     def _resident_locked(self) -> list[Resident]:
-        return [Resident(e.name, e.nbytes, e.last_used, e.in_use, e.pinned)
-                for e in self._entries.values() if e.slot is not None]
+        """What the policy plans over: the loaded models and those loading (which count, and cannot be evicted);
+        a model just loaded counts as in use until a request that waited for it takes it (or LOAD_HOLD_S pass),
+        so that a load waiting for room cannot evict it first."""
+        now = self._clock()
+        return [Resident(e.name, e.nbytes, e.last_used, e.in_use + (1 if e.loading is not None or now < e.held_until
+                                                                      else 0), e.pinned)
+                for e in self._entries.values() if e.slot is not None or e.loading is not None]
 
     # -- unloading --------------------------------------------------------------------------------------------
     def unload(self, name: str) -> bool:

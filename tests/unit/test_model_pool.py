@@ -296,3 +296,29 @@ def test_a_waiter_whose_client_left_cancels_neither_the_load_nor_the_other_waite
 
     asyncio.run(scenario())
     assert loader.loads == ["a"] and pool.entry("a").state == "loaded" and pool.entry("a").in_use == 0
+
+
+def test_two_models_asked_for_at_once_with_one_slot_load_one_after_the_other():
+    """A load in flight counts against the caps: the second model waits instead of loading beside it, and cannot
+    evict the first before the request that waited for it has taken it."""
+    loader = FakeLoader()
+    loader.gate = threading.Event()
+    pool = make_pool(loader, max_loaded=1)
+
+    async def scenario():
+        ta = asyncio.ensure_future(pool.acquire("a"))
+        await asyncio.sleep(0.05)
+        tb = asyncio.ensure_future(pool.acquire("b"))
+        await asyncio.sleep(0.1)
+        assert loader.loads == ["a"] and pool.entry("b").state == "not_loaded"  # b waits for a's slot
+        loader.gate.set()
+        la = await ta
+        await asyncio.sleep(0.1)
+        assert not tb.done() and pool.entry("a").state == "loaded"  # a is held by its request
+        la.release()
+        lb = await tb
+        assert pool.entry("a").state == "not_loaded" and lb.slot is not None
+        lb.release()
+
+    asyncio.run(scenario())
+    assert loader.loads == ["a", "b"]
