@@ -305,6 +305,18 @@ def spec_lane(models, *, in_batch: bool, max_batch=8):
     return lane
 
 
+def spec_batches_seen(lane) -> list:
+    """Run the lane until idle; the speculating batches that held more than one row on some tick."""
+    seen = []
+    for _ in range(400):
+        if lane.idle():
+            break
+        lane.tick()
+        seen += [b for b in lane.engine.batches._batches.values() if len(b) > 1 and type(b).__name__ == "SpecBatch"]
+    assert lane.idle()
+    return seen
+
+
 ECHO = {  # prompts that repeat themselves, so that prompt lookup has something to propose
     "e1": [5, 6, 7, 8, 9] * 6,
     "e2": [40, 41, 42] * 9 + [40],
@@ -324,14 +336,7 @@ def test_speculating_requests_verify_their_drafts_in_one_batch_and_make_the_toke
         alone_tokens[name] = list(seq.generated)
     lane = spec_lane(models, in_batch=True)
     seqs = {name: submit(lane, name, prompt, 24) for name, prompt in ECHO.items()}
-    batches = []
-    for _ in range(400):
-        if lane.idle():
-            break
-        lane.tick()
-        batches += [b for b in lane.engine.batches._batches.values() if len(b) > 1]
-    assert lane.idle()
-    spec_batches = [b for b in batches if type(b).__name__ == "SpecBatch"]
+    spec_batches = spec_batches_seen(lane)
     assert spec_batches, "the speculating requests never ran in one batch"
     assert max(b.accepted for b in spec_batches) > 0  # drafts were accepted while several rows ran together
     for name, (seq, events) in seqs.items():
@@ -378,13 +383,7 @@ def test_an_on_demand_model_speculates_with_ngram_drafts_in_its_own_batch_and_ma
     lane = spec_lane(models, in_batch=True)
     seqs = {name: submit(lane, name, prompt, 16, served=other) for name, prompt in ECHO.items()}
     assert all(s.ns.startswith("1" * 16) for s, _ in seqs.values())
-    batches = []
-    for _ in range(400):
-        if lane.idle():
-            break
-        lane.tick()
-        batches += [b for b in lane.engine.batches._batches.values() if len(b) > 1]
-    spec_batches = [b for b in batches if type(b).__name__ == "SpecBatch"]
+    spec_batches = spec_batches_seen(lane)
     assert spec_batches and all(b.model is models["X"] for b in spec_batches)
     assert max(b.accepted for b in spec_batches) > 0
     for name, (seq, events) in seqs.items():
