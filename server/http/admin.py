@@ -80,9 +80,19 @@ async def admin_adapters(request: Request):
 
 
 class ModelAction(BaseModel):
+    """``{"model": NAME}`` (``"name"`` or ``"id"`` are taken too: what other servers' admin APIs call it)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: Optional[str] = None
+    name: Optional[str] = None
+    id: Optional[str] = None
+
+    def target(self) -> str:
+        given = [v for v in (self.model, self.name, self.id) if v]
+        if len(given) != 1:
+            raise InvalidRequest('name one model: {"model": NAME}', param="model")
+        return given[0]
 
 
 def _on_demand_entry(state, name: str):
@@ -102,10 +112,10 @@ async def admin_model_load(request: Request):
     from server.http.pipeline import acquire_model
 
     state = request.app.state.lane_state
-    req = await parse_body(request, ModelAction, state.max_body_bytes)
-    entry = _on_demand_entry(state, req.model)
+    name = (await parse_body(request, ModelAction, state.max_body_bytes)).target()
+    entry = _on_demand_entry(state, name)
     was = entry.state
-    lease = await acquire_model(state, req.model)
+    lease = await acquire_model(state, name)
     lease.release()
     return {"object": "model", "id": entry.name, "state": entry.state, "was": was, "size_bytes": entry.nbytes,
             "load_s": round(entry.load_s, 3)}
@@ -116,8 +126,7 @@ async def admin_model_unload(request: Request):
     from server.pool.pool import ModelInUse
 
     state = request.app.state.lane_state
-    req = await parse_body(request, ModelAction, state.max_body_bytes)
-    entry = _on_demand_entry(state, req.model)
+    entry = _on_demand_entry(state, (await parse_body(request, ModelAction, state.max_body_bytes)).target())
     try:
         unloaded = await asyncio.to_thread(state.models.unload, entry.name)
     except ModelInUse as exc:

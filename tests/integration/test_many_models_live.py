@@ -121,7 +121,7 @@ def test_models_load_on_demand_evict_each_other_keep_their_caches_apart_and_rest
         h = {"Content-Type": "application/json"}
         r = httpx.post(url + "/admin/models/unload", json={"model": "tiny-qwen"}, headers=h)
         assert r.status_code == 200 and r.json()["state"] == "not_loaded"
-        r = httpx.post(url + "/admin/models/load", json={"model": "tiny-qwen"}, headers=h, timeout=120)
+        r = httpx.post(url + "/admin/models/load", json={"name": "tiny-qwen"}, headers=h, timeout=120)  # or "model"
         assert r.status_code == 200 and r.json()["state"] == "loaded" and r.json()["was"] == "not_loaded"
         assert httpx.post(url + "/admin/models/unload", json={"model": "default"}, headers=h).status_code == 400
         r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-mistral", "messages": PROMPT})
