@@ -3,6 +3,9 @@ echo, so this measures the mechanism, not acceptance).
 
 For N rows of --context tokens: the median time of
   plain      one decode step of mlx-lm's plain batch KV (every row the same length: the cheapest layout)
+  batch_mixed  one decode step of mlx-lm's BatchKVCache over rows of mixed lengths (the server's plain batch:
+             left-padded rows, RoPE offsets per row, attention through a mask), lengths --context - (37 r mod 256)
+  ragged_mixed_0  the ragged layout over the same mixed lengths, no drafts (what batch_mixed compares to)
   ragged_k   one forward of 1 + k tokens per row over server.engine.ragged_kv (the speculating batch's layout),
              k = 0..--max-k, each row then keeping one position (as if every draft were rejected)
 and ragged_k / plain. With acceptance r, a step of k drafts yields 1 + r*k tokens per row for ragged_k / plain of a
@@ -40,7 +43,7 @@ def timed(fn, reps: int) -> float:
 
 
 def main() -> int:
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
     from gpu_write_cost import build
     from server.engine.ragged_kv import RaggedKV
@@ -79,6 +82,38 @@ def main() -> int:
                 k.keys, k.values, k.offset = c.keys[r:r + 1, :, :c.offset], c.values[r:r + 1, :, :c.offset], c.offset
                 own.append(k)
             rows.append(own)
+        mixed = [args.context - (37 * r) % 256 for r in range(n)]  # agents' rows differ in length
+
+        def cut(own, length):
+            out = []
+            for c in own:
+                k = KVCache()
+                k.keys, k.values, k.offset = c.keys[..., :length, :], c.values[..., :length, :], length
+                out.append(k)
+            return out
+
+        batch = [BatchKVCache.merge([cut(own, m)[layer] for own, m in zip(rows, mixed)])
+                 for layer in range(len(rows[0]))]
+
+        def batch_step():
+            mx.eval(mx.argmax(model(tok, cache=batch)[:, -1], axis=-1))
+            for c in batch:
+                c.trim(1)
+
+        row["batch_mixed_ms"] = round(timed(batch_step, args.reps) * 1e3, 3)
+        row["batch_mixed_over_plain"] = round(row["batch_mixed_ms"] / row["plain_ms"], 3)
+        del batch
+        ragged_mixed = RaggedKV.from_rows([cut(own, m) for own, m in zip(rows, mixed)])
+        one = mx.zeros((n, 1), dtype=mx.int32)
+
+        def ragged_step():
+            ragged_mixed.reserve(1)
+            mx.eval(mx.argmax(model(one, cache=ragged_mixed.layers), axis=-1))
+            ragged_mixed.commit([0] * n)
+
+        row["ragged_mixed_0_ms"] = round(timed(ragged_step, args.reps) * 1e3, 3)
+        row["ragged_mixed_0_over_batch_mixed"] = round(row["ragged_mixed_0_ms"] / row["batch_mixed_ms"], 3)
+        del ragged_mixed
         kv = RaggedKV.from_rows(rows)
         del cache, rows
         for k in range(args.max_k + 1):
