@@ -46,11 +46,11 @@ def _serve_parser(sub) -> None:
                    help="serve every mlx-lm model directory and .gguf file in DIR under its name (directory name, "
                         "file name without .gguf), loaded on first request; models added later are found too "
                         "[MLX_LANE_MODELS_DIR]")
-    p.add_argument("--max-loaded-models", type=int, default=int(_env("max_loaded_models", "4")),
+    p.add_argument("--max-loaded-models", type=int, metavar="N", default=int(_env("max_loaded_models", "4")),
                    help="on-demand models (--model NAME=PATH, --models-dir) resident at once, beside the base "
                         "model; loading one more unloads the least recently used idle one. 0: no cap (the memory "
                         "budget still applies). Default 4 [MLX_LANE_MAX_LOADED_MODELS]")
-    p.add_argument("--model-ttl", type=float, default=float(_env("model_ttl", "0")),
+    p.add_argument("--model-ttl", type=float, metavar="S", default=float(_env("model_ttl", "0")),
                    help="unload an on-demand model after this many idle seconds (no request running or queued); "
                         "0 (the default): keep it until room is needed [MLX_LANE_MODEL_TTL]")
     p.add_argument("--pin", action=_AppendOverEnv, metavar="NAME",

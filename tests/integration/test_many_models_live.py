@@ -77,6 +77,20 @@ def test_models_load_on_demand_evict_each_other_keep_their_caches_apart_and_rest
         assert cached["tiny-llama"][0] == cached["tiny-qwen"][0] == cached["default"][0] == 0, cached
         assert cached["tiny-llama"][1] > 0 and cached["tiny-qwen"][1] > 0, cached
 
+        # the base model decodes while another model loads beside it (off the lane): both texts are their own
+        long_prompt = [{"role": "user", "content": "List five rivers of Europe, one per line."}]
+        alone = client.chat.completions.create(model="default", messages=long_prompt, max_tokens=24,
+                                               temperature=0).choices[0].message.content
+        assert states(url)["tiny-llama"] == "not_loaded"
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            base = ex.submit(lambda: client.chat.completions.create(
+                model="default", messages=long_prompt, max_tokens=24, temperature=0).choices[0].message.content)
+            time.sleep(0.3)  # the base request is decoding when the load starts
+            other = ex.submit(lambda: client.chat.completions.create(
+                model="tiny-llama", messages=PROMPT, max_tokens=6, temperature=0).choices[0].message.content)
+            assert base.result() == alone and other.result() == texts["tiny-llama"][0]
+        httpx.post(url + "/admin/models/unload", json={"model": "tiny-llama"}, headers={"Content-Type": "application/json"})
+
         # a burst for the unloaded llama: one load, every answer its text
         before = loads(url, "tiny-llama")
         with concurrent.futures.ThreadPoolExecutor(4) as ex:
@@ -86,7 +100,7 @@ def test_models_load_on_demand_evict_each_other_keep_their_caches_apart_and_rest
         assert got == [texts["tiny-llama"][0]] * 4
         assert loads(url, "tiny-llama") == before + 1
         stats = httpx.get(url + "/stats").json()["models"]["tiny-llama"]
-        assert stats["state"] == "loaded" and stats["requests"] == 6 and stats["in_use"] == 0
+        assert stats["state"] == "loaded" and stats["requests"] == 7 and stats["in_use"] == 0
 
         # streaming, through raw HTTP, on the other model: it loads first, the stream keeps the connection alive
         with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
