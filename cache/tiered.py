@@ -159,7 +159,9 @@ class TieredCache:
         again; it reaches the disk if RAM evicts it first (a spill, as for any entry). An untrimmable one is written:
         nothing longer can serve its prefix."""
         scheduled = False
-        if (not anchor or not all_trimmable(caches)) and self._worth_writing(tokens, caches, ns):
+        # asked for every entry, anchors too: a declined one is remembered, so that flush does not wait for an
+        # anchor whose extending entries will never be written either
+        if self._worth_writing(tokens, caches, ns) and (not anchor or not all_trimmable(caches)):
             try:
                 scheduled = bool(self._durability.schedule(tokens, caches, ns))
             except Exception:  # durability is best effort: never fail a request for it

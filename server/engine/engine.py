@@ -315,7 +315,9 @@ class Engine:
         if seq.prefilled:
             return True
         prompt = seq.prompt
-        if seq.done > seq.cached:  # feeds the restore-or-recompute decision of the SSD tier
+        if seq.done > seq.cached and self.slot_for(seq.params).base:
+            # feeds the SSD tier's restore-or-recompute decision, which is the base model's: another model's rate
+            # (a tiny one prefills 50x faster) made it decline every write, and the rate is saved across restarts
             self.prompt_cache.observe_prefill(seq.done - seq.cached, seq.prefill_cost_s)
         if seq.spec is not None:
             with mx.stream(self.stream):

@@ -295,6 +295,22 @@ def test_a_forward_of_several_prompts_feeds_the_cost_model_each_prompts_share(mo
     assert sorted(seen) == sorted([(7, a.prefill_cost_s), (23, b.prefill_cost_s)])
 
 
+def test_only_the_base_models_prefill_feeds_the_cost_model(models):
+    """The SSD tier's cost model is the base model's (its rate is saved across restarts): the prefill of another
+    model of the server (a ModelSlot) must not move it."""
+    from server.engine.slot import ModelSlot
+
+    other = ModelSlot(SimpleNamespace(model=models["X"], tokenizer=IdTokenizer(), fingerprint="1" * 16,
+                                      model_id="x", context_length=4096), name="x", base=False)
+    lane = make_lane(models, chunk=64, cache_bytes=1 << 26)
+    seen = []
+    lane.engine.prompt_cache.observe_prefill = lambda tokens, seconds: seen.append(tokens)
+    submit(lane, "other", list(range(300, 340)), 2, served=other)
+    submit(lane, "base", list(range(500, 520)), 2)
+    run_until_idle(lane)
+    assert seen == [19]
+
+
 def spec_lane(models, *, in_batch: bool, max_batch=8):
     from server.engine.speculation import Speculation
     from spec import NgramProvider

@@ -190,6 +190,17 @@ def test_an_entry_that_could_never_pay_back_is_not_written(make):
     assert tier.flush(5) and store.covers(A[:10], NS)
 
 
+def test_an_anchor_whose_entries_are_never_written_does_not_hold_up_flush(make):
+    """A trimmable anchor (a prompt-boundary entry) waits for the entry that extends it to be written; where the
+    cost model declines writes, that never comes: the anchor is declined too, and flush answers durable (it was
+    503 for every request that shared its prompt, whenever writes were declined)."""
+    tier, store = make(prefill_tok_s=1e9, read_bytes_s=1.0)
+    tier.put(A[:10], kv(A[:10]), NS, anchor=True)
+    tier.put(A, kv(A), NS)
+    assert tier.pending() == [] and tier.flush(5) is True and store.stats()["writes"] == 0
+    assert tier.ssd_stats()["writes_declined"] == 2
+
+
 def test_observe_prefill_feeds_the_cost_model(make):
     tier, _ = make(prefill_tok_s=1.0)
     tier.observe_prefill(4, 1.0)  # too short to count
