@@ -368,10 +368,30 @@ class Engine:
     def step_batch(self, group) -> list:
         """One decode step of a group's batch: ``[(seq, token, logprobs), ...]`` (a speculating batch's rows may
         bring several tokens each)."""
+        if is_spec_group(group) and self._dissolve_if_not_paying(group):
+            return []  # its rows decode in their plain batch from now on (this tick, or the next one)
         rows = self.batches.step(group)
         if is_spec_group(group) and self.stats.spec is not None:
             self.stats.spec.on_batch_step(*self.batches.get(group).last_step)
         return rows
+
+    def _dissolve_if_not_paying(self, group) -> bool:
+        """A speculating batch whose drafts have not paid for its layout lately (``SpecBatch.not_paying``) hands its
+        rows to their group's plain batch, where they decode without drafts for the rest of their reply (requests
+        that arrive later speculate again, in a new speculating batch). Before a step: every row in it is live."""
+        batch = self.batches.get(group)
+        if batch is None or not batch.not_paying():
+            return False
+        seqs = list(batch.sequences)
+        plain = group[1]  # spec_group(g) == (speculating, g)
+        for seq, (tokens, caches) in zip(seqs, self.batches.remove(group, seqs)):
+            seq.caches, seq.group = caches, plain  # the caches cover everything but the row's next input
+        self.join_batch(plain, seqs)
+        if self.stats.spec is not None:
+            self.stats.spec.on_dissolved(len(seqs))
+        log.info("a speculating batch of %d rows made too few tokens per step to pay for drafting; its rows decode "
+                 "in the plain batch", len(seqs))
+        return True
 
     def leave_rows(self, group, seqs: list[Sequence]) -> list:
         """Take rows out of their batch: ``[(tokens, caches), ...]`` covering what each computed, for ``finish``."""

@@ -16,6 +16,9 @@ the draft survives with probability p(draft), and a rejection yields a draw from
 drafts decode one token in the same forward. The KV layout (``server.engine.ragged_kv``) keeps each row's
 accepted positions and drops the rest per row, with no copy.
 
+A batch whose drafts stop paying for this layout (fewer than ``PAYS_YIELD`` tokens per row per step over its last
+``JUDGE_STEPS``; ``not_paying``) is dissolved by the engine: its rows go on in their plain batch.
+
 Interface as ``server.engine.batch.DecodeBatch``: ``add_many``, ``step`` (a row may yield several tokens: the
 list is in row order, each row's tokens in sequence order), ``remove`` (the row's caches and exactly the tokens
 they cover, cut back to what the sequence kept when a stop ended it inside a step).
@@ -27,10 +30,10 @@ accepted before it can draft the next one).
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
-
-import time
 
 import mlx.core as mx
 
@@ -52,6 +55,12 @@ def is_spec_group(group) -> bool:
 
 
 EXPLORE = 8  # of the steps whose drafts do not look worth it, one in this many drafts anyway (acceptance stays known)
+# A speculating step costs more than a plain batch's: on the H200 1.6-2x served (it waits for every step's tokens
+# before it can draft the next, then verifies row by row; BENCHMARKS.md), about 1x on a 2-core CPU. A batch whose
+# rows made fewer than PAYS_YIELD tokens per row per step over its last JUDGE_STEPS steps is not worth its layout:
+# the engine hands its rows to their plain batch (``not_paying``).
+JUDGE_STEPS = 64
+PAYS_YIELD = 1.5
 PENALTY_CONTEXT = 256  # tokens of history the penalty processors read (mlx-lm's context sizes are within this)
 
 
@@ -82,9 +91,18 @@ class SpecBatch:
         self.last_step = (0, 0, 0, 0)  # rows, drafted, accepted, emitted of the latest step (for /stats)
         self.cost = BatchVerifyCost()  # what a drafted token costs this batch: the rows' break-even acceptance
         self._skipped = 0  # steps whose drafts were not worth their positions
+        self._recent: deque = deque(maxlen=JUDGE_STEPS)  # (rows, tokens emitted) of the latest steps
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    def not_paying(self) -> bool:
+        """Over its last JUDGE_STEPS steps the rows made fewer than PAYS_YIELD tokens per row per step: their drafts
+        do not pay for the speculating layout (module constants say why)."""
+        if len(self._recent) < JUDGE_STEPS:
+            return False
+        rows = sum(r for r, _ in self._recent)
+        return sum(e for _, e in self._recent) < PAYS_YIELD * rows
 
     def __contains__(self, seq) -> bool:
         return any(r.seq is seq for r in self._rows)
@@ -167,6 +185,7 @@ class SpecBatch:
         self.steps += 1
         self.row_steps += len(self._rows)
         self.last_step = (len(self._rows), sum(len(d) for d in drafts), sum(k - 1 for k in kept), len(rows_out))
+        self._recent.append((len(self._rows), len(rows_out)))
         return rows_out
 
     def remove(self, seqs: list) -> list:

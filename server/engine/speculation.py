@@ -73,7 +73,7 @@ class SpecTotals:
         self.requests = 0
         self.total = SpecStats()
         # verify steps of speculating batches (server.engine.spec_batch): steps, rows over them, tokens
-        self.batch = dict(steps=0, row_steps=0, drafted=0, accepted=0, emitted=0)
+        self.batch = dict(steps=0, row_steps=0, drafted=0, accepted=0, emitted=0, handed_to_plain=0)
 
     def add(self, stats: SpecStats) -> None:
         with self._lock:
@@ -88,6 +88,11 @@ class SpecTotals:
             b["drafted"] += drafted
             b["accepted"] += accepted
             b["emitted"] += emitted
+
+    def on_dissolved(self, rows: int) -> None:
+        """Rows of a speculating batch whose drafts did not pay went on in the plain batch."""
+        with self._lock:
+            self.batch["handed_to_plain"] += rows
 
     def as_dict(self) -> dict:
         with self._lock:

@@ -405,3 +405,40 @@ def test_an_on_demand_model_speculates_with_ngram_drafts_in_its_own_batch_and_ma
     for name, (seq, events) in seqs.items():
         assert finished(events).finish_reason in ("length", "stop")
         assert list(seq.generated) == alone_tokens[name], name
+
+
+def test_a_speculating_batch_whose_drafts_do_not_pay_hands_its_rows_to_the_plain_batch(models, monkeypatch):
+    """Once a speculating batch has made fewer than PAYS_YIELD tokens per row per step over its last JUDGE_STEPS
+    steps, its rows go on in their group's plain batch (on the H200 a speculating step costs 1.6-2x a plain one),
+    and each row still makes the tokens it makes alone. (The tiny model repeats itself, so its drafts do pay: the
+    yield asked for is raised past anything a step can make, to reach the hand-over.)"""
+    import server.engine.spec_batch as spec_batch
+
+    monkeypatch.setattr(spec_batch, "JUDGE_STEPS", 2)
+    monkeypatch.setattr(spec_batch, "PAYS_YIELD", 100.0)
+    prompts = {name: PROMPTS[name] for name in ("a", "b", "c")}
+    alone_tokens = {}
+    for name, prompt in prompts.items():
+        lane = make_lane(models, chunk=64)
+        seq, _ = submit(lane, name, prompt, 20)
+        run_until_idle(lane)
+        alone_tokens[name] = list(seq.generated)
+    from server.engine.speculation import SpecTotals
+
+    lane = spec_lane(models, in_batch=True)
+    lane.engine.stats.spec = SpecTotals("ngram", 4)
+    seqs = {name: submit(lane, name, prompt, 20) for name, prompt in prompts.items()}
+    kinds = []
+    for _ in range(400):
+        if lane.idle():
+            break
+        lane.tick()
+        kinds.append({type(b).__name__ for b in lane.engine.batches._batches.values() if len(b) > 1})
+    assert lane.idle()
+    first_spec = next(i for i, k in enumerate(kinds) if "SpecBatch" in k)
+    assert any("DecodeBatch" in k for k in kinds[first_spec:]), kinds  # the rows went on in the plain batch
+    assert lane.engine.stats.spec.as_dict()["in_batch"]["handed_to_plain"] == 3
+    for name, (seq, events) in seqs.items():
+        assert finished(events).finish_reason in ("length", "stop")
+        assert list(seq.generated) == alone_tokens[name], name
+        assert seq.group is None  # the base model's plain group

@@ -221,3 +221,19 @@ def test_the_batch_measures_what_a_drafted_token_costs_and_raises_the_break_even
     assert cost.probe()  # four drafted steps in a row: the next one measures a plain step
     cost.observe(4, 0, 0.24)
     assert not cost.probe()
+
+
+def test_a_batch_is_judged_not_paying_only_over_a_full_window_of_too_few_tokens_per_row():
+    from server.engine import spec_batch
+    from server.engine.spec_batch import SpecBatch
+
+    batch = SpecBatch(model=None)
+    n = spec_batch.JUDGE_STEPS
+    for _ in range(n - 1):
+        batch._recent.append((4, 4))  # 1 token per row per step: drafts made nothing
+    assert not batch.not_paying()  # not judged before a full window
+    batch._recent.append((4, 4))
+    assert batch.not_paying()
+    for _ in range(n):
+        batch._recent.append((4, int(4 * spec_batch.PAYS_YIELD) + 1))  # drafts accepted: it pays
+    assert not batch.not_paying()
