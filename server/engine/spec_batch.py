@@ -59,7 +59,7 @@ EXPLORE = 8  # of the steps whose drafts do not look worth it, one in this many 
 # before it can draft the next, then verifies row by row; BENCHMARKS.md), about 1x on a 2-core CPU. A batch whose
 # rows made fewer than PAYS_YIELD tokens per row per step over its last JUDGE_STEPS steps is not worth its layout:
 # the engine hands its rows to their plain batch (``not_paying``).
-JUDGE_STEPS = 64
+JUDGE_STEPS = 32
 PAYS_YIELD = 1.5
 PENALTY_CONTEXT = 256  # tokens of history the penalty processors read (mlx-lm's context sizes are within this)
 
