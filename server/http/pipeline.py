@@ -163,8 +163,12 @@ async def _after_load(door: Door, state, request: Request, body, rid: str) -> As
     finally:
         if not task.done():  # the client left while the model loaded: the load goes on for the others
             task.cancel()
-    async for frame in _frames(gen, fmt, lease):
-        yield frame
+    frames = _frames(gen, fmt, lease)
+    try:
+        async for frame in frames:
+            yield frame
+    finally:  # a client that leaves mid-stream: the job is cancelled and the model given back now, not at GC
+        await frames.aclose()
 
 
 async def acquire_model(state, requested: Optional[str]):
