@@ -86,11 +86,6 @@ def _configured_context(spec: str):
     from models.load import read_context_length
 
     return read_context_length(Path(spec).expanduser())
-    for cfg in (config, config.get("text_config") or {}):
-        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx"):
-            if isinstance(cfg.get(key), int) and cfg[key] > 0:
-                return cfg[key]
-    return None
 
 
 def _adapter_card(state, adapter) -> dict:
