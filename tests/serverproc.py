@@ -35,6 +35,22 @@ def _mentions_ssd(args, env) -> bool:
         k in env for k in ("MLX_LANE_SSD_CACHE", "MLX_LANE_NO_SSD_CACHE"))
 
 
+def flags_for_tests(args: tuple, env: dict) -> tuple:
+    """What a test (or bench) server adds to its flags unless it names them: no SSD tier (the product's default is
+    on; a test opts in, so it never touches the user's ~/.cache/mlx-lane/kv, and /admin/cache/clear (RAM only) gives
+    a cold server) and no embedding model (loading it is 1.7 s of every start on a 2-core CPU, ~70 s over the
+    suite; the tests of /v1/embeddings ask for it)."""
+    if not _mentions_ssd(args, env):
+        args = (*args, "--no-ssd-cache")
+    return without_embeddings_unless_asked(args, env)
+
+
+def without_embeddings_unless_asked(args: tuple, env: dict) -> tuple:
+    if "--embedding-model" not in args and "MLX_LANE_EMBEDDING_MODEL" not in env:
+        args = (*args, "--embedding-model", "none")
+    return tuple(args)
+
+
 class ServerProc:
     """A live server. ``stop()`` sends SIGTERM and returns the exit code."""
 
@@ -45,10 +61,7 @@ class ServerProc:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="mlx-lane-", suffix=".log")[1])
         full_env = server_env(env)
-        if not _mentions_ssd(args, full_env):
-            # The SSD tier is on by default in the product; a test (or bench) server opts in explicitly, so it
-            # never touches the user's ~/.cache/mlx-lane/kv and /admin/cache/clear (RAM only) gives a cold server.
-            args = (*args, "--no-ssd-cache")
+        args = flags_for_tests(args, full_env)
         cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), *args]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
