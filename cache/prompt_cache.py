@@ -211,6 +211,11 @@ class PromptCache:
             self._demoted += len(idle)
         return [(e.ns, e.tokens, e.caches) for e in idle]
 
+    def entries_by_namespace(self) -> dict[str, int]:
+        """How many entries each namespace holds now (per model in /stats)."""
+        with self._lock:
+            return {ns: len(entries) for ns, entries in self._by_ns.items() if entries}
+
     def keys(self) -> list[tuple[str, tuple[int, ...]]]:
         """(ns, tokens) of every entry, in eviction order (for the tier below and for tests)."""
         with self._lock:
@@ -334,6 +339,9 @@ class PromptCache:
 
 class NullPromptCache:
     """The disabled cache (`--cache-bytes 0`): never hits, stores nothing, same interface."""
+
+    def entries_by_namespace(self) -> dict[str, int]:
+        return {}
 
     def take(self, tokens: Sequence[int], ns: str, session: str | None = None) -> CacheHit | None:
         return None

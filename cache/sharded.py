@@ -88,6 +88,9 @@ class ShardedPromptCache:
     def stats(self) -> dict[str, Any]:
         return self._inner.stats()
 
+    def entries_by_namespace(self) -> dict[str, int]:
+        return self._inner.entries_by_namespace()
+
     def shard_stats(self) -> dict:
         with self._lock:
             return {"takes_dropped": self.disagreed, "tokens_dropped": self.disagreed_tokens}

@@ -238,6 +238,9 @@ class TieredCache:
         """The RAM tier's counters (the `prompt_cache` block of /stats)."""
         return self._ram.stats()
 
+    def entries_by_namespace(self) -> dict[str, int]:
+        return self._ram.entries_by_namespace()
+
     def ssd_stats(self) -> dict[str, Any]:
         """The SSD tier, write-behind, prefetch and cost-model counters (the `ssd_cache` block of /stats)."""
         store = self._store.stats()

@@ -123,10 +123,17 @@ def stats_body(state) -> dict:
         "ssd_cache": state.ssd.ssd_stats() if state.ssd is not None else {"enabled": False},
         "speculative": state.stats.spec.as_dict() if state.stats.spec is not None else {"enabled": False},
         "adapters": state.adapters.stats_block(),
-        "models": state.models.stats_block() if state.models is not None else {},  # the on-demand models
+        "models": _models_block(state),  # the on-demand models
         "embeddings": state.stats.embeddings.as_dict(state.embedder),
         "http": state.stats.http_block(),
     }
+
+
+def _models_block(state) -> dict:
+    if state.models is None:
+        return {}
+    counts = getattr(state.prompt_cache, "entries_by_namespace", dict)()
+    return state.models.stats_block(counts)
 
 
 @functools.lru_cache(maxsize=1)

@@ -18,7 +18,8 @@ def prometheus_text(state) -> bytes:
         body += generate_latest(_SpecCollector(stats.spec.as_dict()))
     body += generate_latest(_AdapterCollector(state.adapters.stats_block()))
     if state.models is not None:
-        body += generate_latest(_ModelCollector(state.models.stats_block()))
+        body += generate_latest(_ModelCollector(
+            state.models.stats_block(getattr(state.prompt_cache, "entries_by_namespace", dict)())))
     if state.ssd is not None:
         body += generate_latest(_SSDCollector(state.ssd.ssd_stats()))
     return body
@@ -108,11 +109,15 @@ class _ModelCollector:
         loaded = GaugeMetricFamily("mlx_lane:model_loaded", "1 while the on-demand model is loaded", labels=["model"])
         nbytes = GaugeMetricFamily("mlx_lane:model_weight_bytes", "Weights of the on-demand model (measured once "
                                    "loaded, estimated from its files before)", labels=["model"])
+        entries = GaugeMetricFamily("mlx_lane:model_cache_entries", "RAM prefix-cache entries of the on-demand model",
+                                    labels=["model"])
         for model, row in self.block.items():
             loaded.add_metric([model], 1.0 if row["state"] == "loaded" else 0.0)
             nbytes.add_metric([model], float(row.get("bytes") or 0))
+            entries.add_metric([model], float(row.get("cache_entries") or 0))
         yield loaded
         yield nbytes
+        yield entries
         for key, name, doc in self._COUNTERS:
             m = CounterMetricFamily("mlx_lane:" + name, doc, labels=["model"])
             for model, row in self.block.items():

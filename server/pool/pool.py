@@ -69,6 +69,7 @@ class PoolEntry:
     load_s: float = 0.0  # seconds of the last load
     error: Optional[str] = None  # the last load's failure
     held_until: float = 0.0  # just loaded: kept for the requests that waited on the load until one takes it
+    namespace: Optional[str] = None  # its cache namespace, known from its first load on (kept after an unload)
     counters: AdapterCounters = field(default_factory=AdapterCounters)
 
     @property
@@ -267,6 +268,7 @@ class ModelPool:
         nbytes = weights_nbytes(slot.model)
         with self._lock:
             entry.slot, entry.nbytes, entry.error = slot, nbytes, None
+            entry.namespace = slot.namespace
             entry.loads += 1
             entry.load_s = time.monotonic() - t0
             entry.last_used = self._clock()
@@ -356,16 +358,21 @@ class ModelPool:
         self._stop.set()
 
     # -- observability ----------------------------------------------------------------------------------------
-    def stats_block(self) -> dict:
-        """The ``models`` block of /stats: each on-demand model, loaded or not."""
-        now = self._clock()
+    def stats_block(self, cache_entries: Optional[dict] = None) -> dict:
+        """The ``models`` block of /stats: each on-demand model, loaded or not. ``cache_entries``: the prefix
+        cache's entries per namespace (``entries_by_namespace``), counted for each model's namespace."""
+        now, wall = self._clock(), time.time()
+        counts = cache_entries or {}
         out = {}
         for e in self.entries():
-            slot = e.slot
+            ns = e.namespace
             out[e.name] = {
-                "state": e.state, "path": e.spec, "pinned": e.pinned, "in_use": e.in_use,
-                "bytes": e.nbytes, "loads": e.loads, "unloads": e.unloads, "last_load_s": round(e.load_s, 3),
-                "idle_s": round(now - e.last_used, 1) if e.last_used else None, "error": e.error,
-                "fingerprint": slot.namespace[:16] if slot is not None else None, **e.counters.as_dict(),
+                "state": e.state, "loaded": e.slot is not None, "path": e.spec, "pinned": e.pinned,
+                "in_use": e.in_use, "bytes": e.nbytes, "loads": e.loads, "unloads": e.unloads,
+                "last_load_s": round(e.load_s, 3), "idle_s": round(now - e.last_used, 1) if e.last_used else None,
+                "last_used_unix": round(wall - (now - e.last_used), 3) if e.last_used else None, "error": e.error,
+                "fingerprint": ns[:16] if ns else None,
+                "cache_entries": sum(n for k, n in counts.items() if ns and (k == ns or k.startswith(ns + "|"))),
+                **e.counters.as_dict(),
             }
         return out

@@ -100,7 +100,9 @@ def test_models_load_on_demand_evict_each_other_keep_their_caches_apart_and_rest
         assert got == [texts["tiny-llama"][0]] * 4
         assert loads(url, "tiny-llama") == before + 1
         stats = httpx.get(url + "/stats").json()["models"]["tiny-llama"]
-        assert stats["state"] == "loaded" and stats["requests"] == 7 and stats["in_use"] == 0
+        assert stats["state"] == "loaded" and stats["loaded"] and stats["requests"] == 7 and stats["in_use"] == 0
+        assert stats["cache_entries"] >= 1 and stats["last_used_unix"] > time.time() - 600
+        assert 'mlx_lane:model_cache_entries{model="tiny-llama"}' in httpx.get(url + "/metrics").text
 
         # streaming, through raw HTTP, on the other model: it loads first, the stream keeps the connection alive
         with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={

@@ -372,3 +372,12 @@ def test_anchors_are_evicted_after_every_plain_entry():
     cache.put((1, 2, 3), layers(3), "m")  # stored again without the flag: it stays an anchor
     put(cache, (10, 11, 12))
     assert ("m", (1, 2, 3)) in cache.keys()
+
+
+def test_entries_are_counted_per_namespace():
+    cache = PromptCache(1 << 30)
+    assert cache.entries_by_namespace() == {} and NullPromptCache().entries_by_namespace() == {}
+    put(cache, [1, 2, 3], ns="a")
+    put(cache, [4, 5, 6, 7], ns="a")
+    put(cache, [1, 2, 3], ns="b")
+    assert cache.entries_by_namespace() == {"a": 2, "b": 1}
