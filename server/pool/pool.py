@@ -253,7 +253,11 @@ class ModelPool:
         t0 = time.monotonic()
         log.info("loading model %s (%s) ...", entry.name, entry.spec)
         try:
+            from server.engine.engine import weights_nbytes
+
             slot = self._loader(entry.name, entry.spec)
+            slot.counters = entry.counters
+            nbytes = weights_nbytes(slot.model)
         except BaseException as exc:  # every waiter of this load gets it; the next request tries again
             with self._lock:
                 entry.error = f"{type(exc).__name__}: {exc}"
@@ -262,13 +266,9 @@ class ModelPool:
             log.error("loading model %s failed: %s", entry.name, entry.error)
             future.set_exception(ModelLoadFailed(f"model '{entry.name}' could not be loaded: {exc}"))
             return
-        from server.engine.engine import weights_nbytes
-
-        slot.counters = entry.counters
-        nbytes = weights_nbytes(slot.model)
         with self._lock:
             entry.slot, entry.nbytes, entry.error = slot, nbytes, None
-            entry.namespace = slot.namespace
+            entry.namespace = getattr(slot, "namespace", None)
             entry.loads += 1
             entry.load_s = time.monotonic() - t0
             entry.last_used = self._clock()

@@ -73,6 +73,7 @@ class FakeSlot:
     def __init__(self, name):
         self.name, self.model, self.released = name, object(), False
         self.counters = None
+        self.namespace = "f" * 16 + name
 
     def release(self):
         self.model, self.released = None, True
