@@ -1,8 +1,10 @@
 """The model work of the lane's plans: every verb the lane (server.lane.lane) calls to execute a ``TickPlan``.
 
-(About 515 lines, one job: the per-sequence model verbs. Batched decoding lives in server.engine.batch (and, for
-speculating rows, server.engine.spec_batch), the solo decoder in server.engine.solo, speculation in
-server.engine.speculation, sampling in server.engine.sampling.)
+(About 540 lines, one job: the per-sequence model verbs, kept together because each verb reads and writes the same
+Sequence fields in a fixed order: admit -> prefill -> batch / solo -> finish. Batched decoding lives in
+server.engine.batch (and, for speculating rows, server.engine.spec_batch), the solo decoder in server.engine.solo,
+speculation in server.engine.speculation, sampling in server.engine.sampling, each model's facts in
+server.engine.slot.)
 
 Contract of the verbs (lane thread only: they own the model, the MLX stream and the caches). Each works on
 ``server.lane.sequence.Sequence`` objects and reports through their state (phase, done, prefilled, tokens):

@@ -321,6 +321,17 @@ def spec_lane(models, *, in_batch: bool, max_batch=8):
     return lane
 
 
+def tokens_alone(models, prompts: dict, max_tokens: int, **kw) -> dict:
+    """What each prompt makes alone on a fresh lane, without speculation: the reference of the batch tests."""
+    out = {}
+    for name, prompt in prompts.items():
+        lane = make_lane(models, chunk=64)
+        seq, _ = submit(lane, name, prompt, max_tokens, **kw)
+        run_until_idle(lane)
+        out[name] = list(seq.generated)
+    return out
+
+
 def spec_batches_seen(lane) -> list:
     """Run the lane until idle; the speculating batches that held more than one row on some tick."""
     seen = []
@@ -344,12 +355,7 @@ ECHO = {  # prompts that repeat themselves, so that prompt lookup has something 
 def test_speculating_requests_verify_their_drafts_in_one_batch_and_make_the_tokens_they_make_alone(models):
     """Four n-gram requests at once share one verify forward per step (rows of different draft lengths, each
     rewound by its own rejected count) and each makes the tokens it makes alone without speculation."""
-    alone_tokens = {}
-    for name, prompt in ECHO.items():
-        lane = make_lane(models, chunk=64)
-        seq, _ = submit(lane, name, prompt, 24)
-        run_until_idle(lane)
-        alone_tokens[name] = list(seq.generated)
+    alone_tokens = tokens_alone(models, ECHO, 24)
     lane = spec_lane(models, in_batch=True)
     seqs = {name: submit(lane, name, prompt, 24) for name, prompt in ECHO.items()}
     spec_batches = spec_batches_seen(lane)
@@ -386,12 +392,7 @@ def test_an_on_demand_model_speculates_with_ngram_drafts_in_its_own_batch_and_ma
 
     other = ModelSlot(SimpleNamespace(model=models["X"], tokenizer=IdTokenizer(), fingerprint="1" * 16,
                                       model_id="x", context_length=4096), name="x", base=False)
-    alone_tokens = {}
-    for name, prompt in ECHO.items():
-        lane = make_lane(models, chunk=64)
-        seq, _ = submit(lane, name, prompt, 16, served=other)
-        run_until_idle(lane)
-        alone_tokens[name] = list(seq.generated)
+    alone_tokens = tokens_alone(models, ECHO, 16, served=other)
     lane = make_lane(models, chunk=64)
     seq, _ = submit(lane, "e1-base", ECHO["e1"], 16)
     run_until_idle(lane)
@@ -417,12 +418,7 @@ def test_a_speculating_batch_whose_drafts_do_not_pay_hands_its_rows_to_the_plain
     monkeypatch.setattr(spec_batch, "JUDGE_STEPS", 2)
     monkeypatch.setattr(spec_batch, "PAYS_YIELD", 100.0)
     prompts = {name: PROMPTS[name] for name in ("a", "b", "c")}
-    alone_tokens = {}
-    for name, prompt in prompts.items():
-        lane = make_lane(models, chunk=64)
-        seq, _ = submit(lane, name, prompt, 20)
-        run_until_idle(lane)
-        alone_tokens[name] = list(seq.generated)
+    alone_tokens = tokens_alone(models, prompts, 20)
     from server.engine.speculation import SpecTotals
 
     lane = spec_lane(models, in_batch=True)
