@@ -216,6 +216,13 @@ class PromptCache:
         with self._lock:
             return {ns: len(entries) for ns, entries in self._by_ns.items() if entries}
 
+    def entry_caches(self, ns: str, tokens: Sequence[int]) -> list | None:
+        """The caches of the entry keyed exactly (ns, tokens), or None. Not a take: no fork, no counter, no LRU
+        time; the caller must only read them (the tier below snapshots them for a write)."""
+        with self._lock:
+            entry = self._by_ns.get(ns, {}).get(tuple(int(t) for t in tokens))
+            return entry.caches if entry is not None else None
+
     def keys(self) -> list[tuple[str, tuple[int, ...]]]:
         """(ns, tokens) of every entry, in eviction order (for the tier below and for tests)."""
         with self._lock:

@@ -27,8 +27,10 @@ Rules (DESIGN.md "RAM tier contract", "SSD tier contract", "Durability coordinat
     then index-only lookups in both tiers; when the SSD tier has a
     strictly longer prefix and the cost model agrees, the read starts on an I/O thread while the request waits
     for the lane. Reads are keyed by file: a second prefetch of the same file joins the first (`coalesced`).
-  * `flush` is True only when nothing is pending AND every RAM entry is covered by a file: "durable" is a fact
-    about the entries, not about the writer's queue (a write that failed for good keeps it False).
+  * `flush` first schedules every RAM entry no file covers (a write abandoned on a full disk, a dropped snapshot,
+    a file a shared folder lost), then is True only when nothing is pending AND every RAM entry is covered by a
+    file: "durable" is a fact about the entries, not about the writer's queue (a write that fails again keeps it
+    False).
   * `clear` clears RAM only: the SSD tier is what survives; delete its files to drop it.
 
 Threads: the I/O pool and the demotion timer run MLX work (restores, forks, snapshots) on streams they create
@@ -96,7 +98,7 @@ class TieredCache:
         self._declined: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._c = dict(prefetches=0, prefetch_coalesced=0, prefetch_skipped=0, ssd_hits=0, ssd_tokens_hit=0,
                        restores_on_lane=0, restores_failed=0, spills=0, spill_failed=0, demotions=0,
-                       writes_declined=0)
+                       writes_declined=0, flush_rewrites=0)
         self._pool = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="mlx-lane-ssd-io")
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
@@ -284,10 +286,24 @@ class TieredCache:
                           for ns, tokens in self._not_durable() if not self._durability.is_pending(tokens, ns)]
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Write everything pending now. True when, within `timeout` seconds, nothing is pending and every entry
-        in RAM is covered by a file (so a failed or dropped write keeps this False until the entry is rewritten
-        or leaves RAM)."""
-        return bool(self._durability.flush(timeout)) and not self._not_durable()
+        """Write everything pending now, and every RAM entry no file covers. True when, within `timeout` seconds,
+        nothing is pending and every entry in RAM is covered by a file.
+
+        Re-scheduling the uncovered entries is what makes a flush after a full disk (or a dropped snapshot, or a
+        file another replica's supersede or eviction removed from a shared folder) end durable: their writes were
+        abandoned and nothing else would try again until the same entry is put again, which a conversation that
+        moved on never does. A write that fails again keeps this False."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._store.sync()  # a file another replica wrote may cover an entry already
+        # entries nothing will write: those uncovered now whose snapshot is not pending (a pending one that fails
+        # in this flush is not tried twice in it)
+        orphans = {key for key in self._not_durable() if not self._durability.is_pending(key[1], key[0])}
+        flushed = bool(self._durability.flush(timeout))
+        # after the pending writes, so that an entry a pending longer snapshot covers (an anchor) is not written
+        if orphans and self._reschedule(orphans):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            flushed = bool(self._durability.flush(remaining))
+        return flushed and not self._not_durable()
 
     # ------------------------------------------------------------------------------------------ tier movements
 
@@ -330,7 +346,11 @@ class TieredCache:
         if self._timer is not None:
             self._timer.join(1.0)
         self._pool.shutdown(wait=True, cancel_futures=True)
-        return self._durability.close(timeout)
+        start = time.monotonic()
+        durable = self.flush(timeout)  # a graceful stop also writes what an abandoned write left behind
+        remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        self._durability.close(remaining)
+        return durable
 
     # ---------------------------------------------------------------------------------------------- helpers
 
@@ -368,6 +388,23 @@ class TieredCache:
                 self._declined.popitem(last=False)
             self._c["writes_declined"] += 1
         return False
+
+    def _reschedule(self, keys: set[tuple[str, tuple[int, ...]]]) -> int:
+        """Schedule (no debounce) those of `keys` that are still in RAM and not durable; returns how many."""
+        again = 0
+        with mx.stream(thread_stream()):  # the snapshot makes MLX arrays: on this thread's own stream
+            for ns, tokens in self._not_durable():
+                caches = self._ram.entry_caches(ns, tokens) if (ns, tokens) in keys else None
+                if caches is None:
+                    continue
+                try:
+                    again += bool(self._durability.schedule(tokens, caches, ns, delay=0.0))
+                except Exception:
+                    log.exception("ssd cache: re-scheduling an entry for flush failed")
+        if again:
+            with self._lock:
+                self._c["flush_rewrites"] += again
+        return again
 
     def _not_durable(self) -> list[tuple[str, tuple[int, ...]]]:
         with self._lock:

@@ -287,6 +287,21 @@ def test_prefetch_skips_when_ram_is_as_long(make):
     assert store.restores == 0
 
 
+def test_flush_rewrites_an_entry_whose_write_was_abandoned_once_the_disk_takes_it(make, monkeypatch):
+    """A write given up on (a full disk) is not retried by the writer; the entry stays in RAM, uncovered. Nothing
+    puts it again (its conversation moved on), so flush itself schedules it: durable once the disk takes it."""
+    tier, store = make()
+    real_write, full = store.inner.write, [True]
+    monkeypatch.setattr(store.inner, "write", lambda *a: False if full[0] else real_write(*a))
+    tier.put(A, kv(A), NS)
+    assert tier.flush(5) is False  # retried once, then abandoned
+    assert [p["state"] for p in tier.pending()] == ["not_written"] and not store.covers(A, NS)
+    full[0] = False  # the space is back; no new put of A
+    assert tier.flush(5) is True
+    assert store.covers(A, NS) and tier.pending() == []
+    assert tier.ssd_stats()["flush_rewrites"] == 1  # the first flush wrote A's pending snapshot, the second again
+
+
 def test_flush_fails_on_an_unwritable_dir_and_serving_continues(make, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -294,9 +309,9 @@ def test_flush_fails_on_an_unwritable_dir_and_serving_continues(make, tmp_path):
     tier.put(A, kv(A), NS)
     assert tier.flush(5) is False
     assert [p["state"] for p in tier.pending()] == ["not_written"]
-    assert tier.flush(5) is False  # still not durable: the failure is not forgotten by a second flush
+    assert tier.flush(5) is False  # still not durable: the second flush tried A again, and failed again
     s = tier.ssd_stats()
-    assert s["failed"] >= 1 and s["writes_abandoned"] == 1
+    assert s["failed"] >= 1 and s["writes_abandoned"] == 2 and s["flush_rewrites"] == 1
     hit = tier.take(A + [99], NS)  # RAM still serves
     assert hit.source == "ram" and hit.length == 20
 
