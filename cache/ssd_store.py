@@ -286,8 +286,9 @@ class SSDStore:
             for v in victims:
                 self._drop_locked(v)
             self._c["superseded"] += len(victims)
+            if path not in self._entries:  # a concurrent sync may have indexed the renamed file already
+                self._bytes += size
             self._entries[path] = entry
-            self._bytes += size
             over = self._bytes > self.max_bytes
         if over:
             self._refresh_mtimes()  # file-system I/O stays outside the lock find() needs
