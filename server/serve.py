@@ -57,6 +57,7 @@ def build_state(args):
     engine.fault_hook = _fault_hook_from_env(loaded.tokenizer)
     engine.speculation = _speculation(args, loaded)
     engine.spec_in_batch = not getattr(args, "no_spec_batch", False)
+    engine.batch_layout = getattr(args, "batch_layout", None) or "auto"
     if engine.speculation is not None:
         from server.engine.speculation import SpecTotals
 

@@ -35,11 +35,12 @@ from typing import Sequence as Seq
 
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
-from mlx_lm.models.cache import KVCache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from cache.prefix import namespace
 from server.engine.batch import BatchGroups, DecodeBatch, can_batch
 from server.engine.kv_layout import _covered_length, _state_nbytes, kv_scheme
+from server.engine.ragged_batch import RaggedBatch
 from server.engine.sampling import build_logits_processors, build_sampler, repair_random_state, token_logprobs
 from server.engine.slot import ModelSlot
 from server.engine.solo import PlainDecode
@@ -73,13 +74,24 @@ class Engine:
             self._check_kv_quantization()
         self.speculation = None  # server.engine.speculation.Speculation when a draft is configured
         self.spec_in_batch = True  # n-gram requests running at once verify their drafts in one batch
+        self.batch_layout = "auto"  # --batch-layout: "ragged" (server.engine.ragged_batch), "mlx" (DecodeBatch)
         self.adapters = None  # server.catalog.AdapterRegistry: per-adapter counters (set by server.serve)
         self.kv_bytes_per_token = 0.0  # of the last stored entry, all layers (see kv_stats)
         self._gpu = mx.default_device() != mx.cpu
         self.batches = BatchGroups(self._make_batch)
 
     def _make_batch(self, model, group):
-        return SpecBatch(model) if is_spec_group(group) else DecodeBatch(model, clear_cache=self._gpu)
+        if is_spec_group(group):
+            return SpecBatch(model)
+        if self._ragged_layout(model):
+            return RaggedBatch(model)
+        return DecodeBatch(model, clear_cache=self._gpu)
+
+    def _ragged_layout(self, model) -> bool:
+        """Whether a plain batch of this model uses the ragged layout (``--batch-layout``; ``auto``: on the CPU,
+        where it was measured faster, for models whose caches are all plain KVCache layers)."""
+        layout = self.batch_layout if self.batch_layout != "auto" else ("mlx" if self._gpu else "ragged")
+        return layout == "ragged" and self.kv_bits is None and all(type(c) is KVCache for c in make_prompt_cache(model))
 
     def bind_stream(self, as_default: bool = False) -> None:
         """Create the MLX stream owned by the calling (lane) thread. ``as_default``: make it the thread's default
@@ -108,7 +120,7 @@ class Engine:
             for _ in range(4 if gpu else 1):
                 mx.eval(self.model(mx.array([[1]]), cache=caches))
             if can_batch(caches):
-                batch = DecodeBatch(self.model)
+                batch = self._make_batch(self.model, None)
                 rows = []
                 for n in (3, 5):
                     c = self._new_caches()
@@ -405,15 +417,15 @@ class Engine:
         self._repair_after_failure()
 
     def leave_batch(self, seq: Sequence) -> None:
-        """A batch row goes on solo: its caches cover prompt + every generated token; trimmed by one, so that the
-        solo decoder feeds the last generated token and samples the next."""
+        """A batch row goes on solo: its caches are trimmed to cover all but the last token of prompt + generated, so
+        that the solo decoder feeds that token and samples the next."""
         (tokens, caches), = self.batches.remove(seq.group, [seq])
-        if is_spec_group(seq.group):  # its caches cover all but its last token (a speculating row's next input)
-            tokens = list(seq.prompt) + list(seq.generated)
-        else:
-            trim_prompt_cache(caches, 1)
+        history = list(seq.prompt) + list(seq.generated)
+        extra = len(tokens) - (len(history) - 1)  # a plain batch's caches cover its last token; a speculating one's not
+        if extra > 0:
+            trim_prompt_cache(caches, extra)
         seq.caches, seq.phase = caches, Phase.SOLO
-        seq.solo_base, seq.solo_gen0 = list(tokens), len(seq.generated)
+        seq.solo_base, seq.solo_gen0 = history, len(seq.generated)
 
     def solo_step(self, seq: Sequence):
         """(token, logprobs) of the next token of a solo sequence, or None when its decoder is exhausted."""

@@ -38,12 +38,12 @@ _STEP = 256  # buffer growth, in positions (as mlx-lm's caches)
 
 class RaggedKV:
     def __init__(self, n_layers: int):
-        self.lengths: list[int] = []  # per row: positions its KV holds
+        self.lengths: list[int] = []  # per live row: positions its KV holds (rows 0..len-1 are the live ones)
         self.layers = [_Layer(self, i) for i in range(n_layers)]
-        self._keys: list[Optional[mx.array]] = [None] * n_layers
+        self._keys: list[Optional[mx.array]] = [None] * n_layers  # (slots, H, capacity, D); slots >= live rows
         self._values: list[Optional[mx.array]] = [None] * n_layers
         self._offset = mx.array([], dtype=mx.int32)
-        self._width = 0  # tokens per row of the forward being built (set by the first layer's write)
+        self._pos: Optional[tuple] = None  # (width, the write positions of every slot) of the forward being built
 
     @classmethod
     def from_rows(cls, rows: list[list]) -> "RaggedKV":
@@ -57,32 +57,44 @@ class RaggedKV:
 
     @property
     def capacity(self) -> int:
+        """Positions every slot has room for."""
         k = self._keys[0]
         return 0 if k is None else k.shape[2]
 
+    @property
+    def slots(self) -> int:
+        """Rows the buffers have room for (live rows and free slots)."""
+        k = self._keys[0]
+        return 0 if k is None else k.shape[0]
+
     # -- rows in and out ---------------------------------------------------------------------------
     def extend(self, rows: list[list]) -> None:
-        """Append rows (per-layer KVCache lists, consumed): their KV is copied into the batch buffers."""
+        """Append rows (per-layer KVCache lists, consumed): each row's KV is written into a free slot, in place; the
+        live rows are not copied unless the buffers must grow (slots by half again, positions in steps of 256), so
+        joins cost what the joining rows hold, amortised."""
         if not rows:
             return
         lengths = [int(r[0].offset) for r in rows]
-        cap = max(self.capacity, _round_up(max(lengths + [1])))
-        self._grow(cap)
-        for layer in range(len(self.layers)):
-            ks, vs = [], []
-            for row, n in zip(rows, lengths):
-                c = row[layer]
+        for row in rows:
+            for c in row:
                 if type(c) is not KVCache:
                     raise TypeError(f"RaggedKV holds plain KVCache layers, got {type(c).__name__}")
-                k, v = (c.keys[..., :n, :], c.values[..., :n, :]) if n else _empty_like(self, layer, c)
-                ks.append(_pad_to(k, cap))
-                vs.append(_pad_to(v, cap))
-            new_k, new_v = mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
-            old_k, old_v = self._keys[layer], self._values[layer]
-            self._keys[layer] = new_k if old_k is None else mx.concatenate([old_k, new_k], axis=0)
-            self._values[layer] = new_v if old_v is None else mx.concatenate([old_v, new_v], axis=0)
+        first = len(self.lengths)
+        need = first + len(rows)
+        if self._keys[0] is None:
+            self._allocate(rows, need, _round_up(max(lengths + [1])))
+        else:
+            self._grow(_round_up(max(lengths + [1])))
+            if need > self.slots:
+                self._add_slots(max(need, self.slots + self.slots // 2))
+        for layer in range(len(self.layers)):
+            for j, (row, n) in enumerate(zip(rows, lengths)):
+                if n:
+                    c, s = row[layer], first + j
+                    self._keys[layer][s: s + 1, :, :n, :] = c.keys[..., :n, :]
+                    self._values[layer][s: s + 1, :, :n, :] = c.values[..., :n, :]
         self.lengths.extend(lengths)
-        self._offset = mx.array(self.lengths, dtype=mx.int32)
+        self._set_lengths(self.lengths)
         mx.eval(self._keys, self._values)
 
     def extract(self, i: int) -> list:
@@ -98,8 +110,36 @@ class RaggedKV:
         mx.eval([x for c in out for x in (c.keys, c.values)])
         return out
 
+    def release(self, gone: list[int]) -> list[int]:
+        """Free these rows' slots. The live rows stay rows 0..n-1: each hole below the new end takes the last live
+        row (one row's KV copied per hole; the others do not move). Returns the new row order as old indices, for
+        the caller's own per-row lists."""
+        dead = set(gone)
+        keep = [i for i in range(len(self.lengths)) if i not in dead]
+        m = len(keep)
+        holes = sorted(i for i in dead if i < m)
+        movers = [i for i in keep if i >= m]
+        order = list(range(m))
+        for h, mv in zip(holes, movers):
+            order[h] = mv
+        if not keep:
+            self._keys = [None] * len(self.layers)
+            self._values = [None] * len(self.layers)
+        elif holes:
+            for layer in range(len(self.layers)):
+                # copies first, evaluated, so that the slice writes below find the buffers unshared and write in place
+                parts = [(h, self._copy(layer, mv)) for h, mv in zip(holes, movers)]
+                mx.eval([x for _, kv in parts for x in kv])
+                for h, (k, v) in parts:
+                    n = k.shape[2]
+                    self._keys[layer][h: h + 1, :, :n, :] = k
+                    self._values[layer][h: h + 1, :, :n, :] = v
+            mx.eval(self._keys, self._values)
+        self._set_lengths([self.lengths[i] for i in order])
+        return order
+
     def filter(self, keep: list[int]) -> None:
-        """Keep only these rows, in this order."""
+        """Keep only these rows, in this order (every kept row is copied; ``release`` moves only what fills holes)."""
         self.lengths = [self.lengths[i] for i in keep]
         if not keep:
             self._keys = [None] * len(self.layers)
@@ -110,7 +150,7 @@ class RaggedKV:
             self._keys = [k[idx, :, :top, :] for k in self._keys]
             self._values = [v[idx, :, :top, :] for v in self._values]
             mx.eval(self._keys, self._values)
-        self._offset = mx.array(self.lengths, dtype=mx.int32)
+        self._set_lengths(self.lengths)
 
     # -- a forward ---------------------------------------------------------------------------------
     def reserve(self, width: int) -> None:
@@ -122,8 +162,7 @@ class RaggedKV:
         by its next forward)."""
         if len(kept) != len(self.lengths):
             raise ValueError(f"{len(kept)} counts for {len(self.lengths)} rows")
-        self.lengths = [n + k for n, k in zip(self.lengths, kept)]
-        self._offset = mx.array(self.lengths, dtype=mx.int32)
+        self._set_lengths([n + k for n, k in zip(self.lengths, kept)])
 
     def mask(self, width: int) -> mx.array:
         """(B, 1, width, end) bool: row i's query q sees columns 0..len_i + q."""
@@ -132,14 +171,54 @@ class RaggedKV:
         return (mx.arange(end)[None, None, :] <= last[:, :, None])[:, None]
 
     def _write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        width = keys.shape[2]
+        B, width = keys.shape[0], keys.shape[2]
         if self.capacity < max(self.lengths) + width:
             self._grow(_round_up(max(self.lengths) + width))
-        pos = (self._offset[:, None] + mx.arange(width)[None, :])[:, None, :, None]  # (B, 1, W, 1)
+        pad = self.slots - B
+        if pad:  # free slots take zeros at their first columns: one scatter over the whole buffer, in place
+            keys = mx.concatenate([keys, mx.zeros((pad,) + keys.shape[1:], keys.dtype)], axis=0)
+            values = mx.concatenate([values, mx.zeros((pad,) + values.shape[1:], values.dtype)], axis=0)
+        pos = self._positions(width)
         self._keys[layer] = mx.put_along_axis(self._keys[layer], pos, keys, axis=2)
         self._values[layer] = mx.put_along_axis(self._values[layer], pos, values, axis=2)
         end = max(self.lengths) + width
-        return self._keys[layer][..., :end, :], self._values[layer][..., :end, :]
+        k, v = self._keys[layer], self._values[layer]
+        if pad:
+            return k[:B, :, :end, :], v[:B, :, :end, :]
+        return k[..., :end, :], v[..., :end, :]
+
+    def _positions(self, width: int) -> mx.array:
+        """(slots, 1, width, 1): where each slot's new positions go (a free slot: its first columns)."""
+        if self._pos is None or self._pos[0] != width:
+            starts = self.lengths + [0] * (self.slots - len(self.lengths))
+            pos = mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(width, dtype=mx.int32)[None, :]
+            self._pos = (width, pos[:, None, :, None])
+        return self._pos[1]
+
+    def _set_lengths(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+        self._offset = mx.array(self.lengths, dtype=mx.int32)
+        self._pos = None
+
+    def _copy(self, layer: int, i: int) -> tuple[mx.array, mx.array]:
+        n = self.lengths[i]
+        k = self._keys[layer][i: i + 1, :, :n, :]
+        v = self._values[layer][i: i + 1, :, :n, :]
+        return mx.contiguous(k) + 0, mx.contiguous(v) + 0  # own buffers, never views of the batch's
+
+    def _allocate(self, rows: list[list], slots: int, capacity: int) -> None:
+        for layer in range(len(self.layers)):
+            k, v = _reference(rows, layer)
+            self._keys[layer] = mx.zeros((slots, k.shape[1], capacity, k.shape[3]), k.dtype)
+            self._values[layer] = mx.zeros((slots, v.shape[1], capacity, v.shape[3]), v.dtype)
+
+    def _add_slots(self, slots: int) -> None:
+        extra = slots - self.slots
+        for layer in range(len(self.layers)):
+            k, v = self._keys[layer], self._values[layer]
+            self._keys[layer] = mx.concatenate([k, mx.zeros((extra,) + k.shape[1:], k.dtype)], axis=0)
+            self._values[layer] = mx.concatenate([v, mx.zeros((extra,) + v.shape[1:], v.dtype)], axis=0)
+        self._pos = None
 
     def _grow(self, capacity: int) -> None:
         if self._keys[0] is None or capacity <= self.capacity:
@@ -147,9 +226,9 @@ class RaggedKV:
         extra = capacity - self.capacity
         for layer in range(len(self.layers)):
             k, v = self._keys[layer], self._values[layer]
-            B, H, _, D = k.shape
-            self._keys[layer] = mx.concatenate([k, mx.zeros((B, H, extra, D), k.dtype)], axis=2)
-            self._values[layer] = mx.concatenate([v, mx.zeros((B, H, extra, v.shape[3]), v.dtype)], axis=2)
+            S, H, _, D = k.shape
+            self._keys[layer] = mx.concatenate([k, mx.zeros((S, H, extra, D), k.dtype)], axis=2)
+            self._values[layer] = mx.concatenate([v, mx.zeros((S, H, extra, v.shape[3]), v.dtype)], axis=2)
 
 
 class _Layer:
@@ -180,19 +259,10 @@ def _round_up(n: int) -> int:
     return ((n + _STEP - 1) // _STEP) * _STEP
 
 
-def _pad_to(x: mx.array, length: int) -> mx.array:
-    n = x.shape[2]
-    if n == length:
-        return x
-    B, H, _, D = x.shape
-    return mx.concatenate([x, mx.zeros((B, H, length - n, D), x.dtype)], axis=2)
-
-
-def _empty_like(kv: RaggedKV, layer: int, c: KVCache) -> tuple[mx.array, mx.array]:
-    """A row with no KV yet: zero-length arrays of the batch's shape (or of the row's own, if it has buffers)."""
-    ref_k = kv._keys[layer] if kv._keys[layer] is not None else c.keys
-    ref_v = kv._values[layer] if kv._values[layer] is not None else c.values
-    if ref_k is None:
-        raise ValueError("a row with no KV cannot start a RaggedKV")
-    return (mx.zeros((1, ref_k.shape[1], 0, ref_k.shape[3]), ref_k.dtype),
-            mx.zeros((1, ref_v.shape[1], 0, ref_v.shape[3]), ref_v.dtype))
+def _reference(rows: list[list], layer: int) -> tuple[mx.array, mx.array]:
+    """A (keys, values) pair that gives a layer's heads, head size and dtype: the first row that has buffers."""
+    for row in rows:
+        c = row[layer]
+        if c.keys is not None:
+            return c.keys, c.values
+    raise ValueError("a row with no KV cannot start a RaggedKV")

@@ -204,10 +204,8 @@ class SpecBatch:
                     c.trim(cut)
             row.source.prefill(row.tokens[:keep])  # the source hears what it has not yet (a solo decoder goes on)
             out.append((row.tokens[:keep], caches))
-        gone = {id(s) for s in seqs}
-        keep_idx = [i for i, r in enumerate(self._rows) if id(r.seq) not in gone]
-        self._rows = [self._rows[i] for i in keep_idx]
-        self._kv.filter(keep_idx)
+        order = self._kv.release([index[id(s)] for s in seqs])  # the last rows fill the holes; no other row moves
+        self._rows = [self._rows[i] for i in order]
         if not self._rows:
             self._kv = None
         return out

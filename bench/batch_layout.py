@@ -1,0 +1,169 @@
+"""The decode batch's two layouts side by side (issue 22, item 2), in-process: mlx-lm's GenerationBatch
+(``server.engine.batch.DecodeBatch``: a join runs a forward of its own and copies the batch's KV; a leave copies every
+row that stays) against the ragged layout (``server.engine.ragged_batch.RaggedBatch``: a join writes the row into a
+free slot and rides the next forward; a leave moves the last row into the hole).
+
+For N rows of mixed lengths around --context (one batched prefill, each row a view of it), per layout, alternating
+layouts over --rounds so that both see the same machine:
+
+  step_ms     median of one decode step of the N-row batch (greedy rows)
+  join_ms     one row of --context tokens joining (join + the next step, minus a step)
+  leave_ms    one row leaving (its caches handed back)
+  churn       --churn-steps steps in which a row leaves and a new one joins every --churn-every steps (agents' turns
+              ending and starting): wall seconds and tokens per second, and whether both layouts returned the same
+              greedy tokens
+
+    python bench/batch_layout.py --rows 8 --context 512                      # this CPU, the default model
+    python bench/batch_layout.py --model DIR --rows 8,32 --context 1024      # another model or machine
+
+Prints one JSON line per (rows, layout, round) as it goes and writes --out/batch_layout.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import mlx.core as mx  # noqa: E402
+
+DEFAULT_MODEL = Path.home() / ".cache" / "mlx-lane" / "models" / "SmolLM2-135M-Instruct"
+
+
+def row_views(cache, lengths):
+    """Each row's own KVCache views over a prefilled batch cache, cut to its length (no copy; the batches copy)."""
+    from mlx_lm.models.cache import KVCache
+
+    rows = []
+    for r, n in enumerate(lengths):
+        own = []
+        for c in cache:
+            k = KVCache()
+            k.keys, k.values, k.offset = c.keys[r:r + 1, :, :n], c.values[r:r + 1, :, :n], n
+            own.append(k)
+        rows.append(own)
+    return rows
+
+
+def measure(cls, model, cache, lengths, histories, n: int, reps: int, churn_steps: int, churn_every: int) -> dict:
+    views = lambda: row_views(cache, lengths)  # noqa: E731  fresh views for every batch built
+    batch = cls(model)
+    seqs = [SimpleNamespace(id=r) for r in range(n)]
+    batch.add_many([(s, c, h, {}) for s, c, h in zip(seqs, views()[:n], histories[:n])])
+    for _ in range(2):
+        batch.step()
+    steps = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        batch.step()
+        mx.synchronize()
+        steps.append(time.perf_counter() - t)
+    step = statistics.median(steps)
+    joins, leaves = [], []
+    for k in range(reps):
+        newcomer = SimpleNamespace(id=f"new{k}")
+        t = time.perf_counter()
+        batch.add_many([(newcomer, views()[n], histories[n], {})])
+        batch.step()
+        mx.synchronize()
+        joins.append(time.perf_counter() - t - step)
+        t = time.perf_counter()
+        batch.remove([newcomer])
+        mx.synchronize()
+        leaves.append(time.perf_counter() - t)
+    del batch
+    mx.clear_cache()
+
+    batch = cls(model)  # the churn: turns end and start while the others decode
+    live = [SimpleNamespace(id=r) for r in range(n)]
+    batch.add_many([(s, c, h, {}) for s, c, h in zip(live, views()[:n], histories[:n])])
+    out: dict = {s.id: [] for s in live}
+    made, nxt = 0, n
+    t = time.perf_counter()
+    for i in range(churn_steps):
+        if i and i % churn_every == 0:
+            batch.remove([live.pop(0)])
+            seq = SimpleNamespace(id=nxt)
+            out[nxt] = []
+            batch.add_many([(seq, views()[nxt % (n + 1)], histories[nxt % (n + 1)], {})])
+            live.append(seq)
+            nxt += 1
+        for seq, token, _ in batch.step():
+            out[seq.id].append(token)
+            made += 1
+    mx.synchronize()
+    wall = time.perf_counter() - t
+    del batch
+    mx.clear_cache()
+    return {"step_ms": round(step * 1e3, 2), "join_ms": round(statistics.median(joins) * 1e3, 2),
+            "leave_ms": round(statistics.median(leaves) * 1e3, 2), "churn_s": round(wall, 3),
+            "churn_tok_s": round(made / wall, 2), "_tokens": out}
+
+
+def main() -> int:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from models import load_model
+    from server.engine.batch import DecodeBatch
+    from server.engine.ragged_batch import RaggedBatch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--rows", default="8")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--churn-steps", type=int, default=64)
+    ap.add_argument("--churn-every", type=int, default=8)
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".bench")))
+    args = ap.parse_args()
+    model = load_model(args.model).model
+    layouts = {"mlx": DecodeBatch, "ragged": RaggedBatch}
+    rec = {"script": "bench/batch_layout.py", "argv": sys.argv[1:], "mlx": mx.__version__,
+           "device": str(mx.default_device()), "model": args.model, "rows": {}}
+    for n in [int(x) for x in args.rows.split(",")]:
+        mx.random.seed(1)
+        ids = mx.random.randint(3, 1000, (n + 1, args.context))
+        cache = make_prompt_cache(model)
+        t = time.perf_counter()
+        for i in range(0, args.context, 256):
+            model(ids[:, i:i + 256], cache=cache)
+            mx.eval([c.state for c in cache])
+            print(f"prefill of {n + 1} rows: {min(i + 256, args.context)}/{args.context} tokens "
+                  f"({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
+        lengths = [args.context - 1 - (37 * r) % min(256, args.context // 2) for r in range(n + 1)]
+        histories = [ids[r, :lengths[r] + 1].tolist() for r in range(n + 1)]
+        runs: dict = {name: [] for name in layouts}
+        for rnd in range(args.rounds):
+            for name, cls in (layouts.items() if rnd % 2 == 0 else reversed(layouts.items())):
+                r = measure(cls, model, cache, lengths, histories, n, args.reps, args.churn_steps, args.churn_every)
+                runs[name].append(r)
+                print(json.dumps({"rows": n, "layout": name, "round": rnd,
+                                  **{k: v for k, v in r.items() if not k.startswith("_")}}), flush=True)
+        a, b = runs["mlx"][0]["_tokens"], runs["ragged"][0]["_tokens"]
+        same = sum(1 for k in a if a[k][:min(len(a[k]), len(b.get(k, [])))] == b.get(k, [])[:len(a[k])])
+        med = {name: {k: statistics.median(r[k] for r in rs) for k in ("step_ms", "join_ms", "leave_ms", "churn_s",
+                                                                       "churn_tok_s")} for name, rs in runs.items()}
+        row = {"median": med, "rows_with_same_greedy_tokens": f"{same}/{len(a)}",
+               "ragged_over_mlx": {k: round(med["ragged"][k] / med["mlx"][k], 3) if med["mlx"][k] else None
+                                   for k in med["mlx"]}}
+        rec["rows"][str(n)] = row
+        print(json.dumps({"rows": n, **row}), flush=True)
+        del cache
+        mx.clear_cache()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "batch_layout.json").write_text(json.dumps(rec, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

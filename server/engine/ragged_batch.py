@@ -1,0 +1,154 @@
+"""The plain decode batch on the ragged layout: a row joins without a forward of its own and leaves without moving
+the others.
+
+mlx-lm's ``GenerationBatch`` (``server.engine.batch.DecodeBatch``) admits rows through a batch of their own, whose
+constructor runs a forward, then ``extend`` concatenates every layer's KV of the running rows with the new ones'
+(and ``BatchKVCache`` left-pads everyone to the longest row); a leave ``filter``s, copying every row that stays.
+With agents' long conversations that is the KV of the whole batch copied on every join and every leave, and one
+extra forward per join on the lane's clock (issue 22's profile: a join cost 1.7-2.4x a step on the H200, 2x on the
+CPU).
+
+Here the rows live in ``server.engine.ragged_kv.RaggedKV``: each row left-aligned in a slot of preallocated
+buffers (slots grown by half again, positions in steps of 256), writing at its own end, so rows of different
+lengths need no padding. A join writes the row's KV into a free slot; its next input (the last prompt token, or the
+last generated token of a row that migrates from solo decoding) simply rides the batch's next forward, and its
+first token comes out of the step after that. A leave copies the leaving row out (the prefix cache keeps it) and
+moves the last row into the hole.
+
+A step is what ``GenerationBatch._step`` does, in its order (so the tokens are the same for the same logits): one
+forward, each row's logits processors over its own token history, log-softmax, one sampler call for the batch when
+every row shares one (greedy) or one per row, and pipelining: the step that returns token t has already fed t and
+started computing the next, so the Python work of a tick runs while the device computes. ``remove`` therefore
+returns caches that cover every token a row returned (as ``DecodeBatch.remove``).
+
+Interface as ``DecodeBatch``: ``add_many``, ``step`` (a row that joined since the last step yields nothing this
+step), ``remove``, ``sequences``, ``steps`` / ``row_steps``. Only plain ``KVCache`` layers (``RaggedKV``); the
+engine sends other models to ``DecodeBatch``. Only the lane thread touches a batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import TokenBuffer
+
+from server.engine.ragged_kv import RaggedKV
+
+__all__ = ["RaggedBatch"]
+
+
+@dataclass
+class _Row:
+    seq: Any
+    tokens: list  # what the row's KV covers once the forward in flight is done (as GenerationBatch.tokens)
+    sampler: Any = None  # None: greedy
+    processors: tuple = ()
+    context: Optional[TokenBuffer] = None  # the history the processors see (rows with processors only)
+    fresh: bool = True  # joined since the last step: its next input is not a token it produced
+    logprobs: Any = field(default=None, repr=False)  # of the token it will return next
+
+
+def _greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+class RaggedBatch:
+    def __init__(self, model):
+        self.model = model
+        self._rows: list[_Row] = []
+        self._kv: Optional[RaggedKV] = None
+        self._next: Optional[mx.array] = None  # (rows,) each row's next input: sampled by the last step, lazily
+        self.steps = 0
+        self.row_steps = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, seq) -> bool:
+        return any(r.seq is seq for r in self._rows)
+
+    @property
+    def sequences(self) -> list:
+        return [r.seq for r in self._rows]
+
+    def add(self, seq, caches: list, history: list, sampler=None, processors: Optional[list] = None) -> None:
+        """Join ``seq``; ``caches`` (its own, consumed) cover ``history[:-1]``; ``sampler`` None means greedy."""
+        self.add_many([(seq, caches, history, {"sampler": sampler, "processors": processors})])
+
+    def add_many(self, rows: list) -> None:
+        """Join several sequences: ``[(seq, caches, history, {"sampler", "processors"}), ...]``. Their KV goes into
+        free slots (no forward, no copy of the running rows); their last history token is their next input."""
+        if not rows:
+            return
+        caches = [c for _, c, _, _ in rows]
+        if self._kv is None:
+            self._kv = RaggedKV.from_rows(caches)
+        else:
+            self._kv.extend(caches)
+        for seq, _, history, opts in rows:
+            processors = tuple(opts.get("processors") or ())
+            self._rows.append(_Row(seq, list(history[:-1]), opts.get("sampler"), processors,
+                                   TokenBuffer(list(history[:-1])) if processors else None))
+        fresh = mx.array([int(h[-1]) for _, _, h, _ in rows], dtype=mx.uint32)
+        self._next = fresh if self._next is None else mx.concatenate([self._next.astype(mx.uint32), fresh])
+
+    def step(self) -> list:
+        """One decode step for every row: ``[(seq, token, logprobs), ...]`` in row order, for every row that had a
+        token to return (a row that joined since the last step has none yet)."""
+        if not self._rows:
+            return []
+        inputs = self._next
+        emitting = [(r, not r.fresh, r.logprobs) for r in self._rows]
+        self._kv.reserve(1)
+        logits = self.model(inputs[:, None], cache=self._kv.layers)[:, -1, :]
+        self._kv.commit([1] * len(self._rows))
+        contexts = []
+        if any(r.processors for r in self._rows):
+            processed = []
+            for e, r in enumerate(self._rows):
+                x = logits[e: e + 1]
+                if r.processors:
+                    ctx = r.context.update_and_fetch(inputs[e: e + 1])
+                    contexts.append(ctx)
+                    for proc in r.processors:
+                        x = proc(ctx, x)
+                processed.append(x)
+            logits = mx.concatenate(processed, axis=0)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        samplers = [r.sampler or _greedy for r in self._rows]
+        if all(s is samplers[0] for s in samplers):
+            sampled = samplers[0](logprobs)
+        else:
+            sampled = mx.concatenate([s(logprobs[e: e + 1]) for e, s in enumerate(samplers)], axis=0)
+        per_row = list(logprobs)
+        self._next = sampled
+        mx.async_eval(sampled, per_row, contexts)  # the device computes the next tokens while the lane goes on
+        mx.eval(inputs, [lp for _, emits, lp in emitting if emits])
+        fed = inputs.tolist()
+        out = []
+        for (row, emits, lp), token, new_lp in zip(emitting, fed, per_row):
+            row.tokens.append(token)
+            if emits:
+                out.append((row.seq, token, lp))
+            row.fresh, row.logprobs = False, new_lp
+        self.steps += 1
+        self.row_steps += len(self._rows)
+        return out
+
+    def remove(self, seqs: list) -> list:
+        """Take these rows out; returns ``[(tokens, caches), ...]`` in the order given: each row's own caches and
+        exactly the tokens they cover (every token it returned, its prompt before them)."""
+        index = {id(r.seq): i for i, r in enumerate(self._rows)}
+        idx = [index[id(seq)] for seq in seqs]
+        if self._next is not None:
+            mx.eval(self._next)  # the forward in flight writes every row's KV: let it finish before copying
+        out = [(list(self._rows[i].tokens), self._kv.extract(i)) for i in idx]
+        order = self._kv.release(idx)  # the last rows fill the holes; no other row moves
+        self._rows = [self._rows[i] for i in order]
+        if self._rows:
+            self._next = self._next[mx.array(order, dtype=mx.int32)]
+        else:
+            self._kv, self._next = None, None
+        return out

@@ -1,0 +1,135 @@
+"""The plain decode batch on the ragged layout (server.engine.ragged_batch over server.engine.ragged_kv), on a tiny
+random model: rows join into free slots and leave by moving the last row into the hole, never copying the others;
+rows of mixed lengths and rows that share a prefix get exactly their own logits; the batch returns the same tokens
+as mlx-lm's GenerationBatch (server.engine.batch.DecodeBatch) for greedy rows, seeded sampled rows and rows with
+penalty processors, whatever joins and leaves around them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from server.engine.batch import DecodeBatch
+from server.engine.ragged_batch import RaggedBatch
+from server.engine.ragged_kv import RaggedKV
+from server.engine.sampling import build_logits_processors, build_sampler
+from server.lane.events import SamplingParams
+from tests.fixtures.tiny_models import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=7)
+
+
+def own_caches(model, tokens):
+    caches = make_prompt_cache(model)
+    if tokens:
+        model(mx.array(tokens)[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    return caches
+
+
+def alone(model, tokens, nxt):
+    """The logits of `nxt` after `tokens`, computed on a cache of its own."""
+    return model(mx.array([[nxt]]), cache=own_caches(model, tokens))[0, -1]
+
+
+def test_joins_fill_free_slots_and_leaves_move_only_the_last_row(model):
+    prompts = [list(range(5, 30)), list(range(40, 47)), list(range(60, 63))]
+    kv = RaggedKV.from_rows([own_caches(model, p) for p in prompts[:2]])
+    assert kv.slots == 2 and kv.lengths == [25, 7]
+    kv.extend([own_caches(model, prompts[2])])  # a third row: the buffers grow by half again, to 3 slots
+    assert kv.slots == 3 and kv.lengths == [25, 7, 3]
+    logits = model(mx.array([[1], [2], [3]]), cache=kv.layers)[:, -1]
+    kv.commit([1, 1, 1])
+    for i, (p, t) in enumerate(zip(prompts, (1, 2, 3))):
+        assert mx.allclose(logits[i], alone(model, p, t), atol=1e-5)
+    order = kv.release([0])  # row 0 leaves: the last row (2) moves into its slot, row 1 stays where it is
+    assert order == [2, 1] and kv.lengths == [4, 8] and kv.slots == 3
+    histories = [prompts[2] + [3], prompts[1] + [2]]
+    logits = model(mx.array([[9], [8]]), cache=kv.layers)[:, -1]  # two live rows in three slots
+    kv.commit([1, 1])
+    assert mx.allclose(logits[0], alone(model, histories[0], 9), atol=1e-5)
+    assert mx.allclose(logits[1], alone(model, histories[1], 8), atol=1e-5)
+    kv.extend([own_caches(model, prompts[0])])  # joins the free slot: no growth
+    assert kv.slots == 3 and kv.lengths == [5, 9, 25]
+    out = kv.extract(1)
+    assert out[0].offset == 9
+    assert mx.allclose(model(mx.array([[4]]), cache=out)[0, -1], alone(model, histories[1] + [8], 4), atol=1e-5)
+    assert kv.release([0, 1, 2]) == [] and len(kv) == 0 and kv.slots == 0
+
+
+def test_rows_sharing_a_prefix_and_rows_of_mixed_lengths_see_only_their_own_history(model):
+    shared = list(range(100, 140))
+    prompts = [shared + [1, 2, 3], shared + [7], list(range(3, 6)), shared + list(range(150, 190))]
+    kv = RaggedKV.from_rows([own_caches(model, p) for p in prompts])
+    logits = model(mx.array([[11], [12], [13], [14]]), cache=kv.layers)[:, -1]
+    for i, (p, t) in enumerate(zip(prompts, (11, 12, 13, 14))):
+        assert mx.allclose(logits[i], alone(model, p, t), atol=1e-5)
+
+
+def run(batch_cls, model, script, steps=14):
+    """Drive a batch through `script` ({step: [("join", name, prompt, opts) | ("leave", name)]}); every row's
+    returned tokens, and what `remove` handed back for the rows that left."""
+    batch = batch_cls(model)
+    seqs, tokens, covered = {}, {}, {}
+    for step in range(steps):
+        for action in script.get(step, []):
+            if action[0] == "join":
+                _, name, prompt, opts = action
+                seqs[name] = SimpleNamespace(name=name)
+                tokens[name] = []
+                batch.add(seqs[name], own_caches(model, prompt[:-1]), prompt, **opts())
+            else:
+                (toks, caches), = batch.remove([seqs[action[1]]])
+                covered[action[1]] = (toks, caches[0].offset)
+        for seq, token, logprobs in batch.step():
+            assert logprobs.shape == (model.args.vocab_size,)
+            tokens[seq.name].append(token)
+    return tokens, covered
+
+
+def _opts(params: SamplingParams):
+    def make():
+        sampler = None if params.temperature == 0 else build_sampler(params)
+        return {"sampler": sampler, "processors": build_logits_processors(params, ())}
+    return make
+
+
+def test_the_ragged_batch_returns_what_mlx_lms_batch_returns(model):
+    greedy = _opts(SamplingParams(max_tokens=64, temperature=0.0))
+    seeded = _opts(SamplingParams(max_tokens=64, temperature=0.9, seed=1234))
+    penalised = _opts(SamplingParams(max_tokens=64, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5))
+    script = {
+        0: [("join", "a", list(range(10, 40)), greedy), ("join", "b", list(range(50, 55)), seeded)],
+        3: [("join", "c", list(range(70, 130)), penalised)],
+        6: [("leave", "a"), ("join", "d", list(range(10, 40)) + [3, 4], greedy)],  # shares a's prefix
+        9: [("leave", "c")],
+    }
+    ours, ours_left = run(RaggedBatch, model, script)
+    theirs, theirs_left = run(DecodeBatch, model, script)
+    # a joining row's first token comes one step later here (it rides the batch's next forward instead of a
+    # forward of its own), so compare each row's tokens, not the steps they came in
+    for name in "abcd":
+        n = min(len(ours[name]), len(theirs[name]))
+        assert n >= 3 and ours[name][:n] == theirs[name][:n], name
+    for name in ("a", "c"):  # a leaving row's caches cover its prompt and every token it returned
+        toks, offset = ours_left[name]
+        assert offset == len(toks) and toks[-len(ours[name]):] == ours[name]
+        assert theirs_left[name][0][:len(toks)] == toks[:len(theirs_left[name][0])]
+
+
+def test_a_row_that_leaves_before_its_first_step_hands_back_its_prompt(model):
+    batch = RaggedBatch(model)
+    a, b = SimpleNamespace(), SimpleNamespace()
+    batch.add(a, own_caches(model, [5, 6, 7]), [5, 6, 7, 8])
+    assert batch.step() == []  # its first forward: no token to return yet
+    batch.add(b, own_caches(model, [9, 10]), [9, 10, 11])
+    (toks, caches), = batch.remove([b])
+    assert toks == [9, 10] and caches[0].offset == 2
+    (token_seq, token, _), = batch.step()
+    assert token_seq is a and token == int(mx.argmax(alone(model, [5, 6, 7], 8)).item())
