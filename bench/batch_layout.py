@@ -110,6 +110,9 @@ def measure(cls, model, cache, lengths, histories, n: int, reps: int, churn_step
 
 
 def main() -> int:
+    from common import ensure_blas_here
+
+    ensure_blas_here()  # on Linux, OpenBLAS (mlx-cpu's bundled reference BLAS is ~48x slower), as the server does
     from mlx_lm.models.cache import make_prompt_cache
 
     from models import load_model

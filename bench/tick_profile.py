@@ -56,6 +56,9 @@ def median_ms(fn, reps: int, setup=None) -> float:
 
 
 def main() -> int:
+    from common import ensure_blas_here
+
+    ensure_blas_here()  # on Linux, OpenBLAS (mlx-cpu's bundled reference BLAS is ~48x slower), as the server does
     from mlx_lm.models.cache import KVCache, make_prompt_cache
     from mlx_lm.sample_utils import make_logits_processors
 

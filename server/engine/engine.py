@@ -93,6 +93,11 @@ class Engine:
         layout = self.batch_layout if self.batch_layout != "auto" else ("mlx" if self._gpu else "ragged")
         return layout == "ragged" and self.kv_bits is None and all(type(c) is KVCache for c in make_prompt_cache(model))
 
+    def resolved_batch_layout(self) -> str:
+        """What the base model's plain batch uses: "ragged" or "mlx" (for /stats; the base slot's cache facts)."""
+        ragged = self.batch_layout == "ragged" or (self.batch_layout == "auto" and not self._gpu)
+        return "ragged" if ragged and self.base.plain_kv else "mlx"
+
     def bind_stream(self, as_default: bool = False) -> None:
         """Create the MLX stream owned by the calling (lane) thread. ``as_default``: make it the thread's default
         stream too, so that work issued without a stream (the decode batch's step) runs on it as well: a model

@@ -11,24 +11,25 @@ CPU).
 Here the rows live in ``server.engine.ragged_kv.RaggedKV``: each row left-aligned in a slot of preallocated
 buffers (slots grown by half again, positions in steps of 256), writing at its own end, so rows of different
 lengths need no padding. A join writes the row's KV into a free slot; its next input (the last prompt token, or the
-last generated token of a row that migrates from solo decoding) simply rides the batch's next forward, and its
-first token comes out of the step after that. A leave copies the leaving row out (the prefix cache keeps it) and
-moves the last row into the hole.
+last generated token of a row that migrates from solo decoding) rides the batch's next forward, which returns its
+first token. A leave copies the leaving row out (the prefix cache keeps it) and moves the last row into the hole.
 
-A step is what ``GenerationBatch._step`` does, in its order (so the tokens are the same for the same logits): one
-forward, each row's logits processors over its own token history, log-softmax, one sampler call for the batch when
-every row shares one (greedy) or one per row, and pipelining: the step that returns token t has already fed t and
-started computing the next, so the Python work of a tick runs while the device computes. ``remove`` therefore
-returns caches that cover every token a row returned (as ``DecodeBatch.remove``).
+A step is what ``GenerationBatch._step`` computes, in its order (so the tokens are the same for the same logits):
+one forward, each row's logits processors over its own token history, log-softmax, one sampler call for the batch
+when every row shares one (greedy) or one per row. It is not pipelined: it returns the tokens its own forward
+sampled. Pipelining (return token t while the forward that feeds t runs) would leave a row that joins one step
+behind the others for the rest of its reply, and under load a step is a tick away (after another prompt's prefill
+chunk); on the CPU the Python work it would hide is a few ms of a ~150 ms step. So ``remove`` hands back caches that
+cover a row's history and every token it returned but the last (the next input), and says exactly which tokens.
 
-Interface as ``DecodeBatch``: ``add_many``, ``step`` (a row that joined since the last step yields nothing this
-step), ``remove``, ``sequences``, ``steps`` / ``row_steps``. Only plain ``KVCache`` layers (``RaggedKV``); the
-engine sends other models to ``DecodeBatch``. Only the lane thread touches a batch.
+Interface as ``DecodeBatch``: ``add_many``, ``step``, ``remove``, ``sequences``, ``steps`` / ``row_steps``. Only plain
+``KVCache`` layers (``RaggedKV``); the engine sends other models to ``DecodeBatch``. Only the lane thread touches a
+batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -42,12 +43,11 @@ __all__ = ["RaggedBatch"]
 @dataclass
 class _Row:
     seq: Any
-    tokens: list  # what the row's KV covers once the forward in flight is done (as GenerationBatch.tokens)
+    tokens: list  # what the row's KV covers
+    pending: int  # its next input: the last token of its history, then the token it returned last
     sampler: Any = None  # None: greedy
     processors: tuple = ()
     context: Optional[TokenBuffer] = None  # the history the processors see (rows with processors only)
-    fresh: bool = True  # joined since the last step: its next input is not a token it produced
-    logprobs: Any = field(default=None, repr=False)  # of the token it will return next
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
@@ -59,7 +59,6 @@ class RaggedBatch:
         self.model = model
         self._rows: list[_Row] = []
         self._kv: Optional[RaggedKV] = None
-        self._next: Optional[mx.array] = None  # (rows,) each row's next input: sampled by the last step, lazily
         self.steps = 0
         self.row_steps = 0
 
@@ -89,29 +88,24 @@ class RaggedBatch:
             self._kv.extend(caches)
         for seq, _, history, opts in rows:
             processors = tuple(opts.get("processors") or ())
-            self._rows.append(_Row(seq, list(history[:-1]), opts.get("sampler"), processors,
+            self._rows.append(_Row(seq, list(history[:-1]), int(history[-1]), opts.get("sampler"), processors,
                                    TokenBuffer(list(history[:-1])) if processors else None))
-        fresh = mx.array([int(h[-1]) for _, _, h, _ in rows], dtype=mx.uint32)
-        self._next = fresh if self._next is None else mx.concatenate([self._next.astype(mx.uint32), fresh])
 
     def step(self) -> list:
-        """One decode step for every row: ``[(seq, token, logprobs), ...]`` in row order, for every row that had a
-        token to return (a row that joined since the last step has none yet)."""
+        """One decode step for every row: ``[(seq, token, logprobs), ...]`` in row order, one token per row."""
         if not self._rows:
             return []
-        inputs = self._next
-        emitting = [(r, not r.fresh, r.logprobs) for r in self._rows]
+        fed = [r.pending for r in self._rows]
+        inputs = mx.array(fed, dtype=mx.uint32)
         self._kv.reserve(1)
         logits = self.model(inputs[:, None], cache=self._kv.layers)[:, -1, :]
         self._kv.commit([1] * len(self._rows))
-        contexts = []
         if any(r.processors for r in self._rows):
             processed = []
             for e, r in enumerate(self._rows):
                 x = logits[e: e + 1]
                 if r.processors:
                     ctx = r.context.update_and_fetch(inputs[e: e + 1])
-                    contexts.append(ctx)
                     for proc in r.processors:
                         x = proc(ctx, x)
                 processed.append(x)
@@ -122,33 +116,24 @@ class RaggedBatch:
             sampled = samplers[0](logprobs)
         else:
             sampled = mx.concatenate([s(logprobs[e: e + 1]) for e, s in enumerate(samplers)], axis=0)
-        per_row = list(logprobs)
-        self._next = sampled
-        mx.async_eval(sampled, per_row, contexts)  # the device computes the next tokens while the lane goes on
-        mx.eval(inputs, [lp for _, emits, lp in emitting if emits])
-        fed = inputs.tolist()
+        mx.eval(sampled, logprobs)
         out = []
-        for (row, emits, lp), token, new_lp in zip(emitting, fed, per_row):
+        for row, token, new, lp in zip(self._rows, fed, sampled.tolist(), logprobs):
             row.tokens.append(token)
-            if emits:
-                out.append((row.seq, token, lp))
-            row.fresh, row.logprobs = False, new_lp
+            row.pending = new
+            out.append((row.seq, new, lp))
         self.steps += 1
         self.row_steps += len(self._rows)
         return out
 
     def remove(self, seqs: list) -> list:
         """Take these rows out; returns ``[(tokens, caches), ...]`` in the order given: each row's own caches and
-        exactly the tokens they cover (every token it returned, its prompt before them)."""
+        exactly the tokens they cover (its history and every token it returned but the last, its next input)."""
         index = {id(r.seq): i for i, r in enumerate(self._rows)}
         idx = [index[id(seq)] for seq in seqs]
-        if self._next is not None:
-            mx.eval(self._next)  # the forward in flight writes every row's KV: let it finish before copying
         out = [(list(self._rows[i].tokens), self._kv.extract(i)) for i in idx]
         order = self._kv.release(idx)  # the last rows fill the holes; no other row moves
         self._rows = [self._rows[i] for i in order]
-        if self._rows:
-            self._next = self._next[mx.array(order, dtype=mx.int32)]
-        else:
-            self._kv, self._next = None, None
+        if not self._rows:
+            self._kv = None
         return out

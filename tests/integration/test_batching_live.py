@@ -88,6 +88,7 @@ def test_eight_concurrent_streams_each_get_their_own_text_usage_and_cache_hits(b
     before = httpx.get(url + "/stats").json()["lane"]
     together = concurrently(stream_chat, [(url, b) for b in bodies])
     lane = httpx.get(url + "/stats").json()["lane"]
+    assert lane["batch_layout"] == "ragged"  # the CPU's default (--batch-layout auto): what this test exercises
     # the lane really batched: decode steps ran with several rows at once
     hist = {int(k): v for k, v in lane["batch_size"]["histogram"].items()}
     before_hist = {int(k): v for k, v in before["batch_size"]["histogram"].items()}

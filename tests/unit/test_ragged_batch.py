@@ -112,24 +112,23 @@ def test_the_ragged_batch_returns_what_mlx_lms_batch_returns(model):
     }
     ours, ours_left = run(RaggedBatch, model, script)
     theirs, theirs_left = run(DecodeBatch, model, script)
-    # a joining row's first token comes one step later here (it rides the batch's next forward instead of a
-    # forward of its own), so compare each row's tokens, not the steps they came in
-    for name in "abcd":
-        n = min(len(ours[name]), len(theirs[name]))
-        assert n >= 3 and ours[name][:n] == theirs[name][:n], name
-    for name in ("a", "c"):  # a leaving row's caches cover its prompt and every token it returned
+    assert ours == theirs  # the same tokens, step for step
+    for name in ("a", "c"):  # a leaving row's caches cover its prompt and every token it returned but the last
         toks, offset = ours_left[name]
-        assert offset == len(toks) and toks[-len(ours[name]):] == ours[name]
-        assert theirs_left[name][0][:len(toks)] == toks[:len(theirs_left[name][0])]
+        assert offset == len(toks) and toks[-(len(ours[name]) - 1):] == ours[name][:-1]
+        assert theirs_left[name][0] == toks + ours[name][-1:]  # mlx-lm's batch had fed that one too
 
 
-def test_a_row_that_leaves_before_its_first_step_hands_back_its_prompt(model):
+def test_a_joining_row_gets_its_first_token_from_the_next_step_and_leaves_with_exact_tokens(model):
     batch = RaggedBatch(model)
     a, b = SimpleNamespace(), SimpleNamespace()
     batch.add(a, own_caches(model, [5, 6, 7]), [5, 6, 7, 8])
-    assert batch.step() == []  # its first forward: no token to return yet
+    (seq, first, _), = batch.step()  # no forward of its own at the join: the step computes its first token
+    assert seq is a and first == int(mx.argmax(alone(model, [5, 6, 7], 8)).item())
     batch.add(b, own_caches(model, [9, 10]), [9, 10, 11])
-    (toks, caches), = batch.remove([b])
+    (toks, caches), = batch.remove([b])  # before any step: its caches cover its history but the next input
     assert toks == [9, 10] and caches[0].offset == 2
-    (token_seq, token, _), = batch.step()
-    assert token_seq is a and token == int(mx.argmax(alone(model, [5, 6, 7], 8)).item())
+    (seq, second, _), = batch.step()
+    assert seq is a and second == int(mx.argmax(alone(model, [5, 6, 7, 8], first)).item())
+    (toks, caches), = batch.remove([a])  # everything it fed; its latest token is its next input, not in the KV
+    assert toks == [5, 6, 7, 8, first] and caches[0].offset == 5
