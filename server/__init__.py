@@ -37,6 +37,7 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
     engine/              the mechanism: model verbs that execute a plan (lane thread only)
       engine.py          admit (cache take), prefill, batch joins/leaves, solo steps, finish (cache put)
       batch.py           mlx-lm's GenerationBatch per group; solo.py: plain decode; speculation.py
+      ragged_batch.py    the plain batch over ragged_kv.py: joins into a free slot, no forward, no copy (CPU default)
       spec_batch.py      speculating rows verified together (n-gram), over ragged_kv.py (rows write at their ends)
       slot.py            one loaded model as the engine computes with it (the base, or an on-demand one)
       sampling.py        samplers and logits processors; kv_layout.py; distributed.py (process groups)

@@ -9,7 +9,7 @@ extra forward per join on the lane's clock (issue 22's profile: a join cost 1.7-
 CPU).
 
 Here the rows live in ``server.engine.ragged_kv.RaggedKV``: each row left-aligned in a slot of preallocated
-buffers (slots grown by half again, positions in steps of 256), writing at its own end, so rows of different
+buffers (slots grown by half again, positions by a quarter again), writing at its own end, so rows of different
 lengths need no padding. A join writes the row's KV into a free slot; its next input (the last prompt token, or the
 last generated token of a row that migrates from solo decoding) rides the batch's next forward, which returns its
 first token. A leave copies the leaving row out (the prefix cache keeps it) and moves the last row into the hole.

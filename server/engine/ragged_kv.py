@@ -1,4 +1,5 @@
-"""A batch KV layout for rows of different lengths that each write at their own end: speculation in the batch.
+"""A batch KV layout for rows of different lengths that each write at their own end: speculation in the batch, and
+the plain batch's joins and leaves without copying the running rows (``server.engine.ragged_batch``).
 
 mlx-lm's ``BatchKVCache`` left-pads rows to a common end and writes every row's new tokens at one shared column, so
 a step must add the same number of tokens to every row and a rewind takes the same number from every row. Verifying
@@ -13,6 +14,14 @@ forward. Nothing is copied to rewind.
     logits = model(tokens_BxW, cache=kv.layers)    # every row feeds W tokens (pad what it does not have)
     kv.commit([kept_0, kept_1, ...])               # 1 <= kept_i <= W
     caches = kv.extract(i)                         # row i's own per-layer KVCache list, for the prefix cache
+    kv.extend([row_caches])                        # a row joins: written into a free slot, in place
+    order = kv.release([i])                        # rows leave: the last live rows fill their slots
+
+Rows live in slots of preallocated buffers (slots grown by half again when full, positions by a quarter again, in
+steps of 256): a join
+writes only the joining row, a leave moves only the rows that fill the holes (the live rows stay 0..n-1, so a
+forward sees a leading slice of the buffers), and neither copies the rest of the batch. Free slots take a few zeros
+per forward (the write is one scatter over all slots) and are never attended to.
 
 What the model sees through ``kv.layers[l]``: ``offset`` (an array of the rows' lengths: RoPE positions per row),
 ``update_and_fetch`` (writes at each row's end; returns the buffers up to the longest end), ``make_mask`` (row i's
@@ -221,8 +230,11 @@ class RaggedKV:
         self._pos = None
 
     def _grow(self, capacity: int) -> None:
+        """Room for `capacity` positions in every slot: a copy of every slot, so by a quarter again at least (an
+        agent's next turn is usually the longest row yet: growing to just fit it would copy the batch on most joins)."""
         if self._keys[0] is None or capacity <= self.capacity:
             return
+        capacity = max(capacity, _round_up(self.capacity + self.capacity // 4))
         extra = capacity - self.capacity
         for layer in range(len(self.layers)):
             k, v = self._keys[layer], self._values[layer]
