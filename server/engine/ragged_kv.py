@@ -266,6 +266,24 @@ class _Layer:
     def state(self):
         return self._owner._keys[self._index], self._owner._values[self._index]
 
+    # the layer's whole buffers, as mlx-lm's caches expose them: a pipeline-parallel model orders its ranks' work
+    # through them (``cache[-1].keys = mx.depends(cache[-1].keys, h)``)
+    @property
+    def keys(self) -> mx.array:
+        return self._owner._keys[self._index]
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self._owner._keys[self._index] = value
+
+    @property
+    def values(self) -> mx.array:
+        return self._owner._values[self._index]
+
+    @values.setter
+    def values(self, value: mx.array) -> None:
+        self._owner._values[self._index] = value
+
 
 def _round_up(n: int) -> int:
     return ((n + _STEP - 1) // _STEP) * _STEP
