@@ -39,23 +39,8 @@ import mlx.core as mx  # noqa: E402
 DEFAULT_MODEL = Path.home() / ".cache" / "mlx-lane" / "models" / "SmolLM2-135M-Instruct"
 
 
-def row_views(cache, lengths):
-    """Each row's own KVCache views over a prefilled batch cache, cut to its length (no copy; the batches copy)."""
-    from mlx_lm.models.cache import KVCache
-
-    rows = []
-    for r, n in enumerate(lengths):
-        own = []
-        for c in cache:
-            k = KVCache()
-            k.keys, k.values, k.offset = c.keys[r:r + 1, :, :n], c.values[r:r + 1, :, :n], n
-            own.append(k)
-        rows.append(own)
-    return rows
-
-
-def measure(cls, model, cache, lengths, histories, n: int, reps: int, churn_steps: int, churn_every: int) -> dict:
-    views = lambda: row_views(cache, lengths)  # noqa: E731  fresh views for every batch built
+def measure(cls, model, views, histories, n: int, reps: int, churn_steps: int, churn_every: int) -> dict:
+    """One layout's figures; `views()` gives fresh per-row caches (views of one prefill) for every batch built."""
     batch = cls(model)
     seqs = [SimpleNamespace(id=r) for r in range(n)]
     batch.add_many([(s, c, h, {}) for s, c, h in zip(seqs, views()[:n], histories[:n])])
@@ -115,6 +100,7 @@ def main() -> int:
     ensure_blas_here()  # on Linux, OpenBLAS (mlx-cpu's bundled reference BLAS is ~48x slower), as the server does
     from mlx_lm.models.cache import make_prompt_cache
 
+    from gpu_spec_oracle import row_views  # each row's own KVCache views over one batched prefill
     from models import load_model
     from server.engine.batch import DecodeBatch
     from server.engine.ragged_batch import RaggedBatch
@@ -148,7 +134,8 @@ def main() -> int:
         runs: dict = {name: [] for name in layouts}
         for rnd in range(args.rounds):
             for name, cls in (layouts.items() if rnd % 2 == 0 else reversed(layouts.items())):
-                r = measure(cls, model, cache, lengths, histories, n, args.reps, args.churn_steps, args.churn_every)
+                r = measure(cls, model, lambda: row_views(cache, lengths), histories, n, args.reps, args.churn_steps,
+                            args.churn_every)
                 runs[name].append(r)
                 print(json.dumps({"rows": n, "layout": name, "round": rnd,
                                   **{k: v for k, v in r.items() if not k.startswith("_")}}), flush=True)
