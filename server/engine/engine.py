@@ -1,8 +1,9 @@
 """The model work of the lane's plans: every verb the lane (server.lane.lane) calls to execute a ``TickPlan``.
 
-(About 540 lines, one job: the per-sequence model verbs, kept together because each verb reads and writes the same
+(About 560 lines, one job: the per-sequence model verbs, kept together because each verb reads and writes the same
 Sequence fields in a fixed order: admit -> prefill -> batch / solo -> finish. Batched decoding lives in
-server.engine.batch (and, for speculating rows, server.engine.spec_batch), the solo decoder in server.engine.solo,
+server.engine.batch and server.engine.ragged_batch (and, for speculating rows, server.engine.spec_batch); the only
+batch logic here is which layout a group gets. The solo decoder is in server.engine.solo,
 speculation in server.engine.speculation, sampling in server.engine.sampling, each model's facts in
 server.engine.slot.)
 
@@ -87,16 +88,18 @@ class Engine:
             return RaggedBatch(model)
         return DecodeBatch(model, clear_cache=self._gpu)
 
+    def _wants_ragged(self) -> bool:
+        """``--batch-layout``: ``auto`` is ragged on the CPU (measured faster there), mlx-lm's on a GPU."""
+        return self.batch_layout == "ragged" or (self.batch_layout == "auto" and not self._gpu)
+
     def _ragged_layout(self, model) -> bool:
-        """Whether a plain batch of this model uses the ragged layout (``--batch-layout``; ``auto``: on the CPU,
-        where it was measured faster, for models whose caches are all plain KVCache layers)."""
-        layout = self.batch_layout if self.batch_layout != "auto" else ("mlx" if self._gpu else "ragged")
-        return layout == "ragged" and self.kv_bits is None and all(type(c) is KVCache for c in make_prompt_cache(model))
+        """Whether a plain batch of this model uses the ragged layout: wanted, and every cache layer plain KVCache."""
+        return self._wants_ragged() and self.kv_bits is None and all(
+            type(c) is KVCache for c in make_prompt_cache(model))
 
     def resolved_batch_layout(self) -> str:
         """What the base model's plain batch uses: "ragged" or "mlx" (for /stats; the base slot's cache facts)."""
-        ragged = self.batch_layout == "ragged" or (self.batch_layout == "auto" and not self._gpu)
-        return "ragged" if ragged and self.base.plain_kv else "mlx"
+        return "ragged" if self._wants_ragged() and self.base.plain_kv else "mlx"
 
     def bind_stream(self, as_default: bool = False) -> None:
         """Create the MLX stream owned by the calling (lane) thread. ``as_default``: make it the thread's default
