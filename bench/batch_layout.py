@@ -15,6 +15,7 @@ layouts over --rounds so that both see the same machine:
 
     python bench/batch_layout.py --rows 8 --context 512                      # this CPU, the default model
     python bench/batch_layout.py --model DIR --rows 8,32 --context 1024      # another model or machine
+    OUT=$OUT bash bench/gpu.sh bench/batch_layout.py --shape llama3-8b --rows 8,32 --context 1024   # the H200
 
 Prints one JSON line per (rows, layout, round) as it goes and writes --out/batch_layout.json.
 """
@@ -53,6 +54,11 @@ def measure(cls, model, views, histories, n: int, reps: int, churn_steps: int, c
         mx.synchronize()
         steps.append(time.perf_counter() - t)
     step = statistics.median(steps)
+    t = time.perf_counter()  # back to back, as the lane runs them (a pipelined batch overlaps its Python)
+    for _ in range(reps):
+        batch.step()
+    mx.synchronize()
+    run = (time.perf_counter() - t) / reps
     joins, leaves = [], []
     for k in range(reps):
         newcomer = SimpleNamespace(id=f"new{k}")
@@ -89,7 +95,7 @@ def measure(cls, model, views, histories, n: int, reps: int, churn_steps: int, c
     wall = time.perf_counter() - t
     del batch
     mx.clear_cache()
-    return {"step_ms": round(step * 1e3, 2), "join_ms": round(statistics.median(joins) * 1e3, 2),
+    return {"step_ms": round(step * 1e3, 2), "run_step_ms": round(run * 1e3, 2), "join_ms": round(statistics.median(joins) * 1e3, 2),
             "leave_ms": round(statistics.median(leaves) * 1e3, 2), "churn_s": round(wall, 3),
             "churn_tok_s": round(made / wall, 2), "_tokens": out}
 
@@ -101,12 +107,15 @@ def main() -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     from gpu_spec_oracle import row_views  # each row's own KVCache views over one batched prefill
+    from gpu_write_cost import build  # random weights of a real shape (speed does not depend on the values)
     from models import load_model
     from server.engine.batch import DecodeBatch
     from server.engine.ragged_batch import RaggedBatch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--shape", help="random weights of this bench/gpu.py shape (e.g. llama3-8b) instead of --model")
+    ap.add_argument("--dtype", default="bfloat16", help="with --shape")
     ap.add_argument("--rows", default="8")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=6)
@@ -115,10 +124,11 @@ def main() -> int:
     ap.add_argument("--churn-every", type=int, default=8)
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".bench")))
     args = ap.parse_args()
-    model = load_model(args.model).model
-    layouts = {"mlx": DecodeBatch, "ragged": RaggedBatch}
+    model = build(args.shape, args.dtype)[0] if args.shape else load_model(args.model).model
+    layouts = {"mlx": DecodeBatch, "ragged": RaggedBatch,
+               "ragged_pipelined": lambda m: RaggedBatch(m, pipelined=True)}
     rec = {"script": "bench/batch_layout.py", "argv": sys.argv[1:], "mlx": mx.__version__,
-           "device": str(mx.default_device()), "model": args.model, "rows": {}}
+           "device": str(mx.default_device()), "model": args.shape or args.model, "rows": {}}
     for n in [int(x) for x in args.rows.split(",")]:
         mx.random.seed(1)
         ids = mx.random.randint(3, 1000, (n + 1, args.context))
@@ -133,19 +143,25 @@ def main() -> int:
         histories = [ids[r, :lengths[r] + 1].tolist() for r in range(n + 1)]
         runs: dict = {name: [] for name in layouts}
         for rnd in range(args.rounds):
-            for name, cls in (layouts.items() if rnd % 2 == 0 else reversed(layouts.items())):
+            names = list(layouts)
+            for name in (names if rnd % 2 == 0 else names[::-1]):
+                cls = layouts[name]
                 r = measure(cls, model, lambda: row_views(cache, lengths), histories, n, args.reps, args.churn_steps,
                             args.churn_every)
                 runs[name].append(r)
                 print(json.dumps({"rows": n, "layout": name, "round": rnd,
                                   **{k: v for k, v in r.items() if not k.startswith("_")}}), flush=True)
-        a, b = runs["mlx"][0]["_tokens"], runs["ragged"][0]["_tokens"]
-        same = sum(1 for k in a if a[k][:min(len(a[k]), len(b.get(k, [])))] == b.get(k, [])[:len(a[k])])
-        med = {name: {k: statistics.median(r[k] for r in rs) for k in ("step_ms", "join_ms", "leave_ms", "churn_s",
-                                                                       "churn_tok_s")} for name, rs in runs.items()}
-        row = {"median": med, "rows_with_same_greedy_tokens": f"{same}/{len(a)}",
-               "ragged_over_mlx": {k: round(med["ragged"][k] / med["mlx"][k], 3) if med["mlx"][k] else None
-                                   for k in med["mlx"]}}
+        a = runs["mlx"][0]["_tokens"]
+        same = {}
+        for name in names[1:]:  # a pipelined batch may end a token short: compare what both returned
+            b = runs[name][0]["_tokens"]
+            same[name] = f"{sum(1 for k in a if a[k][:len(b.get(k, []))] == b.get(k, [])[:len(a[k])])}/{len(a)}"
+        med = {name: {k: statistics.median(r[k] for r in rs) for k in ("step_ms", "run_step_ms", "join_ms",
+                                                                       "leave_ms", "churn_s", "churn_tok_s")}
+               for name, rs in runs.items()}
+        row = {"median": med, "rows_with_same_greedy_tokens_as_mlx": same,
+               **{f"{name}_over_mlx": {k: round(med[name][k] / med["mlx"][k], 3) if med["mlx"][k] else None
+                                       for k in med["mlx"]} for name in names[1:]}}
         rec["rows"][str(n)] = row
         print(json.dumps({"rows": n, **row}), flush=True)
         del cache

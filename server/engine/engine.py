@@ -85,7 +85,7 @@ class Engine:
         if is_spec_group(group):
             return SpecBatch(model)
         if self._ragged_layout(model):
-            return RaggedBatch(model)
+            return RaggedBatch(model, pipelined=self._gpu)  # on a GPU the lane's Python runs during the forward
         return DecodeBatch(model, clear_cache=self._gpu)
 
     def _wants_ragged(self) -> bool:

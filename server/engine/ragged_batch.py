@@ -16,11 +16,17 @@ first token. A leave copies the leaving row out (the prefix cache keeps it) and 
 
 A step is what ``GenerationBatch._step`` computes, in its order (so the tokens are the same for the same logits):
 one forward, each row's logits processors over its own token history, log-softmax, one sampler call for the batch
-when every row shares one (greedy) or one per row. It is not pipelined: it returns the tokens its own forward
-sampled. Pipelining (return token t while the forward that feeds t runs) would leave a row that joins one step
-behind the others for the rest of its reply, and under load a step is a tick away (after another prompt's prefill
-chunk); on the CPU the Python work it would hide is a few ms of a ~150 ms step. So ``remove`` hands back caches that
-cover a row's history and every token it returned but the last (the next input), and says exactly which tokens.
+when every row shares one (greedy) or one per row.
+
+``pipelined`` (the GPU's choice, off on the CPU): a step launches its forward and returns the tokens the previous
+forward sampled, so the lane's Python (building the next graph, streaming, scheduling) runs while the device
+computes, as ``GenerationBatch`` does. A step in which rows joined waits for its own forward and returns the joiners'
+first tokens at once (a pipelined joiner would otherwise get its first token a whole tick later, after another
+prompt's prefill chunk: on the CPU that cost 3 s of mean TTFT under 8 agents); their second token then comes one step
+later than the others', and from there they are pipelined like every row. Not pipelined, every step returns the
+tokens its own forward sampled; on the CPU the Python a pipeline would hide is a few ms of a ~150 ms step. Either
+way ``remove`` hands back caches that cover exactly the tokens it says (a row's history and every token fed so far:
+all it returned, or all but the last).
 
 Interface as ``DecodeBatch``: ``add_many``, ``step``, ``remove``, ``sequences``, ``steps`` / ``row_steps``. Only plain
 ``KVCache`` layers (``RaggedKV``); the engine sends other models to ``DecodeBatch``. Only the lane thread touches a
@@ -29,7 +35,7 @@ batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -40,14 +46,19 @@ from server.engine.ragged_kv import RaggedKV
 __all__ = ["RaggedBatch"]
 
 
+_FRESH, _SENT, _OWED = "fresh", "sent", "owed"  # a row's next input: its history's last token / a token already
+# returned / a token sampled but not yet returned (pipelined: returned by the next step, with ``_Row.logprobs``)
+
+
 @dataclass
 class _Row:
     seq: Any
-    tokens: list  # what the row's KV covers
-    pending: int  # its next input: the last token of its history, then the token it returned last
+    tokens: list  # what the row's KV covers once the forward in flight (if any) is done
     sampler: Any = None  # None: greedy
     processors: tuple = ()
     context: Optional[TokenBuffer] = None  # the history the processors see (rows with processors only)
+    state: str = _FRESH
+    logprobs: Any = field(default=None, repr=False)  # of the owed token
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
@@ -55,10 +66,12 @@ def _greedy(logprobs: mx.array) -> mx.array:
 
 
 class RaggedBatch:
-    def __init__(self, model):
+    def __init__(self, model, pipelined: bool = False):
         self.model = model
+        self.pipelined = pipelined
         self._rows: list[_Row] = []
         self._kv: Optional[RaggedKV] = None
+        self._next: Optional[mx.array] = None  # (rows,) each row's next input; lazy while a forward is in flight
         self.steps = 0
         self.row_steps = 0
 
@@ -88,24 +101,28 @@ class RaggedBatch:
             self._kv.extend(caches)
         for seq, _, history, opts in rows:
             processors = tuple(opts.get("processors") or ())
-            self._rows.append(_Row(seq, list(history[:-1]), int(history[-1]), opts.get("sampler"), processors,
+            self._rows.append(_Row(seq, list(history[:-1]), opts.get("sampler"), processors,
                                    TokenBuffer(list(history[:-1])) if processors else None))
+        fresh = mx.array([int(h[-1]) for _, _, h, _ in rows], dtype=mx.uint32)
+        self._next = fresh if self._next is None else mx.concatenate([self._next, fresh])
 
     def step(self) -> list:
-        """One decode step for every row: ``[(seq, token, logprobs), ...]`` in row order, one token per row."""
+        """One decode step for every row: ``[(seq, token, logprobs), ...]`` in row order, at most one token per row
+        (pipelined, a row that returned its first token in the step it joined returns none in the next)."""
         if not self._rows:
             return []
-        fed = [r.pending for r in self._rows]
-        inputs = mx.array(fed, dtype=mx.uint32)
+        inputs = self._next
         self._kv.reserve(1)
         logits = self.model(inputs[:, None], cache=self._kv.layers)[:, -1, :]
         self._kv.commit([1] * len(self._rows))
+        contexts = []
         if any(r.processors for r in self._rows):
             processed = []
             for e, r in enumerate(self._rows):
                 x = logits[e: e + 1]
                 if r.processors:
                     ctx = r.context.update_and_fetch(inputs[e: e + 1])
+                    contexts.append(ctx)
                     for proc in r.processors:
                         x = proc(ctx, x)
                 processed.append(x)
@@ -116,24 +133,41 @@ class RaggedBatch:
             sampled = samplers[0](logprobs)
         else:
             sampled = mx.concatenate([s(logprobs[e: e + 1]) for e, s in enumerate(samplers)], axis=0)
-        mx.eval(sampled, logprobs)
+        self._next = sampled.astype(mx.uint32)
+        per_row = list(logprobs)
+        wait = not self.pipelined or any(r.state == _FRESH for r in self._rows)
+        if wait:
+            mx.eval(self._next, per_row, contexts)
+        else:
+            mx.async_eval(self._next, per_row, contexts)  # the device computes while the lane goes on
+        fed = inputs.tolist()  # computed by the previous step's forward (or given at the join)
+        new = self._next.tolist() if wait else None
         out = []
-        for row, token, new, lp in zip(self._rows, fed, sampled.tolist(), logprobs):
+        for e, (row, token) in enumerate(zip(self._rows, fed)):
             row.tokens.append(token)
-            row.pending = new
-            out.append((row.seq, new, lp))
+            if row.state == _OWED:
+                out.append((row.seq, token, row.logprobs))
+            if wait and row.state != _OWED:
+                out.append((row.seq, new[e], per_row[e]))
+                row.state, row.logprobs = _SENT, None
+            else:
+                row.state, row.logprobs = _OWED, per_row[e]
         self.steps += 1
         self.row_steps += len(self._rows)
         return out
 
     def remove(self, seqs: list) -> list:
         """Take these rows out; returns ``[(tokens, caches), ...]`` in the order given: each row's own caches and
-        exactly the tokens they cover (its history and every token it returned but the last, its next input)."""
+        exactly the tokens they cover: its history and every token fed so far (not pipelined: all it returned but the
+        last, its next input; pipelined: all it returned, or all but the last if it returned that one early)."""
         index = {id(r.seq): i for i, r in enumerate(self._rows)}
         idx = [index[id(seq)] for seq in seqs]
+        mx.eval(self._next)  # a forward in flight writes every row's KV: let it finish before copying
         out = [(list(self._rows[i].tokens), self._kv.extract(i)) for i in idx]
         order = self._kv.release(idx)  # the last rows fill the holes; no other row moves
         self._rows = [self._rows[i] for i in order]
-        if not self._rows:
-            self._kv = None
+        if self._rows:
+            self._next = self._next[mx.array(order, dtype=mx.int32)]
+        else:
+            self._kv, self._next = None, None
         return out

@@ -132,3 +132,35 @@ def test_a_joining_row_gets_its_first_token_from_the_next_step_and_leaves_with_e
     assert seq is a and second == int(mx.argmax(alone(model, [5, 6, 7, 8], first)).item())
     (toks, caches), = batch.remove([a])  # everything it fed; its latest token is its next input, not in the KV
     assert toks == [5, 6, 7, 8, first] and caches[0].offset == 5
+
+
+def test_the_pipelined_batch_returns_the_same_tokens_each_a_step_later_but_a_joiners_first(model):
+    """Pipelined (the GPU's mode), a step returns what the previous forward sampled, except that a step in which
+    rows joined waits and returns their first tokens at once; the tokens are the plain batch's."""
+    greedy = _opts(SamplingParams(max_tokens=64, temperature=0.0))
+    seeded = _opts(SamplingParams(max_tokens=64, temperature=0.9, seed=99))
+    penalised = _opts(SamplingParams(max_tokens=64, temperature=0.0, repetition_penalty=1.3))
+    script = {
+        0: [("join", "a", list(range(10, 40)), greedy), ("join", "b", list(range(50, 55)), seeded)],
+        4: [("join", "c", list(range(70, 130)), penalised)],
+        7: [("leave", "a"), ("join", "d", list(range(10, 40)) + [3, 4], greedy)],
+        10: [("leave", "c")],
+    }
+    plain, _ = run(RaggedBatch, model, script)
+    piped, piped_left = run(lambda m: RaggedBatch(m, pipelined=True), model, script)
+    for name, toks in plain.items():
+        assert piped[name] == toks[:len(piped[name])] and len(piped[name]) >= len(toks) - 1, name
+    for name in ("a", "c"):  # what a leaving row's caches cover is exactly what remove says, ending in its tokens
+        toks, offset = piped_left[name]
+        assert offset == len(toks) and toks[-len(piped[name]):] == piped[name]
+
+    batch = RaggedBatch(model, pipelined=True)
+    a = SimpleNamespace()
+    batch.add(a, own_caches(model, [5, 6, 7]), [5, 6, 7, 8])
+    (seq, first, _), = batch.step()  # the step it joined in returns its first token
+    assert seq is a and first == int(mx.argmax(alone(model, [5, 6, 7], 8)).item())
+    assert batch.step() == []  # its second token is being computed while the lane goes on
+    (seq, second, _), = batch.step()
+    assert second == int(mx.argmax(alone(model, [5, 6, 7, 8], first)).item())
+    (toks, caches), = batch.remove([a])  # the forward in flight had fed `second`: the caches cover it
+    assert toks == [5, 6, 7, 8, first, second] and caches[0].offset == 6
