@@ -4,7 +4,8 @@ Random weights cannot echo their prompt, so n-gram lookup finds nothing to draft
 speculating batch (``server.engine.spec_batch.SpecBatch``, the server's own code: its adaptive per-row draft length,
 its measured break-even, its ragged KV) makes of drafts whose acceptance is known:
 
-  plain        the server's plain decode batch (``server.engine.batch.DecodeBatch``: mlx-lm's GenerationBatch)
+  plain        the server's plain decode batch on this device (``server.engine.ragged_batch.RaggedBatch``,
+               pipelined on a GPU), and ``plain_mlx``: mlx-lm's GenerationBatch (``server.engine.batch.DecodeBatch``)
   spec_none    SpecBatch whose rows never find a draft (the layout's own cost)
   oracle_100   SpecBatch whose rows draft the continuation a first greedy run of the same layout produced
   oracle_50    the same drafts with the second half of each replaced by a wrong token (half of each draft
@@ -14,6 +15,13 @@ N rows of --context random tokens (lengths differ per row, as agents' do), --gen
 aggregate generated tok/s per system (median of --rounds), each over plain, and whether every row's tokens equal the
 plain run's (greedy text promise; bf16 logits of a W-token forward and a 1-token forward can differ in the last bit,
 so a mismatch is counted, not hidden).
+
+``--weights echo`` (the default): random weights whose every layer writes almost nothing into the residual stream
+(attention and MLP output projections scaled by 1e-3) and whose lm_head is the embedding, so the greedy next token
+is the current one by a wide margin. Every kernel runs at its real shape (speed does not depend on the values), but
+the greedy continuation no longer flips with the last bit of bf16 as it does on plain random weights (nearly flat
+logits: the run of 2026-12-01 accepted 28 of 190 "oracle" tokens), so the oracle's acceptance is what it says.
+``--weights random``: plain random weights.
 
     python bench/gpu_spec_oracle.py --rows 8,32 --gen 128 --k 4 --out $OUT
 """
@@ -80,6 +88,17 @@ def row_views(cache, lengths):
     return rows
 
 
+def echo(model) -> None:
+    """Make a random llama's greedy next token its current token, by a wide margin (see the module's docstring)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    small = [(n, p * 1e-3) for n, p in tree_flatten(model.parameters()) if n.endswith(("o_proj.weight",
+                                                                                      "down_proj.weight"))]
+    model.update(tree_unflatten(small))
+    model.lm_head.weight = model.model.embed_tokens.weight
+    mx.eval(model.parameters())
+
+
 def run(batch, seqs, gen: int) -> tuple[float, list[list[int]]]:
     """Step until every row has `gen` tokens; (seconds, tokens per row)."""
     out = {id(s): [] for s in seqs}
@@ -99,6 +118,7 @@ def main() -> int:
 
     from gpu_write_cost import build
     from server.engine.batch import DecodeBatch
+    from server.engine.ragged_batch import RaggedBatch
     from server.engine.spec_batch import SpecBatch
     from spec.ngram import NgramProvider
 
@@ -111,9 +131,15 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="the rows' longest draft (the server's --num-draft-tokens)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--weights", choices=("echo", "random"), default="echo")
     args = ap.parse_args()
     model, _ = build(args.shape, args.dtype)
+    if args.weights == "echo":
+        echo(model)
     provider = NgramProvider()
+    gpu = mx.default_device() != mx.cpu
+    default_plain = lambda m: RaggedBatch(m, pipelined=gpu)  # noqa: E731 (what the engine builds at --batch-layout auto)
+    mlx_plain = lambda m: DecodeBatch(m, clear_cache=False)  # noqa: E731
     rec = {"script": "bench/gpu_spec_oracle.py", "argv": sys.argv[1:], "mlx": mx.__version__,
            "device": str(mx.default_device()), "rows": {}}
     for n in [int(x) for x in args.rows.split(",")]:
@@ -131,8 +157,8 @@ def main() -> int:
             return [SimpleNamespace(params=SimpleNamespace(max_tokens=args.gen + args.k + 2), prompt=h, generated=[])
                     for h in histories]
 
-        def plain():
-            b, ss = DecodeBatch(model, clear_cache=False), seqs()
+        def plain(layout=None):
+            b, ss = (layout or default_plain)(model), seqs()
             b.add_many([(s, c, h, {}) for s, c, h in zip(ss, row_views(cache, lengths), histories)])
             return run(b, ss, args.gen)
 
@@ -144,12 +170,15 @@ def main() -> int:
             return dt, toks, b
 
         plain()  # warm-up: kernels compiled, buffers allocated
-        times, ref = [], None
+        plain(mlx_plain)
+        times, times_mlx, ref = [], [], None
         for _ in range(args.rounds):
             dt, toks = plain()
             times.append(dt)
             ref = ref or toks
-        row = {"plain_tok_s": round(n * args.gen / statistics.median(times), 1)}
+            times_mlx.append(plain(mlx_plain)[0])
+        row = {"plain_tok_s": round(n * args.gen / statistics.median(times), 1),
+               "plain_mlx_tok_s": round(n * args.gen / statistics.median(times_mlx), 1)}
         # the oracle is the speculating layout's own greedy run: on random weights the logits are nearly flat, so
         # the two layouts' last-bit differences flip many argmaxes (spec_none_rows_same_as_plain says how many)
         own = spec([OracleSource([], None) for _ in range(n)])[1]

@@ -89,8 +89,9 @@ class Engine:
         return DecodeBatch(model, clear_cache=self._gpu)
 
     def _wants_ragged(self) -> bool:
-        """``--batch-layout``: ``auto`` is ragged on the CPU (measured faster there), mlx-lm's on a GPU."""
-        return self.batch_layout == "ragged" or (self.batch_layout == "auto" and not self._gpu)
+        """``--batch-layout``: ``auto`` is ragged (measured faster than mlx-lm's on this CPU and the H200: BENCHMARKS.md,
+        "The decode batch's layout"), pipelined on a GPU."""
+        return self.batch_layout in ("ragged", "auto")
 
     def _ragged_layout(self, model) -> bool:
         """Whether a plain batch of this model uses the ragged layout: wanted, and every cache layer plain KVCache."""
