@@ -4,8 +4,9 @@ Random weights cannot echo their prompt, so n-gram lookup finds nothing to draft
 speculating batch (``server.engine.spec_batch.SpecBatch``, the server's own code: its adaptive per-row draft length,
 its measured break-even, its ragged KV) makes of drafts whose acceptance is known:
 
-  plain        the server's plain decode batch on this device (``server.engine.ragged_batch.RaggedBatch``,
-               pipelined on a GPU), and ``plain_mlx``: mlx-lm's GenerationBatch (``server.engine.batch.DecodeBatch``)
+  plain        the server's ragged plain batch (``server.engine.ragged_batch.RaggedBatch``, pipelined on a GPU: the
+               CPU's default), and ``plain_mlx``: mlx-lm's GenerationBatch (``server.engine.batch.DecodeBatch``: the
+               GPU's default)
   spec_none    SpecBatch whose rows never find a draft (the layout's own cost)
   oracle_100   SpecBatch whose rows draft the continuation a first greedy run of the same layout produced
   oracle_50    the same drafts with the second half of each replaced by a wrong token (half of each draft
@@ -138,7 +139,7 @@ def main() -> int:
         echo(model)
     provider = NgramProvider()
     gpu = mx.default_device() != mx.cpu
-    default_plain = lambda m: RaggedBatch(m, pipelined=gpu)  # noqa: E731 (what the engine builds at --batch-layout auto)
+    default_plain = lambda m: RaggedBatch(m, pipelined=gpu)  # noqa: E731 (--batch-layout ragged)
     mlx_plain = lambda m: DecodeBatch(m, clear_cache=False)  # noqa: E731
     rec = {"script": "bench/gpu_spec_oracle.py", "argv": sys.argv[1:], "mlx": mx.__version__,
            "device": str(mx.default_device()), "rows": {}}

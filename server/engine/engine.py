@@ -89,9 +89,10 @@ class Engine:
         return DecodeBatch(model, clear_cache=self._gpu)
 
     def _wants_ragged(self) -> bool:
-        """``--batch-layout``: ``auto`` is ragged (measured faster than mlx-lm's on this CPU and the H200: BENCHMARKS.md,
-        "The decode batch's layout"), pipelined on a GPU."""
-        return self.batch_layout in ("ragged", "auto")
+        """``--batch-layout``: ``auto`` is ragged on the CPU, mlx-lm's on a GPU (BENCHMARKS.md, "The decode batch's
+        layout": on the H200 the ragged batch, pipelined there, joins and leaves 6-20x cheaper, but served with every
+        request at once it was 0.84-0.91x of mlx-lm's layout at 8-16 rows and 1.08x at 32)."""
+        return self.batch_layout == "ragged" or (self.batch_layout == "auto" and not self._gpu)
 
     def _ragged_layout(self, model) -> bool:
         """Whether a plain batch of this model uses the ragged layout: wanted, and every cache layer plain KVCache."""
