@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from models.cpu_attention import install as install_cpu_attention
 from models.default import DEFAULT_MODEL, ensure_default_model
 from models.errors import ModelLoadError
 from models.fingerprint import fingerprint
@@ -159,6 +160,7 @@ def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, gr
         raise ModelLoadError(f"mlx-lm could not load {model_dir}: {e}") from e
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
+    install_cpu_attention(model)  # on the CPU only: grouped-query attention without copying K/V per query head
     fp = fingerprint(model_dir, dtype)
     return LoadedModel(
         model=model,

@@ -1,0 +1,87 @@
+"""Attention for grouped-query models on the CPU, without copying the keys and values once per query head.
+
+mlx-lm's models call ``mlx_lm.models.base.scaled_dot_product_attention``, which calls
+``mx.fast.scaled_dot_product_attention``. MLX has no fused kernel for it on the CPU: its fallback puts each KV
+head's group of query heads on an axis of its own and broadcasts the keys and values over it in two batched
+matmuls, which copies them (measured with the default model, 9 query heads over 3 KV heads, float32 + OpenBLAS:
+a batched decode step of 8 rows at 3,000 tokens of context 838 ms, 618 ms here).
+
+Here a KV head's query heads are folded into the query-length axis instead (``(B, H, L, D)`` ->
+``(B, KV, H/KV * L, D)``: a reshape, no copy), so each matmul reads every key and value once. The arithmetic is the
+same (scores, mask, a float32 softmax, the weighted sum); the logits differ from the fused path's in the last
+bits only (default model: at most 3e-5 of a logit, the same argmax).
+
+``install(model)`` swaps the function in the modules of the model's layers (mlx-lm imports it by name into each
+model module) for one that takes this path where it applies and hands everything else to mlx-lm's own: quantized
+KV (``cache.bits``), attention sinks, one KV head per query head, masks of other shapes. Only on the CPU: a GPU has
+fused kernels. ``MLX_LANE_CPU_ATTENTION=mlx`` leaves mlx-lm's path in place (to compare).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import mlx.core as mx
+
+__all__ = ["install", "grouped_attention"]
+
+
+def grouped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                      mask: Optional[mx.array | str]) -> Optional[mx.array]:
+    """``softmax(q k^T * scale + mask) v`` for ``queries`` (B, H, L, D) over ``keys``/``values`` (B, KV, S, D), H a
+    multiple of KV; ``mask`` None, ``"causal"`` (query i sees keys up to i + S - L), or a bool / additive array of
+    shape (L, S), (B or 1, 1, L, S). Returns None for a mask it does not take (the caller falls back)."""
+    B, H, L, D = queries.shape
+    kv, S = keys.shape[1], keys.shape[2]
+    rep = H // kv
+    if isinstance(mask, str):
+        if mask != "causal":
+            return None
+        mask = mx.arange(S)[None, :] <= (mx.arange(L) + (S - L))[:, None]
+    if mask is not None and not (mask.ndim == 2 or (mask.ndim == 4 and mask.shape[1] == 1)):
+        return None
+    scores = (queries * scale).reshape(B, kv, rep * L, D) @ keys.swapaxes(-1, -2)
+    if mask is not None:
+        scores = scores.reshape(B, kv, rep, L, S)
+        m = mask if mask.ndim == 2 else mask[:, :, None]  # (B, 1, 1, L, S): every head of every group
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, mx.array(-mx.inf, scores.dtype))
+        else:
+            scores = scores + m
+        scores = scores.reshape(B, kv, rep * L, S)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    return (weights @ values).reshape(B, H, L, D)
+
+
+def _wrap(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if sinks is None and not hasattr(cache, "bits") and queries.ndim == 4 and keys.ndim == 4 \
+                and queries.shape[1] != keys.shape[1] and queries.shape[1] % keys.shape[1] == 0:
+            out = grouped_attention(queries, keys, values, scale, mask)
+            if out is not None:
+                return out
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention.mlx_lane_original = original
+    return scaled_dot_product_attention
+
+
+def install(model) -> int:
+    """On the CPU, route the attention of ``model``'s modules through ``grouped_attention``; returns how many model
+    modules were switched (0 on a GPU, with ``MLX_LANE_CPU_ATTENTION=mlx``, or where a model has its own)."""
+    if mx.default_device() != mx.cpu or os.environ.get("MLX_LANE_CPU_ATTENTION", "").lower() == "mlx":
+        return 0
+    from mlx_lm.models import base
+
+    switched = 0
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        fn = getattr(module, "scaled_dot_product_attention", None)
+        if fn is base.scaled_dot_product_attention:
+            module.scaled_dot_product_attention = _wrap(fn)
+            switched += 1
+        elif getattr(fn, "mlx_lane_original", None) is not None:
+            switched += 1  # already switched by an earlier load
+    return switched
