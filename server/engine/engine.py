@@ -45,7 +45,7 @@ from server.engine.ragged_batch import RaggedBatch
 from server.engine.sampling import build_logits_processors, build_sampler, repair_random_state, token_logprobs
 from server.engine.slot import ModelSlot
 from server.engine.solo import PlainDecode
-from server.engine.spec_batch import SpecBatch, is_spec_group, spec_group
+from server.engine.spec_batch import PlainStepClock, SpecBatch, is_spec_group, spec_group
 from server.engine.speculation import speculative_decode
 from server.lane.events import Failed, Progress
 from server.lane.sequence import FinishReason, Phase, Sequence
@@ -80,6 +80,7 @@ class Engine:
         self.kv_bytes_per_token = 0.0  # of the last stored entry, all layers (see kv_stats)
         self._gpu = mx.default_device() != mx.cpu
         self.batches = BatchGroups(self._make_batch)
+        self.plain_steps = PlainStepClock()  # the plain batches' steps: what a speculating batch must beat
 
     def _make_batch(self, model, group):
         if is_spec_group(group):
@@ -394,9 +395,14 @@ class Engine:
         bring several tokens each)."""
         if is_spec_group(group) and self._dissolve_if_not_paying(group):
             return []  # its rows decode in their plain batch from now on (this tick, or the next one)
+        if is_spec_group(group):
+            rows = self.batches.step(group)
+            if self.stats.spec is not None:
+                self.stats.spec.on_batch_step(*self.batches.get(group).last_step)
+            return rows
+        n, t0 = self.batches.rows(group), time.perf_counter()
         rows = self.batches.step(group)
-        if is_spec_group(group) and self.stats.spec is not None:
-            self.stats.spec.on_batch_step(*self.batches.get(group).last_step)
+        self.plain_steps.observe(n, time.perf_counter() - t0)
         return rows
 
     def _dissolve_if_not_paying(self, group) -> bool:
@@ -404,7 +410,7 @@ class Engine:
         rows to their group's plain batch, where they decode without drafts for the rest of their reply (requests
         that arrive later speculate again, in a new speculating batch). Before a step: every row in it is live."""
         batch = self.batches.get(group)
-        if batch is None or not batch.not_paying():
+        if batch is None or not batch.not_paying(self.plain_steps):
             return False
         seqs = list(batch.sequences)
         plain = group[1]  # spec_group(g) == (speculating, g)

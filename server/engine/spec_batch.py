@@ -16,8 +16,10 @@ the draft survives with probability p(draft), and a rejection yields a draw from
 drafts decode one token in the same forward. The KV layout (``server.engine.ragged_kv``) keeps each row's
 accepted positions and drops the rest per row, with no copy.
 
-A batch whose drafts stop paying for this layout (fewer than ``PAYS_YIELD`` tokens per row per step over its last
-``JUDGE_STEPS``; ``not_paying``) is dissolved by the engine: its rows go on in their plain batch.
+A batch whose drafts stop paying for this layout is dissolved by the engine (``not_paying``): its rows go on in their
+plain batch. "Paying" is measured where it can be: over its last ``JUDGE_STEPS`` steps the batch made fewer tokens
+per second than the plain batch makes with as many rows (``PlainStepClock``, the plain batches' own steps on the
+lane's clock); before any plain step of that size was seen, fewer than ``PAYS_YIELD`` tokens per row per step.
 
 Interface as ``server.engine.batch.DecodeBatch``: ``add_many``, ``step`` (a row may yield several tokens: the
 list is in row order, each row's tokens in sequence order), ``remove`` (the row's caches and exactly the tokens
@@ -40,7 +42,7 @@ import mlx.core as mx
 from server.engine.ragged_kv import RaggedKV
 from spec import BatchVerifyCost, SpecStats
 
-__all__ = ["SpecBatch", "spec_group", "is_spec_group"]
+__all__ = ["SpecBatch", "PlainStepClock", "spec_group", "is_spec_group"]
 
 _SPEC = "speculating"
 
@@ -55,12 +57,35 @@ def is_spec_group(group) -> bool:
 
 
 EXPLORE = 8  # of the steps whose drafts do not look worth it, one in this many drafts anyway (acceptance stays known)
-# A speculating step costs more than a plain batch's: on the H200 1.6-2x served (it waits for every step's tokens
-# before it can draft the next, then verifies row by row; BENCHMARKS.md), about 1x on a 2-core CPU. A batch whose
-# rows made fewer than PAYS_YIELD tokens per row per step over its last JUDGE_STEPS steps is not worth its layout:
-# the engine hands its rows to their plain batch (``not_paying``).
+# A speculating step costs more than a plain batch's: on the H200 1.4-2x without drafts and up to ~3x with 4 drafts per
+# row at 32 rows (it waits for every step's tokens before it can draft the next, then verifies row by row;
+# BENCHMARKS.md), about 1x on a 2-core CPU. So whether drafts pay is judged against the plain batch's measured step
+# (``PlainStepClock``); PAYS_YIELD tokens per row per step is the rule only until a plain step of that size is seen.
 JUDGE_STEPS = 32
 PAYS_YIELD = 1.5
+
+
+class PlainStepClock:
+    """What a plain batch's step takes on the lane's clock, by row count: an exponential average per size (a
+    pipelined batch's step is what the lane waits for, not the device's forward). ``seconds(rows)`` answers from
+    the nearest size seen within a quarter of ``rows`` (a batched step's cost depends on its rows: on a GPU
+    hardly, on a CPU nearly in proportion), else None."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
+        self._by_rows: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        old = self._by_rows.get(rows)
+        self._by_rows[rows] = seconds if old is None else old + self.weight * (seconds - old)
+
+    def seconds(self, rows: float) -> Optional[float]:
+        near = [n for n in self._by_rows if abs(n - rows) <= max(1.0, rows / 4)]
+        if not near:
+            return None
+        return self._by_rows[min(near, key=lambda n: abs(n - rows))]
 PENALTY_CONTEXT = 256  # tokens of history the penalty processors read (mlx-lm's context sizes are within this)
 
 
@@ -91,18 +116,25 @@ class SpecBatch:
         self.last_step = (0, 0, 0, 0)  # rows, drafted, accepted, emitted of the latest step (for /stats)
         self.cost = BatchVerifyCost()  # what a drafted token costs this batch: the rows' break-even acceptance
         self._skipped = 0  # steps whose drafts were not worth their positions
-        self._recent: deque = deque(maxlen=JUDGE_STEPS)  # (rows, tokens emitted) of the latest steps
+        self._recent: deque = deque(maxlen=JUDGE_STEPS)  # (rows, tokens emitted, seconds) of the latest steps
 
     def __len__(self) -> int:
         return len(self._rows)
 
-    def not_paying(self) -> bool:
-        """Over its last JUDGE_STEPS steps the rows made fewer than PAYS_YIELD tokens per row per step: their drafts
-        do not pay for the speculating layout (module constants say why)."""
+    def not_paying(self, plain: Optional[PlainStepClock] = None) -> bool:
+        """Over its last JUDGE_STEPS steps the batch made fewer tokens per second than ``plain`` says the plain batch
+        makes with as many rows (a step per row per plain step); without such a measurement, fewer than PAYS_YIELD
+        tokens per row per step. Either way its drafts do not pay for the speculating layout."""
         if len(self._recent) < JUDGE_STEPS:
             return False
-        rows = sum(r for r, _ in self._recent)
-        return sum(e for _, e in self._recent) < PAYS_YIELD * rows
+        rows = sum(r for r, _, _ in self._recent)
+        emitted = sum(e for _, e, _ in self._recent)
+        plain_step = plain.seconds(rows / len(self._recent)) if plain is not None else None
+        if plain_step is None:
+            return emitted < PAYS_YIELD * rows
+        seconds = sum(s for _, _, s in self._recent)
+        steps = len(self._recent)
+        return emitted * plain_step * steps < rows * seconds  # emitted / seconds < (rows / steps) / plain_step
 
     def __contains__(self, seq) -> bool:
         return any(r.seq is seq for r in self._rows)
@@ -185,7 +217,7 @@ class SpecBatch:
         self.steps += 1
         self.row_steps += len(self._rows)
         self.last_step = (len(self._rows), sum(len(d) for d in drafts), sum(k - 1 for k in kept), len(rows_out))
-        self._recent.append((len(self._rows), len(rows_out)))
+        self._recent.append((len(self._rows), len(rows_out), time.perf_counter() - t0))
         return rows_out
 
     def remove(self, seqs: list) -> list:

@@ -230,10 +230,35 @@ def test_a_batch_is_judged_not_paying_only_over_a_full_window_of_too_few_tokens_
     batch = SpecBatch(model=None)
     n = spec_batch.JUDGE_STEPS
     for _ in range(n - 1):
-        batch._recent.append((4, 4))  # 1 token per row per step: drafts made nothing
+        batch._recent.append((4, 4, 0.1))  # 1 token per row per step: drafts made nothing
     assert not batch.not_paying()  # not judged before a full window
-    batch._recent.append((4, 4))
+    batch._recent.append((4, 4, 0.1))
     assert batch.not_paying()
     for _ in range(n):
-        batch._recent.append((4, int(4 * spec_batch.PAYS_YIELD) + 1))  # drafts accepted: it pays
+        batch._recent.append((4, int(4 * spec_batch.PAYS_YIELD) + 1, 0.1))  # drafts accepted: it pays
     assert not batch.not_paying()
+
+
+def test_whether_drafts_pay_is_judged_against_the_plain_batchs_measured_step():
+    """With a plain step of as many rows measured, the batch pays when it makes more tokens per second than the
+    plain batch would: 2 tokens per row per step pay for a step of 1.5 plain ones, not for one of 2.5 (the H200 at
+    32 rows with half the drafts accepted); without a measurement of that size the fixed yield decides."""
+    from server.engine import spec_batch
+    from server.engine.spec_batch import PlainStepClock, SpecBatch
+
+    clock = PlainStepClock()
+    clock.observe(8, 0.010)
+    clock.observe(8, 0.010)
+    assert clock.seconds(8) == pytest.approx(0.010) and clock.seconds(9) == pytest.approx(0.010)
+    assert clock.seconds(16) is None  # a batch twice the size: not known
+    n = spec_batch.JUDGE_STEPS
+    cheap, dear = SpecBatch(model=None), SpecBatch(model=None)
+    for _ in range(n):
+        cheap._recent.append((8, 16, 0.015))  # 16 tokens in 15 ms vs the plain batch's 8 in 10 ms: pays
+        dear._recent.append((8, 16, 0.025))  # 16 tokens in 25 ms: 640 tok/s vs 800: does not
+    assert not cheap.not_paying(clock)
+    assert dear.not_paying(clock)
+    assert not dear.not_paying(PlainStepClock())  # nothing measured: 2 tokens per row per step >= PAYS_YIELD
+    clock.observe(8, 0.030)  # plain steps got slower (longer contexts): the average follows
+    assert clock.seconds(8) == pytest.approx(0.014)
+    assert not dear.not_paying(clock)
