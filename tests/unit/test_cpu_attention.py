@@ -57,3 +57,17 @@ def test_a_switched_model_computes_the_same_logits():
         assert mx.allclose(before[:, :5], after, atol=1e-4) and mx.allclose(before[:, 5:], step, atol=1e-4)
     finally:
         module.scaled_dot_product_attention = previous
+
+
+def test_the_numpy_softmax_for_large_scores_equals_mlxs_over_threads_and_masked_rows(monkeypatch):
+    """Above NUMPY_SOFTMAX_MIN scores the softmax runs in numpy, split over threads: the same attention, and a row
+    its mask hides entirely gets zeros (not NaN)."""
+    monkeypatch.setattr(cpu_attention, "NUMPY_SOFTMAX_MIN", 1)
+    monkeypatch.setattr(cpu_attention, "_threads", lambda: 3)
+    q, k, v = _qkv(2, 6, 2, 7, 40, seed=5)
+    mask = mx.arange(40)[None, None, None, :] <= (mx.arange(7) + 33)[None, None, :, None]
+    mask = mx.concatenate([mask, mx.zeros_like(mask)], axis=0)  # row 1 sees nothing
+    ours = cpu_attention.grouped_attention(q, k, v, 0.3, mask)
+    theirs = mx.fast.scaled_dot_product_attention(q[:1], k[:1], v[:1], scale=0.3, mask=mask[:1])
+    assert mx.allclose(ours[:1], theirs, atol=1e-5)
+    assert not mx.any(mx.isnan(ours)).item() and mx.all(ours[1] == 0).item()
