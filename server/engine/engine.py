@@ -393,9 +393,9 @@ class Engine:
     def step_batch(self, group) -> list:
         """One decode step of a group's batch: ``[(seq, token, logprobs), ...]`` (a speculating batch's rows may
         bring several tokens each)."""
-        if is_spec_group(group) and self._dissolve_if_not_paying(group):
-            return []  # its rows decode in their plain batch from now on (this tick, or the next one)
         if is_spec_group(group):
+            if self._dissolve_if_not_paying(group):
+                return []  # its rows decode in their plain batch from now on (this tick, or the next one)
             rows = self.batches.step(group)
             if self.stats.spec is not None:
                 self.stats.spec.on_batch_step(*self.batches.get(group).last_step)
