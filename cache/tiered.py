@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 _MAX_LANDED = 64  # finished prefetches remembered until their take (bounded: a request may never come)
 _MIN_PREFILL_SAMPLE = 16  # shorter prefills are mostly fixed overhead: they say little about the rate
 _MAX_DECLINED = 4096  # declined entries remembered for flush (older ones have long left RAM)
+_FLUSH_ROUNDS = 3  # a flush tries again this often when a sharing replica removed a file during it
 
 
 class _Loaded(NamedTuple):
@@ -298,15 +299,25 @@ class TieredCache:
         abandoned and nothing else would try again until the same entry is put again, which a conversation that
         moved on never does. A write that fails again keeps this False."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._store.sync()  # a file another replica wrote may cover an entry already
-        # entries nothing will write: those uncovered now whose snapshot is not pending (a pending one that fails
-        # in this flush is not tried twice in it)
-        orphans = {key for key in self._not_durable() if not self._durability.is_pending(key[1], key[0])}
-        flushed = bool(self._durability.flush(timeout))
-        # after the pending writes, so that an entry a pending longer snapshot covers (an anchor) is not written
-        if orphans and self._reschedule(orphans):
+        flushed = False
+        for _ in range(_FLUSH_ROUNDS):
+            self._store.sync()  # a file another replica wrote may cover an entry; one it removed no longer does
+            # entries nothing will write: those uncovered now whose snapshot is not pending (a pending one that
+            # fails in this flush is not tried twice in it)
+            orphans = {key for key in self._not_durable() if not self._durability.is_pending(key[1], key[0])}
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             flushed = bool(self._durability.flush(remaining))
+            # after the pending writes, so that an entry a pending longer snapshot covers (an anchor) is not written
+            if orphans and self._reschedule(orphans):
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                flushed = bool(self._durability.flush(remaining))
+            if not flushed or (deadline is not None and time.monotonic() >= deadline):
+                break
+            # another round only when a file covering an entry went away during this one (a sharing replica's
+            # write superseded or evicted it): a failed write ends the flush at once
+            self._store.sync()
+            if not self._not_durable():
+                return True
         return flushed and not self._not_durable()
 
     # ------------------------------------------------------------------------------------------ tier movements
