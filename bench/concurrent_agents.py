@@ -59,8 +59,9 @@ def pct(values: list[float], q: float) -> float:
 # ------------------------------------------------------------------------------------------------------- one run
 
 def run_agents(url: str, tasks: list[str], chunks: list[list[str]], K: int, T: int, max_tokens: int,
-               stagger_s: float) -> tuple[list[dict], float]:
-    """K agent threads x T turns against `url`; (one record per request sent, wall seconds)."""
+               stagger_s: float, system: str = SYSTEM_PROMPT) -> tuple[list[dict], float]:
+    """K agent threads x T turns against `url`, every conversation opening with `system`; (one record per request
+    sent, wall seconds)."""
     import httpx
 
     records: list[dict] = []
@@ -68,7 +69,7 @@ def run_agents(url: str, tasks: list[str], chunks: list[list[str]], K: int, T: i
     start = threading.Barrier(K)
 
     def agent(k: int) -> None:
-        msgs = [{"role": "system", "content": SYSTEM_PROMPT}]
+        msgs = [{"role": "system", "content": system}]
         with httpx.Client() as client:
             start.wait()
             time.sleep(k * stagger_s)

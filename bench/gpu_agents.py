@@ -1,0 +1,192 @@
+"""The agent workload on the H200 (issue 22): K coding agents at once x T turns, mlx-lane at its defaults (SSD tier
+on) vs mlx_lm.server with a prompt cache big enough for every agent.
+
+Runs on the device machine: `bash bench/gpu.sh bench/gpu_agents.py [flags]` installs the carried wheels first. The
+model is a random-weight Llama-3-8B shape in bf16 built on the spot (bench/gpu.py's build_model) with the vocabulary
+cut to SmolLM2's tokenizer (`--vocab 49152`: 7.5e9 parameters instead of 8.0e9), so that every generated token
+is a token the tokenizer can write out and read back: the replies travel back into the next turn as text, exactly
+as an agent's do (random weights, so the text is noise, the same noise for both servers only where they agree).
+
+Every conversation = a shared system prompt of ~--system-tokens tokens (agent_workload.SYSTEM_PROMPT plus
+deterministic repository notes) + its own task and a first tool output of ~--first-tokens tokens; every later turn
+adds a tool output of --chunk-min..--chunk-max tokens; --max-tokens tokens per reply, greedy, streamed. The agents
+are bench/concurrent_agents.py's threads (each turn right after its previous reply, the first requests --stagger-ms
+apart). For each --plan entry KxT, each server is started fresh, answers one warm-up request, runs the workload and
+stops; servers one after the other, their order rotated per round and entry.
+
+  ours    `mlx-lane serve --model DIR` at its defaults: SSD tier on (a folder of the run), RAM tier sized from the
+          GPU's memory, prefill chunk and batch from the device
+  mlx_lm  `mlx_lm.server --decode-concurrency 32 --prompt-concurrency 8 --prompt-cache-size 64
+          --prompt-cache-bytes 60000000000` (the fair peer: its LRU of prompt caches holds every agent)
+
+Measured per server and entry: wall (first request sent -> last reply done), mean / p95 TTFT, generated tok/s,
+cached prompt tokens (usage.prompt_tokens_details.cached_tokens; mlx_lm.server reports it too), and for ours the
+/stats lane, prompt_cache and ssd_cache blocks after the run. Issue 22's target: ours' wall <= 0.4x mlx_lm.server's.
+
+Writes OUT/gpu_agents.json after every run (copy it to bench/results/).
+
+    bash bench/gpu.sh bench/gpu_agents.py                       # 16x4 and 32x3, one round (~8 min of device time)
+    python bench/gpu_agents.py --out /tmp/ga --shape tiny --dtype float32 --model-dir /tmp/ga/m --plan 2x2 --system-tokens 300 \\
+        --first-tokens 100 --chunk-min 20 --chunk-max 40 --max-tokens 8     # logic check on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu  # noqa: E402  (build_model, SHAPES, machine facts)
+import peers as peer_servers  # noqa: E402
+from agent_workload import SYSTEM_PROMPT, TASKS, stream_chat, tool_chunk  # noqa: E402
+from concurrent_agents import lane_block, run_agents, run_metrics  # noqa: E402
+
+TARGET_WALL = 0.4  # issue 22: ours / mlx_lm.server wall on this workload
+MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
+               "--prompt-cache-bytes", "60000000000")
+
+
+def system_prompt(tokenizer, n_tokens: int, seed: int) -> str:
+    """agent_workload.SYSTEM_PROMPT followed by deterministic repository notes up to ~n_tokens tokens."""
+    have = len(tokenizer.encode(SYSTEM_PROMPT))
+    if n_tokens <= have:
+        return SYSTEM_PROMPT
+    notes = tool_chunk(random.Random(seed), tokenizer, n_tokens - have, n_tokens - have)
+    return SYSTEM_PROMPT + "\n\nRepository notes (what the last session read):\n" + notes.removeprefix("Tool output:\n")
+
+
+def conversations(tokenizer, K: int, T: int, args) -> tuple[list[str], list[list[str]]]:
+    """(tasks[K], chunks[K][T]): turn 1 carries a ~--first-tokens tool output, later turns shorter ones."""
+    rng = random.Random(args.seed + 1)
+    tasks = [TASKS[k % len(TASKS)] + ("" if k < len(TASKS) else f" (variant {k // len(TASKS)})") for k in range(K)]
+    chunks = [[tool_chunk(rng, tokenizer, args.first_tokens, args.first_tokens + 50) if t == 0
+               else tool_chunk(rng, tokenizer, args.chunk_min, args.chunk_max) for t in range(T)] for _ in range(K)]
+    return tasks, chunks
+
+
+def stats_blocks(url: str) -> dict:
+    import httpx
+
+    try:
+        st = httpx.get(url + "/stats", timeout=30).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"error": repr(exc)}
+    return {k: st.get(k) for k in ("lane", "prompt_cache", "ssd_cache", "device", "sizes") if k in st}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(gpu.ROOT / ".bench" / "gpu-out"))
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(gpu.SHAPES))
+    ap.add_argument("--vocab", type=int, default=gpu.PROMPT_VOCAB,
+                    help="the model's vocabulary (default: the SmolLM2 tokenizer's, so replies read back as text)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model-dir", default="/dev/shm/mlx-lane-agents-model")
+    ap.add_argument("--reuse-model", action="store_true", help="use the model in --model-dir if it is there")
+    ap.add_argument("--tokenizer-dir", default=str(gpu.ROOT / ".whl" / "tok"))
+    ap.add_argument("--plan", default="16x4,32x3", help="comma list of KxT (agents x turns)")
+    ap.add_argument("--servers", default="ours,mlx_lm")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--system-tokens", type=int, default=4000)
+    ap.add_argument("--first-tokens", type=int, default=1000)
+    ap.add_argument("--chunk-min", type=int, default=120)
+    ap.add_argument("--chunk-max", type=int, default=240)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--stagger-ms", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ours-args", default="", help="extra `mlx-lane serve` arguments (one shell-quoted string)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = [tuple(int(x) for x in p.split("x")) for p in args.plan.split(",") if p.strip()]
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+
+    from mlx_lm.utils import load_tokenizer
+
+    model_dir = Path(args.model_dir)
+    t0 = time.perf_counter()
+    gpu.SHAPES[args.shape] = {**gpu.SHAPES[args.shape], "vocab_size": args.vocab}
+    if not (args.reuse_model and (model_dir / "config.json").is_file()):
+        model = gpu.build_model(model_dir, args.shape, args.dtype, Path(args.tokenizer_dir))
+        del model
+    tokenizer = load_tokenizer(model_dir)
+    system = system_prompt(tokenizer, args.system_tokens, args.seed)
+    R: dict = {"script": "bench/gpu_agents.py", "argv": sys.argv[1:], "started_unix": int(time.time()),
+               "gpu": gpu.sh("nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader"),
+               "model": gpu.R.get("model", {"dir": str(model_dir), "reused": True}),
+               "system_prompt_tokens": len(tokenizer.encode(system)), "mlx_lm_args": list(MLX_LM_ARGS),
+               "build_s": round(time.perf_counter() - t0, 1), "runs": []}
+
+    def save() -> None:
+        (out / "gpu_agents.json").write_text(json.dumps(R, indent=1))
+
+    workdir = Path(tempfile.mkdtemp(prefix="gpu-agents-"))
+    extra = {"ours": tuple(args.ours_args.split()), "mlx_lm": MLX_LM_ARGS}
+    for rnd in range(args.rounds):
+        for pi, (K, T) in enumerate(plan):
+            tasks, chunks = conversations(tokenizer, K, T, args)
+            shift = (rnd + pi) % len(names)
+            for n in names[shift:] + names[:shift]:
+                if n == "ours":  # persistent: the SSD tier on, in a folder of this run (the defaults' behaviour)
+                    peer = peer_servers.Ours(workdir / f"{n}-{rnd}-{K}", model_dir, True, extra=extra["ours"])
+                else:
+                    peer = peer_servers.MlxLm(workdir, model_dir, extra=extra["mlx_lm"])
+                run = {"round": rnd + 1, "k": K, "turns": T, "server": n}
+                try:
+                    t = time.perf_counter()
+                    peer.start()
+                    run["start_s"] = round(time.perf_counter() - t, 1)
+                    import httpx
+
+                    with httpx.Client() as c:
+                        stream_chat(c, peer.url, [{"role": "user", "content": "Say hi."}], 2)  # warm-up
+                    records, wall = run_agents(peer.url, tasks, chunks, K, T, args.max_tokens,
+                                               args.stagger_ms / 1e3, system=system)
+                    if n == "ours":
+                        run["stats_after"] = stats_blocks(peer.url)
+                    run["metrics"] = run_metrics(records, wall, K, T)
+                    run["per_turn"] = {str(t + 1): {
+                        "ttft_mean_s": round(statistics.mean(r["ttft_s"] for r in records
+                                                             if r["ok"] and r["turn"] == t + 1), 4),
+                        "cached_tokens": sum(r.get("cached_tokens") or 0 for r in records if r["turn"] == t + 1),
+                        "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in records if r["turn"] == t + 1)}
+                        for t in range(T) if any(r["ok"] and r["turn"] == t + 1 for r in records)}
+                    run["records"] = records
+                except Exception as exc:  # a server that cannot start or run is a result, not the end of the run
+                    run["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+                finally:
+                    run["exit_code"] = peer.stop() if peer.pid() is not None else peer.exit_code()
+                R["runs"].append(run)
+                save()
+                m = run.get("metrics")
+                print(f"round {rnd + 1} {K}x{T} {n:7s} " + (
+                    f"wall {m['wall_s']:7.2f}s  mean TTFT {m['ttft_mean_s']:.3f}s  p95 {m['ttft_p95_s']:.3f}s  "
+                    f"{m['tok_s']:7.1f} tok/s  cached {m['cached_tokens']}/{m['prompt_tokens']}  failed "
+                    f"{m['requests_failed']}" if m else f"FAILED: {run.get('error')}"), flush=True)
+    R["ratios"] = {}
+    for K, T in plan:
+        got = {n: [r["metrics"] for r in R["runs"] if r["k"] == K and r["server"] == n and r.get("metrics")]
+               for n in names}
+        if got.get("ours") and got.get("mlx_lm"):
+            o = statistics.median(m["wall_s"] for m in got["ours"])
+            p = statistics.median(m["wall_s"] for m in got["mlx_lm"])
+            to = statistics.median(m["ttft_mean_s"] for m in got["ours"])
+            tp = statistics.median(m["ttft_mean_s"] for m in got["mlx_lm"])
+            R["ratios"][f"{K}x{T}"] = {"wall_ours_over_mlx_lm": round(o / p, 3),
+                                      "ttft_mean_ours_over_mlx_lm": round(to / tp, 3),
+                                      "target_wall": TARGET_WALL, "met": o / p <= TARGET_WALL}
+            print(f"{K}x{T}: wall ours/mlx_lm {o / p:.3f} (target <= {TARGET_WALL}), mean TTFT {to / tp:.3f}")
+    R["script_wall_s"] = round(time.perf_counter() - t0, 1)
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
