@@ -16,7 +16,8 @@ first token. A leave copies the leaving row out (the prefix cache keeps it) and 
 
 A step is what ``GenerationBatch._step`` computes, in its order (so the tokens are the same for the same logits):
 one forward, each row's logits processors over its own token history, log-softmax, one sampler call for the batch
-when every row shares one (greedy) or one per row.
+when every row shares one (greedy, or requests with the same unseeded settings), otherwise one per sampler
+(``server.engine.sampling.sample_rows``).
 
 ``pipelined`` (the GPU's choice, off on the CPU): a step launches its forward and returns the tokens the previous
 forward sampled, so the lane's Python (building the next graph, streaming, scheduling) runs while the device
@@ -40,8 +41,10 @@ from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import TokenBuffer
+from mlx_lm.sample_utils import greedy_sampler
 
 from server.engine.ragged_kv import RaggedKV
+from server.engine.sampling import sample_rows
 
 __all__ = ["RaggedBatch"]
 
@@ -61,8 +64,7 @@ class _Row:
     logprobs: Any = field(default=None, repr=False)  # of the owed token
 
 
-def _greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
+_greedy = greedy_sampler  # mlx-lm's, the very object a temperature-0 request's sampler is: such rows share one call
 
 
 class RaggedBatch:
@@ -128,11 +130,7 @@ class RaggedBatch:
                 processed.append(x)
             logits = mx.concatenate(processed, axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        samplers = [r.sampler or _greedy for r in self._rows]
-        if all(s is samplers[0] for s in samplers):
-            sampled = samplers[0](logprobs)
-        else:
-            sampled = mx.concatenate([s(logprobs[e: e + 1]) for e, s in enumerate(samplers)], axis=0)
+        sampled = sample_rows(logprobs, [r.sampler or _greedy for r in self._rows])
         self._next = sampled.astype(mx.uint32)
         per_row = list(logprobs)
         wait = not self.pipelined or any(r.state == _FRESH for r in self._rows)

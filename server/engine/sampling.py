@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, Sequence
 
@@ -32,11 +33,44 @@ def repair_random_state() -> bool:
 
 def build_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     """mlx-lm's sampler for the request; with a ``seed``, the same filters but a random key of the request's own
-    (split once per token), so the text depends on the seed alone, not on what else the batch is sampling."""
+    (split once per token), so the text depends on the seed alone, not on what else the batch is sampling.
+
+    Without a seed, requests with the same settings get the SAME sampler object: it holds no state of its own (it
+    draws from MLX's global random state), and a batch whose rows share one samples them all in one call
+    (``sample_rows``; mlx-lm's GenerationBatch does the same when every row's sampler is one object)."""
     top_p = params.top_p if params.top_p < 1.0 else 0.0
     if params.seed is None or params.temperature == 0:
-        return make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p, top_k=params.top_k)
+        return _shared_sampler(float(params.temperature), float(top_p), float(params.min_p), int(params.top_k))
     return _seeded_sampler(params.temperature, top_p, params.min_p, params.top_k, params.seed)
+
+
+@functools.lru_cache(maxsize=256)  # bounded: a client sweeping temperatures must not grow it without end
+def _shared_sampler(temp: float, top_p: float, min_p: float, top_k: int) -> Callable[[mx.array], mx.array]:
+    return make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+
+
+def sample_rows(logprobs: mx.array, samplers: Sequence[Callable[[mx.array], mx.array]]) -> mx.array:
+    """The next token of every row of ``logprobs`` (rows, vocab), row e drawn by ``samplers[e]``: one call per
+    distinct sampler object over all of its rows, instead of one call per row.
+
+    The same tokens as calling each row's sampler alone wherever a sampler serves one row (a seeded request's, with
+    its own key) or is deterministic (greedy, whose rows all share ``greedy_sampler``); rows that share an unseeded
+    sampler are drawn together from MLX's global random state, the same distribution as drawn one by one."""
+    first = samplers[0]
+    if all(s is first for s in samplers):
+        return first(logprobs)
+    groups: dict[int, tuple[Callable, list[int]]] = {}
+    for e, s in enumerate(samplers):
+        groups.setdefault(id(s), (s, []))[1].append(e)
+    parts, order = [], []
+    for s, rows in groups.values():
+        parts.append(s(logprobs[rows[0]: rows[0] + 1] if len(rows) == 1 else logprobs[mx.array(rows)]))
+        order += rows
+    sampled = mx.concatenate(parts, axis=0)
+    inverse = [0] * len(order)
+    for position, row in enumerate(order):
+        inverse[row] = position
+    return sampled[mx.array(inverse)]
 
 
 def _seeded_sampler(temp: float, top_p: float, min_p: float, top_k: int, seed: int):
