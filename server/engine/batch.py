@@ -55,6 +55,11 @@ class DecodeBatch:
     def sequences(self) -> list:
         return list(self._rows)
 
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the batch's KV (``BatchKVCache`` left-pads every row to the longest and grows in steps)."""
+        return sum(int(getattr(c, "nbytes", 0) or 0) for c in (self._gen.prompt_cache or []))
+
     def add(self, seq, caches: list, history: list, sampler=None, processors: Optional[list] = None) -> None:
         """Join ``seq``; ``caches`` (its own, consumed) cover ``history[:-1]``; ``sampler`` None means greedy."""
         self.add_many([(seq, caches, history, {"sampler": sampler, "processors": processors})])
@@ -113,6 +118,10 @@ class BatchGroups:
     def size(self) -> int:
         """Rows in all batches."""
         return sum(len(b) for b in list(self._batches.values()))
+
+    def kv_nbytes(self) -> int:
+        """Bytes all batches' KV buffers hold (a batch kind that does not say counts 0)."""
+        return sum(int(getattr(b, "kv_nbytes", 0)) for b in list(self._batches.values()))
 
     def rows(self, group) -> int:
         batch = self._batches.get(group)

@@ -361,6 +361,10 @@ class Engine:
     def batch_size(self) -> int:
         return self.batches.size()
 
+    def batch_kv_bytes(self) -> int:
+        """Bytes the decode batches' KV buffers hold now (free slots and padding included), for the memory budget."""
+        return self.batches.kv_nbytes()
+
     def join_batch(self, group, seqs: list[Sequence]) -> None:
         """These sequences join their group's batch in one step (one merge): fresh from prefill, or migrating from
         solo decoding (their caches are trimmed back so that the last token is the batch's next input)."""

@@ -87,6 +87,11 @@ class RaggedBatch:
     def sequences(self) -> list:
         return [r.seq for r in self._rows]
 
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the batch's KV buffers, free slots and unused positions included."""
+        return self._kv.nbytes if self._kv is not None else 0
+
     def add(self, seq, caches: list, history: list, sampler=None, processors: Optional[list] = None) -> None:
         """Join ``seq``; ``caches`` (its own, consumed) cover ``history[:-1]``; ``sampler`` None means greedy."""
         self.add_many([(seq, caches, history, {"sampler": sampler, "processors": processors})])

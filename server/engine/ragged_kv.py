@@ -71,6 +71,11 @@ class RaggedKV:
         return 0 if k is None else k.shape[2]
 
     @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold: every slot (free ones too) at full capacity, what the memory budget must count."""
+        return sum(a.nbytes for a in (*self._keys, *self._values) if a is not None)
+
+    @property
     def slots(self) -> int:
         """Rows the buffers have room for (live rows and free slots)."""
         k = self._keys[0]

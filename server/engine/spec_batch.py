@@ -143,6 +143,11 @@ class SpecBatch:
     def sequences(self) -> list:
         return [r.seq for r in self._rows]
 
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the batch's KV buffers, free slots and unused positions included."""
+        return self._kv.nbytes if self._kv is not None else 0
+
     def add_many(self, rows: list) -> None:
         """``[(seq, caches, history, opts), ...]``: caches cover history[:-1]; history[-1] is the next input. opts:
         "sampler" (None: greedy), "processors" (history-free mlx-lm processors), "source", "policy", "max_draft",

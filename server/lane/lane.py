@@ -206,7 +206,8 @@ class Lane:
             self.engine.classify(seq)
         self._waiting.extend(arrived)
         plan = self.scheduler.schedule(self._waiting, self._running, task=bool(self._tasks),
-                                       ready=self._prefix_ready, lookup=self._cached_length)
+                                       ready=self._prefix_ready, lookup=self._cached_length,
+                                       batch_bytes=self._batch_bytes())
         for seq in plan.waiting_io:
             seq.phase = Phase.WAITING_IO
         if plan.empty:
@@ -229,6 +230,13 @@ class Lane:
         if ready and seq.phase == Phase.WAITING_IO:
             seq.phase = Phase.WAITING
         return ready
+
+    def _batch_bytes(self) -> int:
+        """What the decode batches' buffers hold, for the memory budget (0 when the budget is off)."""
+        if not self.scheduler.budget.budget_bytes:
+            return 0
+        held = getattr(self.engine, "batch_kv_bytes", None)
+        return int(held()) if held is not None else 0
 
     def _cached_length(self, seq: Sequence) -> int:
         # local: the scheduler runs on rank 0 alone, before its plan is broadcast (an agreement would deadlock)

@@ -67,13 +67,21 @@ class Scheduler:
         return self.budget.need(len(seq.prompt), seq.params.max_tokens,
                                 served.kv_bytes_per_token if served is not None else None)
 
+    def reserved(self, live: Seq[Sequence], batch_bytes: int = 0) -> int:
+        """KV bytes the running sequences hold: each one's need, or for the batched ones together what the batches'
+        buffers hold when that is more (free slots and unused positions the ragged layout keeps until its batch
+        empties, left-padding in mlx-lm's: room a joining row may use, but not room another request can have)."""
+        batched = sum(self.need(s) for s in live if s.phase == Phase.BATCHED)
+        return sum(self.need(s) for s in live) + max(0, int(batch_bytes) - batched)
+
     def schedule(self, waiting: Seq[Sequence], running: Seq[Sequence], *, task: bool = False,
                  ready: Callable[[Sequence], bool] = lambda s: True,
-                 lookup: Callable[[Sequence], int] = lambda s: 0) -> TickPlan:
+                 lookup: Callable[[Sequence], int] = lambda s: 0, batch_bytes: int = 0) -> TickPlan:
         """This tick's plan (see the module docstring). ``waiting``: the queue, in order; ``running``: the admitted
         sequences, in admission order. ``ready(seq)``: its cached prefix is in RAM (False while an SSD read is in
         flight; asked only of sequences the queue reaches); ``lookup(seq)``: the prompt tokens the prefix cache
-        would give it now (index-only), to size its first chunk. ``task``: a lane task waits."""
+        would give it now (index-only), to size its first chunk. ``task``: a lane task waits. ``batch_bytes``: what
+        the decode batches' KV buffers hold (``reserved``)."""
         end_waiting = tuple(s for s in waiting if s.cancelled)
         cancel = tuple(s for s in running if s.cancelled)
         live = [s for s in running if not s.cancelled]
@@ -81,7 +89,7 @@ class Scheduler:
         # 2. admission
         admit, io_wait = self._admit([s for s in waiting if not s.cancelled], live, ready)
         needs = [self.need(s) for s in admit]
-        count, make_room = self.budget.admissible(needs, sum(self.need(s) for s in live))
+        count, make_room = self.budget.admissible(needs, self.reserved(live, batch_bytes))
         admit = admit[:count]
         left_queued = len(waiting) - len(end_waiting) - len(admit)
         # an admitted sequence's prefix is taken when the plan runs: size its chunks by what the cache has now

@@ -48,8 +48,12 @@ def test_joins_fill_free_slots_and_leaves_move_only_the_last_row(model):
     kv.commit([1, 1, 1])
     for i, (p, t) in enumerate(zip(prompts, (1, 2, 3))):
         assert mx.allclose(logits[i], alone(model, p, t), atol=1e-5)
+    held = kv.nbytes
+    layer0 = kv.layers[0].keys
+    assert held == 2 * len(kv.layers) * layer0.nbytes  # keys + values of every layer, at full capacity
     order = kv.release([0])  # row 0 leaves: the last row (2) moves into its slot, row 1 stays where it is
     assert order == [2, 1] and kv.lengths == [4, 8] and kv.slots == 3
+    assert kv.nbytes == held  # the free slot keeps its memory (what the memory budget counts: Scheduler.reserved)
     histories = [prompts[2] + [3], prompts[1] + [2]]
     logits = model(mx.array([[9], [8]]), cache=kv.layers)[:, -1]  # two live rows in three slots
     kv.commit([1, 1])

@@ -98,6 +98,19 @@ def test_running_sequences_reserve_their_kv():
     assert names(plan.admit) == ["a"]  # 200 + 100 = the whole room; b waits
 
 
+@pytest.mark.parametrize("batch_bytes,admitted", [
+    (0, "a"),  # the batch's buffers say nothing: its row reserves its own 100
+    (100, "a"),  # exactly the row's need: nothing beside it
+    (250, ""),  # free slots and unused positions hold 150 more: a (100) no longer fits beside them
+])
+def test_the_decode_batches_buffers_count_when_they_hold_more_than_their_rows_need(batch_bytes, admitted):
+    budget = MemoryBudget(400, 10.0, fixed_bytes=100)
+    running = [seq("r", prompt_len=2, max_tokens=8, phase=Phase.BATCHED, prefilled=True, generated=1),  # 100
+               seq("s", prompt_len=2, max_tokens=8, phase=Phase.SOLO, prefilled=True, generated=1)]  # 100
+    plan = sched(budget=budget).schedule([seq("a", prompt_len=2, max_tokens=8)], running, batch_bytes=batch_bytes)
+    assert names(plan.admit) == list(admitted)
+
+
 # -- prefill --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("chunk,prompts,expected", [
     (4, [31], [[("a", 4)]]),  # a long prompt: one chunk per tick
