@@ -26,8 +26,9 @@ cached prompt tokens (usage.prompt_tokens_details.cached_tokens; mlx_lm.server r
 Writes OUT/gpu_agents.json after every run (copy it to bench/results/).
 
     bash bench/gpu.sh bench/gpu_agents.py                       # 16x4 and 32x3, one round (~8 min of device time)
-    python bench/gpu_agents.py --out /tmp/ga --shape tiny --dtype float32 --model-dir /tmp/ga/m --plan 2x2 --system-tokens 300 \\
-        --first-tokens 100 --chunk-min 20 --chunk-max 40 --max-tokens 8     # logic check on a CPU
+    python bench/gpu_agents.py --out /tmp/ga --shape tiny --dtype float32 --model-dir /tmp/ga/m --plan 2x2 \\
+        --tokenizer-dir ~/.cache/mlx-lane/models/SmolLM2-135M-Instruct --system-tokens 300 --first-tokens 100 \\
+        --chunk-min 20 --chunk-max 40 --max-tokens 8                     # logic check on a CPU (~10 s)
 """
 
 from __future__ import annotations
