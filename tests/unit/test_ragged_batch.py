@@ -168,3 +168,19 @@ def test_the_pipelined_batch_returns_the_same_tokens_each_a_step_later_but_a_joi
     assert second == int(mx.argmax(alone(model, [5, 6, 7, 8], first)).item())
     (toks, caches), = batch.remove([a])  # the forward in flight had fed `second`: the caches cover it
     assert toks == [5, 6, 7, 8, first, second] and caches[0].offset == 6
+
+
+@pytest.mark.parametrize("kind", [RaggedBatch, DecodeBatch])
+def test_both_batch_kinds_say_how_many_bytes_their_kv_holds(model, kind):
+    """What the memory budget reads (``Scheduler.reserved``): at least the rows' own KV, nothing once empty."""
+    batch = kind(model)
+    assert batch.kv_nbytes == 0
+    prompts = [list(range(10, 40)), list(range(50, 55))]
+    rows = [own_caches(model, p[:-1]) for p in prompts]
+    own = sum(c.nbytes for r in rows for c in r)
+    seqs = [SimpleNamespace(id=n) for n in "ab"]
+    batch.add_many([(seq, caches, p, {}) for seq, caches, p in zip(seqs, rows, prompts)])
+    batch.step()
+    assert batch.kv_nbytes >= own > 0
+    batch.remove(seqs)
+    assert batch.kv_nbytes == 0 or kind is DecodeBatch  # mlx-lm's empty batch may keep its arrays until a join
