@@ -58,7 +58,7 @@ class DecodeBatch:
     @property
     def kv_nbytes(self) -> int:
         """Bytes of the batch's KV (``BatchKVCache`` left-pads every row to the longest and grows in steps)."""
-        return sum(int(getattr(c, "nbytes", 0) or 0) for c in (self._gen.prompt_cache or []))
+        return sum(_cache_nbytes(c) for c in (self._gen.prompt_cache or []))
 
     def add(self, seq, caches: list, history: list, sampler=None, processors: Optional[list] = None) -> None:
         """Join ``seq``; ``caches`` (its own, consumed) cover ``history[:-1]``; ``sampler`` None means greedy."""
@@ -105,6 +105,15 @@ class DecodeBatch:
         if self.clear_cache:  # the old batch arrays: give them back rather than grow MLX's buffer cache
             mx.clear_cache()
         return out
+
+
+def _cache_nbytes(cache) -> int:
+    """One layer's bytes; 0 for a cache class without its own ``nbytes`` (mlx-lm's base class raises
+    NotImplementedError there): the budget then counts the rows' needs alone, never a failed tick."""
+    try:
+        return int(cache.nbytes)
+    except (NotImplementedError, AttributeError):
+        return 0
 
 
 class BatchGroups:
