@@ -1,6 +1,6 @@
 """The prefix cache the lane sees: the RAM tier over the SSD cold tier, with write-behind and read-ahead.
 
-(About 440 lines, one job: the composition of the tiers and the rules between them (which tier a take uses, what a
+(About 450 lines, one job: the composition of the tiers and the rules between them (which tier a take uses, what a
 put schedules, what a flush must leave durable). Each tier and the writer are their own modules, listed below; what
 stays here is the policy that needs all of them at once.)
 
@@ -299,26 +299,29 @@ class TieredCache:
         abandoned and nothing else would try again until the same entry is put again, which a conversation that
         moved on never does. A write that fails again keeps this False."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        flushed = False
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         for _ in range(_FLUSH_ROUNDS):
             self._store.sync()  # a file another replica wrote may cover an entry; one it removed no longer does
             # entries nothing will write: those uncovered now whose snapshot is not pending (a pending one that
             # fails in this flush is not tried twice in it)
             orphans = {key for key in self._not_durable() if not self._durability.is_pending(key[1], key[0])}
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            flushed = bool(self._durability.flush(remaining))
+            flushed = bool(self._durability.flush(remaining()))
             # after the pending writes, so that an entry a pending longer snapshot covers (an anchor) is not written
             if orphans and self._reschedule(orphans):
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                flushed = bool(self._durability.flush(remaining))
-            if not flushed or (deadline is not None and time.monotonic() >= deadline):
-                break
-            # another round only when a file covering an entry went away during this one (a sharing replica's
-            # write superseded or evicted it): a failed write ends the flush at once
+                flushed = bool(self._durability.flush(remaining()))
+            if not flushed:
+                return False  # a failed write ends the flush at once
             self._store.sync()
             if not self._not_durable():
                 return True
-        return flushed and not self._not_durable()
+            # a file covering an entry went away during this round (a sharing replica's write superseded or evicted
+            # it): another round writes it again, while time is left
+            if remaining() == 0.0:
+                break
+        return False
 
     # ------------------------------------------------------------------------------------------ tier movements
 

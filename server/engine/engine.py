@@ -1,6 +1,6 @@
 """The model work of the lane's plans: every verb the lane (server.lane.lane) calls to execute a ``TickPlan``.
 
-(About 560 lines, one job: the per-sequence model verbs, kept together because each verb reads and writes the same
+(About 570 lines, one job: the per-sequence model verbs, kept together because each verb reads and writes the same
 Sequence fields in a fixed order: admit -> prefill -> batch / solo -> finish. Batched decoding lives in
 server.engine.batch and server.engine.ragged_batch (and, for speculating rows, server.engine.spec_batch); the only
 batch logic here is which layout a group gets. The solo decoder is in server.engine.solo,

@@ -66,11 +66,7 @@ def sample_rows(logprobs: mx.array, samplers: Sequence[Callable[[mx.array], mx.a
     for s, rows in groups.values():
         parts.append(s(logprobs[rows[0]: rows[0] + 1] if len(rows) == 1 else logprobs[mx.array(rows)]))
         order += rows
-    sampled = mx.concatenate(parts, axis=0)
-    inverse = [0] * len(order)
-    for position, row in enumerate(order):
-        inverse[row] = position
-    return sampled[mx.array(inverse)]
+    return mx.concatenate(parts, axis=0)[mx.argsort(mx.array(order))]  # back in row order
 
 
 def _seeded_sampler(temp: float, top_p: float, min_p: float, top_k: int, seed: int):

@@ -1,6 +1,6 @@
 """The lane: one thread that owns all model compute and runs one tick plan after another.
 
-(About 465 lines, one job: the thread, its inbox and the plan executor. What a tick does is decided in
+(About 475 lines, one job: the thread, its inbox and the plan executor. What a tick does is decided in
 server.lane.scheduler, how a step is computed in server.engine; what stays here is their order and the hand-off.)
 
 ``submit(seq)`` (event loop) appends to an inbox under a short lock, or raises ``QueueFull`` beyond ``max_queue``
