@@ -18,6 +18,9 @@ stops; servers one after the other, their order rotated per round and entry.
           GPU's memory, prefill chunk and batch from the device
   mlx_lm  `mlx_lm.server --decode-concurrency 32 --prompt-concurrency 8 --prompt-cache-size 64
           --prompt-cache-bytes 60000000000` (the fair peer: its LRU of prompt caches holds every agent)
+  ours_mlx_attention, ours_ragged, ours_mlx_layout
+          `ours` with mlx-lm's masked attention instead of models/gpu_attention's kernel, or with a batch layout
+          forced (`--batch-layout ragged|mlx`): A/B runs of one change (OURS_VARIANTS)
 
 Measured per server and entry: wall (first request sent -> last reply done), mean / p95 TTFT, generated tok/s,
 cached prompt tokens (usage.prompt_tokens_details.cached_tokens; mlx_lm.server reports it too), and for ours the
@@ -50,6 +53,13 @@ from agent_workload import SYSTEM_PROMPT, TASKS, stream_chat, tool_chunk  # noqa
 from concurrent_agents import lane_block, run_agents, run_metrics  # noqa: E402
 
 TARGET_WALL = 0.4  # issue 22: ours / mlx_lm.server wall on this workload
+# mlx-lane at its defaults, and variants of it to compare with (each is started as `ours` is, plus these)
+OURS_VARIANTS = {
+    "ours": ((), {}),
+    "ours_mlx_attention": ((), {"MLX_LANE_GPU_ATTENTION": "mlx"}),  # mlx-lm's masked attention, not models/gpu_attention
+    "ours_ragged": (("--batch-layout", "ragged"), {}),
+    "ours_mlx_layout": (("--batch-layout", "mlx"), {}),
+}
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
                "--prompt-cache-bytes", "60000000000")
 
@@ -135,8 +145,10 @@ def main() -> int:
             tasks, chunks = conversations(tokenizer, K, T, args)
             shift = (rnd + pi) % len(names)
             for n in names[shift:] + names[:shift]:
-                if n == "ours":  # persistent: the SSD tier on, in a folder of this run (the defaults' behaviour)
-                    peer = peer_servers.Ours(workdir / f"{n}-{rnd}-{K}", model_dir, True, extra=extra["ours"])
+                if n in OURS_VARIANTS:  # persistent: the SSD tier on, in a folder of this run (the defaults')
+                    more, env = OURS_VARIANTS[n]
+                    peer = peer_servers.Ours(workdir / f"{n}-{rnd}-{K}", model_dir, True,
+                                             extra=extra["ours"] + more, env=env)
                 else:
                     peer = peer_servers.MlxLm(workdir, model_dir, extra=extra["mlx_lm"])
                 run = {"round": rnd + 1, "k": K, "turns": T, "server": n}
@@ -150,7 +162,7 @@ def main() -> int:
                         stream_chat(c, peer.url, [{"role": "user", "content": "Say hi."}], 2)  # warm-up
                     records, wall = run_agents(peer.url, tasks, chunks, K, T, args.max_tokens,
                                                args.stagger_ms / 1e3, system=system)
-                    if n == "ours":
+                    if n in OURS_VARIANTS:
                         run["stats_after"] = stats_blocks(peer.url)
                     run["metrics"] = run_metrics(records, wall, K, T)
                     run["per_turn"] = {str(t + 1): {
@@ -184,6 +196,12 @@ def main() -> int:
                                       "ttft_mean_ours_over_mlx_lm": round(to / tp, 3),
                                       "target_wall": TARGET_WALL, "met": o / p <= TARGET_WALL}
             print(f"{K}x{T}: wall ours/mlx_lm {o / p:.3f} (target <= {TARGET_WALL}), mean TTFT {to / tp:.3f}")
+        for v in (n for n in names if n in OURS_VARIANTS and n != "ours"):  # each variant against ours
+            if got.get("ours") and got.get(v):
+                o = statistics.median(m["wall_s"] for m in got["ours"])
+                w = statistics.median(m["wall_s"] for m in got[v])
+                R["ratios"].setdefault(f"{K}x{T}", {})[f"wall_ours_over_{v}"] = round(o / w, 3)
+                print(f"{K}x{T}: wall ours/{v} {o / w:.3f}")
     R["script_wall_s"] = round(time.perf_counter() - t0, 1)
     save()
     return 0

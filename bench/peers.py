@@ -111,17 +111,19 @@ class Peer:
 class Ours(Peer):
     name = "ours"
 
-    def __init__(self, workdir: Path, model_dir: Path, persistent: bool = False, extra: tuple[str, ...] = ()):
+    def __init__(self, workdir: Path, model_dir: Path, persistent: bool = False, extra: tuple[str, ...] = (),
+                 env: dict | None = None):
         super().__init__(workdir, persistent)
         self.model_dir = model_dir
         self.extra = extra
+        self.env = env or {}  # more environment for the server (e.g. MLX_LANE_GPU_ATTENTION=mlx, to compare)
         self.proc: ServerProc | None = None
 
     def start(self) -> None:
         ssd = ("--ssd-cache", str(self.workdir / "ours-kv")) if self.persistent else ("--no-ssd-cache",)
         # the run's own MLX_LANE_HOME: measured cache rates persist across its restarts, never the user's
         # no /v1/embeddings: a fresh home would fetch its model from PyPI at every start, and no benchmark uses it
-        env = {"MLX_LANE_HOME": str(self.workdir / "ours-home"), "MLX_LANE_EMBEDDING_MODEL": "none"}
+        env = {"MLX_LANE_HOME": str(self.workdir / "ours-home"), "MLX_LANE_EMBEDDING_MODEL": "none", **self.env}
         self.proc = ServerProc("--model", str(self.model_dir), "--log-level", "warning", *ssd, *self.extra,
                                env=env, startup_timeout=300)
         self.url = self.proc.url

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from models.cpu_attention import install as install_cpu_attention
+from models.gpu_attention import install as install_gpu_attention
 from models.default import DEFAULT_MODEL, ensure_default_model
 from models.errors import ModelLoadError
 from models.fingerprint import fingerprint
@@ -161,6 +162,7 @@ def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, gr
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     install_cpu_attention(model)  # on the CPU only: grouped-query attention without copying K/V per query head
+    install_gpu_attention(model)  # on CUDA only: a decode batch's attention in one kernel, rows of their own lengths
     fp = fingerprint(model_dir, dtype)
     return LoadedModel(
         model=model,

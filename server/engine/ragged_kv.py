@@ -26,8 +26,9 @@ per forward (the write is one scatter over all slots) and are never attended to.
 What the model sees through ``kv.layers[l]``: ``offset`` (an array of the rows' lengths: RoPE positions per row),
 ``update_and_fetch`` (writes at each row's end; returns the buffers up to the longest end), ``make_mask`` (row i's
 query q attends to columns 0..len_i+q: its own past and the causal part of what it feeds now; the columns past
-its own end, stale or another row's longer history, are masked). The mask costs an attention over the longest row
-for every row, as left-padding does.
+its own end, stale or another row's longer history, are masked), ``attention_ranges`` (the same as two arrays, for
+``models.gpu_attention``'s fused kernel on CUDA, which then reads only each row's own columns; elsewhere the mask
+costs an attention over the longest row for every row, as left-padding does).
 
 Only plain ``KVCache`` layers (no sliding window, no quantized KV, no recurrent state): the engine sends only such
 models here. Only the lane thread touches a RaggedKV.
@@ -52,6 +53,7 @@ class RaggedKV:
         self._keys: list[Optional[mx.array]] = [None] * n_layers  # (slots, H, capacity, D); slots >= live rows
         self._values: list[Optional[mx.array]] = [None] * n_layers
         self._offset = mx.array([], dtype=mx.int32)
+        self._start: Optional[mx.array] = None  # zeros, one per live row (``ranges``)
         self._pos: Optional[tuple] = None  # (width, the write positions of every slot) of the forward being built
 
     @classmethod
@@ -178,6 +180,14 @@ class RaggedKV:
             raise ValueError(f"{len(kept)} counts for {len(self.lengths)} rows")
         self._set_lengths([n + k for n, k in zip(self.lengths, kept)])
 
+    def ranges(self, width: int) -> tuple[mx.array, mx.array]:
+        """What ``mask(width)`` says as two int32 arrays of shape (B,) (``models.gpu_attention``'s fused kernel
+        takes these instead of the mask): row i's first visible column (0) and the last column its first query sees
+        (len_i; query q sees up to len_i + q)."""
+        if self._start is None or self._start.shape[0] != len(self.lengths):
+            self._start = mx.zeros((len(self.lengths),), dtype=mx.int32)
+        return self._start, self._offset
+
     def mask(self, width: int) -> mx.array:
         """(B, 1, width, end) bool: row i's query q sees columns 0..len_i + q."""
         end = max(self.lengths) + width
@@ -263,6 +273,9 @@ class _Layer:
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **_) -> mx.array:
         return self._owner.mask(N)
+
+    def attention_ranges(self, width: int) -> tuple[mx.array, mx.array]:
+        return self._owner.ranges(width)
 
     def is_trimmable(self) -> bool:
         return False  # rewinds go through RaggedKV.commit, per row

@@ -1,0 +1,215 @@
+"""A decode batch's attention on the H200 (issue 22): models/gpu_attention's fused kernel over rows of different
+lengths vs the masked path mlx-lm's batch takes today (MLX's CUDA backend has no fused kernel for an array mask at
+decode time, so it runs the unfused fallback).
+
+Three parts, in-process, random data / a random Llama-3-8B-shaped bf16 model (bench/gpu_write_cost.build):
+
+  check    the kernel against a float32 masked reference (``gpu_attention.reference_attention``) for several
+           shapes: grouped heads (32 over 8, 9 over 3), head sizes 128 and 64, widths 1 and 5 (a verify step),
+           rows of very different lengths, left-padded rows; max |difference| per shape (bf16 output: <= 0.02)
+  attention  one layer's attention alone, median ms: the kernel vs ``mx.fast.scaled_dot_product_attention`` with
+           the batch's bool mask (what every layer runs now) vs the same without a mask over rows of one length
+           (MLX's own fused vector kernel: what a batch could cost if MLX had a ragged kernel)
+  step     one batched forward of 1 token per row + argmax over the whole model, rows of ~--context tokens, in
+           mlx-lm's left-padded BatchKVCache and in our RaggedKV, with the kernel and without (mlx-lm's path)
+
+    OUT=$OUT bash bench/gpu.sh bench/gpu_attention.py                   # H200 (gpu.sh installs the carried wheels)
+    python bench/gpu_attention.py --parts check                         # anywhere else: says it needs CUDA
+
+Writes OUT/gpu_attention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import mlx.core as mx  # noqa: E402
+
+from models import gpu_attention as ga  # noqa: E402
+
+R: dict = {"script": "bench/gpu_attention.py", "argv": sys.argv[1:], "started_unix": int(time.time())}
+
+
+def median_ms(fn, reps: int) -> float:
+    out = []
+    for i in range(reps + 3):
+        mx.synchronize()
+        t = time.perf_counter()
+        fn()
+        mx.synchronize()
+        if i >= 3:
+            out.append(time.perf_counter() - t)
+    return round(statistics.median(out) * 1e3, 4)
+
+
+def qkv(B, H, KV, S, D, W, seed=0):
+    mx.random.seed(seed)
+    q = mx.random.normal((B, W, H, D)).astype(mx.bfloat16).transpose(0, 2, 1, 3)  # strided, as after RoPE
+    k = mx.random.normal((B, KV, S + 64, D)).astype(mx.bfloat16)[:, :, :S, :]  # a view into a larger buffer
+    v = mx.random.normal((B, KV, S + 64, D)).astype(mx.bfloat16)[:, :, :S, :]
+    mx.eval(q, k, v)
+    return q, k, v
+
+
+def part_check() -> dict:
+    cases = [  # (B, H, KV, D, W, starts, lasts-or-None (None: S - W for every row))
+        (4, 32, 8, 128, 1, [0, 0, 0, 0], [4999, 17, 2047, 300]),
+        (3, 32, 8, 128, 5, [0, 0, 0], [1000, 1995, 5]),
+        (5, 9, 3, 64, 1, [0, 3, 100, 255, 0], None),
+        (2, 8, 8, 128, 3, [10, 0], None),
+        (16, 32, 8, 128, 1, [0] * 16, [5400 - 37 * r for r in range(16)]),
+    ]
+    out = []
+    for B, H, KV, D, W, starts, lasts in cases:
+        S = (max(lasts) if lasts else 2048 - W) + W
+        if lasts is None:
+            lasts = [S - W] * B
+        q, k, v = qkv(B, H, KV, S, D, W)
+        start, last = mx.array(starts, dtype=mx.int32), mx.array(lasts, dtype=mx.int32)
+        got = ga.ranged_attention(q, k, v, D ** -0.5, start, last).astype(mx.float32)
+        ref = ga.reference_attention(q, k, v, D ** -0.5, start, last).astype(mx.float32)
+        err = float(mx.max(mx.abs(got - ref)).item())
+        out.append({"B": B, "H": H, "KV": KV, "D": D, "W": W, "S": S, "max_abs_diff": err, "ok": err <= 0.02})
+        print("check", out[-1], flush=True)
+    return {"cases": out, "ok": all(c["ok"] for c in out)}
+
+
+def part_attention(reps: int) -> list:
+    rows = []
+    for B, ctx in ((8, 1024), (16, 1024), (32, 1024), (64, 1024), (16, 5500), (32, 5500), (8, 32000)):
+        H, KV, D, W = 32, 8, 128, 1
+        lasts = [ctx - 1 - (37 * r) % 256 for r in range(B)]
+        S = max(lasts) + W
+        q, k, v = qkv(B, H, KV, S, D, W)
+        start, last = mx.zeros((B,), dtype=mx.int32), mx.array(lasts, dtype=mx.int32)
+        mask = (mx.arange(S)[None, :] <= last[:, None])[:, None, None, :]  # (B, 1, 1, S), as RaggedKV's
+        mx.eval(mask)
+        scale = D ** -0.5
+        r = {"B": B, "context": ctx,
+             "kernel_ms": median_ms(lambda: mx.eval(ga.ranged_attention(q, k, v, scale, start, last)), reps),
+             "masked_sdpa_ms": median_ms(
+                 lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)), reps),
+             "unmasked_sdpa_ms": median_ms(
+                 lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)), reps)}
+        kv_bytes = sum(lasts) * KV * D * 2 * 2
+        r["kernel_GBps"] = round(kv_bytes / (r["kernel_ms"] / 1e3) / 1e9, 1)
+        r["kernel_over_masked"] = round(r["kernel_ms"] / r["masked_sdpa_ms"], 3)
+        rows.append(r)
+        print("attention", r, flush=True)
+    return rows
+
+
+def part_step(rows_list: list[int], context: int, reps: int) -> list:
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from gpu_write_cost import build
+    from server.engine.ragged_kv import RaggedKV
+
+    model, _ = build("llama3-8b", "bfloat16")
+    switched = ga.install(model)
+    wrapped = llama.scaled_dot_product_attention
+    original = getattr(wrapped, "mlx_lane_original", wrapped)
+    out = []
+    for n in rows_list:
+        mx.random.seed(1)
+        ids = mx.random.randint(3, 1000, (n, context))
+        cache = make_prompt_cache(model)
+        llama.scaled_dot_product_attention = original
+        for i in range(0, context, 2048):
+            model(ids[:, i:i + 2048], cache=cache)
+            mx.eval([c.state for c in cache])
+        lengths = [context - 1 - (37 * r) % 256 for r in range(n)]
+        rows = []
+        for r, m in enumerate(lengths):
+            own = []
+            for c in cache:
+                kc = KVCache()
+                kc.keys, kc.values, kc.offset = c.keys[r:r + 1, :, :m], c.values[r:r + 1, :, :m], m
+                own.append(kc)
+            rows.append(own)
+        tok = mx.zeros((n, 1), dtype=mx.int32)
+        res = {"rows": n, "context": context, "switched_modules": switched}
+        batch = [KVCache.merge([row[layer] for row in rows]) for layer in range(len(cache))]
+        ragged = RaggedKV.from_rows(rows)
+        mx.eval([c.state for c in batch])
+        del cache
+
+        def fwd_batch():
+            mx.eval(mx.argmax(model(tok, cache=batch)[:, -1], axis=-1))
+            for c in batch:
+                c.trim(1)
+
+        def fwd_ragged():
+            ragged.reserve(1)
+            mx.eval(mx.argmax(model(tok, cache=ragged.layers)[:, -1], axis=-1))
+            ragged.commit([0] * n)  # keep nothing: the next forward writes the same columns
+
+        for name, fn in (("mlx_layout", fwd_batch), ("ragged", fwd_ragged)):
+            for attn, f in (("masked", original), ("kernel", wrapped)):
+                llama.scaled_dot_product_attention = f
+                res[f"{name}_{attn}_ms"] = median_ms(fn, reps)
+            res[f"{name}_kernel_over_masked"] = round(res[f"{name}_kernel_ms"] / res[f"{name}_masked_ms"], 3)
+        # the same tokens both ways (greedy argmax of one step from the same caches)
+        a = []
+        for f in (original, wrapped):
+            llama.scaled_dot_product_attention = f
+            logits = model(tok, cache=batch)[:, -1]
+            for c in batch:
+                c.trim(1)
+            a.append(logits.astype(mx.float32))
+        res["same_argmax"] = bool(mx.all(mx.argmax(a[0], -1) == mx.argmax(a[1], -1)).item())
+        res["max_logit_diff"] = float(mx.max(mx.abs(a[0] - a[1])).item())
+        llama.scaled_dot_product_attention = wrapped
+        out.append(res)
+        print("step", res, flush=True)
+        del batch, ragged, rows
+        mx.clear_cache()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".bench" / "gpu-out")))
+    ap.add_argument("--parts", default="check,attention,step")
+    ap.add_argument("--rows", default="16,32")
+    ap.add_argument("--context", type=int, default=5500)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    if not ga.enabled():
+        print("bench/gpu_attention.py needs MLX's CUDA backend (and MLX_LANE_GPU_ATTENTION unset)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    R["mlx"] = mx.__version__
+    t0 = time.perf_counter()
+
+    def save():
+        R["wall_s"] = round(time.perf_counter() - t0, 1)
+        (out / "gpu_attention.json").write_text(json.dumps(R, indent=1))
+
+    if "check" in parts:
+        R["check"] = part_check()
+        save()
+    if "attention" in parts:
+        R["attention"] = part_attention(args.reps)
+        save()
+    if "step" in parts:
+        R["step"] = part_step([int(x) for x in args.rows.split(",")], args.context, max(5, args.reps // 2))
+        save()
+    return 0 if R.get("check", {}).get("ok", True) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

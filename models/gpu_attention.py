@@ -1,0 +1,369 @@
+"""Attention of a decode batch on an NVIDIA GPU: one fused kernel over rows of different lengths, no mask.
+
+A decode batch holds rows of different lengths in one KV buffer: mlx-lm's ``BatchKVCache`` left-pads them to a
+common end, our ``RaggedKV`` left-aligns them and masks what lies past each row's end. Either way the model passes
+``mx.fast.scaled_dot_product_attention`` an *array* mask, and MLX's CUDA backend has no fused kernel for that at
+decode time (``supports_sdpa_vector`` and the cuDNN decode path both refuse array masks: mlx 0.32,
+``backend/cuda/scaled_dot_product_attention.cpp``), so every layer of every batched step runs the unfused fallback
+(scores, a masked softmax, a second matmul, each a kernel over the whole batch's KV).
+
+Here a batched decode (or verify) step of up to ``MAX_WIDTH`` queries per row runs one split-K ("flash decoding")
+kernel instead: each block takes one row, one KV head, a slice of ``SPLIT`` key positions and up to four of that KV
+head's queries (its query heads x the step's width), reads each key and value once for all of them, and keeps an
+online softmax in float32; a second small kernel merges the slices. Which columns a query sees comes from the cache,
+not from a mask: row b's query i sees columns ``start[b] .. last[b] + i`` (``row_ranges``), exactly what the mask
+the model built says (``tests/unit/test_gpu_attention.py`` holds both layouts' ranges against their masks).
+
+``install(model)`` swaps the attention function in the model's modules (as ``models.cpu_attention`` does on the
+CPU) for one that takes this path only where it applies (a CUDA device, 16-bit q/k/v, head size 64 or 128, grouped
+or plain heads, a batch cache whose ranges are known, a step of at most ``MAX_WIDTH`` tokens) and hands everything
+else to mlx-lm's own: prefill chunks (cuDNN takes those), single sequences (MLX's own vector kernel), quantized KV,
+sinks. ``MLX_LANE_GPU_ATTENTION=mlx`` leaves mlx-lm's path in place (to compare).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import mlx.core as mx
+
+__all__ = ["install", "row_ranges", "ranged_attention", "reference_attention", "MAX_WIDTH", "SPLIT"]
+
+MAX_WIDTH = 8  # queries per row the kernel takes (a decode step: 1; a verify step: 1 + drafts)
+SPLIT = 256  # key positions per block of the first pass
+_QUERIES_PER_BLOCK = 4  # a block's queries of one KV head (registers: 4 queries x 8 floats of q and of o per lane)
+_HEAD_SIZES = (64, 128)  # D/8 elements per lane, loaded 8 at a time
+
+# Pass 1. Grid: x = key slices (SPLIT each), y = KV head x query chunk, z = row. 4 warps; a key's D elements are
+# spread over D/8 lanes (one 16-byte load each), so a warp takes 256/D keys at a time and a score is a butterfly
+# within D/8 lanes.
+_PARTIAL = r"""
+  constexpr int NW = 4;
+  constexpr int EPL = 8;  // elements of a key per lane: one 16-byte load
+  constexpr int LPK = D / EPL;  // lanes per key
+  constexpr int KPW = 32 / LPK;  // keys a warp takes at a time
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int sub = lane / LPK;
+  const int sl = lane % LPK;
+  const int split = blockIdx.x;
+  const int NS = gridDim.x;
+  const int hk = blockIdx.y / NCHUNK;
+  const int chunk = blockIdx.y % NCHUNK;
+  const int b = blockIdx.z;
+  const int Hq = q_shape[1];
+  const int row_last = last[b];
+  int s0 = split * SPLIT;
+  const int s1 = min(s0 + SPLIT, row_last + W);
+  s0 = max(s0, start[b]);
+  const float scale_log2 = scale[0] * 1.4426950408889634f;
+
+  float qv[GC][EPL];
+  float o[GC][EPL];
+  float m[GC];
+  float l[GC];
+  int lim[GC];
+#pragma unroll
+  for (int g = 0; g < GC; ++g) {
+    const int gg = chunk * GC + g;
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+    lim[g] = -1;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      o[g][e] = 0.f;
+      qv[g][e] = 0.f;
+    }
+    if (gg < REP * W) {
+      const int r = gg / W;
+      const int qi = gg % W;
+      lim[g] = row_last + qi;
+      const T* qp = q + b * q_strides[0] + (hk * REP + r) * q_strides[1] + qi * q_strides[2] + sl * EPL;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        qv[g][e] = static_cast<float>(qp[e]) * scale_log2;
+      }
+    }
+  }
+
+  const T* kb = k + b * k_strides[0] + hk * k_strides[1] + sl * EPL;
+  const T* vb = v + b * v_strides[0] + hk * v_strides[1] + sl * EPL;
+  for (int base = s0 + warp * KPW; base < s1; base += NW * KPW) {  // warp-uniform: every lane takes every shuffle
+    const int t = base + sub;
+    const bool ok = t < s1;
+    float kf[EPL];
+    float vf[EPL];
+    if (ok) {
+      const T* kp = kb + t * k_strides[2];
+      const T* vp = vb + t * v_strides[2];
+      AlignedVector<T, EPL> kk = *reinterpret_cast<const AlignedVector<T, EPL>*>(kp);
+      AlignedVector<T, EPL> vv = *reinterpret_cast<const AlignedVector<T, EPL>*>(vp);
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        kf[e] = static_cast<float>(kk[e]);
+        vf[e] = static_cast<float>(vv[e]);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        kf[e] = 0.f;
+        vf[e] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+      float s = 0.f;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        s += qv[g][e] * kf[e];
+      }
+#pragma unroll
+      for (int off = 1; off < LPK; off <<= 1) {
+        s += __shfl_xor_sync(0xffffffff, s, off);
+      }
+      if (ok && t <= lim[g]) {
+        const float mn = fmaxf(m[g], s);
+        const float c = exp2f(m[g] - mn);
+        const float p = exp2f(s - mn);
+        l[g] = l[g] * c + p;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+          o[g][e] = o[g][e] * c + p * vf[e];
+        }
+        m[g] = mn;
+      }
+    }
+  }
+
+  // the warp's KPW key groups into one (lanes LPK apart hold the same dimensions)
+#pragma unroll
+  for (int g = 0; g < GC; ++g) {
+    float M = m[g];
+#pragma unroll
+    for (int off = LPK; off < 32; off <<= 1) {
+      M = fmaxf(M, __shfl_xor_sync(0xffffffff, M, off));
+    }
+    const float f = (m[g] == -INFINITY) ? 0.f : exp2f(m[g] - M);
+    float lg = l[g] * f;
+#pragma unroll
+    for (int off = LPK; off < 32; off <<= 1) {
+      lg += __shfl_xor_sync(0xffffffff, lg, off);
+    }
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      float x = o[g][e] * f;
+#pragma unroll
+      for (int off = LPK; off < 32; off <<= 1) {
+        x += __shfl_xor_sync(0xffffffff, x, off);
+      }
+      o[g][e] = x;
+    }
+    m[g] = M;
+    l[g] = lg;
+  }
+
+  __shared__ float sm[NW][GC];
+  __shared__ float sls[NW][GC];
+  __shared__ float so[NW][GC][D];
+  if (sub == 0) {
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        so[warp][g][sl * EPL + e] = o[g][e];
+      }
+      if (sl == 0) {
+        sm[warp][g] = m[g];
+        sls[warp][g] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+
+  // the block's 4 warps into one partial result per query
+  for (int idx = threadIdx.x; idx < GC * D; idx += NW * 32) {
+    const int g = idx / D;
+    const int d = idx % D;
+    const int gg = chunk * GC + g;
+    if (gg >= REP * W) {
+      continue;
+    }
+    const int r = gg / W;
+    const int qi = gg % W;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      M = fmaxf(M, sm[w][g]);
+    }
+    float acc = 0.f;
+    float L = 0.f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float f = (sm[w][g] == -INFINITY) ? 0.f : exp2f(sm[w][g] - M);
+        acc += so[w][g][d] * f;
+        L += sls[w][g] * f;
+      }
+    }
+    const long row = ((long)(b * Hq + hk * REP + r) * W + qi) * NS + split;
+    po[row * D + d] = acc;
+    if (d == 0) {
+      pm[row] = M;
+      pl[row] = L;
+    }
+  }
+"""
+
+# Pass 2. One block per (row, query head, query); thread d merges dimension d over the key slices.
+_MERGE = r"""
+  const int idx = blockIdx.x;
+  const int d = threadIdx.x;
+  const int NS = pm_shape[3];
+  const float* ms = pm + (long)idx * NS;
+  const float* ls = pl + (long)idx * NS;
+  const float* os = po + (long)idx * NS * D;
+  float M = -INFINITY;
+  for (int s = 0; s < NS; ++s) {
+    M = fmaxf(M, ms[s]);
+  }
+  float acc = 0.f;
+  float L = 0.f;
+  for (int s = 0; s < NS; ++s) {
+    const float f = (ms[s] == -INFINITY) ? 0.f : exp2f(ms[s] - M);
+    acc += os[(long)s * D + d] * f;
+    L += ls[s] * f;
+  }
+  out[(long)idx * D + d] = static_cast<T>(L > 0.f ? acc / L : 0.f);
+"""
+
+_kernels: dict = {}
+
+
+def _kernel(name: str):
+    if name not in _kernels:
+        if name == "partial":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name="mlx_lane_ranged_attention_partial", input_names=["q", "k", "v", "start", "last", "scale"],
+                output_names=["po", "pm", "pl"], source=_PARTIAL, ensure_row_contiguous=False)
+        else:
+            _kernels[name] = mx.fast.cuda_kernel(
+                name="mlx_lane_ranged_attention_merge", input_names=["po", "pm", "pl"], output_names=["out"],
+                source=_MERGE, ensure_row_contiguous=True)
+    return _kernels[name]
+
+
+def ranged_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, start: mx.array,
+                     last: mx.array) -> mx.array:
+    """``softmax(q k^T * scale) v`` where row b's query i sees key columns ``start[b] .. last[b] + i`` (both int32,
+    shape (B,)). ``queries`` (B, H, W, D), ``keys``/``values`` (B, KV, S, D) with H a multiple of KV, any strides
+    with the head dimension contiguous (views into a cache's buffers are not copied). The fused CUDA kernel: call it
+    only where ``_applies`` says so."""
+    B, H, W, D = queries.shape
+    kv, S = keys.shape[1], keys.shape[2]
+    rep = H // kv
+    gc = _QUERIES_PER_BLOCK
+    chunks = -(-rep * W // gc)
+    splits = max(1, -(-S // SPLIT))
+    po, pm, pl = _kernel("partial")(
+        inputs=[queries, keys, values, start, last, mx.array([scale], dtype=mx.float32)],
+        template=[("T", queries.dtype), ("D", D), ("GC", gc), ("W", W), ("REP", rep), ("NCHUNK", chunks),
+                  ("SPLIT", SPLIT)],
+        grid=(splits * 128, kv * chunks, B), threadgroup=(128, 1, 1),
+        output_shapes=[(B, H, W, splits, D), (B, H, W, splits), (B, H, W, splits)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32])
+    (out,) = _kernel("merge")(
+        inputs=[po, pm, pl], template=[("T", queries.dtype), ("D", D)],
+        grid=(B * H * W * D, 1, 1), threadgroup=(D, 1, 1),
+        output_shapes=[(B, H, W, D)], output_dtypes=[queries.dtype])
+    return out
+
+
+def reference_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, start: mx.array,
+                        last: mx.array) -> mx.array:
+    """What ``ranged_attention`` computes, with MLX ops and a mask (float32): the oracle of the tests and of
+    ``bench/gpu_attention.py``."""
+    B, H, W, D = queries.shape
+    S = keys.shape[2]
+    cols = mx.arange(S)[None, None, :]
+    lo = start[:, None, None]
+    hi = last[:, None, None] + mx.arange(W)[None, :, None]
+    mask = ((cols >= lo) & (cols <= hi))[:, None]  # (B, 1, W, S)
+    return mx.fast.scaled_dot_product_attention(
+        queries.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32), scale=scale,
+        mask=mask).astype(queries.dtype)
+
+
+def row_ranges(cache, width: int) -> Optional[tuple[mx.array, mx.array]]:
+    """For a batch cache that has just taken a forward's ``width`` new positions (``update_and_fetch`` done): each
+    row's first visible column and the last column its first query sees, as int32 arrays of shape (B,). None for a
+    cache whose columns this does not know (the caller keeps the mask).
+
+    - a layer that says it (``RaggedKV``'s: ``attention_ranges(width)``);
+    - mlx-lm's ``BatchKVCache``: row b sees ``left_padding[b] .. _idx - width + i`` (its ``make_mask``), unless a
+      right padding is pending (a batched prefill, never a decode step)."""
+    ranges = getattr(cache, "attention_ranges", None)
+    if ranges is not None:
+        return ranges(width)
+    from mlx_lm.models.cache import BatchKVCache
+
+    if type(cache) is BatchKVCache and getattr(cache, "_right_padding", None) is None:
+        B = cache.left_padding.shape[0]
+        last = mx.full((B,), cache._idx - width, dtype=mx.int32)
+        return cache.left_padding.astype(mx.int32), last
+    return None
+
+
+def _applies(queries: mx.array, keys: mx.array, values: mx.array, cache, sinks) -> bool:
+    if sinks is not None or hasattr(cache, "bits") or queries.ndim != 4 or keys.ndim != 4:
+        return False
+    B, H, W, D = queries.shape
+    return (1 <= W <= MAX_WIDTH and B > 1 and D in _HEAD_SIZES and values.shape[-1] == D and keys.shape[-1] == D
+            and H % keys.shape[1] == 0 and queries.dtype in (mx.bfloat16, mx.float16)
+            and keys.dtype == queries.dtype and values.dtype == queries.dtype)
+
+
+def _wrap(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if _applies(queries, keys, values, cache, sinks):
+            ranges = row_ranges(cache, queries.shape[2])
+            if ranges is not None:
+                return ranged_attention(queries, keys, values, scale, *ranges)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention.mlx_lane_original = original
+    return scaled_dot_product_attention
+
+
+def enabled() -> bool:
+    """True where ``install`` switches models: MLX's CUDA backend is the default device, and
+    ``MLX_LANE_GPU_ATTENTION`` is not ``mlx``."""
+    if os.environ.get("MLX_LANE_GPU_ATTENTION", "").lower() == "mlx":
+        return False
+    if mx.default_device() != mx.gpu:
+        return False
+    try:
+        return mx.cuda.is_available()
+    except AttributeError:
+        return False
+
+
+def install(model) -> int:
+    """On a CUDA GPU, route the attention of ``model``'s modules through ``ranged_attention`` where it applies;
+    returns how many model modules were switched (0 elsewhere, or with ``MLX_LANE_GPU_ATTENTION=mlx``)."""
+    if not enabled():
+        return 0
+    from mlx_lm.models import base
+
+    switched = 0
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        fn = getattr(module, "scaled_dot_product_attention", None)
+        if fn is base.scaled_dot_product_attention:
+            module.scaled_dot_product_attention = _wrap(fn)
+            switched += 1
+        elif getattr(fn, "mlx_lane_original", None) is not None:
+            switched += 1
+    return switched
+
