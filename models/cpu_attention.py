@@ -28,7 +28,9 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["install", "grouped_attention"]
+from models.shared_prefix import SharedPrefixKVCache
+
+__all__ = ["install", "routes", "grouped_attention", "segmented_attention"]
 
 
 def grouped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
@@ -36,8 +38,18 @@ def grouped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     """``softmax(q k^T * scale + mask) v`` for ``queries`` (B, H, L, D) over ``keys``/``values`` (B, KV, S, D), H a
     multiple of KV; ``mask`` None, ``"causal"`` (query i sees keys up to i + S - L), or a bool / additive array of
     shape (L, S), (B or 1, 1, L, S). Returns None for a mask it does not take (the caller falls back)."""
+    return segmented_attention(queries, [(keys, values)], scale, mask)
+
+
+def segmented_attention(queries: mx.array, segments: list, scale: float,
+                        mask: Optional[mx.array | str]) -> Optional[mx.array]:
+    """``grouped_attention`` over keys and values held in pieces along the sequence axis (``segments``: (keys,
+    values) pairs in position order, e.g. ``models.shared_prefix``'s shared prefix and own tail), read where they lie:
+    each piece's scores, one softmax over all of them (the mask applies to their columns in order), each piece's
+    weighted values summed. Nothing the size of the keys or values is copied."""
     B, H, L, D = queries.shape
-    kv, S = keys.shape[1], keys.shape[2]
+    kv = segments[0][0].shape[1]
+    S = sum(k.shape[2] for k, _ in segments)
     rep = H // kv
     if isinstance(mask, str):
         if mask != "causal":
@@ -45,7 +57,9 @@ def grouped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
         mask = mx.arange(S)[None, :] <= (mx.arange(L) + (S - L))[:, None]
     if mask is not None and not (mask.ndim == 2 or (mask.ndim == 4 and mask.shape[1] == 1)):
         return None
-    scores = (queries * scale).reshape(B, kv, rep * L, D) @ keys.swapaxes(-1, -2)
+    q = (queries * scale).reshape(B, kv, rep * L, D)
+    parts = [q @ k.swapaxes(-1, -2) for k, _ in segments]
+    scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     if mask is not None:
         scores = scores.reshape(B, kv, rep, L, S)
         m = mask if mask.ndim == 2 else mask[:, :, None]  # (B, 1, 1, L, S): every head of every group
@@ -55,7 +69,16 @@ def grouped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
             scores = scores + m
         scores = scores.reshape(B, kv, rep * L, S)
     weights = _softmax(scores)
-    return (weights @ values).reshape(B, H, L, D)
+    if len(segments) == 1:
+        out = weights @ segments[0][1]
+    else:
+        out, col = None, 0
+        for k, v in segments:
+            n = k.shape[2]
+            part = weights[..., col: col + n] @ v
+            out = part if out is None else out + part
+            col += n
+    return out.reshape(B, H, L, D)
 
 
 def _softmax(scores: mx.array) -> mx.array:
@@ -105,6 +128,10 @@ def _pool():
 
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if isinstance(cache, SharedPrefixKVCache) and sinks is None:  # keys/values: its lazy concatenation, unused
+            out = segmented_attention(queries, cache.segments(), scale, mask)
+            if out is not None:
+                return out
         if sinks is None and not hasattr(cache, "bits") and queries.ndim == 4 and keys.ndim == 4 \
                 and queries.shape[1] != keys.shape[1] and queries.shape[1] % keys.shape[1] == 0:
             out = grouped_attention(queries, keys, values, scale, mask)
@@ -114,6 +141,22 @@ def _wrap(original):
 
     scaled_dot_product_attention.mlx_lane_original = original
     return scaled_dot_product_attention
+
+
+def routes(model) -> bool:
+    """True when every attention of ``model``'s modules goes through this module's function (``install`` switched
+    them all): then a ``SharedPrefixKVCache`` can be given to the model (its segments are read where they lie)."""
+    from mlx_lm.models import base
+
+    found = False
+    for name in {type(m).__module__ for m in model.modules()}:
+        fn = getattr(sys.modules.get(name), "scaled_dot_product_attention", None)
+        if fn is None:
+            continue
+        if getattr(fn, "mlx_lane_original", None) is not base.scaled_dot_product_attention:
+            return False
+        found = True
+    return found
 
 
 def install(model) -> int:

@@ -146,8 +146,8 @@ def _serve_parser(sub) -> None:
                    help="the decode batch's KV layout: 'ragged' (rows join into a free slot without a forward of "
                         "their own, leave without moving the others, no left-padding), 'mlx' (mlx-lm's "
                         "GenerationBatch: a join runs a forward and copies the batch's KV), 'auto' (ragged on the "
-                        "CPU, mlx on a GPU; mlx for quantized, sliding-window or recurrent caches; ragged is pipelined "
-                        "on a GPU) "
+                        "CPU and on CUDA, mlx on Metal or with MLX_LANE_GPU_ATTENTION=mlx; mlx for quantized, "
+                        "sliding-window or recurrent caches; ragged is pipelined on a GPU) "
                         "[MLX_LANE_BATCH_LAYOUT]")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=int(_env("kv_bits")) if _env("kv_bits") else None,
                    help="quantize the KV cache to 8 or 4 bits (mlx-lm QuantizedKVCache): less RAM and SSD per "

@@ -39,6 +39,10 @@ from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from cache.prefix import namespace
+from models.cpu_attention import routes as routes_cpu_attention
+from models.gpu_attention import enabled as gpu_attention_enabled
+from models.shared_prefix import flatten as flatten_shared
+from models.shared_prefix import share_prefix
 from server.engine.batch import BatchGroups, DecodeBatch, can_batch
 from server.engine.kv_layout import _covered_length, _state_nbytes, kv_scheme
 from server.engine.ragged_batch import RaggedBatch
@@ -90,10 +94,14 @@ class Engine:
         return DecodeBatch(model, clear_cache=self._gpu)
 
     def _wants_ragged(self) -> bool:
-        """``--batch-layout``: ``auto`` is ragged on the CPU, mlx-lm's on a GPU (BENCHMARKS.md, "The decode batch's
-        layout": on the H200 the ragged batch, pipelined there, joins and leaves 6-20x cheaper, but served with every
-        request at once it was 0.84-0.91x of mlx-lm's layout at 8-16 rows and 1.08x at 32)."""
-        return self.batch_layout == "ragged" or (self.batch_layout == "auto" and not self._gpu)
+        """``--batch-layout``: ``auto`` is ragged on the CPU and where ``models.gpu_attention``'s kernel runs the
+        batch's attention (CUDA), mlx-lm's elsewhere (Metal, or CUDA with ``MLX_LANE_GPU_ATTENTION=mlx``). Measured
+        on the H200 (BENCHMARKS.md, "A decode batch's attention in one kernel"): with the kernel, the agent workload
+        ran in 0.57-0.62x of the wall of mlx-lm's layout; with MLX's masked attention the ragged batch was
+        0.84-0.91x as fast as mlx-lm's layout at 8-16 rows ("The decode batch's layout on the H200")."""
+        if self.batch_layout != "auto":
+            return self.batch_layout == "ragged"
+        return not self._gpu or gpu_attention_enabled()
 
     def _ragged_layout(self, model) -> bool:
         """Whether a plain batch of this model uses the ragged layout: wanted, and every cache layer plain KVCache."""
@@ -254,7 +262,7 @@ class Engine:
             seq.caches = target_caches if target_caches is not None else slot.new_caches()
             seq.spec = self.speculation.open(draft_caches, seq.prompt[: seq.cached], n_draft)
         else:
-            seq.caches = hit.caches if hit is not None else slot.new_caches()
+            seq.caches = self._taken(self.model_for(params), hit) if hit is not None else slot.new_caches()
         seq.done = seq.cached
         seq.phase = Phase.PREFILL
         seq.timings.prefill_started = time.monotonic()
@@ -277,8 +285,16 @@ class Engine:
         hit = self.prompt_cache.take(seq.prompt, seq.ns, seq.session)
         if hit is None or hit.length <= seq.done:
             return False
-        seq.caches, seq.done, seq.cached = hit.caches, hit.length, hit.length
+        seq.caches = self._taken(seq.model, hit) if seq.spec is None else hit.caches
+        seq.done, seq.cached = hit.length, hit.length
         return True
+
+    @staticmethod
+    def _taken(model, hit) -> list:
+        """A hit's caches for a plain sequence: on the CPU path of ``models.cpu_attention`` they read the entry's
+        KV where it lies (``SharedPrefixKVCache``: the first new token does not copy the whole prefix); they become
+        plain ``KVCache`` again wherever they are stored or join a batch (``flatten``)."""
+        return share_prefix(hit.caches) if routes_cpu_attention(model) else hit.caches
 
     def prefill(self, seq: Sequence, n: int, share: bool = False) -> bool:
         """Prefill ``n`` more prompt tokens; True once the prefill is complete (``seq.prefilled``). ``share``: other
@@ -391,6 +407,7 @@ class Engine:
             extra = len(self._close_solo(seq)) - (len(history) - 1)
             if extra > 0:
                 trim_prompt_cache(caches, extra)
+        caches = flatten_shared(caches)
         seq.caches = None
         return caches, history
 
@@ -553,6 +570,7 @@ class Engine:
         if plan is not None and plan.source.caches is not None:
             plan.source.prefill(tokens)  # bring the draft's caches to exactly `tokens`
             caches = list(caches) + list(plan.source.caches)
+        caches = flatten_shared(caches)  # the prefix cache holds plain KVCache layers
         covered = _covered_length(caches)
         if covered is not None and covered != len(tokens):
             log.warning("not caching %s: caches cover %d tokens, expected %d", seq.id, covered, len(tokens))

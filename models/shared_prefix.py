@@ -1,0 +1,149 @@
+"""A KV cache that reads a prefix cache entry in place: a RAM hit's first token without copying the entry's KV.
+
+A RAM-tier hit hands the taker new ``KVCache`` objects over the entry's arrays (``cache.copying.fork``); mlx-lm's
+``KVCache`` holds one contiguous buffer per layer, so the taker's first new token makes it copy the whole prefix
+into a new buffer (the entry must stay untouched). On this CPU that copy was ~35 ms of a ~125 ms hit at 1,024
+tokens of the default model (47 MB over 30 layers, mostly first-touch page faults of the new buffer), and it
+grows with the conversation: the price of every agent turn's hit.
+
+``SharedPrefixKVCache`` keeps the entry's arrays as a read-only first segment and writes new positions into a
+``KVCache`` of its own (the tail). ``models.cpu_attention`` attends over both segments where they lie (the scores of
+each, one softmax over all, each segment's weighted values summed), so nothing is copied. For anything else it is a
+``KVCache``: ``keys`` / ``values`` are the lazy concatenation of the two segments (MLX computes it only if something
+evaluates it), ``offset``, ``trim``, ``make_mask`` and ``update_and_fetch`` behave as KVCache's. Two exceptions:
+``state`` is the segments (so that ``mx.eval(c.state)`` after a chunk evaluates what was written, not a copy), and
+the cache is not a plain ``KVCache`` for the rest of the server: ``flatten`` gives one (the prefix cache, the batch
+and the SSD tier see only those).
+
+Used by the lane for a solo sequence's hit (``share_prefix``) where the model's attention goes through
+``models.cpu_attention`` (on a GPU the batch copies rows anyway, and MLX's kernels want one buffer).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+__all__ = ["SharedPrefixKVCache", "share_prefix", "flatten"]
+
+
+class SharedPrefixKVCache(KVCache):
+    def __init__(self, keys: mx.array, values: mx.array):
+        """Over the first ``keys.shape[2]`` positions of a (B, KV, S, D) entry (views: nothing is copied)."""
+        # KVCache.__init__ is not called: keys / values / offset are properties here
+        self._prefix = (keys, values)
+        self._tail = _tail()
+
+    @classmethod
+    def over(cls, cache: KVCache) -> "SharedPrefixKVCache":
+        n = cache.offset
+        return cls(cache.keys[..., :n, :], cache.values[..., :n, :])
+
+    # -- what the model's attention reads -----------------------------------------------------------
+    def segments(self) -> list[tuple[mx.array, mx.array]]:
+        """The (keys, values) pieces in position order: the shared prefix, then this cache's own positions."""
+        pk, pv = self._prefix
+        out = [(pk, pv)] if pk.shape[2] else []
+        t = self._tail
+        if t.offset:
+            out.append((t.keys[..., : t.offset, :], t.values[..., : t.offset, :]))
+        return out
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._tail.update_and_fetch(keys, values)
+        return self.keys, self.values  # lazy: unused (never computed) where the attention reads the segments
+
+    # -- KVCache's interface --------------------------------------------------------------------------
+    @property
+    def prefix_length(self) -> int:
+        return self._prefix[0].shape[2]
+
+    @property
+    def offset(self) -> int:
+        return self.prefix_length + self._tail.offset
+
+    @offset.setter
+    def offset(self, value: int) -> None:  # KVCache.trim's ``self.offset -= n``
+        p = self.prefix_length
+        if value >= p:
+            self._tail.offset = value - p
+        else:
+            pk, pv = self._prefix
+            self._prefix = (pk[..., :value, :], pv[..., :value, :])
+            self._tail = _tail()
+
+    @property
+    def keys(self) -> Optional[mx.array]:
+        return _joined([k for k, _ in self.segments()])
+
+    @property
+    def values(self) -> Optional[mx.array]:
+        return _joined([v for _, v in self.segments()])
+
+    # whoever assigns the arrays (a pipeline-parallel model orders its ranks with ``cache.keys = mx.depends(...)``)
+    # gets one segment: correct, at the price of the copy this class exists to avoid
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        n, values = self.offset, self.values
+        self._prefix, self._tail = (value[..., :n, :], values), _tail()
+
+    @values.setter
+    def values(self, value: mx.array) -> None:
+        n, keys = self.offset, self.keys
+        self._prefix, self._tail = (keys, value[..., :n, :]), _tail()
+
+    @property
+    def state(self):
+        return [a for seg in self.segments() for a in seg]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for seg in self.segments() for a in seg)
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def flatten(self) -> KVCache:
+        """A plain KVCache holding the same positions (one copy, made when evaluated)."""
+        out = KVCache()
+        if self.offset:
+            out.keys, out.values, out.offset = self.keys, self.values, self.offset
+        return out
+
+
+def _tail() -> KVCache:
+    """The buffer of a cache's own positions: grown 32 positions at a time, not mlx-lm's 256 (a hit's first token
+    would otherwise fault in 256 fresh positions per layer, ~12 MB with the default model, for one)."""
+    t = KVCache()
+    t.step = TAIL_STEP
+    return t
+
+
+TAIL_STEP = 32
+
+
+def _joined(parts: list) -> Optional[mx.array]:
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+def share_prefix(caches: list) -> list:
+    """A hit's caches as ``SharedPrefixKVCache`` where every layer is a plain ``KVCache`` holding positions;
+    otherwise the same list. The caller decides that the model's attention reads segments
+    (``models.cpu_attention.routes``)."""
+    if not caches or not all(type(c) is KVCache and c.keys is not None and c.offset for c in caches):
+        return caches
+    return [SharedPrefixKVCache.over(c) for c in caches]
+
+
+def flatten(caches: list) -> list:
+    """Plain ``KVCache`` layers for what stores or batches them (``SharedPrefixKVCache.flatten``; others as they
+    are), evaluated: a stored entry must not hold a lazy copy that its next taker would pay for."""
+    if not any(isinstance(c, SharedPrefixKVCache) for c in caches):
+        return caches
+    out = [c.flatten() if isinstance(c, SharedPrefixKVCache) else c for c in caches]
+    mx.eval([a for c in out if c.keys is not None for a in (c.keys, c.values)])
+    return out
