@@ -10,6 +10,8 @@ Three parts, in-process, random data / a random Llama-3-8B-shaped bf16 model (be
   attention  one layer's attention alone, median ms: the kernel vs ``mx.fast.scaled_dot_product_attention`` with
            the batch's bool mask (what every layer runs now) vs the same without a mask over rows of one length
            (MLX's own fused vector kernel: what a batch could cost if MLX had a ragged kernel)
+  accuracy one decode step of the whole model from the same KV: bf16 with the kernel and bf16 masked, each against
+           float32 weights and KV (masked): which is nearer, and how often its argmax agrees
   step     one batched forward of 1 token per row + argmax over the whole model, rows of ~--context tokens, in
            mlx-lm's left-padded BatchKVCache and in our RaggedKV, with the kernel and without (mlx-lm's path)
 
@@ -178,10 +180,70 @@ def part_step(rows_list: list[int], context: int, reps: int) -> list:
     return out
 
 
+def part_accuracy(n: int, context: int) -> dict:
+    """One decode step of the whole random model from the same KV, three ways: bf16 with the kernel, bf16 with the
+    masked path (MLX's fallback), and float32 weights + float32 KV with the masked path (the reference). Which of the
+    two bf16 ways is nearer the float32 logits, and how often its argmax agrees."""
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import KVCache
+
+    from gpu_write_cost import build
+    from server.engine.ragged_kv import RaggedKV
+
+    model, _ = build("llama3-8b", "bfloat16")
+    ga.install(model)
+    wrapped = llama.scaled_dot_product_attention
+    original = getattr(wrapped, "mlx_lane_original", wrapped)
+    model32, _ = build("llama3-8b", "bfloat16")
+    model32.update(tree_unflatten([(k, v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())]))
+    mx.eval(model32.parameters())
+    mx.random.seed(2)
+    lengths = [context - 1 - (97 * r) % (context // 2) for r in range(n)]
+    rows = []
+    llama.scaled_dot_product_attention = original
+    for m in lengths:  # each row prefilled alone in bf16 (cuDNN), as the server's rows are
+        own = [KVCache() for _ in model.layers]
+        model(mx.random.randint(3, 1000, (1, m)), cache=own)
+        mx.eval([c.state for c in own])
+        rows.append(own)
+    tok = mx.random.randint(3, 1000, (n, 1))
+
+    def step(mdl, dtype, attn):
+        kv = RaggedKV.from_rows([[_cast(c, dtype) for c in row] for row in rows])
+        kv.reserve(1)
+        llama.scaled_dot_product_attention = attn
+        out = mdl(tok, cache=kv.layers)[:, -1].astype(mx.float32)
+        mx.eval(out)
+        return out
+
+    ref = step(model32, mx.float32, original)
+    got = {"kernel": step(model, mx.bfloat16, wrapped), "masked": step(model, mx.bfloat16, original)}
+    llama.scaled_dot_product_attention = wrapped
+    top = mx.argmax(ref, axis=-1)
+    res = {"rows": n, "lengths": [min(lengths), max(lengths)]}
+    for name, lg in got.items():
+        res[f"{name}_max_abs_vs_fp32"] = round(float(mx.max(mx.abs(lg - ref)).item()), 4)
+        res[f"{name}_mean_abs_vs_fp32"] = round(float(mx.mean(mx.abs(lg - ref)).item()), 5)
+        res[f"{name}_argmax_agrees_with_fp32"] = int(mx.sum(mx.argmax(lg, axis=-1) == top).item())
+    print("accuracy", res, flush=True)
+    del model32
+    mx.clear_cache()
+    return res
+
+
+def _cast(c, dtype):
+    from mlx_lm.models.cache import KVCache
+
+    out = KVCache()
+    out.keys, out.values, out.offset = c.keys[..., :c.offset, :].astype(dtype), c.values[..., :c.offset, :].astype(dtype), c.offset
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".bench" / "gpu-out")))
-    ap.add_argument("--parts", default="check,attention,step")
+    ap.add_argument("--parts", default="check,attention,step", help="any of check, attention, accuracy, step")
     ap.add_argument("--rows", default="16,32")
     ap.add_argument("--context", type=int, default=5500)
     ap.add_argument("--reps", type=int, default=20)
@@ -204,6 +266,9 @@ def main() -> int:
         save()
     if "attention" in parts:
         R["attention"] = part_attention(args.reps)
+        save()
+    if "accuracy" in parts:
+        R["accuracy"] = part_accuracy(16, 3000)
         save()
     if "step" in parts:
         R["step"] = part_step([int(x) for x in args.rows.split(",")], args.context, max(5, args.reps // 2))

@@ -385,8 +385,10 @@ class Engine:
         """These sequences join their group's batch in one step (one merge): fresh from prefill, or migrating from
         solo decoding (their caches are trimmed back so that the last token is the batch's next input)."""
         rows = []
+        # the ragged layouts read a hit's shared segments in place; mlx-lm's batch needs plain layers
+        in_place = is_spec_group(group) or self._ragged_layout(seqs[0].model)
         for seq in seqs:
-            caches, history = self._batch_entry(seq)
+            caches, history = self._batch_entry(seq, keep_shared=in_place)
             opts = {"sampler": None if seq.params.temperature == 0 else seq.sampler,
                     "processors": build_logits_processors(seq.params, (), seq.grammar)}
             if is_spec_group(group):
@@ -399,7 +401,7 @@ class Engine:
         for seq in seqs:
             seq.phase = Phase.BATCHED
 
-    def _batch_entry(self, seq: Sequence) -> tuple[list, list]:
+    def _batch_entry(self, seq: Sequence, keep_shared: bool = False) -> tuple[list, list]:
         """(caches, history) for DecodeBatch.add: the caches cover history[:-1]; history[-1] is the next input."""
         caches = seq.caches
         history = list(seq.prompt) + list(seq.generated)
@@ -407,7 +409,8 @@ class Engine:
             extra = len(self._close_solo(seq)) - (len(history) - 1)
             if extra > 0:
                 trim_prompt_cache(caches, extra)
-        caches = flatten_shared(caches)
+        if not keep_shared:
+            caches = flatten_shared(caches)
         seq.caches = None
         return caches, history
 

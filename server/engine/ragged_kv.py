@@ -41,6 +41,8 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from models.shared_prefix import SharedPrefixKVCache
+
 __all__ = ["RaggedKV"]
 
 _STEP = 256  # buffer growth, in positions (as mlx-lm's caches)
@@ -85,7 +87,8 @@ class RaggedKV:
 
     # -- rows in and out ---------------------------------------------------------------------------
     def extend(self, rows: list[list]) -> None:
-        """Append rows (per-layer KVCache lists, consumed): each row's KV is written into a free slot, in place; the
+        """Append rows (per-layer KVCache lists, consumed; a hit's ``SharedPrefixKVCache`` layers too, read where
+        they lie): each row's KV is written into a free slot, in place; the
         live rows are not copied unless the buffers must grow (slots by half again, positions in steps of 256), so
         joins cost what the joining rows hold, amortised."""
         if not rows:
@@ -93,7 +96,7 @@ class RaggedKV:
         lengths = [int(r[0].offset) for r in rows]
         for row in rows:
             for c in row:
-                if type(c) is not KVCache:
+                if type(c) is not KVCache and not isinstance(c, SharedPrefixKVCache):
                     raise TypeError(f"RaggedKV holds plain KVCache layers, got {type(c).__name__}")
         first = len(self.lengths)
         need = first + len(rows)
@@ -107,8 +110,12 @@ class RaggedKV:
             for j, (row, n) in enumerate(zip(rows, lengths)):
                 if n:
                     c, s = row[layer], first + j
-                    self._keys[layer][s: s + 1, :, :n, :] = c.keys[..., :n, :]
-                    self._values[layer][s: s + 1, :, :n, :] = c.values[..., :n, :]
+                    col = 0  # a hit's SharedPrefixKVCache: its segments, each written where it goes (one copy)
+                    for k, v in (c.segments() if isinstance(c, SharedPrefixKVCache) else [(c.keys, c.values)]):
+                        w = min(k.shape[2], n - col)
+                        self._keys[layer][s: s + 1, :, col: col + w, :] = k[..., :w, :]
+                        self._values[layer][s: s + 1, :, col: col + w, :] = v[..., :w, :]
+                        col += w
         self.lengths.extend(lengths)
         self._set_lengths(self.lengths)
         mx.eval(self._keys, self._values)

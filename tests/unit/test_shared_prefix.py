@@ -101,3 +101,18 @@ def test_a_pipeline_style_assignment_keeps_the_positions():
     c.keys = mx.depends(c.keys, mx.zeros((1,)))  # what a pipeline-parallel model does to order its ranks
     assert c.offset == 6 and mx.array_equal(c.keys[..., 5:, :], mx.ones((1, 2, 1, 8)))
     assert mx.array_equal(c.values[..., :5, :], v)
+
+
+def test_a_ragged_batch_takes_shared_rows_as_they_lie(model):
+    from server.engine.ragged_kv import RaggedKV
+
+    entry = _entry(model, 30, seed=1)
+    shared = share_prefix(fork(entry))
+    model(mx.array([[7, 8, 9]]), cache=shared)  # the hit's own positions: a tail after the shared prefix
+    plain = flatten(shared)
+    other = _entry(model, 11, seed=2)
+    a = RaggedKV.from_rows([shared, fork(other)])
+    b = RaggedKV.from_rows([plain, fork(other)])
+    assert a.lengths == b.lengths == [33, 11]
+    for x, y in zip(a._keys + a._values, b._keys + b._values):
+        assert mx.array_equal(x, y)
