@@ -56,7 +56,7 @@ TARGET_WALL = 0.4  # issue 22: ours / mlx_lm.server wall on this workload
 # mlx-lane at its defaults, and variants of it to compare with (each is started as `ours` is, plus these)
 OURS_VARIANTS = {
     "ours": ((), {}),
-    "ours_mlx_attention": ((), {"MLX_LANE_GPU_ATTENTION": "mlx"}),  # mlx-lm's masked attention, not models/gpu_attention
+    "ours_mlx_attention": ((), {"MLX_LANE_GPU_ATTENTION": "mlx"}),  # MLX's masked attention, not gpu_attention's
     "ours_ragged": (("--batch-layout", "ragged"), {}),
     "ours_mlx_layout": (("--batch-layout", "mlx"), {}),
 }

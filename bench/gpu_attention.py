@@ -236,7 +236,8 @@ def _cast(c, dtype):
     from mlx_lm.models.cache import KVCache
 
     out = KVCache()
-    out.keys, out.values, out.offset = c.keys[..., :c.offset, :].astype(dtype), c.values[..., :c.offset, :].astype(dtype), c.offset
+    n = c.offset
+    out.keys, out.values, out.offset = c.keys[..., :n, :].astype(dtype), c.values[..., :n, :].astype(dtype), n
     return out
 
 

@@ -37,11 +37,13 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
     engine/              the mechanism: model verbs that execute a plan (lane thread only)
       engine.py          admit (cache take), prefill, batch joins/leaves, solo steps, finish (cache put)
       batch.py           mlx-lm's GenerationBatch per group; solo.py: plain decode; speculation.py
-      ragged_batch.py    the plain batch over ragged_kv.py: joins into a free slot, no forward, no copy (CPU default)
+      ragged_batch.py    the plain batch over ragged_kv.py: joins into a free slot, no forward, no copy (default on
+                         the CPU and on CUDA, where models/gpu_attention.py reads each row's own columns)
       spec_batch.py      speculating rows verified together (n-gram), over ragged_kv.py (rows write at their ends)
       slot.py            one loaded model as the engine computes with it (the base, or an on-demand one)
       sampling.py        samplers and logits processors; kv_layout.py; distributed.py (process groups)
 
 The prefix cache itself lives in ``cache/`` (one prefix rule in cache.prefix, one protocol in cache.protocol), model
-loading in ``models/``, speculative decoding's drafting and verification in ``spec/``.
+loading in ``models/`` (with the attention paths the engine relies on: cpu_attention.py and shared_prefix.py on the
+CPU, gpu_attention.py on CUDA), speculative decoding's drafting and verification in ``spec/``.
 """

@@ -39,7 +39,6 @@ from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from cache.prefix import namespace
-from models.cpu_attention import routes as routes_cpu_attention
 from models.gpu_attention import enabled as gpu_attention_enabled
 from models.shared_prefix import flatten as flatten_shared
 from models.shared_prefix import share_prefix
@@ -262,7 +261,7 @@ class Engine:
             seq.caches = target_caches if target_caches is not None else slot.new_caches()
             seq.spec = self.speculation.open(draft_caches, seq.prompt[: seq.cached], n_draft)
         else:
-            seq.caches = self._taken(self.model_for(params), hit) if hit is not None else slot.new_caches()
+            seq.caches = self._taken(slot, hit) if hit is not None else slot.new_caches()
         seq.done = seq.cached
         seq.phase = Phase.PREFILL
         seq.timings.prefill_started = time.monotonic()
@@ -285,16 +284,16 @@ class Engine:
         hit = self.prompt_cache.take(seq.prompt, seq.ns, seq.session)
         if hit is None or hit.length <= seq.done:
             return False
-        seq.caches = self._taken(seq.model, hit) if seq.spec is None else hit.caches
+        seq.caches = self._taken(self.slot_for(seq.params), hit) if seq.spec is None else hit.caches
         seq.done, seq.cached = hit.length, hit.length
         return True
 
     @staticmethod
-    def _taken(model, hit) -> list:
+    def _taken(slot: ModelSlot, hit) -> list:
         """A hit's caches for a plain sequence: on the CPU path of ``models.cpu_attention`` they read the entry's
         KV where it lies (``SharedPrefixKVCache``: the first new token does not copy the whole prefix); they become
-        plain ``KVCache`` again wherever they are stored or join a batch (``flatten``)."""
-        return share_prefix(hit.caches) if routes_cpu_attention(model) else hit.caches
+        plain ``KVCache`` again wherever they are stored or join mlx-lm's batch (``flatten``)."""
+        return share_prefix(hit.caches) if slot.reads_shared_prefix else hit.caches
 
     def prefill(self, seq: Sequence, n: int, share: bool = False) -> bool:
         """Prefill ``n`` more prompt tokens; True once the prefill is complete (``seq.prefilled``). ``share``: other

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
+from models.cpu_attention import routes as routes_cpu_attention
 from server.engine.batch import can_batch
 from server.engine.kv_layout import _quantize_fresh, _state_nbytes
 
@@ -37,6 +38,9 @@ class ModelSlot:
         self.plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)  # the ragged/prefill layouts
         self.trimmable = can_trim_prompt_cache(layers)  # drafts can be verified (rejected ones rewound)
         self.mergeable = can_batch(self.new_caches())  # its rows may join a decode batch
+        # a hit's caches may read the cached entry where it lies (models.shared_prefix): plain KV layers, and every
+        # attention of the model through models.cpu_attention (which reads segments)
+        self.reads_shared_prefix = self.plain_kv and routes_cpu_attention(self.model)
         windows = [c.max_size for c in layers if isinstance(c, RotatingKVCache)]
         self.window = min(windows) if windows else None
         args = getattr(self.model, "args", None)
