@@ -11,6 +11,7 @@ model through their own reference (``Sequence.model``) and finish with it.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
@@ -40,7 +41,9 @@ class ModelSlot:
         self.mergeable = can_batch(self.new_caches())  # its rows may join a decode batch
         # a hit's caches may read the cached entry where it lies (models.shared_prefix): plain KV layers, and every
         # attention of the model through models.cpu_attention (which reads segments)
-        self.reads_shared_prefix = self.plain_kv and routes_cpu_attention(self.model)
+        # (MLX_LANE_SHARED_PREFIX=0: every hit copies, as before; to compare)
+        self.reads_shared_prefix = (self.plain_kv and routes_cpu_attention(self.model)
+                                    and os.environ.get("MLX_LANE_SHARED_PREFIX", "1") != "0")
         windows = [c.max_size for c in layers if isinstance(c, RotatingKVCache)]
         self.window = min(windows) if windows else None
         args = getattr(self.model, "args", None)
