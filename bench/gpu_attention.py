@@ -115,6 +115,7 @@ def part_step(rows_list: list[int], context: int, reps: int) -> list:
     from mlx_lm.models import llama
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+    from gpu_spec_oracle import row_views
     from gpu_write_cost import build
     from server.engine.ragged_kv import RaggedKV
 
@@ -132,14 +133,7 @@ def part_step(rows_list: list[int], context: int, reps: int) -> list:
             model(ids[:, i:i + 2048], cache=cache)
             mx.eval([c.state for c in cache])
         lengths = [context - 1 - (37 * r) % 256 for r in range(n)]
-        rows = []
-        for r, m in enumerate(lengths):
-            own = []
-            for c in cache:
-                kc = KVCache()
-                kc.keys, kc.values, kc.offset = c.keys[r:r + 1, :, :m], c.values[r:r + 1, :, :m], m
-                own.append(kc)
-            rows.append(own)
+        rows = row_views(cache, lengths)
         tok = mx.zeros((n, 1), dtype=mx.int32)
         res = {"rows": n, "context": context, "switched_modules": switched}
         batch = [KVCache.merge([row[layer] for row in rows]) for layer in range(len(cache))]

@@ -22,12 +22,12 @@ fused kernels. ``MLX_LANE_CPU_ATTENTION=mlx`` leaves mlx-lm's path in place (to 
 from __future__ import annotations
 
 import os
-import sys
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
+from models.attention_hook import switch, switched_functions
 from models.shared_prefix import SharedPrefixKVCache
 
 __all__ = ["install", "routes", "grouped_attention", "segmented_attention"]
@@ -140,6 +140,7 @@ def _wrap(original):
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.mlx_lane_original = original
+    scaled_dot_product_attention.mlx_lane_path = "cpu"
     return scaled_dot_product_attention
 
 
@@ -148,15 +149,9 @@ def routes(model) -> bool:
     them all): then a ``SharedPrefixKVCache`` can be given to the model (its segments are read where they lie)."""
     from mlx_lm.models import base
 
-    found = False
-    for name in {type(m).__module__ for m in model.modules()}:
-        fn = getattr(sys.modules.get(name), "scaled_dot_product_attention", None)
-        if fn is None:
-            continue
-        if getattr(fn, "mlx_lane_original", None) is not base.scaled_dot_product_attention:
-            return False
-        found = True
-    return found
+    fns = switched_functions(model)
+    return bool(fns) and all(getattr(fn, "mlx_lane_original", None) is base.scaled_dot_product_attention
+                             and getattr(fn, "mlx_lane_path", None) == "cpu" for fn in fns)
 
 
 def install(model) -> int:
@@ -164,15 +159,4 @@ def install(model) -> int:
     modules were switched (0 on a GPU, with ``MLX_LANE_CPU_ATTENTION=mlx``, or where a model has its own)."""
     if mx.default_device() != mx.cpu or os.environ.get("MLX_LANE_CPU_ATTENTION", "").lower() == "mlx":
         return 0
-    from mlx_lm.models import base
-
-    switched = 0
-    for name in {type(m).__module__ for m in model.modules()}:
-        module = sys.modules.get(name)
-        fn = getattr(module, "scaled_dot_product_attention", None)
-        if fn is base.scaled_dot_product_attention:
-            module.scaled_dot_product_attention = _wrap(fn)
-            switched += 1
-        elif getattr(fn, "mlx_lane_original", None) is not None:
-            switched += 1  # already switched by an earlier load
-    return switched
+    return switch(model, _wrap)

@@ -24,10 +24,11 @@ sinks. ``MLX_LANE_GPU_ATTENTION=mlx`` leaves mlx-lm's path in place (to compare)
 from __future__ import annotations
 
 import os
-import sys
 from typing import Optional
 
 import mlx.core as mx
+
+from models.attention_hook import switch
 
 __all__ = ["install", "row_ranges", "ranged_attention", "reference_attention", "MAX_WIDTH", "SPLIT"]
 
@@ -333,6 +334,7 @@ def _wrap(original):
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.mlx_lane_original = original
+    scaled_dot_product_attention.mlx_lane_path = "cuda"
     return scaled_dot_product_attention
 
 
@@ -354,16 +356,4 @@ def install(model) -> int:
     returns how many model modules were switched (0 elsewhere, or with ``MLX_LANE_GPU_ATTENTION=mlx``)."""
     if not enabled():
         return 0
-    from mlx_lm.models import base
-
-    switched = 0
-    for name in {type(m).__module__ for m in model.modules()}:
-        module = sys.modules.get(name)
-        fn = getattr(module, "scaled_dot_product_attention", None)
-        if fn is base.scaled_dot_product_attention:
-            module.scaled_dot_product_attention = _wrap(fn)
-            switched += 1
-        elif getattr(fn, "mlx_lane_original", None) is not None:
-            switched += 1
-    return switched
-
+    return switch(model, _wrap)
