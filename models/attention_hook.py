@@ -15,8 +15,13 @@ from typing import Callable
 __all__ = ["switch", "switched_functions"]
 
 
-def _modules(model):
-    return [sys.modules.get(name) for name in {type(m).__module__ for m in model.modules()}]
+def _modules(model) -> list:
+    """The Python modules that define the classes of ``model``'s layers (none for an object that is not an
+    ``mlx.nn.Module``, e.g. a wrapper around one: then nothing is switched, and ``routes`` says no)."""
+    modules = getattr(model, "modules", None)
+    if modules is None:
+        return []
+    return [sys.modules.get(name) for name in {type(m).__module__ for m in modules()}]
 
 
 def switch(model, wrap: Callable) -> int:
