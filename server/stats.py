@@ -120,6 +120,7 @@ class ServingStats:
         self.tick_seconds: collections.Counter = collections.Counter()  # lane phase -> seconds, over all ticks
         self.prefill_batches = 0  # batched prefill forwards (--prefill-batch)
         self.prefill_batch_rows = 0  # prompts computed in them
+        self.hits_read_in_place = 0  # RAM hits whose caches read the entry where it lies (models.shared_prefix)
         self.prefill_tick_tokens = 0
         self.decode_tick_tokens = 0
         self.prefill_ticks = 0
@@ -169,6 +170,10 @@ class ServingStats:
         if decode_tokens:
             self._m_tick_tokens.labels("decode").inc(decode_tokens)
 
+    def on_hit_read_in_place(self) -> None:
+        with self._lock:
+            self.hits_read_in_place += 1
+
     def on_prefill_together(self, rows: int) -> None:
         with self._lock:
             self.prefill_batches += 1
@@ -192,6 +197,7 @@ class ServingStats:
                 "decode_tokens_per_tick": round(self.decode_tick_tokens / self.decode_ticks, 2)
                 if self.decode_ticks else None,
                 "prefill_batches": {"forwards": self.prefill_batches, "rows": self.prefill_batch_rows},
+                "hits_read_in_place": self.hits_read_in_place,
                 "queue_wait_s": self.queue_wait.as_dict(),
                 "ttft_s": self.ttft.as_dict(),
                 # where the lane thread's time went: admit (take, caches), prefill (chunks), batch_step (the

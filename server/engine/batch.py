@@ -28,6 +28,8 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, StopSequences, _merge_caches
 from mlx_lm.sample_utils import greedy_sampler
 
+from models.shared_prefix import flatten
+
 _NO_LIMIT = 1 << 62
 
 
@@ -66,12 +68,13 @@ class DecodeBatch:
 
     def add_many(self, rows: list) -> None:
         """Join several sequences at once: ``[(seq, caches, history, {"sampler", "processors"}), ...]``. One
-        GenerationBatch for all of them: one first step and one merge into the batch, not one per sequence."""
+        GenerationBatch for all of them: one first step and one merge into the batch, not one per sequence. A hit's
+        ``SharedPrefixKVCache`` layers are made plain first (mlx-lm merges plain caches)."""
         if not rows:
             return
         group = GenerationBatch(
             self.model, [id(seq) for seq, *_ in rows], mx.array([h[-1] for _, _, h, _ in rows]),
-            _merge_caches([c for _, c, _, _ in rows]), [list(h[:-1]) for _, _, h, _ in rows],
+            _merge_caches([flatten(c) for _, c, _, _ in rows]), [list(h[:-1]) for _, _, h, _ in rows],
             [o.get("sampler") for *_, o in rows], greedy_sampler,
             [tuple(o.get("processors") or ()) for *_, o in rows], [StopSequences() for _ in rows],
             [_NO_LIMIT] * len(rows),

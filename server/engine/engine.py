@@ -1,6 +1,6 @@
 """The model work of the lane's plans: every verb the lane (server.lane.lane) calls to execute a ``TickPlan``.
 
-(About 570 lines, one job: the per-sequence model verbs, kept together because each verb reads and writes the same
+(About 590 lines, one job: the per-sequence model verbs, kept together because each verb reads and writes the same
 Sequence fields in a fixed order: admit -> prefill -> batch / solo -> finish. Batched decoding lives in
 server.engine.batch and server.engine.ragged_batch (and, for speculating rows, server.engine.spec_batch); the only
 batch logic here is which layout a group gets. The solo decoder is in server.engine.solo,
@@ -288,12 +288,16 @@ class Engine:
         seq.done, seq.cached = hit.length, hit.length
         return True
 
-    @staticmethod
-    def _taken(slot: ModelSlot, hit) -> list:
+    def _taken(self, slot: ModelSlot, hit) -> list:
         """A hit's caches for a plain sequence: on the CPU path of ``models.cpu_attention`` they read the entry's
         KV where it lies (``SharedPrefixKVCache``: the first new token does not copy the whole prefix); they become
-        plain ``KVCache`` again wherever they are stored or join mlx-lm's batch (``flatten``)."""
-        return share_prefix(hit.caches) if slot.reads_shared_prefix else hit.caches
+        plain ``KVCache`` again where they are stored (``_store``) or join mlx-lm's batch (``DecodeBatch``)."""
+        if not slot.reads_shared_prefix:
+            return hit.caches
+        caches = share_prefix(hit.caches)
+        if caches is not hit.caches and self.stats is not None:
+            self.stats.on_hit_read_in_place()
+        return caches
 
     def prefill(self, seq: Sequence, n: int, share: bool = False) -> bool:
         """Prefill ``n`` more prompt tokens; True once the prefill is complete (``seq.prefilled``). ``share``: other
@@ -384,10 +388,8 @@ class Engine:
         """These sequences join their group's batch in one step (one merge): fresh from prefill, or migrating from
         solo decoding (their caches are trimmed back so that the last token is the batch's next input)."""
         rows = []
-        # the ragged layouts read a hit's shared segments in place; mlx-lm's batch needs plain layers
-        in_place = is_spec_group(group) or self._ragged_layout(seqs[0].model)
-        for seq in seqs:
-            caches, history = self._batch_entry(seq, keep_shared=in_place)
+        for seq in seqs:  # a hit's shared segments go as they are: each batch kind takes them its own way
+            caches, history = self._batch_entry(seq)
             opts = {"sampler": None if seq.params.temperature == 0 else seq.sampler,
                     "processors": build_logits_processors(seq.params, (), seq.grammar)}
             if is_spec_group(group):
@@ -400,7 +402,7 @@ class Engine:
         for seq in seqs:
             seq.phase = Phase.BATCHED
 
-    def _batch_entry(self, seq: Sequence, keep_shared: bool = False) -> tuple[list, list]:
+    def _batch_entry(self, seq: Sequence) -> tuple[list, list]:
         """(caches, history) for DecodeBatch.add: the caches cover history[:-1]; history[-1] is the next input."""
         caches = seq.caches
         history = list(seq.prompt) + list(seq.generated)
@@ -408,8 +410,6 @@ class Engine:
             extra = len(self._close_solo(seq)) - (len(history) - 1)
             if extra > 0:
                 trim_prompt_cache(caches, extra)
-        if not keep_shared:
-            caches = flatten_shared(caches)
         seq.caches = None
         return caches, history
 

@@ -183,3 +183,27 @@ def test_sliding_window_model_wraps_and_boundary_snapshot_hits(sliding_server):
     # and the text is still identical
     again, _ = chat(url, turn2, max_tokens=6)
     assert again == cold2
+
+
+def test_a_hit_reads_the_cached_entry_in_place_and_gives_the_cold_text(server, tokenizer):
+    """models.shared_prefix on the real model: a hit extended by a new turn (a multi-token chunk after the shared
+    prefix, then decoding) reads the entry where it lies (/stats counts it) and gives the cold text; the entry it
+    read still serves the next hit unchanged."""
+    def in_place():
+        return httpx.get(server.url + "/stats").json()["lane"]["hits_read_in_place"]
+
+    first = [SYSTEM, {"role": "user", "content": "Name a sorting algorithm."}]
+    clear(server.url)
+    reply, _ = chat(server.url, first, max_tokens=12)
+    second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "How fast is it?"}]
+    clear(server.url)
+    cold, _ = chat(server.url, second, max_tokens=12)
+    clear(server.url)
+    chat(server.url, first, max_tokens=12)
+    before = in_place()
+    warm, u = chat(server.url, second, max_tokens=12)
+    assert u["prompt_tokens_details"]["cached_tokens"] > 0
+    assert in_place() > before
+    assert warm == cold
+    again, _ = chat(server.url, first, max_tokens=12)  # the donor entry was only read
+    assert again == reply
