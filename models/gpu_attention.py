@@ -34,6 +34,8 @@ __all__ = ["install", "row_ranges", "ranged_attention", "reference_attention", "
 
 MAX_WIDTH = 8  # queries per row the kernel takes (a decode step: 1; a verify step: 1 + drafts)
 SPLIT = 256  # key positions per block of the first pass
+UNROLL = int(os.environ.get("MLX_LANE_GPU_ATTENTION_UNROLL", "4"))  # key groups a warp loads per round (1: the
+# first version's one at a time; for A/B runs of bench/gpu_attention.py)
 _QUERIES_PER_BLOCK = 4  # a block's queries of one KV head (registers: 4 queries x 8 floats of q and of o per lane)
 _HEAD_SIZES = (64, 128)  # D/8 elements per lane, loaded 8 at a time
 
@@ -91,49 +93,72 @@ _PARTIAL = r"""
 
   const T* kb = k + b * k_strides[0] + hk * k_strides[1] + sl * EPL;
   const T* vb = v + b * v_strides[0] + hk * v_strides[1] + sl * EPL;
-  for (int base = s0 + warp * KPW; base < s1; base += NW * KPW) {  // warp-uniform: every lane takes every shuffle
-    const int t = base + sub;
-    const bool ok = t < s1;
-    float kf[EPL];
-    float vf[EPL];
-    if (ok) {
-      const T* kp = kb + t * k_strides[2];
-      const T* vp = vb + t * v_strides[2];
-      AlignedVector<T, EPL> kk = *reinterpret_cast<const AlignedVector<T, EPL>*>(kp);
-      AlignedVector<T, EPL> vv = *reinterpret_cast<const AlignedVector<T, EPL>*>(vp);
+  // U key groups per warp per round: all their loads are issued before any arithmetic, so U times the bytes are in
+  // flight (the loop is latency-bound otherwise), and the online softmax rescales once per round, not per key.
+  for (int base = s0 + warp * KPW; base < s1; base += NW * KPW * U) {  // warp-uniform: every lane takes every shuffle
+    int tt[U];
+    AlignedVector<T, EPL> kk[U];
+    AlignedVector<T, EPL> vv[U];
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        kf[e] = static_cast<float>(kk[e]);
-        vf[e] = static_cast<float>(vv[e]);
+    for (int u = 0; u < U; ++u) {
+      tt[u] = base + u * NW * KPW + sub;
+      const int tl = min(tt[u], s1 - 1);  // past the end: load a valid key, its weight is 0 below
+      kk[u] = *reinterpret_cast<const AlignedVector<T, EPL>*>(kb + tl * k_strides[2]);
+      vv[u] = *reinterpret_cast<const AlignedVector<T, EPL>*>(vb + tl * v_strides[2]);
+    }
+    float s[U][GC];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int g = 0; g < GC; ++g) {
+        float acc = 0.f;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+          acc += qv[g][e] * static_cast<float>(kk[u][e]);
+        }
+        s[u][g] = acc;
       }
-    } else {
+    }
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        kf[e] = 0.f;
-        vf[e] = 0.f;
+    for (int off = 1; off < LPK; off <<= 1) {  // U x GC independent butterflies, interleaved
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int g = 0; g < GC; ++g) {
+          s[u][g] += __shfl_xor_sync(0xffffffff, s[u][g], off);
+        }
       }
     }
 #pragma unroll
     for (int g = 0; g < GC; ++g) {
-      float s = 0.f;
+      float mc = m[g];
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        s += qv[g][e] * kf[e];
+      for (int u = 0; u < U; ++u) {
+        if (tt[u] >= s1 || tt[u] > lim[g]) {
+          s[u][g] = -INFINITY;
+        }
+        mc = fmaxf(mc, s[u][g]);
       }
+      if (mc != -INFINITY) {
+        const float c = exp2f(m[g] - mc);  // 0 while m is still -inf
+        float p[U];
+        float ps = 0.f;
 #pragma unroll
-      for (int off = 1; off < LPK; off <<= 1) {
-        s += __shfl_xor_sync(0xffffffff, s, off);
-      }
-      if (ok && t <= lim[g]) {
-        const float mn = fmaxf(m[g], s);
-        const float c = exp2f(m[g] - mn);
-        const float p = exp2f(s - mn);
-        l[g] = l[g] * c + p;
+        for (int u = 0; u < U; ++u) {
+          p[u] = exp2f(s[u][g] - mc);
+          ps += p[u];
+        }
+        l[g] = l[g] * c + ps;
 #pragma unroll
         for (int e = 0; e < EPL; ++e) {
-          o[g][e] = o[g][e] * c + p * vf[e];
+          float x = o[g][e] * c;
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            x += p[u] * static_cast<float>(vv[u][e]);
+          }
+          o[g][e] = x;
         }
-        m[g] = mn;
+        m[g] = mc;
       }
     }
   }
@@ -270,7 +295,7 @@ def ranged_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     po, pm, pl = _kernel("partial")(
         inputs=[queries, keys, values, start, last, mx.array([scale], dtype=mx.float32)],
         template=[("T", queries.dtype), ("D", D), ("GC", gc), ("W", W), ("REP", rep), ("NCHUNK", chunks),
-                  ("SPLIT", SPLIT)],
+                  ("SPLIT", SPLIT), ("U", UNROLL)],
         grid=(splits * 128, kv * chunks, B), threadgroup=(128, 1, 1),
         output_shapes=[(B, H, W, splits, D), (B, H, W, splits), (B, H, W, splits)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])

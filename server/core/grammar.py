@@ -40,7 +40,7 @@ import json
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import llguidance
 import mlx.core as mx
@@ -291,17 +291,23 @@ class GrammarProcessor:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         # Start the forward pass now: it runs while we wait for the previous token and compute the mask.
         mx.async_eval(logits)
+        allowed = self.allowed(lambda: int(tokens[-1].item()))
+        width = logits.shape[-1]
+        if width != allowed.shape[0]:  # the model's logits may be padded past the tokenizer's vocabulary
+            allowed = np.pad(allowed[:width], (0, max(0, width - allowed.shape[0])))
+        return mx.where(mx.array(allowed), logits, -mx.inf)
+
+    def allowed(self, previous: Callable[[], int]) -> np.ndarray:
+        """The tokens the grammar allows next, as a bool array over the tokenizer's vocabulary, after advancing
+        over ``previous()`` (the token sampled at the last call; not called at the first). The same contract as a
+        call: once per sampled token, in order (a decode batch masks its rows together with these)."""
         if self._started:
-            self._advance(int(tokens[-1].item()))
+            self._advance(previous())
         self._started = True
         fill_next_token_bitmask(self._matcher, self._bitmask)
         if self._matcher.is_error():
             raise GrammarError(f"the output grammar failed: {self._matcher.get_error()}")
-        allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-        width = logits.shape[-1]
-        if width != allowed.shape[0]:  # the model's logits may be padded past the tokenizer's vocabulary
-            allowed = np.pad(allowed[:width], (0, max(0, width - allowed.shape[0])))
-        return mx.where(mx.array(allowed.view(np.bool_)), logits, -mx.inf)
+        return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self._vocab].view(np.bool_)
 
     def _advance(self, token: int) -> None:
         if not self._matcher.consume_token(token):

@@ -62,8 +62,9 @@ class DecodeBatch:
         """Bytes of the batch's KV (``BatchKVCache`` left-pads every row to the longest and grows in steps)."""
         return sum(_cache_nbytes(c) for c in (self._gen.prompt_cache or []))
 
-    def add(self, seq, caches: list, history: list, sampler=None, processors: Optional[list] = None) -> None:
-        """Join ``seq``; ``caches`` (its own, consumed) cover ``history[:-1]``; ``sampler`` None means greedy."""
+    def add(self, seq, caches: list, history: list, sampler=None, processors: Optional[list] = None, **_) -> None:
+        """Join ``seq``; ``caches`` (its own, consumed) cover ``history[:-1]``; ``sampler`` None means greedy (other
+        keywords are for other batch kinds)."""
         self.add_many([(seq, caches, history, {"sampler": sampler, "processors": processors})])
 
     def add_many(self, rows: list) -> None:

@@ -43,6 +43,7 @@ from models.gpu_attention import enabled as gpu_attention_enabled
 from models.shared_prefix import flatten as flatten_shared
 from models.shared_prefix import share_prefix
 from server.engine.batch import BatchGroups, DecodeBatch, can_batch
+from server.engine.batch_logits import Penalties
 from server.engine.kv_layout import _covered_length, _state_nbytes, kv_scheme
 from server.engine.ragged_batch import RaggedBatch
 from server.engine.sampling import build_logits_processors, build_sampler, repair_random_state, token_logprobs
@@ -390,8 +391,9 @@ class Engine:
         rows = []
         for seq in seqs:  # a hit's shared segments go as they are: each batch kind takes them its own way
             caches, history = self._batch_entry(seq)
-            opts = {"sampler": None if seq.params.temperature == 0 else seq.sampler,
-                    "processors": build_logits_processors(seq.params, (), seq.grammar)}
+            opts = {"sampler": None if seq.params.temperature == 0 else seq.sampler,  # each batch kind takes its own:
+                    "processors": build_logits_processors(seq.params, (), seq.grammar),  # mlx-lm's, per row
+                    "penalties": Penalties.of(seq.params), "grammar": seq.grammar}  # ours, for all rows at once
             if is_spec_group(group):
                 plan = seq.spec
                 if plan.policy is None:

@@ -15,7 +15,8 @@ last generated token of a row that migrates from solo decoding) rides the batch'
 first token. A leave copies the leaving row out (the prefix cache keeps it) and moves the last row into the hole.
 
 A step is what ``GenerationBatch._step`` computes, in its order (so the tokens are the same for the same logits):
-one forward, each row's logits processors over its own token history, log-softmax, one sampler call for the batch
+one forward, the rows' logits rules (bias, penalties over each row's own token history, grammar masks: in a few
+operations for all rows that have them, ``server.engine.batch_logits``), log-softmax, one sampler call for the batch
 when every row shares one (greedy, or requests with the same unseeded settings), otherwise one per sampler
 (``server.engine.sampling.sample_rows``).
 
@@ -40,9 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import TokenBuffer
 from mlx_lm.sample_utils import greedy_sampler
 
+from server.engine.batch_logits import Penalties, apply_rules
 from server.engine.ragged_kv import RaggedKV
 from server.engine.sampling import sample_rows
 
@@ -58,8 +59,8 @@ class _Row:
     seq: Any
     tokens: list  # what the row's KV covers once the forward in flight (if any) is done
     sampler: Any = None  # None: greedy
-    processors: tuple = ()
-    context: Optional[TokenBuffer] = None  # the history the processors see (rows with processors only)
+    penalties: Optional[Penalties] = None
+    grammar: Any = None  # the request's GrammarProcessor
     state: str = _FRESH
     logprobs: Any = field(default=None, repr=False)  # of the owed token
 
@@ -92,13 +93,15 @@ class RaggedBatch:
         """Bytes of the batch's KV buffers, free slots and unused positions included."""
         return self._kv.nbytes if self._kv is not None else 0
 
-    def add(self, seq, caches: list, history: list, sampler=None, processors: Optional[list] = None) -> None:
+    def add(self, seq, caches: list, history: list, sampler=None, penalties: Optional[Penalties] = None,
+            grammar=None, **_) -> None:
         """Join ``seq``; ``caches`` (its own, consumed) cover ``history[:-1]``; ``sampler`` None means greedy."""
-        self.add_many([(seq, caches, history, {"sampler": sampler, "processors": processors})])
+        self.add_many([(seq, caches, history, {"sampler": sampler, "penalties": penalties, "grammar": grammar})])
 
     def add_many(self, rows: list) -> None:
-        """Join several sequences: ``[(seq, caches, history, {"sampler", "processors"}), ...]``. Their KV goes into
-        free slots (no forward, no copy of the running rows); their last history token is their next input."""
+        """Join several sequences: ``[(seq, caches, history, {"sampler", "penalties", "grammar"}), ...]`` (other
+        keys, such as mlx-lm's per-row "processors", are for other batch kinds). Their KV goes into free slots (no
+        forward, no copy of the running rows); their last history token is their next input."""
         if not rows:
             return
         caches = [c for _, c, _, _ in rows]
@@ -107,9 +110,8 @@ class RaggedBatch:
         else:
             self._kv.extend(caches)
         for seq, _, history, opts in rows:
-            processors = tuple(opts.get("processors") or ())
-            self._rows.append(_Row(seq, list(history[:-1]), opts.get("sampler"), processors,
-                                   TokenBuffer(list(history[:-1])) if processors else None))
+            self._rows.append(_Row(seq, list(history[:-1]), opts.get("sampler"), opts.get("penalties"),
+                                   opts.get("grammar")))
         fresh = mx.array([int(h[-1]) for _, _, h, _ in rows], dtype=mx.uint32)
         self._next = fresh if self._next is None else mx.concatenate([self._next, fresh])
 
@@ -122,27 +124,20 @@ class RaggedBatch:
         self._kv.reserve(1)
         logits = self.model(inputs[:, None], cache=self._kv.layers)[:, -1, :]
         self._kv.commit([1] * len(self._rows))
-        contexts = []
-        if any(r.processors for r in self._rows):
-            processed = []
-            for e, r in enumerate(self._rows):
-                x = logits[e: e + 1]
-                if r.processors:
-                    ctx = r.context.update_and_fetch(inputs[e: e + 1])
-                    contexts.append(ctx)
-                    for proc in r.processors:
-                        x = proc(ctx, x)
-                processed.append(x)
-            logits = mx.concatenate(processed, axis=0)
+        ruled = [e for e, r in enumerate(self._rows) if r.penalties is not None or r.grammar is not None]
+        if ruled:  # each row's history so far is its tokens; its newest token is this step's input
+            rows = [self._rows[e] for e in ruled]
+            logits = apply_rules(logits, ruled, [r.penalties for r in rows], [r.grammar for r in rows],
+                                 [r.tokens for r in rows], inputs, inputs.tolist)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = sample_rows(logprobs, [r.sampler or _greedy for r in self._rows])
         self._next = sampled.astype(mx.uint32)
         per_row = list(logprobs)
         wait = not self.pipelined or any(r.state == _FRESH for r in self._rows)
         if wait:
-            mx.eval(self._next, per_row, contexts)
+            mx.eval(self._next, per_row)
         else:
-            mx.async_eval(self._next, per_row, contexts)  # the device computes while the lane goes on
+            mx.async_eval(self._next, per_row)  # the device computes while the lane goes on
         fed = inputs.tolist()  # computed by the previous step's forward (or given at the join)
         new = self._next.tolist() if wait else None
         out = []

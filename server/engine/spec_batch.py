@@ -7,7 +7,7 @@ more) and capped by what is left of its ``max_tokens``. What "failing" means is 
 step, with a plain step now and then to keep measuring), so on a machine where every extra token in the forward
 costs (a CPU) rows draft only while their drafts are accepted often enough to pay. One forward over the batch feeds every row its pending
 token and its drafts (W = 1 + the longest draft; shorter rows are right-padded, their padding is never kept). Each
-row is then verified with its own sampler and logits processors, exactly as ``spec.verify`` does for one sequence:
+row is then verified with its own sampler and logits rules, exactly as ``spec.verify`` does for one sequence:
 the token at every fed position is drawn from the target's (processed) distribution given the accepted prefix,
 drafts are kept while they equal those tokens, and the first differing token (or the one after the last draft)
 is the row's new pending token. Greedy rows therefore emit what greedy decoding emits; sampled rows follow the
@@ -39,7 +39,9 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
+from server.engine.batch_logits import Penalties, penalise, penalty_windows
 from server.engine.ragged_kv import RaggedKV
+from server.engine.sampling import PENALTY_CONTEXT
 from spec import BatchVerifyCost, SpecStats
 
 __all__ = ["SpecBatch", "PlainStepClock", "spec_group", "is_spec_group"]
@@ -86,7 +88,6 @@ class PlainStepClock:
         if not near:
             return None
         return self._by_rows[min(near, key=lambda n: abs(n - rows))]
-PENALTY_CONTEXT = 256  # tokens of history the penalty processors read (mlx-lm's context sizes are within this)
 
 
 @dataclass
@@ -98,7 +99,7 @@ class _Row:
     policy: Any  # spec.adaptive.AdaptiveDraftLength
     max_draft: int
     sampler: Any = None  # None: greedy
-    processors: list = field(default_factory=list)
+    penalties: Optional[Penalties] = None  # bias and penalties (server.engine.batch_logits)
     stats: Optional[SpecStats] = None
     feed: list = field(default_factory=list)  # tokens the source has not heard of yet
     base_stop: Optional[float] = None  # the policy's own break-even (raised to the batch's measured one)
@@ -150,7 +151,7 @@ class SpecBatch:
 
     def add_many(self, rows: list) -> None:
         """``[(seq, caches, history, opts), ...]``: caches cover history[:-1]; history[-1] is the next input. opts:
-        "sampler" (None: greedy), "processors" (history-free mlx-lm processors), "source", "policy", "max_draft",
+        "sampler" (None: greedy), "penalties" (server.engine.batch_logits.Penalties), "source", "policy", "max_draft",
         "stats"."""
         if not rows:
             return
@@ -159,7 +160,7 @@ class SpecBatch:
             source = opts["source"]
             source.prefill(list(history[:-1]))  # n-gram lookup over everything the row has seen
             new.append(_Row(seq, list(history[:-1]), int(history[-1]), source, opts["policy"],
-                            int(opts["max_draft"]), opts.get("sampler"), list(opts.get("processors") or ()),
+                            int(opts["max_draft"]), opts.get("sampler"), opts.get("penalties"),
                             opts.get("stats"), [int(history[-1])], getattr(opts["policy"], "stop_below", None)))
         caches = [c for _, c, _, _ in rows]
         if self._kv is None:
@@ -275,30 +276,37 @@ class SpecBatch:
         return drafts
 
     def _sample(self, logits: mx.array, logprobs: mx.array, drafts: list):
-        """(tokens, logprobs) per row at each fed position: its sampler over its processed logprobs."""
+        """(tokens, logprobs) per row at each fed position: its sampler over its ruled logprobs. The rules of every
+        (row, position) with any go in one ``penalise`` call, each position seeing the row's history, its pending
+        token and the drafts before it."""
         B, W, _ = logits.shape
-        greedy_plain = [i for i, r in enumerate(self._rows) if r.sampler is None and not r.processors]
+        greedy_plain = [i for i, r in enumerate(self._rows) if r.sampler is None and r.penalties is None]
         per_row: list = [None] * B
         lp_rows: list = [logprobs[i] for i in range(B)]
         if greedy_plain:
             best = mx.argmax(logprobs, axis=-1)  # (B, W): one op for every greedy row
             for i in greedy_plain:
                 per_row[i] = best[i]
+        ruled = [i for i, r in enumerate(self._rows) if r.penalties is not None]
+        if ruled:
+            at, rules, seen = [], [], []
+            for i in ruled:
+                row = self._rows[i]
+                head = row.tokens[-PENALTY_CONTEXT:] + [row.pending]
+                for q in range(len(drafts[i]) + 1):
+                    at.append((i, q))
+                    rules.append(row.penalties)
+                    seen.append(head + drafts[i][:q])
+            windows = penalty_windows(seen) if any(r.needs_history for r in rules) else None
+            x = penalise(logits[mx.array([i for i, _ in at]), mx.array([q for _, q in at])], rules, windows)
+            x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+            start = 0
+            for i in ruled:
+                n = len(drafts[i]) + 1
+                lp_rows[i] = x[start: start + n]
+                start += n
         for i, row in enumerate(self._rows):
-            if per_row[i] is not None:
-                continue
-            n = len(drafts[i]) + 1
-            lp = logprobs[i, :n]
-            if row.processors:
-                seen = (row.tokens + [row.pending])[-PENALTY_CONTEXT:]
-                rows = []
-                for q in range(n):
-                    x = logits[i, q: q + 1]
-                    hist = mx.array(seen + drafts[i][:q], dtype=mx.uint32)
-                    for proc in row.processors:
-                        x = proc(hist, x)
-                    rows.append(x - mx.logsumexp(x, axis=-1, keepdims=True))
-                lp = mx.concatenate(rows, axis=0)
-                lp_rows[i] = lp
-            per_row[i] = row.sampler(lp) if row.sampler is not None else mx.argmax(lp, axis=-1)
+            if per_row[i] is None:
+                lp = lp_rows[i] if row.penalties is not None else logprobs[i, : len(drafts[i]) + 1]
+                per_row[i] = row.sampler(lp) if row.sampler is not None else mx.argmax(lp, axis=-1)
         return per_row, lp_rows

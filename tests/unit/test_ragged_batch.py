@@ -2,17 +2,19 @@
 random model: rows join into free slots and leave by moving the last row into the hole, never copying the others;
 rows of mixed lengths and rows that share a prefix get exactly their own logits; the batch returns the same tokens
 as mlx-lm's GenerationBatch (server.engine.batch.DecodeBatch) for greedy rows, seeded sampled rows and rows with
-penalty processors, whatever joins and leaves around them."""
+penalties, logit bias and a grammar, whatever joins and leaves around them."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from server.engine.batch import DecodeBatch
+from server.engine.batch_logits import Penalties
 from server.engine.ragged_batch import RaggedBatch
 from server.engine.ragged_kv import RaggedKV
 from server.engine.sampling import build_logits_processors, build_sampler
@@ -97,10 +99,30 @@ def run(batch_cls, model, script, steps=14):
     return tokens, covered
 
 
-def _opts(params: SamplingParams):
+class StepGrammar:
+    """A stand-in for GrammarProcessor (both of its faces: mlx-lm's processor call and ``allowed``): after token t it
+    allows only t + 1 .. t + 4 (mod the vocabulary); at first, tokens 20-23."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.started = vocab, False
+
+    def allowed(self, previous):
+        start = (previous() + 1) if self.started else 20
+        self.started = True
+        a = np.zeros(self.vocab, dtype=np.bool_)
+        a[[(start + k) % self.vocab for k in range(4)]] = True
+        return a
+
+    def __call__(self, tokens, logits):
+        return mx.where(mx.array(self.allowed(lambda: int(tokens[-1].item()))), logits, -mx.inf)
+
+
+def _opts(params: SamplingParams, grammar: bool = False):
     def make():
         sampler = None if params.temperature == 0 else build_sampler(params)
-        return {"sampler": sampler, "processors": build_logits_processors(params, ())}
+        g = StepGrammar(257) if grammar else None
+        return {"sampler": sampler, "processors": build_logits_processors(params, (), g),  # DecodeBatch's
+                "penalties": Penalties.of(params), "grammar": g}  # the ragged batch's
     return make
 
 
@@ -108,10 +130,14 @@ def test_the_ragged_batch_returns_what_mlx_lms_batch_returns(model):
     greedy = _opts(SamplingParams(max_tokens=64, temperature=0.0))
     seeded = _opts(SamplingParams(max_tokens=64, temperature=0.9, seed=1234))
     penalised = _opts(SamplingParams(max_tokens=64, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5))
+    biased = _opts(SamplingParams(max_tokens=64, temperature=0.9, seed=77, frequency_penalty=0.8,
+                                  logit_bias={5: 3.0, 6: 2.0, 200: -4.0}))
+    ruled = _opts(SamplingParams(max_tokens=64, temperature=0.0, repetition_penalty=1.5), grammar=True)
     script = {
         0: [("join", "a", list(range(10, 40)), greedy), ("join", "b", list(range(50, 55)), seeded)],
-        3: [("join", "c", list(range(70, 130)), penalised)],
+        3: [("join", "c", list(range(70, 130)), penalised), ("join", "e", [9, 9, 5, 6, 9], biased)],
         6: [("leave", "a"), ("join", "d", list(range(10, 40)) + [3, 4], greedy)],  # shares a's prefix
+        7: [("join", "f", list(range(30, 45)), ruled)],
         9: [("leave", "c")],
     }
     ours, ours_left = run(RaggedBatch, model, script)

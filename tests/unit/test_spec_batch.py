@@ -262,3 +262,45 @@ def test_whether_drafts_pay_is_judged_against_the_plain_batchs_measured_step():
     clock.observe(8, 0.030)  # plain steps got slower (longer contexts): the average follows
     assert clock.seconds(8) == pytest.approx(0.014)
     assert not dear.not_paying(clock)
+
+
+def test_penalised_rows_verify_each_drafted_position_with_its_own_history(model):
+    """A greedy row with penalties and a bias, speculating in a batch beside a plain row, emits what the plain
+    ragged batch emits for it: each verified position is ruled over the history up to it (drafts included)."""
+    from server.engine.batch_logits import Penalties
+    from server.engine.ragged_batch import RaggedBatch
+    from server.lane.events import SamplingParams
+
+    rules = Penalties.of(SamplingParams(max_tokens=40, repetition_penalty=1.6, frequency_penalty=0.7,
+                                        logit_bias={12: 2.5}))
+    prompts = [list(range(20, 40)), list(range(60, 66))]
+    plain = RaggedBatch(model)
+    names = [SimpleNamespace(name=i) for i in range(2)]
+    for s, p, pen in zip(names, prompts, (rules, None)):
+        plain.add(s, own_caches(model, p[:-1]), p, penalties=pen)
+    want = {0: [], 1: []}
+    for _ in range(12):
+        for s, token, _ in plain.step():
+            want[s.name].append(token)
+    assert want[0] != want[1]
+    seqs = [seq(p, max_tokens=12) for p in prompts]
+
+    class Oracle(ScriptedSource):  # row 0 drafts the plain run's next tokens, every other draft corrupted at its end
+        def draft(self, feed, n):
+            self.calls = getattr(self, "calls", 0) + 1
+            d = want[0][len(seqs[0].generated): len(seqs[0].generated) + n]
+            return d if self.calls % 2 else d[:-1] + [250]
+
+    batch = SpecBatch(model)
+    batch.cost.probe = lambda: False  # draft every step: this test is about the rules, not about when drafts pay
+    batch._worth_drafting = lambda wanted, pays: True
+    for s, p, pen, src in zip(seqs, prompts, (rules, None), (Oracle([]), ScriptedSource([]))):
+        batch.add_many([(s, own_caches(model, p[:-1]), list(p),
+                         {"source": src, "policy": FixedDraftLength(3), "max_draft": 3, "penalties": pen})])
+    while any(len(s.generated) < 12 for s in seqs):
+        for s, token, _ in batch.step():
+            s.generated.append(token)
+        for s in [s for s in seqs if len(s.generated) >= 12 and s in batch]:
+            batch.remove([s])
+    assert seqs[0].generated[:12] == want[0] and seqs[1].generated[:12] == want[1]
+    assert 0 < batch.accepted < batch.drafted
