@@ -24,9 +24,13 @@ def sse_chunks(client, url: str, body: dict, timeout: float = 1200):
     import json
     import time
 
+    import httpx
+
     t0 = time.perf_counter()
     with client.stream("POST", url, json=body, timeout=timeout) as r:
-        r.raise_for_status()
+        if r.status_code >= 400:  # keep the server's own words: a status alone does not say what went wrong
+            r.read()
+            raise httpx.HTTPStatusError(f"{r.status_code} from {url}: {r.text[:500]}", request=r.request, response=r)
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 yield time.perf_counter() - t0, json.loads(line[6:])

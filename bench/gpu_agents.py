@@ -18,7 +18,7 @@ stops; servers one after the other, their order rotated per round and entry.
           GPU's memory, prefill chunk and batch from the device
   mlx_lm  `mlx_lm.server --decode-concurrency 32 --prompt-concurrency 8 --prompt-cache-size 64
           --prompt-cache-bytes 60000000000` (the fair peer: its LRU of prompt caches holds every agent)
-  ours_mlx_attention, ours_ragged, ours_mlx_layout
+  ours_mlx_attention, ours_ragged, ours_mlx_layout, ours_unroll1
           `ours` with mlx-lm's masked attention instead of models/gpu_attention's kernel, or with a batch layout
           forced (`--batch-layout ragged|mlx`): A/B runs of one change (OURS_VARIANTS)
 
@@ -59,6 +59,7 @@ OURS_VARIANTS = {
     "ours_mlx_attention": ((), {"MLX_LANE_GPU_ATTENTION": "mlx"}),  # MLX's masked attention, not gpu_attention's
     "ours_ragged": (("--batch-layout", "ragged"), {}),
     "ours_mlx_layout": (("--batch-layout", "mlx"), {}),
+    "ours_unroll1": ((), {"MLX_LANE_GPU_ATTENTION_UNROLL": "1"}),  # gpu_attention's first kernel (one key group a round)
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
                "--prompt-cache-bytes", "60000000000")
@@ -187,7 +188,11 @@ def main() -> int:
     for K, T in plan:
         got = {n: [r["metrics"] for r in R["runs"] if r["k"] == K and r["server"] == n and r.get("metrics")]
                for n in names}
-        if got.get("ours") and got.get("mlx_lm"):
+        failed = sum(m["requests_failed"] for n in ("ours", "mlx_lm") for m in got.get(n, []))
+        if failed:  # a server that fails requests finishes early: its wall is not comparable
+            print(f"{K}x{T}: {failed} requests failed: no ratio (errors in the runs' records)")
+            R["ratios"][f"{K}x{T}"] = {"failed_requests": failed}
+        elif got.get("ours") and got.get("mlx_lm"):
             o = statistics.median(m["wall_s"] for m in got["ours"])
             p = statistics.median(m["wall_s"] for m in got["mlx_lm"])
             to = statistics.median(m["ttft_mean_s"] for m in got["ours"])
