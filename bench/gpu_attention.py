@@ -14,6 +14,9 @@ Three parts, in-process, random data / a random Llama-3-8B-shaped bf16 model (be
            float32 weights and KV (masked): which is nearer, and how often its argmax agrees
   step     one batched forward of 1 token per row + argmax over the whole model, rows of ~--context tokens, in
            mlx-lm's left-padded BatchKVCache and in our RaggedKV, with the kernel and without (mlx-lm's path)
+  sweep    the kernel's knobs (``UNROLL`` key groups a warp loads per round x ``SPLIT`` keys per block) over the
+           attention shapes that matter (16 / 32 rows x 5.5k, 32 x 1k, 8 x 32k, a width-5 verify step), each
+           configuration checked against the reference first: which one the defaults should be
 
     OUT=$OUT bash bench/gpu.sh bench/gpu_attention.py                   # H200 (gpu.sh installs the carried wheels)
     python bench/gpu_attention.py --parts check                         # anywhere else: says it needs CUDA
@@ -174,6 +177,37 @@ def part_step(rows_list: list[int], context: int, reps: int) -> list:
     return out
 
 
+def part_sweep(reps: int) -> list:
+    shapes = ((16, 5500, 1), (32, 5500, 1), (32, 1024, 1), (8, 32000, 1), (32, 1024, 5))
+    data = {}
+    for B, ctx, W in shapes:
+        H, KV, D = 32, 8, 128
+        lasts = [ctx - W - (37 * r) % 256 for r in range(B)]
+        q, k, v = qkv(B, H, KV, max(lasts) + W, D, W)
+        data[(B, ctx, W)] = (q, k, v, mx.zeros((B,), dtype=mx.int32), mx.array(lasts, dtype=mx.int32),
+                             sum(lasts) * KV * D * 2 * 2)
+    rows = []
+    defaults = (ga.UNROLL, ga.SPLIT)
+    try:
+        for unroll in (1, 2, 4, 8):
+            for split in (128, 256, 512):
+                ga.UNROLL, ga.SPLIT = unroll, split
+                r = {"unroll": unroll, "split": split}
+                for (B, ctx, W), (q, k, v, start, last, kv_bytes) in data.items():
+                    scale = 128 ** -0.5
+                    got = ga.ranged_attention(q, k, v, scale, start, last)
+                    diff = mx.max(mx.abs(got.astype(mx.float32) - ga.reference_attention(
+                        q, k, v, scale, start, last).astype(mx.float32))).item()
+                    ms = median_ms(lambda: mx.eval(ga.ranged_attention(q, k, v, scale, start, last)), reps)
+                    r[f"{B}x{ctx}w{W}"] = {"ms": ms, "GBps": round(kv_bytes / (ms / 1e3) / 1e9, 1),
+                                           "max_abs_diff": diff, "ok": diff <= 0.02}
+                rows.append(r)
+                print("sweep", r, flush=True)
+    finally:
+        ga.UNROLL, ga.SPLIT = defaults
+    return rows
+
+
 def part_accuracy(n: int, context: int) -> dict:
     """One decode step of the whole random model from the same KV, three ways: bf16 with the kernel, bf16 with the
     masked path (MLX's fallback), and float32 weights + float32 KV with the masked path (the reference). Which of the
@@ -238,7 +272,7 @@ def _cast(c, dtype):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".bench" / "gpu-out")))
-    ap.add_argument("--parts", default="check,attention,step", help="any of check, attention, accuracy, step")
+    ap.add_argument("--parts", default="check,attention,step", help="any of check, attention, accuracy, sweep, step")
     ap.add_argument("--rows", default="16,32")
     ap.add_argument("--context", type=int, default=5500)
     ap.add_argument("--reps", type=int, default=20)
@@ -264,6 +298,9 @@ def main() -> int:
         save()
     if "accuracy" in parts:
         R["accuracy"] = part_accuracy(16, 3000)
+        save()
+    if "sweep" in parts:
+        R["sweep"] = part_sweep(args.reps)
         save()
     if "step" in parts:
         R["step"] = part_step([int(x) for x in args.rows.split(",")], args.context, max(5, args.reps // 2))

@@ -33,9 +33,10 @@ from models.attention_hook import switch
 __all__ = ["install", "row_ranges", "ranged_attention", "reference_attention", "MAX_WIDTH", "SPLIT"]
 
 MAX_WIDTH = 8  # queries per row the kernel takes (a decode step: 1; a verify step: 1 + drafts)
-SPLIT = 256  # key positions per block of the first pass
+# Tuning knobs, read once (the environment is for A/B runs of bench/gpu_attention.py and bench/gpu_agents.py):
+SPLIT = int(os.environ.get("MLX_LANE_GPU_ATTENTION_SPLIT", "256"))  # key positions per block of the first pass
 UNROLL = int(os.environ.get("MLX_LANE_GPU_ATTENTION_UNROLL", "4"))  # key groups a warp loads per round (1: the
-# first version's one at a time; for A/B runs of bench/gpu_attention.py)
+# first version's one at a time)
 _QUERIES_PER_BLOCK = 4  # a block's queries of one KV head (registers: 4 queries x 8 floats of q and of o per lane)
 _HEAD_SIZES = (64, 128)  # D/8 elements per lane, loaded 8 at a time
 

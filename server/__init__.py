@@ -42,6 +42,7 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
       spec_batch.py      speculating rows verified together (n-gram), over ragged_kv.py (rows write at their ends)
       slot.py            one loaded model as the engine computes with it (the base, or an on-demand one)
       sampling.py        samplers and logits processors; kv_layout.py; distributed.py (process groups)
+      batch_logits.py    a batch's bias / penalties / grammar masks as a few array ops over all its rows
 
 The prefix cache itself lives in ``cache/`` (one prefix rule in cache.prefix, one protocol in cache.protocol), model
 loading in ``models/`` (with the attention paths the engine relies on: cpu_attention.py and shared_prefix.py on the
