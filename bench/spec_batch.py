@@ -5,6 +5,8 @@ round by round:
   plain       no speculation: the lane's plain batching (mlx-lm GenerationBatch)
   spec_batch  --draft-kind ngram: the agents' drafts verified together, one forward per step (server.engine.spec_batch)
   spec_solo   --draft-kind ngram --no-spec-batch: each speculating agent decoded on its own (before this change)
+  two_model_batch / two_model_solo   --draft-model default (the default model drafting for itself), in the batch or
+              each on its own: the two-model mechanism's cost on this CPU (only with --configs)
 Each pass: K agents send their turn at once (threads released together); a turn is the benchmark agent's system
 prompt, a task and 150-400 tokens of tool output (bench/agent_workload.py: code read from a file, test logs, grep
 hits), ending in an instruction that makes the reply quote that output ("Show the function you will change,
@@ -34,7 +36,11 @@ from agent_workload import SYSTEM_PROMPT, stream_chat, workload
 from common import ROOT, preflight, run_record, write_result
 
 CONFIGS = {"plain": (), "spec_batch": ("--draft-kind", "ngram"),
-           "spec_solo": ("--draft-kind", "ngram", "--no-spec-batch")}
+           "spec_solo": ("--draft-kind", "ngram", "--no-spec-batch"),
+           # the default model drafting for itself: every draft holds, but a drafted token costs a whole forward of
+           # a model as big as the target (the mechanism's cost, not a pair anyone would serve)
+           "two_model_batch": ("--draft-model", "default", "--num-draft-tokens", "4"),
+           "two_model_solo": ("--draft-model", "default", "--num-draft-tokens", "4", "--no-spec-batch")}
 ASK = "\n\nShow the function you will change, exactly as it is now, then the fixed version."
 
 
@@ -83,7 +89,7 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default="plain,spec_batch,spec_solo")
     ap.add_argument("--seed", type=int, default=24)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "spec_batch.json"))
     args = ap.parse_args()

@@ -139,7 +139,7 @@ def _serve_parser(sub) -> None:
                         "does not pay (default 4 for two-model, 8 for ngram). Requests may lower it with "
                         "'num_draft_tokens' (0 = no speculation for that request) [MLX_LANE_NUM_DRAFT_TOKENS]")
     p.add_argument("--no-spec-batch", action="store_true", default=_env_flag("no_spec_batch"),
-                   help="with --draft-kind ngram, decode each speculating request on its own (solo) instead of "
+                   help="decode each speculating request on its own (solo) instead of "
                         "verifying the drafts of all those running at once in one batched forward "
                         "[MLX_LANE_NO_SPEC_BATCH=1]")
     p.add_argument("--batch-layout", choices=["auto", "ragged", "mlx"], default=_env("batch_layout") or "auto",

@@ -78,7 +78,7 @@ class Engine:
         if kv_bits is not None:
             self._check_kv_quantization()
         self.speculation = None  # server.engine.speculation.Speculation when a draft is configured
-        self.spec_in_batch = True  # n-gram requests running at once verify their drafts in one batch
+        self.spec_in_batch = True  # speculating requests running at once verify their drafts in one batch
         self.batch_layout = "auto"  # --batch-layout: "ragged" (server.engine.ragged_batch), "mlx" (DecodeBatch)
         self.adapters = None  # server.catalog.AdapterRegistry: per-adapter counters (set by server.serve)
         self.kv_bytes_per_token = 0.0  # of the last stored entry, all layers (see kv_stats)
@@ -236,9 +236,10 @@ class Engine:
         seq.window = slot.window
 
     def _spec_batchable(self, slot: ModelSlot) -> bool:
-        """May this speculating request decode in a speculating batch? n-gram drafts (no draft model to batch) and
-        plain KV layers (``server.engine.ragged_kv``). (Grammar requests never speculate: ``sampling_params``.)"""
-        return self.speculation.kind == "ngram" and slot.plain_kv and self.spec_in_batch
+        """May this speculating request decode in a speculating batch? Plain KV layers (``server.engine.ragged_kv``),
+        with either draft: n-gram lookup, or the draft model (each row drafts with its own draft caches; the verify is
+        one forward for all rows). (Grammar requests never speculate: ``sampling_params``.)"""
+        return slot.plain_kv and self.spec_in_batch
 
     def model_for(self, params):
         """The model that computes a request: its adapter's (base weights shared, LoRA layers on top), the model its

@@ -1,10 +1,11 @@
 """The speculating decode batch: every row drafts on its own, one forward verifies all rows' drafts together.
 
-Each step, row i asks its draft source (n-gram lookup over its own prompt + output) for up to n_i tokens, n_i from
+Each step, row i asks its draft source (n-gram lookup over its own prompt + output, or the draft model over its own
+draft caches: ``spec.two_model.TwoModelSource``, one row at a time) for up to n_i tokens, n_i from
 its own adaptive policy (``spec.adaptive``; a row whose drafts keep failing pauses, one whose drafts hit drafts
 more) and capped by what is left of its ``max_tokens``. What "failing" means is measured on this batch
-(``spec.adaptive.BatchVerifyCost``: the time a drafted token adds to the forward against a row's share of a plain
-step, with a plain step now and then to keep measuring), so on a machine where every extra token in the forward
+(``spec.adaptive.BatchVerifyCost``: the time a drafted token adds to the step, drafting included, against a row's
+share of a plain step, with a plain step now and then to keep measuring), so on a machine where every extra token in the forward
 costs (a CPU) rows draft only while their drafts are accepted often enough to pay. One forward over the batch feeds every row its pending
 token and its drafts (W = 1 + the longest draft; shorter rows are right-padded, their padding is never kept). Each
 row is then verified with its own sampler and logits rules, exactly as ``spec.verify`` does for one sequence:
@@ -26,8 +27,9 @@ list is in row order, each row's tokens in sequence order), ``remove`` (the row'
 they cover, cut back to what the sequence kept when a stop ended it inside a step).
 
 Not here: grammars (their processor is stateful and sees each token once: such requests do not speculate in a
-batch), two-model drafts (the draft model would need a batch of its own), pipelining (a step must know what was
-accepted before it can draft the next one).
+batch), the draft model's forwards batched over the rows (each row's draft model runs on its own caches: the
+verify is batched, the drafting is not), pipelining (a step must know what was accepted before it can draft the
+next one).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class _Row:
     seq: Any
     tokens: list  # what the row's KV covers
     pending: int  # the next input (sampled, not yet fed)
-    source: Any  # spec.ngram.NgramSource
+    source: Any  # spec.ngram.NgramSource or spec.two_model.TwoModelSource
     policy: Any  # spec.adaptive.AdaptiveDraftLength
     max_draft: int
     sampler: Any = None  # None: greedy

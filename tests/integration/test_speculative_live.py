@@ -134,3 +134,32 @@ def test_concurrent_ngram_streams_verify_in_one_batch_and_a_cancelled_one_leaves
     assert after["row_steps"] - before["row_steps"] > after["steps"] - before["steps"]  # more than one row per step
     assert after["accepted"] > before["accepted"]
     assert "mlx_lane:spec_decode_batch_accepted_tokens_total" in httpx.get(url + "/metrics").text
+
+
+def test_two_model_rows_running_at_once_verify_in_one_batch_with_the_text_they_give_alone(default_model_dir):
+    """With a draft model, requests running at once speculate in one batch too (each row drafts with its own draft
+    caches; one verify forward for all): each gives the text it gives alone without speculation. The default model
+    drafts for itself (same tokenizer, no extra download), so its drafts hold."""
+    from tests.integration.test_batching_live import concurrently
+
+    srv = ServerProc("--model", "default", "--draft-model", "default", "--num-draft-tokens", "3",
+                     "--cache-bytes", "256M", "--no-ssd-cache")
+    try:
+        url = srv.url
+        bodies = [{"messages": [{"role": "user", "content": f"Repeat this code exactly:\n{t}"}], "max_tokens": 10,
+                   "temperature": 0} for t in SNIPPETS[:3]]
+        alone = [chat_body(url, {**b, "num_draft_tokens": 0}) for b in bodies]
+        httpx.post(url + "/admin/cache/clear")
+        together = concurrently(lambda b: chat_body(url, b), [(b,) for b in bodies])
+        assert together == alone
+        b = httpx.get(url + "/stats").json()["speculative"]["in_batch"]
+        assert b["steps"] > 0 and b["row_steps"] > b["steps"], b  # verify steps of more than one row
+        assert b["accepted"] > 0, b
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def chat_body(url, body):
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]

@@ -304,3 +304,41 @@ def test_penalised_rows_verify_each_drafted_position_with_its_own_history(model)
             batch.remove([s])
     assert seqs[0].generated[:12] == want[0] and seqs[1].generated[:12] == want[1]
     assert 0 < batch.accepted < batch.drafted
+
+
+@pytest.mark.parametrize("draft_seed", [5, 11])  # the target itself (every draft holds), another model (few hold)
+def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_batchs_text(model, draft_seed):
+    from server.engine.ragged_batch import RaggedBatch
+    from spec.two_model import TwoModelSource
+
+    draft = model if draft_seed == 5 else tiny_llama(seed=draft_seed)
+    prompts = [list(range(20, 40)), list(range(60, 66)), list(range(90, 130))]
+    plain = RaggedBatch(model)
+    names = [SimpleNamespace(name=i) for i in range(3)]
+    for s, p in zip(names, prompts):
+        plain.add(s, own_caches(model, p[:-1]), p)
+    want = {i: [] for i in range(3)}
+    for _ in range(10):
+        for s, token, _ in plain.step():
+            want[s.name].append(token)
+    batch = SpecBatch(model)
+    batch.cost.probe = lambda: False  # draft every step: this test is about the mechanism, not about when drafts pay
+    batch._worth_drafting = lambda wanted, pays: True
+    seqs = [seq(p, max_tokens=10) for p in prompts]
+    sources = []
+    for s, p in zip(seqs, prompts):
+        src = TwoModelSource(draft, None, ())
+        sources.append(src)
+        batch.add_many([(s, own_caches(model, p[:-1]), list(p),
+                         {"source": src, "policy": FixedDraftLength(3), "max_draft": 3})])
+    while any(len(s.generated) < 10 for s in seqs):
+        for s, token, _ in batch.step():
+            s.generated.append(token)
+        for s in [s for s in seqs if len(s.generated) >= 10 and s in batch]:
+            (tokens, caches), = batch.remove([s])
+            src = sources[seqs.index(s)]
+            assert src.tokens == tokens and caches[0].offset == len(tokens)  # both models cover what was kept
+    assert [s.generated[:10] for s in seqs] == [want[i] for i in range(3)]
+    assert batch.drafted > 0
+    if draft is model:
+        assert batch.accepted == batch.drafted  # a draft that is the target: every token holds
