@@ -157,9 +157,13 @@ class BatchVerifyCost:
     already at a few rows (4 rows of SmolLM2: 20 positions cost 3.3x a 4-position step, ``m / a`` ~0.5), so in a
     batch there drafts pay only when almost all are accepted. ``a`` and ``m`` are fitted (least squares, no intercept) over the last
     ``window`` steps; ``probe()`` asks for a step without drafts when none of the recent ones was, so the fit always
-    sees both kinds. Until both are measured, ``break_even()`` is ``floor``."""
+    sees both kinds. Until both are measured, ``break_even()`` is ``floor``. It may exceed 1 (up to ``cap``): a drafted
+    token that costs more than a row's plain step (a draft model as big as the target, on a compute-bound CPU) never
+    pays, however often it is accepted, and every row stops drafting (the batch still drafts now and then, to keep
+    measuring). A cap below 1 (0.9 until the draft model joined the batch: n-gram drafts cost only their verify
+    positions) would keep rows with ~100% acceptance drafting at any cost."""
 
-    def __init__(self, window: int = 32, probe_every: int = 8, floor: float = VERIFY_OVERHEAD, cap: float = 0.9):
+    def __init__(self, window: int = 32, probe_every: int = 8, floor: float = VERIFY_OVERHEAD, cap: float = 1.1):
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.probe_every, self.floor, self.cap = probe_every, floor, cap
         self._since_plain = 0  # steps since the last one without drafts

@@ -342,3 +342,16 @@ def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_bat
     assert batch.drafted > 0
     if draft is model:
         assert batch.accepted == batch.drafted  # a draft that is the target: every token holds
+
+
+def test_a_drafted_token_dearer_than_a_plain_rows_step_never_pays_even_when_always_accepted():
+    from spec import BatchVerifyCost
+
+    cost = BatchVerifyCost(probe_every=4)
+    for rows, drafted, seconds in [(4, 0, 0.24), (4, 4, 0.54), (4, 8, 0.84), (4, 0, 0.24), (4, 12, 1.14)]:
+        cost.observe(rows, drafted, seconds)  # a = 0.06 per row, m = 0.075 per drafted position: m / a = 1.25
+    assert cost.break_even() > 1.0  # no acceptance rate reaches it: every row stops drafting
+    batch = SpecBatch(model=None)
+    batch._rows = [SimpleNamespace(policy=SimpleNamespace(recent_rate=1.0))] * 4
+    skipped = [batch._worth_drafting([3, 3, 3, 3], cost.break_even()) for _ in range(16)]
+    assert skipped.count(True) == 2  # only the exploring steps (one in EXPLORE) still draft, to keep measuring
