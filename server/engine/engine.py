@@ -1,6 +1,6 @@
 """The model work of the lane's plans: every verb the lane (server.lane.lane) calls to execute a ``TickPlan``.
 
-(About 590 lines, one job: the per-sequence model verbs, kept together because each verb reads and writes the same
+(About 600 lines, one job: the per-sequence model verbs, kept together because each verb reads and writes the same
 Sequence fields in a fixed order: admit -> prefill -> batch / solo -> finish. Batched decoding lives in
 server.engine.batch and server.engine.ragged_batch (and, for speculating rows, server.engine.spec_batch); the only
 batch logic here is which layout a group gets. The solo decoder is in server.engine.solo,
@@ -390,11 +390,16 @@ class Engine:
         """These sequences join their group's batch in one step (one merge): fresh from prefill, or migrating from
         solo decoding (their caches are trimmed back so that the last token is the batch's next input)."""
         rows = []
+        # the logits rules: mlx-lm's per-row processors for its GenerationBatch; ours (for all rows at once) for the
+        # ragged and speculating batches
+        per_row = not (is_spec_group(group) or self._ragged_layout(seqs[0].model))
         for seq in seqs:  # a hit's shared segments go as they are: each batch kind takes them its own way
             caches, history = self._batch_entry(seq)
-            opts = {"sampler": None if seq.params.temperature == 0 else seq.sampler,  # each batch kind takes its own:
-                    "processors": build_logits_processors(seq.params, (), seq.grammar),  # mlx-lm's, per row
-                    "penalties": Penalties.of(seq.params), "grammar": seq.grammar}  # ours, for all rows at once
+            opts = {"sampler": None if seq.params.temperature == 0 else seq.sampler}
+            if per_row:
+                opts["processors"] = build_logits_processors(seq.params, (), seq.grammar)
+            else:
+                opts.update(penalties=Penalties.of(seq.params), grammar=seq.grammar)
             if is_spec_group(group):
                 plan = seq.spec
                 if plan.policy is None:
