@@ -243,6 +243,7 @@ class Server:
     as they would across a user's restarts."""
 
     def __init__(self, name: str, *args: str):
+        import httpx
         from tests.serverproc import ServerProc
 
         self.name = name
@@ -251,32 +252,33 @@ class Server:
                                startup_timeout=600)
         self.start_s = time.perf_counter() - t
         self.url = self.proc.url
+        self.requests = 0  # completions sent (the first one meets a fresh process)
+        # one client for every request of this server: a new httpx client per request builds an SSL context
+        # (~28 ms on the 2-core dev CPU), which a TTFT would count as the server's
+        t = time.perf_counter()
+        self.client = httpx.Client(timeout=REQUEST_TIMEOUT)
+        R.setdefault("client_construct_ms", round((time.perf_counter() - t) * 1000, 2))
         first = next((ln for ln in self.proc.log().splitlines() if "| device " in ln), "")
         log(f"server {name} up in {self.start_s:.1f}s: {' '.join(args)}\n    {first.strip()}")
         R.setdefault("servers", {})[name] = {"args": list(args), "start_s": round(self.start_s, 1),
                                              "startup_line": first.strip()[-300:]}
 
     def stats(self) -> dict:
-        import httpx
-
-        return httpx.get(self.url + "/stats", timeout=60).json()
+        return self.client.get(self.url + "/stats", timeout=60).json()
 
     def post(self, path: str, timeout: float = 600):
-        import httpx
-
-        return httpx.post(self.url + path, timeout=timeout)
+        return self.client.post(self.url + path, timeout=timeout)
 
     def complete(self, prompt: list[int], max_tokens: int, *, logit_bias: dict | None = None) -> dict:
         """Streamed /v1/completions: TTFT (first chunk with choices), decode tok/s, usage."""
-        import httpx
-
+        self.requests += 1
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
         if logit_bias:
             body["logit_bias"] = logit_bias
         token_stamps, usage, finish = [], None, None
         t0 = time.perf_counter()
-        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT) as r:
+        with self.client.stream("POST", self.url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"server {self.name}: HTTP {r.status_code}: {r.read()[:800]!r}")
             for line in r.iter_lines():
@@ -303,6 +305,7 @@ class Server:
                 "decode_tok_s": rate, "completion_tokens": n, "cached_tokens": cached, "finish_reason": finish}
 
     def stop(self, kill: bool = False) -> None:
+        self.client.close()
         t = time.perf_counter()
         rc = self.proc.kill() if kill else self.proc.stop(timeout=300)
         R["servers"][self.name].update(stop="SIGKILL" if kill else "SIGTERM", rc=rc,
@@ -389,15 +392,59 @@ def phase_decode(srv: Server, model, args, rng, eos) -> None:
     save()
 
 
+def raw_one_token(model, prompt: list[int], reps: int) -> list[float]:
+    """Seconds of one one-token forward (logits evaluated) on a warm cache holding ``prompt``: what a RAM hit with
+    one new token would cost if taking the cache and serving the request were free (issue 22 item 8's yardstick).
+    Each rep trims the token it added, so every rep runs at ``len(prompt)`` tokens of context."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    for i in range(0, len(prompt), 2048):
+        model(mx.array(prompt[i:i + 2048])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    out = []
+    for r in range(reps + 1):
+        t = time.perf_counter()
+        mx.eval(model(mx.array([[prompt[r % len(prompt)]]]), cache=cache))
+        dt = time.perf_counter() - t
+        for c in cache:
+            c.trim(1)
+        if r:  # the first one warms this shape up
+            out.append(dt)
+    del cache
+    return out
+
+
 def phase_raw_prefill(model, args, rng) -> None:
-    out = {}
+    out, step = {}, {}
     for L in args.lengths:
         raw_run(model, rand_prompt(rng, L), 1, [])  # warm-up (JIT for this shape)
         ts = [raw_run(model, rand_prompt(rng, L), 1, [])["ttft_s"] for _ in range(args.raw_reps)]
         out[str(L)] = summary(ts)
         log(f"raw mlx_lm cold TTFT {L}: {out[str(L)]['median']:.3f}s {ts}")
+        one = raw_one_token(model, rand_prompt(rng, L), 5)
+        step[str(L)] = summary(one)
+        log(f"raw one-token forward at {L}: {step[str(L)]['median'] * 1000:.1f} ms {[round(x * 1000, 1) for x in one]}")
     R["raw_cold_ttft_s"] = out
+    R["raw_one_token_s"] = step
     save()
+
+
+def hit_split(before: dict, after: dict, client_ttft_s: float) -> dict:
+    """Where one request's TTFT went, from /stats before and after it (nothing else running): the lane's own
+    enqueued -> first token (``lane.ttft_s.last``) and its queue wait, the lane phases' seconds over the request
+    (``tick_seconds`` deltas), and the rest of the client's TTFT: HTTP in and out, parsing, the event loop."""
+    la, lb = after.get("lane") or {}, before.get("lane") or {}
+    lane_ttft = (la.get("ttft_s") or {}).get("last")
+    ticks = {k: round((v - (lb.get("tick_seconds") or {}).get(k, 0.0)) * 1000, 2)
+             for k, v in (la.get("tick_seconds") or {}).items()}
+    return {"client_ms": round(client_ttft_s * 1000, 2),
+            "lane_ttft_ms": None if lane_ttft is None else round(lane_ttft * 1000, 2),
+            "queue_wait_ms": None if (la.get("queue_wait_s") or {}).get("last") is None
+            else round(la["queue_wait_s"]["last"] * 1000, 2),
+            "outside_lane_ms": None if lane_ttft is None else round((client_ttft_s - lane_ttft) * 1000, 2),
+            "tick_ms": {k: v for k, v in ticks.items() if v}}
 
 
 def phase_ttft(srv: Server, args, rng) -> None:
@@ -405,20 +452,37 @@ def phase_ttft(srv: Server, args, rng) -> None:
     for L in args.lengths:
         log(f"ttft {L}: warm-up")
         p = rand_prompt(rng, L)
-        srv.complete(p, 1)
+        fresh = srv.requests == 0
+        w = srv.complete(p, 1)
         srv.complete(p + [rng.randrange(3, PROMPT_VOCAB)], 1)
-        cold, hit, rows = [], [], []
+        if fresh:  # issue 22 item 8: the first request in a fresh process vs the warm cold prefills below
+            R["first_request"] = {"length": L, "ttft_s": w["ttft_s"]}
+            log(f"first request of a fresh server ({L} tokens, cold): {w['ttft_s']:.3f}s")
+        cold, hit, hit_idle, rows = [], [], [], []
         for i in range(args.ttft_reps):
             p = rand_prompt(rng, L)
             c = srv.complete(p, 1)
+            before = srv.stats()
             h = srv.complete(p + [rng.randrange(3, PROMPT_VOCAB)], 1)
+            h["split"] = hit_split(before, srv.stats(), h["ttft_s"])
+            # the same hit once the lane has been idle a moment (the first one follows the cold request's reply
+            # at once, as a bench client does, and may meet that request's cache put still on the lane)
+            time.sleep(0.5)
+            before = srv.stats()
+            hi = srv.complete(p + [rng.randrange(3, PROMPT_VOCAB)], 1)
+            hi["split"] = hit_split(before, srv.stats(), hi["ttft_s"])
             cold.append(c["ttft_s"])
             hit.append(h["ttft_s"])
-            rows.append({"cold": c, "ram_hit": h})
+            hit_idle.append(hi["ttft_s"])
+            rows.append({"cold": c, "ram_hit": h, "ram_hit_idle": hi})
             log(f"ttft {L} rep {i}: cold {c['ttft_s']:.3f}s (cached {c['cached_tokens']}), "
-                f"RAM hit {h['ttft_s']:.3f}s (cached {h['cached_tokens']})")
+                f"RAM hit {h['ttft_s']:.3f}s (cached {h['cached_tokens']}) split {h['split']}; "
+                f"after idle {hi['ttft_s']:.3f}s split {hi['split']}")
         srv.post("/admin/cache/clear")
-        out[str(L)] = {"cold_s": summary(cold), "ram_hit_s": summary(hit), "rows": rows,
+        if (R.get("first_request") or {}).get("length") == L and med(cold):
+            R["first_request"]["over_warm_cold"] = round(R["first_request"]["ttft_s"] / med(cold), 3)
+        out[str(L)] = {"cold_s": summary(cold), "ram_hit_s": summary(hit),
+                       "ram_hit_after_idle_s": summary(hit_idle), "rows": rows,
                        "cold_prefill_tok_s": round(L / med(cold), 1) if med(cold) else None}
         R["ttft"] = out
         save()
