@@ -58,12 +58,43 @@ def pct(values: list[float], q: float) -> float:
 
 # ------------------------------------------------------------------------------------------------------- one run
 
-def run_agents(url: str, tasks: list[str], chunks: list[list[str]], K: int, T: int, max_tokens: int,
-               stagger_s: float, system: str = SYSTEM_PROMPT) -> tuple[list[dict], float]:
-    """K agent threads x T turns against `url`, every conversation opening with `system`; (one record per request
-    sent, wall seconds)."""
+PROBE = [{"role": "system", "content": SYSTEM_PROMPT},
+         {"role": "user", "content": "Reply with the word ok and nothing else."}]
+
+
+def run_probe(url: str, every_s: float, stop: threading.Event, out: list[dict]) -> None:
+    """Issue 22 item 7's yardstick: while the agents run, every ``every_s`` one request whose prompt the server
+    has cached whole (PROBE, sent once at warm-up), 2 tokens: its TTFT under load is what a fully cached turn waits.
+    Appends {"sent", "ttft_s", "cached_tokens", "prompt_tokens"} to ``out``."""
     import httpx
 
+    with httpx.Client() as client:
+        while not stop.wait(every_s):
+            sent = time.perf_counter()
+            try:
+                r = stream_chat(client, url, PROBE, 2)
+            except Exception as exc:  # a failed probe is recorded, the agents go on
+                out.append({"sent": sent, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                continue
+            usage = r["usage"]
+            out.append({"sent": sent, "ttft_s": round(r["ttft"], 4), "prompt_tokens": usage.get("prompt_tokens"),
+                        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")})
+
+
+def run_agents(url: str, tasks: list[str], chunks: list[list[str]], K: int, T: int, max_tokens: int,
+               stagger_s: float, system: str = SYSTEM_PROMPT, probe_every_s: float = 0.0,
+               probes: list | None = None) -> tuple[list[dict], float]:
+    """K agent threads x T turns against `url`, every conversation opening with `system`; (one record per request
+    sent, wall seconds). ``probe_every_s`` > 0: a fully cached probe request that often meanwhile (run_probe),
+    its records appended to ``probes`` (not counted in the agents' records or wall)."""
+    import httpx
+
+    stop_probe = threading.Event()
+    prober = None
+    if probe_every_s > 0:
+        prober = threading.Thread(target=run_probe, args=(url, probe_every_s, stop_probe,
+                                                          probes if probes is not None else []), name="probe")
+        prober.start()
     records: list[dict] = []
     lock = threading.Lock()
     start = threading.Barrier(K)
@@ -103,7 +134,12 @@ def run_agents(url: str, tasks: list[str], chunks: list[list[str]], K: int, T: i
         th.start()
     for th in threads:
         th.join()
+    if prober is not None:
+        stop_probe.set()
+        prober.join()
     t0 = min(r["sent"] for r in records)
+    for p in probes or []:
+        p["sent"] = round(p["sent"] - t0, 4)
     wall = max(r["end"] for r in records) - t0
     for r in records:  # seconds since the run's first request, instead of perf_counter stamps
         r["sent"], r["end"] = round(r["sent"] - t0, 4), round(r["end"] - t0, 4)
@@ -122,6 +158,29 @@ def run_metrics(records: list[dict], wall: float, K: int, T: int) -> dict:
             "completion_tokens": gen, "tok_s": round(gen / wall, 3) if wall > 0 else None,
             "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in ok),
             "cached_tokens": sum(r.get("cached_tokens") or 0 for r in ok)}
+
+
+def probe_metrics(probes: list[dict], before: dict | None, after: dict | None) -> dict:
+    """The probe's TTFTs under load, and for ours the mean batched decode step over the run (/stats: seconds in
+    ``batch_step`` over the ticks that stepped a batch): item 7's target is TTFT <= 3 such steps."""
+    ok = [p["ttft_s"] for p in probes if "ttft_s" in p]
+    m = {"probes": len(probes), "probe_failed": len(probes) - len(ok),
+         "probe_ttft_mean_s": round(statistics.mean(ok), 4) if ok else None,
+         "probe_ttft_median_s": round(statistics.median(ok), 4) if ok else None,
+         "probe_ttft_max_s": round(max(ok), 4) if ok else None,
+         "probe_cached_of_prompt": [[p.get("cached_tokens"), p.get("prompt_tokens")] for p in probes[:3]]}
+    if before and after:
+        steps = (sum((after.get("batch_size") or {}).get("histogram", {}).values())
+                 - sum((before.get("batch_size") or {}).get("histogram", {}).values()))
+        secs = ((after.get("tick_seconds") or {}).get("batch_step", 0.0)
+                - (before.get("tick_seconds") or {}).get("batch_step", 0.0))
+        if steps > 0 and secs > 0:
+            step = secs / steps
+            m["batch_step_mean_s"] = round(step, 4)
+            if ok:
+                m["probe_ttft_mean_over_step"] = round(statistics.mean(ok) / step, 2)
+                m["probe_ttft_median_over_step"] = round(statistics.median(ok) / step, 2)
+    return m
 
 
 def lane_block(url: str) -> dict | None:
@@ -222,6 +281,9 @@ def main() -> None:
     ap.add_argument("--mlx-lm-prompt-concurrency", type=int, default=8)
     ap.add_argument("--mlx-lm-cache-size", type=int, default=0,
                     help="mlx_lm.server --prompt-cache-size (0: max(10, 2K), so every conversation fits)")
+    ap.add_argument("--probe-every-ms", type=float, default=0.0,
+                    help="also send a fully cached 2-token request this often while the agents run, and report "
+                         "its TTFT against the lane's batched decode step (issue 22 item 7); 0: no probe")
     ap.add_argument("--ours-args", default="", help="extra `mlx-lane serve` arguments (one shell-quoted string)")
     ap.add_argument("--mlx-lm-args", default="", help="extra mlx_lm.server arguments")
     ap.add_argument("--llama-cpp-args", default="", help="extra llama_cpp.server arguments")
@@ -259,12 +321,19 @@ def main() -> None:
                     peer.start()
                     with httpx.Client() as c:
                         stream_chat(c, peer.url, [{"role": "user", "content": "Say hi."}], 2)  # warm-up
+                        if args.probe_every_ms > 0:
+                            stream_chat(c, peer.url, PROBE, 2)  # the probe's prompt, cached from now on
                     if n == "ours":
                         run["lane_before"] = lane_block(peer.url)
-                    records, wall = run_agents(peer.url, tasks, chunks, K, T, args.max_tokens, args.stagger_ms / 1e3)
+                    probes: list[dict] = []
+                    records, wall = run_agents(peer.url, tasks, chunks, K, T, args.max_tokens, args.stagger_ms / 1e3,
+                                               probe_every_s=args.probe_every_ms / 1e3, probes=probes)
                     if n == "ours":
                         run["lane_after"] = lane_block(peer.url)
                     run["metrics"] = run_metrics(records, wall, K, T)
+                    if args.probe_every_ms > 0:
+                        run["probe"] = probe_metrics(probes, run.get("lane_before"), run.get("lane_after"))
+                        run["probe_records"] = probes
                     run["records"] = records
                 except Exception as exc:  # a server that cannot start or run is a result, not the end of the run
                     run["error"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -280,6 +349,8 @@ def main() -> None:
                           f"p95 {m['ttft_p95_s'] if m['ttft_p95_s'] is not None else float('nan'):6.3f}s  "
                           f"{m['tok_s']:6.2f} tok/s  cached {m['cached_tokens']:6d}  failed {m['requests_failed']}",
                           flush=True)
+                    if run.get("probe"):
+                        print(f"    probe: {run['probe']}", flush=True)
             ours = next((r for r in runs if r["round"] == rnd + 1 and r["k"] == K and r["server"] == "ours"
                          and r.get("records")), None)
             for r in runs:  # replies equal to ours at the same (round, K, agent, turn)

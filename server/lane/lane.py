@@ -10,8 +10,9 @@ waiting sequences, or ``ShuttingDown``. Each tick the thread, holding no lock wh
 2. asks the scheduler for this tick's ``TickPlan`` (server.lane.scheduler; the prefix cache answers index-only
    questions: is a queued prompt's SSD prefix in RAM yet, how much of it is cached);
 3. executes the plan through the engine, in the plan's order (server.lane.plan): end the cancelled, make room in
-   the RAM tier, admit (cache take), prefill chunks, start decoding (solo or into a batch), one step of every batch
-   and every solo sequence; sequences that finish leave at once and store what they computed.
+   the RAM tier, admit (cache take), the prefill chunks that complete a prompt, start decoding (solo or into a
+   batch), one step of every batch and every solo sequence, then the other prefill chunks; sequences that finish
+   leave at once and store what they computed.
 
 In a model sharded over processes, rank 0 broadcasts each plan before executing it and every other rank executes
 the same plan on its own sequences (server.lane.replay).
@@ -276,6 +277,9 @@ class Lane:
                 engine.leave_batch(seq)
         phases = {"admit": t1 - t0, "prefill": time.perf_counter() - t1}
         decoded = self._decode(plan, phases)
+        t2 = time.perf_counter()
+        prefilled += sum(self._prefill(group, plan.share) for group in plan.prefill_late)
+        phases["prefill"] += time.perf_counter() - t2
         self._running_ids = tuple(s.id for s in self._running)
         stats.on_tick(batch=engine.batch_size(), prefill_tokens=prefilled, decode_tokens=decoded,
                       running=len(self._running), phase_s=phases)

@@ -9,17 +9,19 @@ sequences' own state (phase, tokens, done):
     admit        queued sequences that join, FIFO (their prefix-cache take)
     cancel       running sequences whose client went away: what they computed is stored, then they end
     anchor       new anchors (sequence, prompt position): where a prefix another sequence waits for ends
-    prefill      groups of chunks, in order; a group of several is one batched forward. Before its group each
-                 sequence takes again from the prefix cache (a prompt just computed may cover more of it); a
-                 chunk is never more than planned, less when the cache now covers more
+    prefill      groups of chunks, in order, each of which completes its sequences' prefills (they decode in this
+                 tick's step); a group of several is one batched forward. Before its group each sequence takes
+                 again from the prefix cache (a prompt just computed may cover more of it); a chunk is never more
+                 than planned, less when the cache now covers more
     share        those prefills store their prompt in the cache as soon as it is computed (requests wait, or
                  several prefill together: they may share it)
-    start        sequences that begin decoding (their prefill completes this tick, or completed last tick):
+    start        sequences that begin decoding (their prefill completes in ``prefill``, or completed before):
                  per group, the ones that join the group's batch (with the solo ones migrating into it), and
                  the ones that decode on their own. A planned start whose prefill did not complete waits
     leave        a batch's last row goes on decoding solo (a batch of one is slower than the solo path)
     decode       the groups whose batch steps once (one batched forward each)
     solo         the solo sequences that step once, in this order
+    prefill_late the other prefill groups, after the decode step (as ``prefill``; their sequences start next tick)
     task         one lane task (embeddings, loading an adapter) runs this tick
     waiting_io   (not an action) queued sequences passed over because their prefix is still being read
 
@@ -62,6 +64,7 @@ class TickPlan:
     cancel: tuple[Sequence, ...] = ()
     anchor: tuple[tuple[Sequence, int], ...] = ()
     prefill: tuple[tuple[Chunk, ...], ...] = ()
+    prefill_late: tuple[tuple[Chunk, ...], ...] = ()
     share: bool = False
     start: tuple[Start, ...] = ()
     leave: tuple[Sequence, ...] = ()
@@ -74,6 +77,7 @@ class TickPlan:
     def model_work(self) -> bool:
         """Does the plan touch the model (or a sequence)? A plan of nothing but a task does not."""
         return bool(self.end_waiting or self.admit or self.cancel or self.anchor or self.prefill or self.start
+                    or self.prefill_late
                     or self.leave or self.decode or self.solo)
 
     @property
@@ -90,6 +94,7 @@ class TickPlan:
             "admit": [spec_of(s) for s in self.admit], "cancel": ids(self.cancel),
             "anchor": [[s.id, pos] for s, pos in self.anchor],
             "prefill": [[[c.seq.id, c.tokens] for c in group] for group in self.prefill], "share": self.share,
+            "prefill_late": [[[c.seq.id, c.tokens] for c in group] for group in self.prefill_late],
             "start": [[s.group, ids(s.batch), ids(s.solo)] for s in self.start], "leave": ids(self.leave),
             "decode": list(self.decode), "solo": ids(self.solo), "check": check or {},
         })
@@ -102,11 +107,13 @@ class TickPlan:
         admitted = [make(spec) for spec in d["admit"]]
         known = {**running, **{s.id: s for s in admitted}}
         seqs = lambda ids: tuple(known[i] for i in ids if i in known)  # noqa: E731
+        chunks = lambda groups: tuple(tuple(Chunk(known[i], n) for i, n in g if i in known)  # noqa: E731
+                                      for g in groups)
         plan = cls(
             end_waiting=tuple(make(spec) for spec in d["end_waiting"]), make_room=d["make_room"],
             admit=tuple(admitted), cancel=seqs(d["cancel"]),
             anchor=tuple((known[i], pos) for i, pos in d.get("anchor", ()) if i in known),
-            prefill=tuple(tuple(Chunk(known[i], n) for i, n in group if i in known) for group in d["prefill"]),
+            prefill=chunks(d["prefill"]), prefill_late=chunks(d.get("prefill_late", ())),
             share=d["share"],
             start=tuple(Start(group, seqs(batch), seqs(solo)) for group, batch, solo in d["start"]),
             leave=seqs(d["leave"]), decode=tuple(d["decode"]), solo=seqs(d["solo"]),

@@ -12,7 +12,10 @@ without a model (tests/unit/test_scheduler.py). The rules, in plan order:
    still being read from SSD (``ready`` says no) waits outside and does not block those behind it: the read is
    not on the lane's clock.
 3. Prefill: at most one chunk's worth of prompt tokens (``prefill_chunk``) per tick, so a long prompt delays the
-   running decodes by at most one chunk per tick. The cheapest remaining prefills go first (an agent's turn whose
+   running decodes by at most one chunk per tick. The leading chunks that complete their sequences' prefills run
+   before the tick's decode step (those sequences decode in it), every other chunk after it (``prefill_late``):
+   running decodes, then the cheapest remaining prefills, and a turn that needs a short chunk waits for no one
+   else's. The cheapest remaining prefills go first (an agent's turn whose
    prompt is almost all cached answers at once instead of waiting behind other requests' long prompts; ties keep
    admission order); a sequence passed over ``STARVE_TICKS`` plans in a row goes first, so a long prompt is never
    starved by a stream of short ones. Short prompts share the tick's budget (they finish together and join the
@@ -106,9 +109,11 @@ class Scheduler:
         self._note_passed([s for s in prefilling if id(s) not in waiters], chunks, left)
         groups = self._gather(chunks, done)
         share = bool(left_queued) or len(prefilling) > 1
+        early, late = _split_completing(groups, left)
 
-        # 4. start: what completes now, or completed since the last plan (a retake can finish a prefill early)
-        completing = [c.seq for c in chunks if c.tokens >= left(c.seq)]
+        # 4. start: what completes before this tick's decode, or completed since the last plan (a late chunk, or a
+        # retake that finished a prefill early)
+        completing = [c.seq for g in early for c in g]
         ready_now = [s for s in live if s.phase == Phase.PREFILL and s.prefilled] + completing
         starts, migrating = self._starts(ready_now, live)
 
@@ -130,7 +135,7 @@ class Scheduler:
         solo = tuple(s for s in [*live, *admit] if (s.phase == Phase.SOLO and s not in migrating)
                      or id(s) in started_solo or s in leave)
         return TickPlan(end_waiting=end_waiting, make_room=make_room, admit=tuple(admit), cancel=cancel,
-                        anchor=tuple(anchors), prefill=groups, share=share and bool(groups),
+                        anchor=tuple(anchors), prefill=early, prefill_late=late, share=share and bool(groups),
                         start=starts, leave=leave, decode=decode, solo=solo, task=task, waiting_io=io_wait)
 
     # -- the rules -------------------------------------------------------------------------------------------------
@@ -250,6 +255,18 @@ class Scheduler:
             solo = tuple(solo_only.get(group, [])) + (tuple(new) if alone else ())
             starts.append(Start(group, batch, solo))
         return tuple(starts), migrating
+
+
+def _split_completing(groups: tuple, left) -> tuple[tuple, tuple]:
+    """Rule 3's order against the decode step: the leading prefill groups whose every chunk completes its sequence's
+    prefill run before the tick's decode (those sequences decode in that same step: an almost fully cached turn
+    answers after its own short chunk, not after other prompts' chunks too); the rest run after the decode step
+    (their sequences, if they complete, decode first thing next tick). Only a leading run moves, so that the plan
+    order that shared prefixes rely on (a prompt computed before one that takes it from the cache) holds."""
+    n = 0
+    while n < len(groups) and all(c.tokens >= left(c.seq) for c in groups[n]):
+        n += 1
+    return groups[:n], groups[n:]
 
 
 def _common_prefix(a: list, b: list, cap: int) -> int:

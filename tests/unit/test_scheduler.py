@@ -35,7 +35,7 @@ def names(seqs) -> list[str]:
 
 
 def chunks(plan) -> list[list[tuple[str, int]]]:
-    return [[(c.seq.id, c.tokens) for c in group] for group in plan.prefill]
+    return [[(c.seq.id, c.tokens) for c in group] for group in (*plan.prefill, *plan.prefill_late)]
 
 
 def starts(plan) -> list[tuple]:
@@ -141,6 +141,27 @@ def test_an_almost_cached_turn_does_not_wait_behind_a_long_prompt():
     plan = sched(chunk=512).schedule([seq("turn", prompt_len=900)], [long], lookup=lambda s: 880)
     assert chunks(plan) == [[("turn", 19)], [("long", 493)]]  # the turn completes and decodes in this very tick
     assert starts(plan) == [(None, [], ["turn"])]
+    # ... and the long prompt's chunk waits until after that decode step: the turn's first token waits for its own
+    # 19 tokens, not for 493 of another prompt's too
+    assert [[c.seq.id for c in g] for g in plan.prefill] == [["turn"]]
+    assert [[c.seq.id for c in g] for g in plan.prefill_late] == [["long"]]
+
+
+def test_decodes_run_before_the_chunks_that_do_not_complete_a_prompt():
+    batch = [seq(f"r{i}", phase=Phase.BATCHED, prefilled=True, generated=3) for i in range(2)]
+    long = seq("long", prompt_len=1000, phase=Phase.PREFILL, done=100)
+    plan = sched(chunk=512).schedule([], [*batch, long])
+    assert not plan.prefill and chunks(plan) == [[("long", 512)]] and plan.decode == (None,) and not plan.start
+    # its last chunk completes it: before the decode, which it joins
+    long.done = 612
+    plan = sched(chunk=512).schedule([seq("new", prompt=range(3000))], [*batch, long])  # shares nothing
+    assert chunks(plan) == [[("long", 387)], [("new", 125)]]
+    assert [[c.seq.id for c in g] for g in plan.prefill] == [["long"]] and starts(plan) == [(None, ["long"], [])]
+    starved = sched(chunk=512)
+    starved._passed = {"long": 99}  # a starved long prompt goes first: the short one after it waits for the decode
+    plan = starved.schedule([seq("short", prompt_len=10)], [*batch, seq("long", prompt_len=9000, done=10,
+                                                                       phase=Phase.PREFILL)])
+    assert not plan.prefill and chunks(plan) == [[("long", 512)]]
 
 
 def test_a_long_prompt_passed_over_too_often_goes_first():
@@ -150,7 +171,7 @@ def test_a_long_prompt_passed_over_too_often_goes_first():
     long = seq("long", prompt_len=40, phase=Phase.PREFILL, done=0)
     for i in range(STARVE_TICKS):  # each tick a new short prompt takes the whole budget
         plan = s.schedule([seq(f"short{i}", prompt_len=5)], [long])
-        assert [c.seq.id for g in plan.prefill for c in g] == [f"short{i}"]
+        assert [c.seq.id for g in (*plan.prefill, *plan.prefill_late) for c in g] == [f"short{i}"]
     plan = s.schedule([seq("one-more", prompt_len=5)], [long])
     assert chunks(plan) == [[("long", 4)]]  # its turn now; the short one waits
 
@@ -193,7 +214,7 @@ def test_a_shared_prefix_is_computed_once_the_others_wait_for_it():
     a.phase, a.done, a.anchors = Phase.PREFILL, 201, (201,)  # the next tick: a stored its prefix
     b.phase, b.cached = Phase.PREFILL, 0
     plan = sched(chunk=4096, prefill_batch=4).schedule([], [a, b])
-    assert {c.seq.id for g in plan.prefill for c in g} == {"a", "b"} and not plan.anchor  # b takes it, then goes on
+    assert {c.seq.id for g in (*plan.prefill, *plan.prefill_late) for c in g} == {"a", "b"} and not plan.anchor  # b takes it, then goes on
 
 
 def test_one_that_computed_part_of_its_prompt_itself_never_waits():
@@ -202,7 +223,7 @@ def test_one_that_computed_part_of_its_prompt_itself_never_waits():
     b = seq("b", prompt=[1, *shared, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], phase=Phase.PREFILL, done=10)
     b.cached = 0  # 10 tokens of its own: a take could not replace its caches any more
     plan = sched(chunk=4096, prefill_batch=4).schedule([], [a, b])
-    assert [c.seq.id for g in plan.prefill for c in g] == ["b"]  # b goes on; a, which has nothing yet, waits for it
+    assert [c.seq.id for g in (*plan.prefill, *plan.prefill_late) for c in g] == ["b"]  # b goes on; a, which has nothing yet, waits for it
     assert [(s.id, pos) for s, pos in plan.anchor] == [("b", 1 + 2 * SHARED_PREFIX_MIN)]
 
 
@@ -270,7 +291,7 @@ def test_a_prefill_that_completed_early_is_started_on_the_next_plan():
     running = [seq("a", prompt_len=9, phase=Phase.PREFILL, done=4, prefilled=True),
                seq("b", phase=Phase.SOLO, prefilled=True, generated=2)]
     plan = sched().schedule([], running)
-    assert not plan.prefill and starts(plan) == [(None, ["b", "a"], [])]
+    assert not plan.prefill and not plan.prefill_late and starts(plan) == [(None, ["b", "a"], [])]
 
 
 def test_a_task_runs_and_an_idle_plan_is_empty():
