@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu  # noqa: E402  (build_model, SHAPES, machine facts)
 import peers as peer_servers  # noqa: E402
 from agent_workload import SYSTEM_PROMPT, TASKS, stream_chat, tool_chunk  # noqa: E402
-from concurrent_agents import lane_block, run_agents, run_metrics  # noqa: E402
+from concurrent_agents import PROBE, lane_block, probe_metrics, run_agents, run_metrics  # noqa: E402
 
 TARGET_WALL = 0.4  # issue 22: ours / mlx_lm.server wall on this workload
 # mlx-lane at its defaults, and variants of it to compare with (each is started as `ours` is, plus these)
@@ -113,6 +113,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--stagger-ms", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--probe-every-ms", type=float, default=0.0,
+                    help="also send a fully cached 2-token request this often during each run and report its TTFT "
+                         "against ours' batched decode step (issue 22 item 7; concurrent_agents.run_probe)")
     ap.add_argument("--ours-args", default="", help="extra `mlx-lane serve` arguments (one shell-quoted string)")
     args = ap.parse_args()
     out = Path(args.out)
@@ -161,11 +164,20 @@ def main() -> int:
 
                     with httpx.Client() as c:
                         stream_chat(c, peer.url, [{"role": "user", "content": "Say hi."}], 2)  # warm-up
+                        if args.probe_every_ms > 0:
+                            stream_chat(c, peer.url, PROBE, 2)  # the probe's prompt, cached from now on
+                    lane_before = lane_block(peer.url) if n in OURS_VARIANTS else None
+                    probes: list[dict] = []
                     records, wall = run_agents(peer.url, tasks, chunks, K, T, args.max_tokens,
-                                               args.stagger_ms / 1e3, system=system)
+                                               args.stagger_ms / 1e3, system=system,
+                                               probe_every_s=args.probe_every_ms / 1e3, probes=probes)
                     if n in OURS_VARIANTS:
                         run["stats_after"] = stats_blocks(peer.url)
                     run["metrics"] = run_metrics(records, wall, K, T)
+                    if args.probe_every_ms > 0:
+                        run["probe"] = probe_metrics(probes, lane_before, (run.get("stats_after") or {}).get("lane"))
+                        run["probe_records"] = probes
+                        print(f"    {n} probe: {run['probe']}", flush=True)
                     run["per_turn"] = {str(t + 1): {
                         "ttft_mean_s": round(statistics.mean(r["ttft_s"] for r in records
                                                              if r["ok"] and r["turn"] == t + 1), 4),

@@ -10,9 +10,10 @@ and forced or strict tool calls are enforced by constrained decoding (server/cor
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -215,11 +216,29 @@ class ChatCompletionRequest(SamplingFields):
         return bool(self.tools) and self.tool_choice != "none"
 
 
+# A prompt of token ids, tried first and strictly: pydantic's smart union over ``str | list[str] | list[int]`` costs
+# ~10x more than one strict ``list[int]`` (a 32k-token prompt: 3-8 ms on the 2-core dev CPU, ~20 ms of a served
+# RAM hit's path once the lane's thread competes), and agents resend their whole conversation every turn. Left to
+# right, each branch is what smart mode would have picked for the same input: exact ints, then text, then a list
+# of texts, then ints written otherwise (1.0), which lax list[int] accepts as smart mode did.
+TokenIds = list[Annotated[int, Strict()]]
+Prompt = Annotated[Union[TokenIds, str, list[str], list[int]], Field(union_mode="left_to_right")]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int]]
+    prompt: Prompt
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: Optional[str] = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_type(cls, v, handler):
+        try:
+            return handler(v)
+        except ValidationError:  # the union's first branch's complaint alone would mislead: say what is accepted
+            raise PydanticCustomError("prompt", "prompt must be a string, a list of one string, or a list of "
+                                      "token ids (integers)") from None
 
     @field_validator("prompt")
     @classmethod
