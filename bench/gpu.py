@@ -479,10 +479,14 @@ def phase_ttft(srv: Server, args, rng) -> None:
                 f"RAM hit {h['ttft_s']:.3f}s (cached {h['cached_tokens']}) split {h['split']}; "
                 f"after idle {hi['ttft_s']:.3f}s split {hi['split']}")
         srv.post("/admin/cache/clear")
+        # a length this process has not seen yet: does a new shape cost more than a warm one (kernels per shape)?
+        odd = srv.complete(rand_prompt(rng, L - 37), 1)
+        log(f"ttft {L - 37} (a new length, cold): {odd['ttft_s']:.3f}s")
         if (R.get("first_request") or {}).get("length") == L and med(cold):
             R["first_request"]["over_warm_cold"] = round(R["first_request"]["ttft_s"] / med(cold), 3)
         out[str(L)] = {"cold_s": summary(cold), "ram_hit_s": summary(hit),
                        "ram_hit_after_idle_s": summary(hit_idle), "rows": rows,
+                       "cold_new_length": {"length": L - 37, "ttft_s": odd["ttft_s"]},
                        "cold_prefill_tok_s": round(L / med(cold), 1) if med(cold) else None}
         R["ttft"] = out
         save()

@@ -127,15 +127,18 @@ class Engine:
     def warmup(self) -> None:
         """Page the weights in and compile kernels before the first request (lane thread): a prefill, one-token
         steps over a cache, a batched step of two rows and (GPU) a batched prefill of two padded rows, so the first
-        request pays none of it. On a GPU the prefill is a whole --prefill-chunk (MLX compiles a kernel per shape:
-        the first 2048-token chunk of a cold process cost 1.5-2x a warm one on the H200); on the CPU, where nothing
-        is compiled, 8 tokens do."""
+        request pays none of it. On a GPU the prefill is two whole --prefill-chunk chunks, the second over the
+        first's cache (MLX compiles a kernel per shape: the first 2048-token chunk of a cold process cost 1.5-2x a
+        warm one on the H200); on the CPU, where nothing is compiled, 8 tokens do."""
         gpu = self._gpu
         with mx.stream(self.stream):
             mx.eval(self.model.parameters())
             caches = self._new_caches()
             n = self.prefill_chunk if gpu else 8
-            mx.eval(self.model(mx.array([[(i % 1000) + 1 for i in range(n)]]), cache=caches))
+            # on a GPU two chunks: a prompt's later chunks attend over the cache the first ones left (a query
+            # shorter than its keys: other kernels than the first chunk's)
+            for part in range(2 if gpu else 1):
+                mx.eval(self.model(mx.array([[(i % 1000) + 1 + part for i in range(n)]]), cache=caches))
             for _ in range(4 if gpu else 1):
                 mx.eval(self.model(mx.array([[1]]), cache=caches))
             if can_batch(caches):
