@@ -170,7 +170,7 @@ def _serve_parser(sub) -> None:
                         "CPU, 2048 on a GPU, where small chunks cost 23-37%% of cold TTFT) [MLX_LANE_PREFILL_CHUNK]")
     p.add_argument("--max-batch", type=int, default=int(_env("max_batch")) if _env("max_batch") else None,
                    help="sequences the lane runs at once (prefilling + decoding; each decode step is one batched "
-                        "forward for all of them). Default 8 on the CPU, 32 on a GPU [MLX_LANE_MAX_BATCH]")
+                        "forward for all of them). Default 16 on the CPU, 32 on a GPU [MLX_LANE_MAX_BATCH]")
     p.add_argument("--prefill-batch", type=int,
                    default=int(_env("prefill_batch")) if _env("prefill_batch") else None,
                    help="prompts prefilled together in one batched forward per tick, each up to --prefill-chunk "

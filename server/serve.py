@@ -65,7 +65,7 @@ def build_state(args):
     adapters = _adapters(args, loaded)
     engine.adapters = adapters
     embedder = _embedder(args)
-    max_batch = args.max_batch or (8 if device_name() == "cpu" else 32)
+    max_batch = args.max_batch or (16 if device_name() == "cpu" else 32)  # BENCHMARKS.md: 16 agents on the CPU
     prefill_batch = getattr(args, "prefill_batch", None) or (1 if device_name() == "cpu" else 8)
     pool_box: list = []  # the model pool, once built: the budget counts its loaded models' weights
     budget = _memory_budget(args, engine, prompt_cache, extra_weights=lambda: pool_box[0].loaded_bytes() if pool_box else 0)
