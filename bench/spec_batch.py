@@ -6,7 +6,8 @@ round by round:
   spec_batch  --draft-kind ngram: the agents' drafts verified together, one forward per step (server.engine.spec_batch)
   spec_solo   --draft-kind ngram --no-spec-batch: each speculating agent decoded on its own (before this change)
   two_model_batch / two_model_solo   --draft-model default (the default model drafting for itself), in the batch or
-              each on its own: the two-model mechanism's cost on this CPU (only with --configs)
+              each on its own: the two-model mechanism's cost on this CPU (only with --configs);
+              two_model_rowwise: in the batch, each row's drafts from its own draft caches (MLX_LANE_DRAFT_BATCH=0)
 Each pass: K agents send their turn at once (threads released together); a turn is the benchmark agent's system
 prompt, a task and 150-400 tokens of tool output (bench/agent_workload.py: code read from a file, test logs, grep
 hits), ending in an instruction that makes the reply quote that output ("Show the function you will change,
@@ -40,7 +41,10 @@ CONFIGS = {"plain": (), "spec_batch": ("--draft-kind", "ngram"),
            # the default model drafting for itself: every draft holds, but a drafted token costs a whole forward of
            # a model as big as the target (the mechanism's cost, not a pair anyone would serve)
            "two_model_batch": ("--draft-model", "default", "--num-draft-tokens", "4"),
-           "two_model_solo": ("--draft-model", "default", "--num-draft-tokens", "4", "--no-spec-batch")}
+           "two_model_solo": ("--draft-model", "default", "--num-draft-tokens", "4", "--no-spec-batch"),
+           # in the batch, but each row drafting on its own draft caches (before server.engine.draft_batch)
+           "two_model_rowwise": ("--draft-model", "default", "--num-draft-tokens", "4")}
+ENV = {"two_model_rowwise": {"MLX_LANE_DRAFT_BATCH": "0"}}
 ASK = "\n\nShow the function you will change, exactly as it is now, then the fixed version."
 
 
@@ -104,7 +108,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="spec-batch-") as tmp:
         servers = {}
         for name in configs:
-            s = peer_servers.Ours(Path(tmp) / name, model_dir, extra=CONFIGS[name])
+            s = peer_servers.Ours(Path(tmp) / name, model_dir, extra=CONFIGS[name], env=ENV.get(name))
             s.start()
             servers[name] = s
         try:

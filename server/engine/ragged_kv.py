@@ -12,7 +12,8 @@ forward. Nothing is copied to rewind.
 
     kv = RaggedKV.from_rows([row_caches, ...])     # each row: its own per-layer KVCache list (consumed)
     logits = model(tokens_BxW, cache=kv.layers)    # every row feeds W tokens (pad what it does not have)
-    kv.commit([kept_0, kept_1, ...])               # 1 <= kept_i <= W
+    kv.commit([kept_0, kept_1, ...])               # 0 <= kept_i <= W
+    kv.rewind([n_0, n_1, ...])                     # row i drops its last n_i positions (no copy)
     caches = kv.extract(i)                         # row i's own per-layer KVCache list, for the prefix cache
     kv.extend([row_caches])                        # a row joins: written into a free slot, in place
     order = kv.release([i])                        # rows leave: the last live rows fill their slots
@@ -186,6 +187,13 @@ class RaggedKV:
         if len(kept) != len(self.lengths):
             raise ValueError(f"{len(kept)} counts for {len(self.lengths)} rows")
         self._set_lengths([n + k for n, k in zip(self.lengths, kept)])
+
+    def rewind(self, counts: list[int]) -> None:
+        """Row i drops its last counts[i] positions (drafts fed and then rejected): its length goes back, nothing is
+        copied (its next forward overwrites them)."""
+        if len(counts) != len(self.lengths) or any(c < 0 or c > n for c, n in zip(counts, self.lengths)):
+            raise ValueError(f"cannot rewind rows of lengths {self.lengths} by {counts}")
+        self._set_lengths([n - c for n, c in zip(self.lengths, counts)])
 
     def ranges(self, width: int) -> tuple[mx.array, mx.array]:
         """What ``mask(width)`` says as two int32 arrays of shape (B,) (``models.gpu_attention``'s fused kernel

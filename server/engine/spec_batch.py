@@ -1,7 +1,7 @@
 """The speculating decode batch: every row drafts on its own, one forward verifies all rows' drafts together.
 
-Each step, row i asks its draft source (n-gram lookup over its own prompt + output, or the draft model over its own
-draft caches: ``spec.two_model.TwoModelSource``, one row at a time) for up to n_i tokens, n_i from
+Each step, row i asks its draft source (n-gram lookup over its own prompt + output, or the draft model: every
+two-model row's drafts in the same batched forwards) for up to n_i tokens, n_i from
 its own adaptive policy (``spec.adaptive``; a row whose drafts keep failing pauses, one whose drafts hit drafts
 more) and capped by what is left of its ``max_tokens``. What "failing" means is measured on this batch
 (``spec.adaptive.BatchVerifyCost``: the time a drafted token adds to the step, drafting included, against a row's
@@ -26,14 +26,17 @@ Interface as ``server.engine.batch.DecodeBatch``: ``add_many``, ``step`` (a row 
 list is in row order, each row's tokens in sequence order), ``remove`` (the row's caches and exactly the tokens
 they cover, cut back to what the sequence kept when a stop ended it inside a step).
 
+The draft model's rows draft together (``server.engine.draft_batch``): while a two-model row is in the batch its
+draft caches live in the drafter's own ragged layout, and a step's k drafted tokens cost k batched forwards of the
+draft model for all rows, not k per row.
+
 Not here: grammars (their processor is stateful and sees each token once: such requests do not speculate in a
-batch), the draft model's forwards batched over the rows (each row's draft model runs on its own caches: the
-verify is batched, the drafting is not), pipelining (a step must know what was accepted before it can draft the
-next one).
+batch), pipelining (a step must know what was accepted before it can draft the next one).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,9 +45,11 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from server.engine.batch_logits import Penalties, penalise, penalty_windows
+from server.engine.draft_batch import DraftBatch
 from server.engine.ragged_kv import RaggedKV
 from server.engine.sampling import PENALTY_CONTEXT
 from spec import BatchVerifyCost, SpecStats
+from spec.two_model import TwoModelSource
 
 __all__ = ["SpecBatch", "PlainStepClock", "spec_group", "is_spec_group"]
 
@@ -120,6 +125,10 @@ class SpecBatch:
         self.cost = BatchVerifyCost()  # what a drafted token costs this batch: the rows' break-even acceptance
         self._skipped = 0  # steps whose drafts were not worth their positions
         self._recent: deque = deque(maxlen=JUDGE_STEPS)  # (rows, tokens emitted, seconds) of the latest steps
+        # the two-model rows' draft caches and forwards, batched (None until such a row joins; MLX_LANE_DRAFT_BATCH=0:
+        # each row drafts on its own caches, to compare)
+        self._drafter: Optional[DraftBatch] = None
+        self._batch_drafts = os.environ.get("MLX_LANE_DRAFT_BATCH", "1") != "0"
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -148,8 +157,8 @@ class SpecBatch:
 
     @property
     def kv_nbytes(self) -> int:
-        """Bytes of the batch's KV buffers, free slots and unused positions included."""
-        return self._kv.nbytes if self._kv is not None else 0
+        """Bytes of the batch's KV buffers (the draft model's too), free slots and unused positions included."""
+        return (self._kv.nbytes if self._kv is not None else 0) + (self._drafter.kv_nbytes if self._drafter else 0)
 
     def add_many(self, rows: list) -> None:
         """``[(seq, caches, history, opts), ...]``: caches cover history[:-1]; history[-1] is the next input. opts:
@@ -170,6 +179,16 @@ class SpecBatch:
         else:
             self._kv.extend(caches)
         self._rows.extend(new)
+        self._join_drafter([r.source for r in new])
+
+    def _join_drafter(self, sources: list) -> None:
+        """Two-model sources draft together (server.engine.draft_batch): their caches move into the drafter."""
+        two = [s for s in sources if isinstance(s, TwoModelSource)]
+        if not (two and self._batch_drafts):
+            return
+        if self._drafter is None:
+            self._drafter = DraftBatch(two[0].model)
+        self._drafter.join([s for s in two if s.model is self._drafter.model])
 
     def step(self) -> list:
         """One verify forward for every row: ``[(seq, token, logprobs), ...]``, a row's tokens in order."""
@@ -187,7 +206,7 @@ class SpecBatch:
             if any(wanted) and not self._worth_drafting(wanted, pays):
                 wanted = [0] * len(wanted)
             top = max(wanted)  # every row computes this many positions anyway: a drafting row may fill them
-            drafts = [self._draft(r, min(top, self._left(r))) if n else [] for r, n in zip(self._rows, wanted)]
+            drafts = self._drafts([min(top, self._left(r)) if n else 0 for r, n in zip(self._rows, wanted)])
         width = 1 + max(len(d) for d in drafts)
         inputs = mx.array([[r.pending] + d + [r.pending] * (width - 1 - len(d)) for r, d in zip(self._rows, drafts)])
         self._kv.reserve(width)
@@ -197,7 +216,7 @@ class SpecBatch:
         mx.eval(token_rows, lp_rows)
         picked = [t.tolist() for t in token_rows]
         self.cost.observe(len(self._rows), len(self._rows) * (width - 1), time.perf_counter() - t0)
-        rows_out, kept = [], []
+        rows_out, kept, batched_commits = [], [], []
         for i, (row, d) in enumerate(zip(self._rows, drafts)):
             tokens = picked[i]
             a = 0
@@ -209,7 +228,10 @@ class SpecBatch:
             row.tokens.extend(d[:a])
             row.pending = tokens[a]
             if d:
-                row.source.commit(d, a)
+                if self._drafter is not None and row.source in self._drafter:
+                    batched_commits.append((row.source, d, a))
+                else:
+                    row.source.commit(d, a)
                 row.policy.update(len(d), a)
                 self.drafted += len(d)
                 self.accepted += a
@@ -222,6 +244,8 @@ class SpecBatch:
             row.feed.append(row.pending)
             rows_out.extend((row.seq, t, lp_rows[i][j]) for j, t in enumerate(emitted))
         self._kv.commit(kept)
+        if batched_commits:
+            self._drafter.commit(batched_commits)
         self.steps += 1
         self.row_steps += len(self._rows)
         self.last_step = (len(self._rows), sum(len(d) for d in drafts), sum(k - 1 for k in kept), len(rows_out))
@@ -232,6 +256,8 @@ class SpecBatch:
         """Take these rows out: ``[(tokens, caches), ...]`` in the order given. The caches cover exactly ``tokens``:
         what the row fed, cut back to the sequence's own prompt + generated tokens when it stopped inside a step."""
         index = {id(r.seq): i for i, r in enumerate(self._rows)}
+        if self._drafter is not None:  # draft caches back to their sources first: prefill() below uses them
+            self._drafter.leave([s for s in (self._rows[index[id(q)]].source for q in seqs) if s in self._drafter])
         out = []
         for seq in seqs:
             i = index[id(seq)]
@@ -248,6 +274,7 @@ class SpecBatch:
         self._rows = [self._rows[i] for i in order]
         if not self._rows:
             self._kv = None
+            self._drafter = None
         return out
 
     # -- parts of a step ---------------------------------------------------------------------------
@@ -268,6 +295,22 @@ class SpecBatch:
     def _wanted(self, row: _Row) -> int:
         """The row's draft length this step by its policy (asked once per step: a pause counts down there)."""
         return max(0, min(row.policy.next_length(), row.max_draft, self._left(row)))
+
+    def _drafts(self, ns: list) -> list:
+        """Each row's draft of up to ns[i] tokens: the two-model rows' in batched forwards of the draft model (every
+        such row hears its feed, drafting or not), the others from their own source."""
+        drafts = [[] for _ in self._rows]
+        together = [i for i, r in enumerate(self._rows) if self._drafter is not None and r.source in self._drafter]
+        if together:
+            got = self._drafter.draft([(self._rows[i].source, self._rows[i].feed, ns[i]) for i in together])
+            for i, d in zip(together, got):
+                drafts[i] = d
+                self._rows[i].feed = []
+        alone = set(together)
+        for i, (row, n) in enumerate(zip(self._rows, ns)):
+            if i not in alone and n:
+                drafts[i] = self._draft(row, n)
+        return drafts
 
     @staticmethod
     def _draft(row: _Row, n: int) -> list:

@@ -306,8 +306,47 @@ def test_penalised_rows_verify_each_drafted_position_with_its_own_history(model)
     assert 0 < batch.accepted < batch.drafted
 
 
+def test_the_draft_batch_drafts_what_each_rows_own_source_drafts(model):
+    """server.engine.draft_batch: three rows' drafts from batched forwards of the draft model equal each row's own
+    TwoModelSource's, over rounds of different lengths, partial and full accepts (a full accept feeds 2 tokens next
+    round); a row that leaves gets caches that go on exactly as its own source's."""
+    from server.engine.draft_batch import DraftBatch
+    from spec.two_model import TwoModelSource
+
+    draft = tiny_llama(seed=11)
+    prompts = [list(range(20, 40)), list(range(60, 66)), list(range(90, 130))]
+    alone = [TwoModelSource(draft) for _ in prompts]
+    together = [TwoModelSource(draft) for _ in prompts]
+    for a, t, p in zip(alone, together, prompts):
+        a.prefill(p[:-1])
+        t.prefill(p[:-1])
+    db = DraftBatch(draft)
+    db.join(together)
+    feeds = [[p[-1]] for p in prompts]
+    rounds = [([3, 1, 2], [0, 1, 2]), ([2, 3, 0], [2, 3, 0]), ([1, 2, 3], [1, 0, 3]), ([2, 2, 2], [1, 2, 0])]
+    for r, (ns, accepts) in enumerate(rounds):
+        want = [a.draft(f, n) for a, f, n in zip(alone, feeds, ns)]
+        got = db.draft([(t, f, n) for t, f, n in zip(together, feeds, ns)])
+        assert got == want and all(len(d) == n for d, n in zip(got, ns))
+        for a, d, acc in zip(alone, want, accepts):
+            a.commit(d, acc)
+        db.commit([(t, d, acc) for t, d, acc in zip(together, got, accepts) if d])
+        assert [t.tokens for t in together] == [a.tokens for a in alone]
+        feeds = [[(31 * r + 7 * i) % 150 + 3] for i in range(3)]  # each row's next token, from the target
+    assert db.forwards == sum(max(ns) for ns, _ in rounds)  # one forward per drafted position, not per row
+    db.leave([together[1]])
+    t, a = together[1], alone[1]
+    assert t.caches[0].offset == len(t.tokens) == len(a.tokens)
+    assert t.draft(feeds[1], 3) == a.draft(feeds[1], 3)  # it goes on alone, as its own source would
+    rest = db.draft([(together[0], feeds[0], 2), (together[2], feeds[2], 1)])
+    assert rest == [alone[0].draft(feeds[0], 2), alone[2].draft(feeds[2], 1)]
+
+
+@pytest.mark.parametrize("batched", [True, False])  # drafts: batched forwards of the draft model, or row by row
 @pytest.mark.parametrize("draft_seed", [5, 11])  # the target itself (every draft holds), another model (few hold)
-def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_batchs_text(model, draft_seed):
+def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_batchs_text(model, draft_seed, batched,
+                                                                                         monkeypatch):
+    monkeypatch.setenv("MLX_LANE_DRAFT_BATCH", "1" if batched else "0")
     from server.engine.ragged_batch import RaggedBatch
     from spec.two_model import TwoModelSource
 
@@ -331,6 +370,7 @@ def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_bat
         sources.append(src)
         batch.add_many([(s, own_caches(model, p[:-1]), list(p),
                          {"source": src, "policy": FixedDraftLength(3), "max_draft": 3})])
+    assert (batch._drafter is not None and len(batch._drafter) == 3) == batched
     while any(len(s.generated) < 10 for s in seqs):
         for s, token, _ in batch.step():
             s.generated.append(token)
@@ -338,6 +378,7 @@ def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_bat
             (tokens, caches), = batch.remove([s])
             src = sources[seqs.index(s)]
             assert src.tokens == tokens and caches[0].offset == len(tokens)  # both models cover what was kept
+            assert src.caches[0].offset == len(src.tokens)  # the draft caches are the source's again
     assert [s.generated[:10] for s in seqs] == [want[i] for i in range(3)]
     assert batch.drafted > 0
     if draft is model:

@@ -1,0 +1,154 @@
+"""The draft model's forwards batched over a speculating batch's rows: k forwards per step for all rows, not k per row.
+
+A ``SpecBatch`` row that drafts with a second model (``spec.two_model.TwoModelSource``) used to run that model on
+its own caches, one row after another. While the row is in the batch its draft caches live here instead, in one
+``RaggedKV`` (each row left-aligned, writing at its own end, rewound per row with no copy), and ``draft`` computes
+every drafting row's next tokens together:
+
+    forward 1   every row feeds what its draft caches have not seen yet (its pending token, and after a fully
+                accepted round the last draft too: 1 or 2 tokens, right-padded); each row's first draft is the
+                argmax at its last real position
+    forward j   every row still drafting feeds its draft j-1 (width 1); draft j is its argmax
+
+so a row drafting n tokens has fed ``unfed + d1..d(n-1)``, exactly as ``TwoModelSource.draft`` does, and
+``commit(row, drafted, accepted)`` keeps the same bookkeeping (the ``n-1-a`` fed-but-rejected positions are dropped:
+the row's length goes back; after a full accept ``d_n`` is remembered as unfed). Rows that draft less than the
+longest draft this step stop feeding (their positions past what they keep are overwritten later). The whole chain
+is one lazy MLX graph evaluated once: forward j's input is forward j-1's argmax, with no round trip to Python.
+
+``join`` takes a source's caches in (the source keeps its token bookkeeping; its caches are the batch's until
+``leave`` hands them back as plain ``KVCache`` layers, so the source can go on alone or be stored). Greedy drafts,
+as the solo source's: what is accepted is decided by the target's verify walk, whatever the request's sampler.
+Only the lane thread touches a DraftBatch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from server.engine.ragged_kv import RaggedKV
+
+__all__ = ["DraftBatch"]
+
+
+class DraftBatch:
+    def __init__(self, model):
+        self.model = model
+        self._sources: list = []  # per live row of the RaggedKV, in its row order
+        self._kv: Optional[RaggedKV] = None
+        self.forwards = 0  # batched draft forwards run (for tests and /stats)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def __contains__(self, source) -> bool:
+        return any(s is source for s in self._sources)
+
+    @property
+    def kv_nbytes(self) -> int:
+        return self._kv.nbytes if self._kv is not None else 0
+
+    def join(self, sources: list) -> None:
+        """These sources' caches move in (each source must have no draft open: ``draft`` then ``commit`` pairs)."""
+        if not sources:
+            return
+        for s in sources:
+            if s.model is not self.model:
+                raise ValueError("a DraftBatch drafts with one model: this source has another")
+            if s._open is not None:
+                raise RuntimeError("a source joined with a draft still open")
+        rows = [s._caches for s in sources]
+        if self._kv is None:
+            self._kv = RaggedKV.from_rows(rows)
+        else:
+            self._kv.extend(rows)
+        for s in sources:
+            s._caches = None  # the batch's now, until leave()
+        self._sources.extend(sources)
+
+    def leave(self, sources: list) -> None:
+        """These sources get their caches back (covering exactly their ``tokens``) and leave the batch."""
+        index = {id(s): i for i, s in enumerate(self._sources)}
+        rows = [index[id(s)] for s in sources]
+        for s, i in zip(sources, rows):
+            s._caches = self._kv.extract(i)
+        order = self._kv.release(rows)
+        self._sources = [self._sources[i] for i in order]
+        if not self._sources:
+            self._kv = None
+
+    def draft(self, wanted: list) -> list[list[int]]:
+        """``[(source, feed, n), ...]`` (every row of the batch, any order): each source hears ``feed`` (the tokens
+        its sequence took since its last draft) and drafts up to ``n`` tokens; returns the drafts in the order
+        given. A source with nothing unfed or ``n`` <= 0 drafts nothing (but keeps the feed for later)."""
+        by_row: dict[int, tuple] = {}
+        index = {id(s): i for i, s in enumerate(self._sources)}
+        for source, feed, n in wanted:
+            if source._open is not None:
+                raise RuntimeError("draft() called twice without commit()")
+            source._unfed.extend(int(t) for t in feed)
+            by_row[index[id(source)]] = (source, int(n) if source._unfed else 0)
+        top = max((n for _, n in by_row.values()), default=0)
+        if top <= 0:
+            return [[] for _ in wanted]
+        rows = len(self._sources)
+        n_of = [by_row[i][1] if i in by_row else 0 for i in range(rows)]
+        unfed = [list(self._sources[i]._unfed) if n_of[i] else [] for i in range(rows)]
+        width = max(len(u) for u in unfed)
+        first = mx.array([u + [u[-1] if u else 0] * (width - len(u)) for u in unfed], dtype=mx.uint32)
+        last = mx.array([max(0, len(u) - 1) for u in unfed], dtype=mx.int32)
+        ys = []
+        inputs = first
+        for j in range(top):
+            w = inputs.shape[1]
+            self._kv.reserve(w)
+            logits = self.model(inputs, cache=self._kv.layers)  # (rows, w, V)
+            pick = logits[mx.arange(rows), last] if j == 0 else logits[:, 0, :]  # (rows, V): each row's last fed
+            y = mx.argmax(pick, axis=-1).astype(mx.uint32)
+            ys.append(y)
+            # what each row keeps of what it just fed: its unfed tokens, then one draft per forward while it drafts
+            self._kv.commit([len(unfed[i]) if j == 0 else int(j < n_of[i]) for i in range(rows)])
+            inputs = y[:, None]
+            if j + 1 < top:
+                mx.async_eval(inputs)
+            self.forwards += 1
+        out_rows = mx.stack(ys, axis=1).tolist()  # (rows, top): the one sync of the whole chain
+        drafts: dict[int, list[int]] = {}
+        for i, n in enumerate(n_of):
+            if not n:
+                continue
+            s, d = self._sources[i], [int(t) for t in out_rows[i][:n]]
+            s._tokens.extend(s._unfed)
+            s._tokens.extend(d[:-1])
+            s._unfed = []
+            s._open = d
+            drafts[i] = d
+        return [drafts.get(index[id(source)], []) for source, _, _ in wanted]
+
+    def commit(self, done: list) -> None:
+        """``[(source, drafted, accepted), ...]`` after the target's verify: each row drops its fed-but-rejected
+        draft positions (``n-1-a``), or after a full accept remembers ``d_n`` as not yet fed (TwoModelSource's
+        rule)."""
+        index = {id(s): i for i, s in enumerate(self._sources)}
+        back = [0] * len(self._sources)
+        for source, drafted, accepted in done:
+            drafted = list(drafted)
+            if drafted != (source._open or []):
+                raise RuntimeError("commit() of tokens this source did not draft")
+            n = len(drafted)
+            if not 0 <= accepted <= n:
+                raise ValueError(f"accepted={accepted} outside 0..{n}")
+            source._open = None
+            if n == 0:
+                continue
+            if accepted == n:
+                source._unfed = [drafted[-1]]
+            else:
+                rejected = n - 1 - accepted
+                if rejected:
+                    back[index[id(source)]] = rejected
+                    del source._tokens[len(source._tokens) - rejected:]
+        if any(back):
+            self._kv.rewind(back)
