@@ -120,10 +120,53 @@ class TwoModelSource:
             mx.eval([c.state for c in self._caches])
             self._tokens.extend(chunk)
 
-    def draft(self, feed: Sequence[int], n: int) -> list[int]:
+    # -- the bookkeeping shared with a batch that drafts for several sources (server.engine.draft_batch) ----------
+    def lend_caches(self) -> list:
+        """Hand the caches over (a batch holds them until ``take_back``); refused while a draft is open."""
+        if self._open is not None:
+            raise RuntimeError("caches lent with a draft still open")
+        caches, self._caches = self._caches, None
+        return caches
+
+    def take_back(self, caches: list) -> None:
+        """The caches again, covering exactly ``tokens``."""
+        self._caches = caches
+
+    def hear(self, feed: Sequence[int]) -> list[int]:
+        """The sequence took ``feed``: returns everything the caches have not seen yet (to feed before drafting)."""
         if self._open is not None:
             raise RuntimeError("draft() called twice without commit()")
         self._unfed.extend(int(t) for t in feed)
+        return list(self._unfed)
+
+    def opened(self, drafts: list[int]) -> None:
+        """The caches were fed the unfed tokens and ``drafts[:-1]``; ``drafts`` await ``commit``."""
+        self._tokens.extend(self._unfed)
+        self._tokens.extend(drafts[:-1])
+        self._unfed = []
+        self._open = drafts
+
+    def settle(self, drafted: Sequence[int], accepted: int) -> int:
+        """``commit``'s bookkeeping: returns how many fed positions the caches must drop (the caller drops them)."""
+        drafted = list(drafted)
+        if drafted != (self._open or []):
+            raise RuntimeError("commit() of tokens this source did not draft")
+        n = len(drafted)
+        if not 0 <= accepted <= n:
+            raise ValueError(f"accepted={accepted} outside 0..{n}")
+        self._open = None
+        if n == 0:
+            return 0
+        if accepted == n:
+            self._unfed = [drafted[-1]]
+            return 0
+        rejected = n - 1 - accepted
+        if rejected:
+            del self._tokens[len(self._tokens) - rejected :]
+        return rejected
+
+    def draft(self, feed: Sequence[int], n: int) -> list[int]:
+        self.hear(feed)
         if n <= 0 or not self._unfed:
             return []
         y = mx.array(self._unfed, mx.uint32)
@@ -135,29 +178,13 @@ class TwoModelSource:
             ys.append(mx.argmax(logits[0, -1:, :], axis=-1).astype(mx.uint32))
             mx.async_eval(ys[-1])
         out = mx.concatenate(ys).tolist()
-        self._tokens.extend(self._unfed)
-        self._tokens.extend(out[:-1])
-        self._unfed = []
-        self._open = out
+        self.opened(out)
         return out
 
     def commit(self, drafted: Sequence[int], accepted: int) -> None:
-        drafted = list(drafted)
-        if drafted != (self._open or []):
-            raise RuntimeError("commit() of tokens this source did not draft")
-        n = len(drafted)
-        if not 0 <= accepted <= n:
-            raise ValueError(f"accepted={accepted} outside 0..{n}")
-        self._open = None
-        if n == 0:
-            return
-        if accepted == n:
-            self._unfed = [drafted[-1]]
-        else:
-            rejected = n - 1 - accepted
-            if rejected:
-                trim_prompt_cache(self._caches, rejected)
-                del self._tokens[len(self._tokens) - rejected :]
+        rejected = self.settle(drafted, accepted)
+        if rejected:
+            trim_prompt_cache(self._caches, rejected)
 
 
 class TwoModelProvider(DraftProvider):

@@ -54,18 +54,13 @@ class DraftBatch:
         """These sources' caches move in (each source must have no draft open: ``draft`` then ``commit`` pairs)."""
         if not sources:
             return
-        for s in sources:
-            if s.model is not self.model:
-                raise ValueError("a DraftBatch drafts with one model: this source has another")
-            if s._open is not None:
-                raise RuntimeError("a source joined with a draft still open")
-        rows = [s._caches for s in sources]
+        if any(s.model is not self.model for s in sources):
+            raise ValueError("a DraftBatch drafts with one model: this source has another")
+        rows = [s.lend_caches() for s in sources]  # the batch's now, until leave()
         if self._kv is None:
             self._kv = RaggedKV.from_rows(rows)
         else:
             self._kv.extend(rows)
-        for s in sources:
-            s._caches = None  # the batch's now, until leave()
         self._sources.extend(sources)
 
     def leave(self, sources: list) -> None:
@@ -73,7 +68,7 @@ class DraftBatch:
         index = {id(s): i for i, s in enumerate(self._sources)}
         rows = [index[id(s)] for s in sources]
         for s, i in zip(sources, rows):
-            s._caches = self._kv.extract(i)
+            s.take_back(self._kv.extract(i))
         order = self._kv.release(rows)
         self._sources = [self._sources[i] for i in order]
         if not self._sources:
@@ -85,17 +80,18 @@ class DraftBatch:
         given. A source with nothing unfed or ``n`` <= 0 drafts nothing (but keeps the feed for later)."""
         by_row: dict[int, tuple] = {}
         index = {id(s): i for i, s in enumerate(self._sources)}
+        unfed_of: dict[int, list] = {}
         for source, feed, n in wanted:
-            if source._open is not None:
-                raise RuntimeError("draft() called twice without commit()")
-            source._unfed.extend(int(t) for t in feed)
-            by_row[index[id(source)]] = (source, int(n) if source._unfed else 0)
+            unfed = source.hear(feed)
+            i = index[id(source)]
+            by_row[i] = (source, int(n) if unfed else 0)
+            unfed_of[i] = unfed
         top = max((n for _, n in by_row.values()), default=0)
         if top <= 0:
             return [[] for _ in wanted]
         rows = len(self._sources)
         n_of = [by_row[i][1] if i in by_row else 0 for i in range(rows)]
-        unfed = [list(self._sources[i]._unfed) if n_of[i] else [] for i in range(rows)]
+        unfed = [unfed_of[i] if n_of[i] else [] for i in range(rows)]
         width = max(len(u) for u in unfed)
         first = mx.array([u + [u[-1] if u else 0] * (width - len(u)) for u in unfed], dtype=mx.uint32)
         last = mx.array([max(0, len(u) - 1) for u in unfed], dtype=mx.int32)
@@ -119,11 +115,8 @@ class DraftBatch:
         for i, n in enumerate(n_of):
             if not n:
                 continue
-            s, d = self._sources[i], [int(t) for t in out_rows[i][:n]]
-            s._tokens.extend(s._unfed)
-            s._tokens.extend(d[:-1])
-            s._unfed = []
-            s._open = d
+            d = [int(t) for t in out_rows[i][:n]]
+            self._sources[i].opened(d)
             drafts[i] = d
         return [drafts.get(index[id(source)], []) for source, _, _ in wanted]
 
@@ -134,21 +127,6 @@ class DraftBatch:
         index = {id(s): i for i, s in enumerate(self._sources)}
         back = [0] * len(self._sources)
         for source, drafted, accepted in done:
-            drafted = list(drafted)
-            if drafted != (source._open or []):
-                raise RuntimeError("commit() of tokens this source did not draft")
-            n = len(drafted)
-            if not 0 <= accepted <= n:
-                raise ValueError(f"accepted={accepted} outside 0..{n}")
-            source._open = None
-            if n == 0:
-                continue
-            if accepted == n:
-                source._unfed = [drafted[-1]]
-            else:
-                rejected = n - 1 - accepted
-                if rejected:
-                    back[index[id(source)]] = rejected
-                    del source._tokens[len(source._tokens) - rejected:]
+            back[index[id(source)]] = source.settle(drafted, accepted)
         if any(back):
             self._kv.rewind(back)
