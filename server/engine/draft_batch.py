@@ -38,7 +38,7 @@ class DraftBatch:
         self.model = model
         self._sources: list = []  # per live row of the RaggedKV, in its row order
         self._kv: Optional[RaggedKV] = None
-        self.forwards = 0  # batched draft forwards run (for tests and /stats)
+        self.forwards = 0  # batched draft forwards run (tests and bench/draft_batch.py read it)
 
     def __len__(self) -> int:
         return len(self._sources)
