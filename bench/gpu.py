@@ -705,6 +705,9 @@ def verdicts() -> None:
 
 def main() -> int:
     global OUT, LOG, HOME
+    from models.runtime import ensure_blas
+
+    ensure_blas(sys.argv)  # as the servers do: on a CPU the in-process raw mlx-lm runs need OpenBLAS too
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".bench" / "gpu-out")))
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
