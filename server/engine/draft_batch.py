@@ -78,20 +78,16 @@ class DraftBatch:
         """``[(source, feed, n), ...]`` (every row of the batch, any order): each source hears ``feed`` (the tokens
         its sequence took since its last draft) and drafts up to ``n`` tokens; returns the drafts in the order
         given. A source with nothing unfed or ``n`` <= 0 drafts nothing (but keeps the feed for later)."""
-        by_row: dict[int, tuple] = {}
         index = {id(s): i for i, s in enumerate(self._sources)}
-        unfed_of: dict[int, list] = {}
+        rows = len(self._sources)
+        n_of, unfed = [0] * rows, [[] for _ in range(rows)]  # per batch row: tokens to draft, tokens to feed first
         for source, feed, n in wanted:
-            unfed = source.hear(feed)
-            i = index[id(source)]
-            by_row[i] = (source, int(n) if unfed else 0)
-            unfed_of[i] = unfed
-        top = max((n for _, n in by_row.values()), default=0)
+            heard, i = source.hear(feed), index[id(source)]
+            if heard and n > 0:
+                n_of[i], unfed[i] = int(n), heard
+        top = max(n_of, default=0)
         if top <= 0:
             return [[] for _ in wanted]
-        rows = len(self._sources)
-        n_of = [by_row[i][1] if i in by_row else 0 for i in range(rows)]
-        unfed = [unfed_of[i] if n_of[i] else [] for i in range(rows)]
         width = max(len(u) for u in unfed)
         first = mx.array([u + [u[-1] if u else 0] * (width - len(u)) for u in unfed], dtype=mx.uint32)
         last = mx.array([max(0, len(u) - 1) for u in unfed], dtype=mx.int32)

@@ -89,6 +89,17 @@ def test_completion_token_ids_out_of_vocab(server):
     assert_error(post(server, {"prompt": [1, 2, 10**7]}, path="/v1/completions"), 400, param="prompt")
 
 
+@pytest.mark.parametrize("prompt", [5, [[1, 2]], {"text": "hi"}, [1, None]])
+def test_completion_prompt_of_no_accepted_form_says_which_forms_are(server, prompt):
+    err = assert_error(post(server, {"prompt": prompt, "max_tokens": 1}, path="/v1/completions"), 400, param="prompt")
+    assert "list of token ids" in err["message"] and "string" in err["message"]
+
+
+def test_the_lane_runs_16_requests_at_once_on_the_cpu_by_default(server):
+    lane = httpx.get(server.url + "/stats").json()["lane"]
+    assert lane["max_batch"] == 16  # the CPU default (BENCHMARKS.md: 16 agents x 2 turns, --max-batch 8 vs 16)
+
+
 def test_server_still_serves_after_errors(server):
     r = post(server, {"messages": MSG, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200, r.text
