@@ -57,7 +57,9 @@ def serve_through_a_full_disk(srv: ServerProc, kv: Path, fill, free) -> None:
     text1, _ = chat(srv.url, first)  # the server's first request: a cold answer
     assert flush(srv.url).status_code == 200  # writes work before the disk fills
     before = ssd(srv.url)
-    assert before["writes"] == 1 and before["failed"] == 0
+    # at least the answer's entry; how many files it took is the write-behind's business (a CI run once counted 3
+    # here, for reasons its output did not show): what matters below is that none succeeds while the disk is full
+    assert before["writes"] >= 1 and before["failed"] == 0 and before["pending"] == 0, before
 
     fill()
     second = conversation("a semaphore")
@@ -92,8 +94,10 @@ def serve_through_a_full_disk(srv: ServerProc, kv: Path, fill, free) -> None:
 
 def test_disk_full_seam_keeps_serving_counts_failures_and_recovers(tmp_path, default_model_dir):
     kv, flag = tmp_path / "kv", tmp_path / "disk-full"
-    srv = ServerProc("--model", "default", "--ssd-cache", str(kv), "--write-behind-debounce", "0.05",
-                     env={"MLX_LANE_TEST_DISK_FULL": str(flag)})
+    # the cap pinned as in the tmpfs test: the default (25% of the free space at start) depends on the machine's
+    # disk, and a small one evicts (and rewrites) entries instead of filling up
+    srv = ServerProc("--model", "default", "--ssd-cache", str(kv), "--ssd-cache-bytes", "1G",
+                     "--write-behind-debounce", "0.05", env={"MLX_LANE_TEST_DISK_FULL": str(flag)})
     try:
         serve_through_a_full_disk(srv, kv, fill=flag.touch, free=flag.unlink)
     finally:
