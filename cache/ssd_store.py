@@ -282,7 +282,10 @@ class SSDStore:
             return False
         entry = _Entry(path, ns, ids, size, mtime, enc.trimmable)
         with self._lock:
-            victims = [e for e in self._entries.values() if e.ns == ns and supersedes(ids, entry.trimmable, e.tokens)]
+            # not the entry of this very file: a concurrent sync (another thread's flush or prefetch) may have indexed
+            # it between the rename and here, and it "supersedes" itself (same tokens): unlinking it lost the write
+            victims = [e for p, e in self._entries.items()
+                       if p != path and e.ns == ns and supersedes(ids, entry.trimmable, e.tokens)]
             for v in victims:
                 self._drop_locked(v)
             self._c["superseded"] += len(victims)

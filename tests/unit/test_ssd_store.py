@@ -334,3 +334,26 @@ def test_covers(store):
     assert store.covers(toks((1, 9)), NS) and store.covers(toks((1, 5)), NS)
     assert store.covers(toks((20, 25)), NS) and not store.covers(toks((20, 24)), NS)
     assert not store.covers(toks((1, 10)), NS) and not store.covers(toks((1, 9)), "other")
+
+
+def test_a_sync_that_indexes_the_file_being_written_does_not_delete_it(store, monkeypatch):
+    """Another thread's sync (the flush endpoint's, a prefetch's) may list the folder between the writer's rename and
+    its own indexing, and index the new file first. The writer must not then take that entry, its own file, for an
+    ancestor it supersedes: it used to unlink the file it had just written (seen in CI as one answer written three
+    times: each flush found the entry gone and wrote it again)."""
+    save = kvfile.save
+
+    def save_then_a_concurrent_sync(*args, **kwargs):
+        size = save(*args, **kwargs)
+        os.utime(os.path.dirname(args[0]), ns=(0, 0))  # the folder looks changed to the other thread
+        assert store.sync() == (1, 0)  # it indexes the renamed file before the writer does
+        return size
+
+    monkeypatch.setattr(kvfile, "save", save_then_a_concurrent_sync)
+    assert store.write(toks((1, 9)), caches(8), NS)
+    (path,) = files(store)
+    assert store.covers(toks((1, 9)), NS) and store.stats()["superseded"] == 0
+    os.utime(os.path.dirname(path), ns=(0, 0))
+    store.sync()  # a later listing still finds the file the index holds
+    assert files(store) == [path] and store.covers(toks((1, 9)), NS)
+    assert store.stats()["entries"] == 1 and store.stats()["bytes"] == os.path.getsize(path)
