@@ -58,6 +58,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -75,6 +76,7 @@ _HEX = re.compile(r"[0-9a-f]{8,128}")
 _NS_DIR = re.compile(r"[0-9a-f]{16}")
 _FILE = re.compile(r"[0-9a-f]{32}\.safetensors")
 _EMA = 0.3  # weight of the newest sample in the restore-rate moving average
+_MAX_DROPPED = 4096  # paths remembered as taken out of the index (see SSDStore._dropped)
 _MTIME_SLACK = 1.0  # seconds: a folder listed this soon after its mtime is listed again (coarse timestamps)
 
 
@@ -151,6 +153,9 @@ class SSDStore:
         self._resync_s = float(resync_s)
         self._listed: dict[str, tuple[int, float]] = {}  # folder -> (its mtime_ns, time.time()) at the last listing
         self._ignored: set[str] = set()  # paths a sync found unusable: not re-read (only a start-up scan deletes)
+        # paths this process took out of the index (superseded, evicted, gone): their files are deleted or about to
+        # be, and names are never reused, so a listing taken before the unlink must not index them again
+        self._dropped: OrderedDict[str, None] = OrderedDict()
         self._c.update(syncs=0, synced_added=0, synced_dropped=0, evict_skipped_busy=0, tmp_in_progress=0)
         if scan:
             self.scan()
@@ -392,6 +397,7 @@ class SSDStore:
         prefix = folder + os.sep
         with self._lock:
             known = {os.path.basename(p) for p in self._entries if p.startswith(prefix)}
+            known.update(os.path.basename(p) for p in self._dropped if p.startswith(prefix))
         new = [f for name, f in names.items() if name not in known and f.path not in self._ignored]
         entries = []
         for f in new:
@@ -407,10 +413,11 @@ class SSDStore:
         with self._lock:
             for e in gone:
                 self._drop_locked(e)
+            # not one dropped while this listing was read (a writer superseding it, before its unlink)
+            entries = [e for e in entries if e.path not in self._entries and e.path not in self._dropped]
             for e in entries:
-                if e.path not in self._entries:
-                    self._entries[e.path] = e
-                    self._bytes += e.size
+                self._entries[e.path] = e
+                self._bytes += e.size
         return len(entries), len(gone)
 
     def _over_cap_locked(self) -> list[_Entry]:
@@ -439,6 +446,9 @@ class SSDStore:
     def _drop_locked(self, e: _Entry) -> None:
         if self._entries.pop(e.path, None) is not None:
             self._bytes -= e.size
+            self._dropped[e.path] = None
+            while len(self._dropped) > _MAX_DROPPED:
+                self._dropped.popitem(last=False)
 
     def _forget(self, e: _Entry) -> None:
         with self._lock:
@@ -458,6 +468,7 @@ class SSDStore:
             with self._lock:
                 self._c["evict_skipped_busy"] += len(busy)
                 for e in busy:
+                    self._dropped.pop(e.path, None)
                     if e.path not in self._entries:
                         self._entries[e.path] = e
                         self._bytes += e.size

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from cache import kvfile
+from cache import filelocks, kvfile
 from cache.ssd_store import NullSSDStore, SSDStore
 
 FP = "00ff00ff00ff"
@@ -357,3 +357,24 @@ def test_a_sync_that_indexes_the_file_being_written_does_not_delete_it(store, mo
     store.sync()  # a later listing still finds the file the index holds
     assert files(store) == [path] and store.covers(toks((1, 9)), NS)
     assert store.stats()["entries"] == 1 and store.stats()["bytes"] == os.path.getsize(path)
+
+
+def test_a_sync_between_a_supersede_and_its_unlink_does_not_index_the_file_again(store, monkeypatch):
+    """A writer drops the ancestors its file supersedes from the index, then unlinks them. A sync in between lists the
+    folder with an ancestor's file still in it: it must not index that file again (it would outlive its file as an
+    entry that `covers` and `find` trust until some later sync or restore finds it gone)."""
+    assert store.write(toks((1, 9)), caches(8), NS)
+    (ancestor,) = files(store)
+    remove = filelocks.remove_unless_busy
+
+    def a_sync_then_remove(path):
+        os.utime(os.path.dirname(path), ns=(0, 0))  # the folder looks changed to the other thread
+        assert os.path.exists(path) and store.sync()[0] == 0  # the ancestor's file is listed, and not indexed
+        return remove(path)
+
+    monkeypatch.setattr(filelocks, "remove_unless_busy", a_sync_then_remove)
+    assert store.write(toks((1, 13)), caches(12), NS)
+    (path,) = files(store)
+    assert path != ancestor and store.stats()["superseded"] == 1
+    assert store.stats()["entries"] == 1 and store.stats()["bytes"] == os.path.getsize(path)
+    assert store.find(toks((1, 9), [99]), NS).path == path
