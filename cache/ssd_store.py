@@ -28,10 +28,12 @@ Several processes on one root (replicas sharing a volume; `cache.filelocks` hold
     a few microseconds) and lists a folder only when its mtime moved since its last listing (a rename or unlink
     in it), or when the last listing was less than `_MTIME_SLACK` s after that mtime (coarse timestamps), or
     `resync_s` after the last listing (network volumes cache directory attributes). A listing reads the headers
-    of the new names only and drops entries whose files are gone. The tiered cache calls it before each
-    request's SSD lookup (its prefetch, on the event loop) and the writer calls it before enforcing the cap, so
-    the cap is shared: every process counts every file. Nothing watches the directory in the background
-    (inotify sees no other host's writes on a network volume).
+    of the new names only and drops entries whose files are gone. Racing this process's writer, a listing may
+    index the file the writer just renamed (the writer keeps that entry: a file never supersedes itself) but not
+    one the writer dropped as superseded and has yet to unlink (dropped paths are remembered). The tiered cache
+    calls it before each request's SSD lookup (its prefetch, on the event loop) and the writer calls it before
+    enforcing the cap, so the cap is shared: every process counts every file. Nothing watches the directory in
+    the background (inotify sees no other host's writes on a network volume).
   * Deleting: a file leaves the disk only through `filelocks.remove_unless_busy` (supersede, byte cap): a file
     that any process is restoring holds a shared lock and is skipped (it stays indexed and counts toward the cap,
     `evict_skipped_busy`), so the folder may exceed the cap by the files being read at that moment; the next
