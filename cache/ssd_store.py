@@ -1,6 +1,6 @@
 """The SSD cold tier: an index over KV files that survives restarts.
 
-(About 500 lines on purpose: the index, its start-up scan, its sync with other processes and its deletions are one
+(About 525 lines on purpose: the index, its start-up scan, its sync with other processes and its deletions are one
 contract over one dict and one lock; the lock protocol itself lives in `cache.filelocks`.)
 
 Files are the database: `<root>/<fingerprint>/<ns_hash>/<uuid hex>.safetensors` (format: `cache.kvfile`). Only
@@ -59,8 +59,8 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 

@@ -306,9 +306,9 @@ class SpecBatch:
             for i, d in zip(together, got):
                 drafts[i] = d
                 self._rows[i].feed = []
-        alone = set(together)
+        batched = set(together)
         for i, (row, n) in enumerate(zip(self._rows, ns)):
-            if i not in alone and n:
+            if i not in batched and n:
                 drafts[i] = self._draft(row, n)
         return drafts
 
