@@ -1,6 +1,6 @@
 """The decode batch's two layouts side by side (issue 22, item 2), in-process: mlx-lm's GenerationBatch
 (``server.engine.batch.DecodeBatch``: a join runs a forward of its own and copies the batch's KV; a leave copies every
-row that stays) against the ragged layout (``server.engine.ragged_batch.RaggedBatch``: a join writes the row into a
+row that stays) against the ragged layout (``server.engine.batch.ragged.RaggedBatch``: a join writes the row into a
 free slot and rides the next forward; a leave moves the last row into the hole).
 
 For N rows of mixed lengths around --context (one batched prefill, each row a view of it), per layout, alternating
@@ -110,7 +110,7 @@ def main() -> int:
     from gpu_write_cost import build  # random weights of a real shape (speed does not depend on the values)
     from models import load_model
     from server.engine.batch import DecodeBatch
-    from server.engine.ragged_batch import RaggedBatch
+    from server.engine.batch.ragged import RaggedBatch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))

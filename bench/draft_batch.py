@@ -1,4 +1,4 @@
-"""The draft model's forwards in a speculating batch: batched over the rows (server.engine.draft_batch) vs row by row
+"""The draft model's forwards in a speculating batch: batched over the rows (server.engine.batch.drafts) vs row by row
 (spec.two_model.TwoModelSource, each row on its own caches), in-process on the default model drafting for itself.
 
 --rows rows of --context tokens each (different prompts); every round each row drafts --k tokens and accepts a
@@ -33,7 +33,7 @@ def main() -> int:
 
     ensure_blas_here()  # as the server does
     from models import load_model
-    from server.engine.draft_batch import DraftBatch
+    from server.engine.batch.drafts import DraftBatch
     from spec.two_model import TwoModelSource
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

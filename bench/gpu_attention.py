@@ -120,7 +120,7 @@ def part_step(rows_list: list[int], context: int, reps: int) -> list:
 
     from gpu_spec_oracle import row_views
     from gpu_write_cost import build
-    from server.engine.ragged_kv import RaggedKV
+    from server.engine.batch.ragged_kv import RaggedKV
 
     model, _ = build("llama3-8b", "bfloat16")
     switched = ga.install(model)
@@ -217,7 +217,7 @@ def part_accuracy(n: int, context: int) -> dict:
     from mlx_lm.models.cache import KVCache
 
     from gpu_write_cost import build
-    from server.engine.ragged_kv import RaggedKV
+    from server.engine.batch.ragged_kv import RaggedKV
 
     model, _ = build("llama3-8b", "bfloat16")
     ga.install(model)

@@ -1,14 +1,14 @@
 """Throughput of speculation in the batch with an oracle draft (issue 24), in-process on the bench model shape.
 
 Random weights cannot echo their prompt, so n-gram lookup finds nothing to draft on them. This measures what the
-speculating batch (``server.engine.spec_batch.SpecBatch``, the server's own code: its adaptive per-row draft length,
+speculating batch (``server.engine.batch.speculating.SpeculatingBatch``, the server's own code: its adaptive per-row draft length,
 its measured break-even, its ragged KV) makes of drafts whose acceptance is known:
 
-  plain        the server's ragged plain batch (``server.engine.ragged_batch.RaggedBatch``, pipelined on a GPU: the
+  plain        the server's ragged plain batch (``server.engine.batch.ragged.RaggedBatch``, pipelined on a GPU: the
                CPU's default), and ``plain_mlx``: mlx-lm's GenerationBatch (``server.engine.batch.DecodeBatch``: the
                GPU's default)
-  spec_none    SpecBatch whose rows never find a draft (the layout's own cost)
-  oracle_100   SpecBatch whose rows draft the continuation a first greedy run of the same layout produced
+  spec_none    SpeculatingBatch whose rows never find a draft (the layout's own cost)
+  oracle_100   SpeculatingBatch whose rows draft the continuation a first greedy run of the same layout produced
   oracle_50    the same drafts with the second half of each replaced by a wrong token (half of each draft
                accepted; the row's policy sees that and adapts its length, as it would for real lookups)
 
@@ -119,8 +119,8 @@ def main() -> int:
 
     from gpu_write_cost import build
     from server.engine.batch import DecodeBatch
-    from server.engine.ragged_batch import RaggedBatch
-    from server.engine.spec_batch import SpecBatch
+    from server.engine.batch.ragged import RaggedBatch
+    from server.engine.batch.speculating import SpeculatingBatch
     from spec.ngram import NgramProvider
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -164,7 +164,7 @@ def main() -> int:
             return run(b, ss, args.gen)
 
         def spec(sources):
-            b, ss = SpecBatch(model), seqs()
+            b, ss = SpeculatingBatch(model), seqs()
             b.add_many([(s, c, h, {"source": src, "policy": provider.policy(args.k), "max_draft": args.k})
                         for s, c, h, src in zip(ss, row_views(cache, lengths), histories, sources)])
             dt, toks = run(b, ss, args.gen)

@@ -6,7 +6,7 @@ For N rows of --context tokens: the median time of
   batch_mixed  one decode step of mlx-lm's BatchKVCache over rows of mixed lengths (the server's plain batch:
              left-padded rows, RoPE offsets per row, attention through a mask), lengths --context - (37 r mod 256)
   ragged_mixed_0  the ragged layout over the same mixed lengths, no drafts (what batch_mixed compares to)
-  ragged_k   one forward of 1 + k tokens per row over server.engine.ragged_kv (the speculating batch's layout),
+  ragged_k   one forward of 1 + k tokens per row over server.engine.batch.ragged_kv (the speculating batch's layout),
              k = 0..--max-k, each row then keeping one position (as if every draft were rejected)
 and ragged_k / plain. With acceptance r, a step of k drafts yields 1 + r*k tokens per row for ragged_k / plain of a
 plain step's time.
@@ -46,7 +46,7 @@ def main() -> int:
     from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
     from gpu_write_cost import build
-    from server.engine.ragged_kv import RaggedKV
+    from server.engine.batch.ragged_kv import RaggedKV
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".bench" / "gpu-out")))

@@ -3,7 +3,7 @@
 Three configurations of our server, each started fresh (RAM cache only, cleared before every pass), alternated
 round by round:
   plain       no speculation: the lane's plain batching (mlx-lm GenerationBatch)
-  spec_batch  --draft-kind ngram: the agents' drafts verified together, one forward per step (server.engine.spec_batch)
+  spec_batch  --draft-kind ngram: the agents' drafts verified together, one forward per step (server.engine.batch.speculating)
   spec_solo   --draft-kind ngram --no-spec-batch: each speculating agent decoded on its own (before this change)
   two_model_batch / two_model_solo   --draft-model default (the default model drafting for itself), in the batch or
               each on its own: the two-model mechanism's cost on this CPU (only with --configs);
@@ -42,7 +42,7 @@ CONFIGS = {"plain": (), "spec_batch": ("--draft-kind", "ngram"),
            # a model as big as the target (the mechanism's cost, not a pair anyone would serve)
            "two_model_batch": ("--draft-model", "default", "--num-draft-tokens", "4"),
            "two_model_solo": ("--draft-model", "default", "--num-draft-tokens", "4", "--no-spec-batch"),
-           # in the batch, but each row drafting on its own draft caches (before server.engine.draft_batch)
+           # in the batch, but each row drafting on its own draft caches (before server.engine.batch.drafts)
            "two_model_rowwise": ("--draft-model", "default", "--num-draft-tokens", "4")}
 ENV = {"two_model_rowwise": {"MLX_LANE_DRAFT_BATCH": "0"}}
 ASK = "\n\nShow the function you will change, exactly as it is now, then the fixed version."

@@ -106,7 +106,8 @@ class Cluster:
                  base_port: int | None = None, ssd_cache: str | None = None, balance: str = "session",
                  serve_args: tuple[str, ...] = (), env: dict | None = None, run_dir: str | Path | None = None,
                  backends: list[str] | None = None, python: str = sys.executable,
-                 hash_balance_factor: int = 0) -> None:
+                 hash_balance_factor: int = 0, entry: str = "server.cli") -> None:
+        """``entry``: the module each replica runs (``server.cli``; a test runs its seamed launcher)."""
         self.port = port or free_port()
         self.host = host
         self.url = f"http://127.0.0.1:{self.port}" if host in ("127.0.0.1", "0.0.0.0") else f"http://{host}:{self.port}"
@@ -116,6 +117,7 @@ class Cluster:
         self.ssd_cache = ssd_cache
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.python = python
+        self.entry = entry
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="mlx-lane-cluster-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.external = bool(backends)
@@ -156,7 +158,7 @@ class Cluster:
 
     def start_replica(self, i: int) -> None:
         host, port = self.addrs[i].rsplit(":", 1)
-        args = [self.python, "-m", "server.cli", "serve", "--host", host, "--port", port, *self.serve_args]
+        args = [self.python, "-m", self.entry, "serve", "--host", host, "--port", port, *self.serve_args]
         if self.ssd_cache and "--ssd-cache" not in self.serve_args and "--no-ssd-cache" not in self.serve_args:
             args += ["--ssd-cache", self.ssd_cache]
         log = open(self.run_dir / f"{self.names[i]}.log", "ab")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-__all__ = ["switch", "switched_functions"]
+__all__ = ["switch", "switched_functions", "attention_path"]
 
 
 def _modules(model) -> list:
@@ -43,3 +43,12 @@ def switch(model, wrap: Callable) -> int:
 def switched_functions(model) -> list:
     """The attention functions ``model``'s modules call (those that import one by name)."""
     return [fn for fn in (getattr(m, "scaled_dot_product_attention", None) for m in _modules(model)) if fn is not None]
+
+
+def attention_path(model) -> str:
+    """Which attention ``model``'s layers run: ``cpu`` (models.cpu_attention), ``cuda`` (models.gpu_attention's fused
+    kernel), ``mlx`` (MLX's own, everywhere else), or ``mixed`` when its modules differ (for /stats)."""
+    paths = {getattr(fn, "mlx_lane_path", "mlx") for fn in switched_functions(model)}
+    if not paths:
+        return "mlx"
+    return paths.pop() if len(paths) == 1 else "mixed"

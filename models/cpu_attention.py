@@ -154,9 +154,18 @@ def routes(model) -> bool:
                              and getattr(fn, "mlx_lane_path", None) == "cpu" for fn in fns)
 
 
+_ON = True  # --attention mlx: MLX's own attention everywhere
+
+
+def configure(on: bool = True) -> None:
+    """The process's setting (server.serve, from `--attention`), before a model is loaded."""
+    global _ON
+    _ON = bool(on)
+
+
 def install(model) -> int:
     """On the CPU, route the attention of ``model``'s modules through ``grouped_attention``; returns how many model
-    modules were switched (0 on a GPU, with ``MLX_LANE_CPU_ATTENTION=mlx``, or where a model has its own)."""
-    if mx.default_device() != mx.cpu or os.environ.get("MLX_LANE_CPU_ATTENTION", "").lower() == "mlx":
+    modules were switched (0 on a GPU, after ``configure(on=False)``, or where a model has its own)."""
+    if mx.default_device() != mx.cpu or not _ON:
         return 0
     return switch(model, _wrap)

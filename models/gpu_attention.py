@@ -23,7 +23,6 @@ sinks. ``MLX_LANE_GPU_ATTENTION=mlx`` leaves mlx-lm's path in place (to compare)
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import mlx.core as mx
@@ -33,10 +32,11 @@ from models.attention_hook import switch
 __all__ = ["install", "row_ranges", "ranged_attention", "reference_attention", "MAX_WIDTH", "SPLIT"]
 
 MAX_WIDTH = 8  # queries per row the kernel takes (a decode step: 1; a verify step: 1 + drafts)
-# Tuning knobs, read once (the environment is for A/B runs of bench/gpu_attention.py and bench/gpu_agents.py):
-SPLIT = int(os.environ.get("MLX_LANE_GPU_ATTENTION_SPLIT", "256"))  # key positions per block of the first pass
-UNROLL = int(os.environ.get("MLX_LANE_GPU_ATTENTION_UNROLL", "4"))  # key groups a warp loads per round (1: the
-# first version's one at a time)
+# Tuning knobs for A/B runs (bench/gpu_attention.py, bench/gpu_agents.py): `mlx-lane serve --debug-gpu-attention-split`
+# / `--debug-gpu-attention-unroll`, set through ``configure`` before a model is loaded
+SPLIT = 256  # key positions per block of the first pass
+UNROLL = 4  # key groups a warp loads per round (1: the first version's one at a time)
+_ON = True  # --attention mlx: MLX's own attention everywhere
 _QUERIES_PER_BLOCK = 4  # a block's queries of one KV head (registers: 4 queries x 8 floats of q and of o per lane)
 _HEAD_SIZES = (64, 128)  # D/8 elements per lane, loaded 8 at a time
 
@@ -364,10 +364,19 @@ def _wrap(original):
     return scaled_dot_product_attention
 
 
+def configure(on: bool = True, split: int = 256, unroll: int = 4) -> None:
+    """The process's settings (server.serve, from `--attention` and the `--debug-gpu-attention-*` flags); kernels
+    compiled before keep theirs."""
+    global _ON, SPLIT, UNROLL
+    if split < 32 or unroll < 1:
+        raise ValueError(f"GPU attention split {split} (at least 32) or unroll {unroll} (at least 1) out of range")
+    _ON, SPLIT, UNROLL = bool(on), int(split), int(unroll)
+
+
 def enabled() -> bool:
-    """True where ``install`` switches models: MLX's CUDA backend is the default device, and
-    ``MLX_LANE_GPU_ATTENTION`` is not ``mlx``."""
-    if os.environ.get("MLX_LANE_GPU_ATTENTION", "").lower() == "mlx":
+    """True where ``install`` switches models: MLX's CUDA backend is the default device, and the process did not
+    choose MLX's own attention (``configure(on=False)``: `--attention mlx`)."""
+    if not _ON:
         return False
     if mx.default_device() != mx.gpu:
         return False
@@ -379,7 +388,7 @@ def enabled() -> bool:
 
 def install(model) -> int:
     """On a CUDA GPU, route the attention of ``model``'s modules through ``ranged_attention`` where it applies;
-    returns how many model modules were switched (0 elsewhere, or with ``MLX_LANE_GPU_ATTENTION=mlx``)."""
+    returns how many model modules were switched (0 elsewhere, or after ``configure(on=False)``)."""
     if not enabled():
         return 0
     return switch(model, _wrap)

@@ -3,7 +3,8 @@
 A request flows down the rooms and its events flow back up; imports point the same way (http -> core -> lane <-
 engine; the process wiring above them all; server -> cache, models, spec, never back)::
 
-    cli.py, serve.py     process wiring: flags, assembly of model + cache + lane + app, uvicorn, shutdown
+    cli.py, serve.py     process wiring: flags (every one read once, in cli.py), assembly of model + cache + lane +
+                         app, uvicorn, shutdown
     catalog.py           what the server serves: model names, --model-alias patterns, LoRA adapters
     pool/                the on-demand models (--model NAME=PATH, --models-dir): residency policy, loads, leases
     stats.py             serving counters (/stats, /metrics); errors.py: the APIError hierarchy; sizes.py
@@ -11,7 +12,8 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
     http/                the doors and the app around them
       app.py             the FastAPI app: state, routes, lifespan, error mapping
       guard.py           what may reach a route (Host / Origin / CORS, API key, body size)
-      pipeline.py        run(door, request): parse -> internal request -> stream or collect, for every door
+      target.py          a request's model name, resolved once into the Target that computes it
+      pipeline.py        run(door, request): parse -> target -> internal request -> stream or collect, every door
       chat/              OpenAI chat completions + text completions: door, schemas, format
       responses/         OpenAI Responses: door, schemas, translate (<-> internal request), format, store
       messages/          Anthropic Messages: door, schemas, translate, format
@@ -20,6 +22,7 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
 
     core/                what every door shares
       request.py         the internal request (GenerationRequest): no wire types below this line
+      context.py         what the core may use of the running server (CoreContext), not the whole ServerState
       prompts.py         chat template / raw prompt -> token ids; lengths and sampling -> SamplingParams
       grammar.py         constrained decoding (llguidance): response_format, forced and strict tool calls
       output_parse.py    a reply -> text, reasoning and tool calls, per model family (mlx-lm's parsers)
@@ -28,23 +31,30 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
 
     lane/                the one thread that owns model compute, and its policy
       sequence.py        a request on the lane: one object, one lifecycle (Phase), FinishReason
+      target.py          which model computes a request (Target: slot, adapter, lease), resolved once at the door
+      seam.py            the LaneEngine protocol the executor calls, and the records it returns
       scheduler.py       schedule(waiting, running) -> TickPlan: every per-tick decision
       plan.py            the TickPlan record (and its wire form for sharded replay)
-      budget.py          admission by memory; lane.py: the tick loop that executes plans
-      events.py          SamplingParams and the events a sequence sends (Delta, Finished, ...)
+      executor.py        runs a plan through the LaneEngine, writes what comes back into the sequences
+      lane.py            the thread: inbox, control (drain, abort, stop), tasks
+      budget.py          admission by memory; events.py: SamplingParams and the events a sequence sends
       stops.py           stop strings; replay.py: rank 0 broadcasts plans, followers execute them
 
-    engine/              the mechanism: model verbs that execute a plan (lane thread only)
-      engine.py          admit (cache take), prefill, batch joins/leaves, solo steps, finish (cache put)
-      batch.py           mlx-lm's GenerationBatch per group; solo.py: plain decode; speculation.py
-      ragged_batch.py    the plain batch over ragged_kv.py: joins into a free slot, no forward, no copy (default on
-                         the CPU and on CUDA, where models/gpu_attention.py reads each row's own columns)
-      spec_batch.py      speculating rows verified together (n-gram), over ragged_kv.py (rows write at their ends)
-      slot.py            one loaded model as the engine computes with it (the base, or an on-demand one)
-      sampling.py        samplers and logits processors; kv_layout.py; distributed.py (process groups)
-      batch_logits.py    a batch's bias / penalties / grammar masks as a few array ops over all its rows
+    engine/              the mechanism: the LaneEngine's verbs (lane thread only)
+      engine.py          the facade: classify, admit (cache take), and the rooms below
+      work.py            the engine's own per-sequence record (caches, sampler, rules, where it decodes)
+      prefill.py         prompt chunks, one forward or one batched forward; what a completed prompt stores
+      decode.py          every decoding sequence is a row of a Batch: joins, leaves, steps, the solo batches
+      store.py           what a sequence puts in the prefix cache
+      warmup.py          compile and page in before the first request; slot.py: one loaded model's facts
+      batch/             ONE Batch protocol (protocol.py) and its kinds: solo.py (mlx-lm's generate_step or the
+                         speculative walk), mlx.py (mlx-lm's GenerationBatch), ragged.py over ragged_kv.py (rows in
+                         free slots, no copies), speculating.py (drafts verified together; drafts.py batches the
+                         draft model); choose.py picks a kind from declared facts; rules.py: the logits rules every
+                         kind applies
+      sampling.py        samplers; kv_layout.py (quantized KV, bytes per token); speculation.py; distributed.py
 
 The prefix cache itself lives in ``cache/`` (one prefix rule in cache.prefix, one protocol in cache.protocol), model
-loading in ``models/`` (with the attention paths the engine relies on: cpu_attention.py and shared_prefix.py on the
-CPU, gpu_attention.py on CUDA), speculative decoding's drafting and verification in ``spec/``.
+loading, quantization and the attention kernels in ``models/`` (models.attention: the CPU and CUDA paths and the
+shared-prefix layout they read), speculative decoding's drafting, accept walk and verification in ``spec/``.
 """

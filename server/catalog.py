@@ -1,14 +1,14 @@
 """What this server serves: its model names, ``--model-alias`` patterns, and the LoRA adapters.
 
-Names (``is_served``, ``check_model``): agent clients send model names of their own (Claude Code:
+Names (``is_served``; server.http.target resolves a request's name once): agent clients send model names of their own (Claude Code:
 ``claude-sonnet-4-5`` and a small fast model; Codex: whatever its profile says). ``--model-alias 'claude-*'`` maps
 every matching name onto the one served model; any other unknown name is a 404 (``ModelNotFound``), which each API
 shapes as its own error. A loaded LoRA adapter's name (``--adapter NAME=PATH``) selects that adapter; it wins over an
 alias pattern.
 
 Adapters (``AdapterRegistry``): names -> ``models.adapters.Adapter`` and their counters. A request selects an
-adapter through its ``model`` field (``check_model``); the adapter object travels in ``SamplingParams.adapter`` to
-the lane, which computes the request with the adapter's model and caches its KV under the adapter's namespace.
+adapter through its ``model`` field; the adapter travels in the request's ``server.lane.target.Target`` to the lane,
+which computes the request with the adapter's model and caches its KV under the adapter's namespace.
 Unloading only forgets the name: requests already running keep their reference and finish with it.
 
 Who may load (``load_refusal``, the policy; ``POST /admin/adapters`` in server.http.admin is the mechanism): an
@@ -28,10 +28,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Optional
 
-from server.errors import ModelNotFound
 
-__all__ = ["AdapterRegistry", "load_refusal", "adapter_path_for", "AdapterCounters", "is_served", "check_model",
-           "on_demand_name"]
+__all__ = ["AdapterRegistry", "load_refusal", "adapter_path_for", "AdapterCounters", "is_served"]
 
 
 @dataclass
@@ -87,10 +85,10 @@ class AdapterRegistry:
         with self._lock:
             return self._by_name.pop(name, None)
 
-    def on_finished(self, name: str, finished) -> None:
-        """Count a finished request of adapter ``name`` (lane thread)."""
+    def counters(self, name: str) -> AdapterCounters:
+        """The counters a finished request of adapter ``name`` is added to (by the lane thread)."""
         with self._lock:
-            self._counters.setdefault(name, AdapterCounters()).add(finished)
+            return self._counters.setdefault(name, AdapterCounters())
 
     def stats_block(self) -> dict:
         """The ``adapters`` block of /stats: each name ever served, loaded or not, with its counters."""
@@ -146,38 +144,3 @@ def load_refusal(path: Path, *, authenticated: bool, adapter_dir: Optional[str])
 def is_served(names, aliases, requested: str) -> bool:
     """True when ``requested`` is a served name or matches an alias pattern (case-sensitive glob)."""
     return requested in names or any(fnmatchcase(requested, pattern) for pattern in aliases)
-
-
-def on_demand_name(state, requested: Optional[str]) -> Optional[str]:
-    """``requested`` when it names one of the server's on-demand models (server.pool), else None. Names resolve
-    in this order: a LoRA adapter, the base model's names, an on-demand model's, then the ``--model-alias`` patterns
-    in the order given (``PATTERN=NAME`` onto the on-demand model NAME, a bare ``PATTERN`` onto the base)."""
-    pool = getattr(state, "models", None)
-    if pool is None or not requested or state.adapters.get(requested) is not None or requested in state.model_names:
-        return None
-    if pool.knows(requested):
-        return requested
-    for pattern, target in getattr(state, "alias_rules", ()):  # the first matching --model-alias wins
-        if fnmatchcase(requested, pattern):
-            return target  # None: the base model's alias
-    return None
-
-
-def check_model(state, requested: Optional[str]):
-    """The adapter (models.adapters.Adapter) that ``requested`` names, or None for the base model or an on-demand
-    model (``on_demand_name``). Raise ``ModelNotFound`` for a name the server does not answer to (an absent name
-    means the base model)."""
-    adapter = state.adapters.get(requested) if requested else None
-    if adapter is not None:
-        return adapter
-    if on_demand_name(state, requested):
-        return None
-    if requested and not is_served(state.model_names, state.model_aliases, requested):
-        hint = " (or start the server with --model-alias PATTERN)" if not state.model_aliases else ""
-        pool = getattr(state, "models", None)
-        served = sorted(state.model_names) + (pool.names() if pool is not None else []) + state.adapters.names()
-        raise ModelNotFound(
-            f"The model '{requested}' does not exist on this server. Served: {', '.join(served)}{hint}",
-            param="model",
-        )
-    return None

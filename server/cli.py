@@ -146,9 +146,15 @@ def _serve_parser(sub) -> None:
                    help="the decode batch's KV layout: 'ragged' (rows join into a free slot without a forward of "
                         "their own, leave without moving the others, no left-padding), 'mlx' (mlx-lm's "
                         "GenerationBatch: a join runs a forward and copies the batch's KV), 'auto' (ragged on the "
-                        "CPU and on CUDA, mlx on Metal or with MLX_LANE_GPU_ATTENTION=mlx; mlx for quantized, "
+                        "CPU and on CUDA, mlx on Metal or with --attention mlx; mlx for quantized, "
                         "sliding-window or recurrent caches; ragged is pipelined on a GPU) "
                         "[MLX_LANE_BATCH_LAYOUT]")
+    p.add_argument("--attention", choices=["auto", "mlx"], default=_env("attention", "auto"),
+                   help="the attention the model's layers run: 'auto' (mlx-lane's own where it applies: on the CPU "
+                        "grouped-query attention without copying K/V per query head, reading a cached prefix in "
+                        "place; on CUDA one fused kernel for a decode batch's rows of different lengths), 'mlx' "
+                        "(MLX's own everywhere, to compare). /stats batch.attention says which runs "
+                        "[MLX_LANE_ATTENTION]")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=int(_env("kv_bits")) if _env("kv_bits") else None,
                    help="quantize the KV cache to 8 or 4 bits (mlx-lm QuantizedKVCache): less RAM and SSD per "
                         "cached token; a separate cache namespace (default: the model's dtype) [MLX_LANE_KV_BITS]")
@@ -192,6 +198,24 @@ def _serve_parser(sub) -> None:
                         "SSD cache writes (default 30)")
     p.add_argument("--log-level", default=_env("log_level", "info"),
                    choices=["critical", "error", "warning", "info", "debug"], help="log level (default info)")
+    d = p.add_argument_group("debugging and A/B comparisons (not for production)")
+    d.add_argument("--debug-copy-hits", action="store_true", default=_env_flag("debug_copy_hits"),
+                   help="a RAM hit copies its cached prefix instead of reading it in place (models.shared_prefix), "
+                        "to compare [MLX_LANE_DEBUG_COPY_HITS=1]")
+    d.add_argument("--debug-no-draft-batch", action="store_true", default=_env_flag("debug_no_draft_batch"),
+                   help="in a speculating batch, each two-model row drafts on its own caches instead of one batched "
+                        "draft forward for all rows, to compare [MLX_LANE_DEBUG_NO_DRAFT_BATCH=1]")
+    d.add_argument("--debug-gpu-attention-split", type=int, metavar="N",
+                   default=int(_env("debug_gpu_attention_split", "256")),
+                   help="the CUDA attention kernel's key positions per block of its first pass (default 256) "
+                        "[MLX_LANE_DEBUG_GPU_ATTENTION_SPLIT]")
+    d.add_argument("--debug-gpu-attention-unroll", type=int, metavar="N",
+                   default=int(_env("debug_gpu_attention_unroll", "4")),
+                   help="key groups a warp of the CUDA attention kernel loads per round (default 4; 1: its first "
+                        "version) [MLX_LANE_DEBUG_GPU_ATTENTION_UNROLL]")
+    d.add_argument("--debug-trace-collectives", action="store_true", default=_env_flag("debug_trace_collectives"),
+                   help="a model sharded over processes logs every collective of the lane's plans on every rank "
+                        "[MLX_LANE_DEBUG_TRACE_COLLECTIVES=1]")
 
 
 def build_parser() -> argparse.ArgumentParser:

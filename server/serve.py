@@ -7,30 +7,58 @@ distributed group, tiered cache, the on-demand models, graceful shutdown) is one
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import sys
-import time
 
 import uvicorn
 
 log = logging.getLogger("mlx_lane")
 
 
+def engine_config(args, speculation=None):
+    """The engine's settings from the command line (server.cli)."""
+    from models import device_name
+    from models.gpu_attention import enabled as fused_attention
+    from server.engine.batch import Layout
+    from server.engine.engine import EngineConfig
+
+    gpu = device_name() != "cpu"
+    layout = Layout(batch_layout=getattr(args, "batch_layout", None) or "auto", gpu=gpu,
+                    fused_attention=fused_attention(), spec_in_batch=not getattr(args, "no_spec_batch", False),
+                    draft_batch=not getattr(args, "debug_no_draft_batch", False))
+    return EngineConfig(prefill_chunk=args.prefill_chunk or (2048 if gpu else 512),
+                        kv_bits=getattr(args, "kv_bits", None), kv_group_size=getattr(args, "kv_group_size", 64),
+                        layout=layout, speculation=speculation,
+                        read_shared_prefix=not getattr(args, "debug_copy_hits", False))
+
+
+def _configure_kernels(args) -> None:
+    """--attention and the --debug-* kernel knobs, before any model is loaded (the kernels are installed at load)."""
+    from models import cpu_attention, gpu_attention
+    from server.engine import distributed
+
+    on = getattr(args, "attention", "auto") != "mlx"
+    cpu_attention.configure(on)
+    gpu_attention.configure(on, getattr(args, "debug_gpu_attention_split", 256),
+                            getattr(args, "debug_gpu_attention_unroll", 4))
+    distributed.trace_collectives(getattr(args, "debug_trace_collectives", False))
+
+
 def build_state(args):
     """Load the model and start the lane; returns a ready ``ServerState``."""
     from cache.prompt_cache import make_prompt_cache
     from models import blas_info, device_name, load_model
+    from server.core.context import CoreContext
     from server.engine.engine import Engine, weights_nbytes
     from server.http.app import ServerState
     from server.lane.lane import Lane
+    from server.pool.build import build_model_pool, model_alias_rules
+    from server.pool.flags import parse_model_flags
     from server.sizes import default_cache_bytes
     from server.stats import ServingStats
 
-    from server.pool.build import build_model_pool, model_alias_rules
-    from server.pool.flags import parse_model_flags
-
+    _configure_kernels(args)
     flags = parse_model_flags(args.model)
     group = _group(args, flags)
     loaded = load_model(flags.base, args.dtype, progress=True, group=group)
@@ -51,26 +79,20 @@ def build_state(args):
         compile_grammar = lambda text: GrammarSpec.compile(loaded.tokenizer, text)  # noqa: E731
         replay = Leader(group) if group.leader else Follower(group, compile_grammar)
     stats = ServingStats()
-    chunk = args.prefill_chunk or (512 if device_name() == "cpu" else 2048)
-    engine = Engine(loaded, prompt_cache, stats, prefill_chunk=chunk,
-                    kv_bits=getattr(args, "kv_bits", None), kv_group_size=getattr(args, "kv_group_size", 64))
-    engine.fault_hook = _fault_hook_from_env(loaded.tokenizer)
-    engine.speculation = _speculation(args, loaded)
-    engine.spec_in_batch = not getattr(args, "no_spec_batch", False)
-    engine.batch_layout = getattr(args, "batch_layout", None) or "auto"
-    if engine.speculation is not None:
+    speculation = _speculation(args, loaded)
+    if speculation is not None:
         from server.engine.speculation import SpecTotals
 
-        stats.spec = SpecTotals(engine.speculation.kind, engine.speculation.num_draft_tokens)
+        stats.spec = SpecTotals(speculation.kind, speculation.num_draft_tokens)
+    engine = Engine(loaded, prompt_cache, stats, engine_config(args, speculation))
     adapters = _adapters(args, loaded)
-    engine.adapters = adapters
     embedder = _embedder(args)
     max_batch = args.max_batch or (16 if device_name() == "cpu" else 32)  # BENCHMARKS.md: 16 agents on the CPU
     prefill_batch = getattr(args, "prefill_batch", None) or (1 if device_name() == "cpu" else 8)
     pool_box: list = []  # the model pool, once built: the budget counts its loaded models' weights
     budget = _memory_budget(args, engine, prompt_cache, extra_weights=lambda: pool_box[0].loaded_bytes() if pool_box else 0)
-    lane = Lane(engine, max_queue=args.max_queue, token_delay_s=_token_delay_from_env(), max_batch=max_batch,
-                budget=budget, prefill_batch=prefill_batch, replay=replay)
+    lane = Lane(engine, prompt_cache, stats, max_queue=args.max_queue, max_batch=max_batch, budget=budget,
+                prefill_batch=prefill_batch, replay=replay)
     lane.start()
     lane.ready.wait()
     pool = build_model_pool(args, flags, engine, budget, prepare=lambda loaded: _with_kv_scheme(loaded, args))
@@ -83,10 +105,13 @@ def build_state(args):
         loaded.model_id, loaded.architecture, device_name(), loaded.dtype, blas,
         cache_bytes / (1 << 30), loaded.fingerprint[:16],
     )
+    default_max_tokens = args.default_max_tokens if args.default_max_tokens is not None else 2048
+    core = CoreContext(lane=lane, stats=stats, prompt_cache=prompt_cache, namespace_for=engine.namespace_for,
+                       keepalive_s=args.keepalive, default_max_tokens=default_max_tokens)
     return ServerState(
-        loaded=loaded, lane=lane, stats=stats, prompt_cache=prompt_cache, device=device_name(), blas=blas,
-        api_key=args.api_key, keepalive_s=args.keepalive,
-        default_max_tokens=args.default_max_tokens if args.default_max_tokens is not None else 2048,
+        loaded=loaded, engine=engine, lane=lane, core=core, stats=stats, prompt_cache=prompt_cache,
+        device=device_name(), blas=blas, api_key=args.api_key, keepalive_s=args.keepalive,
+        default_max_tokens=default_max_tokens,
         max_tokens_cap=args.default_max_tokens,
         max_body_bytes=args.max_body_bytes,
         model_names=({"default"} if flags.base == "default" else set()) | ({flags.base_name} if flags.base_name else set()),
@@ -243,7 +268,7 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int, follower: bool = 
         return None
     root = os.path.expanduser(args.ssd_cache) if args.ssd_cache else str(mlx_lane_home() / "kv")
     max_bytes = default_ssd_cache_bytes(root) if args.ssd_cache_bytes is None else args.ssd_cache_bytes
-    store = SSDStore(root, fingerprint, max_bytes, before_rename=_write_seams_from_env())
+    store = SSDStore(root, fingerprint, max_bytes)
     # pending snapshots mostly share arrays with RAM entries: a budget below the RAM cap would drop writes of
     # large prefixes (an 8B model's 16k-token entry is over 2 GiB) without saving memory
     durability = DurabilityCoordinator(store, debounce_s=args.write_behind_debounce,
@@ -297,42 +322,6 @@ def save_cost_model(fingerprint: str, cost) -> None:
         log.warning("could not save the measured cache rates to %s: %s", path, exc)
 
 
-def _write_seams_from_env():
-    """Test seams on the SSD writer, run between the temp file's fsync and its rename. Never set them in production.
-
-    MLX_LANE_TEST_WRITE_DELAY=<seconds>  every write pauses that long, so a test can kill -9 the server while a
-                                         `*.tmp` exists.
-    MLX_LANE_TEST_DISK_FULL=<path>       while <path> exists, every write fails with ENOSPC, as on a full disk
-                                         (the temp file is removed and the error counted); delete it and the
-                                         space is back.
-    """
-    delay = float(os.environ.get("MLX_LANE_TEST_WRITE_DELAY") or 0)
-    full_flag = os.environ.get("MLX_LANE_TEST_DISK_FULL")
-    if delay:
-        log.warning("ssd cache writes slowed by %.1fs (MLX_LANE_TEST_WRITE_DELAY test seam)", delay)
-    if full_flag:
-        log.warning("ssd cache writes fail while %s exists (MLX_LANE_TEST_DISK_FULL test seam)", full_flag)
-    if not delay and not full_flag:
-        return None
-
-    def before_rename() -> None:
-        if delay:
-            time.sleep(delay)
-        if full_flag and os.path.exists(full_flag):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (MLX_LANE_TEST_DISK_FULL)")
-
-    return before_rename
-
-
-def _token_delay_from_env() -> float:
-    """Test seam: MLX_LANE_TEST_TOKEN_DELAY=<seconds> makes the lane pause after every generated token, so a
-    test can SIGTERM the server while streams are surely in flight. Never set it in production."""
-    delay = float(os.environ.get("MLX_LANE_TEST_TOKEN_DELAY") or 0)
-    if delay:
-        log.warning("generation slowed by %.2fs per token (MLX_LANE_TEST_TOKEN_DELAY test seam)", delay)
-    return delay
-
-
 def _speculation(args, loaded):
     """The configured speculative decoding, or None. Raises ModelLoadError for a draft that cannot serve."""
     from models import ModelLoadError, load_model
@@ -363,21 +352,6 @@ def _speculation(args, loaded):
     log.info("speculative decoding: %s, up to %d draft tokens%s", kind, n,
              f" ({args.draft_model})" if kind == "two-model" else "")
     return speculation
-
-
-def _fault_hook_from_env(tokenizer):
-    """Test seam: with MLX_LANE_FAULT_MARKER set, a prompt containing that text makes the
-    generation raise inside the lane (to prove a failure is a 500 and the lane lives on)."""
-    marker = os.environ.get("MLX_LANE_FAULT_MARKER")
-    if not marker:
-        return None
-    log.warning("fault injection armed for prompts containing %r", marker)
-
-    def hook(seq):
-        if marker in tokenizer.decode(seq.prompt):
-            raise RuntimeError("injected fault (MLX_LANE_FAULT_MARKER)")
-
-    return hook
 
 
 # uvicorn's own graceful-shutdown timeout, past --shutdown-timeout: time for the lane to stop the jobs it was told

@@ -109,10 +109,6 @@ class AdaptiveDraftLength:
         drafted = sum(d for d, _ in self._recent)
         return sum(a for _, a in self._recent) / drafted if drafted else 1.0
 
-    @property
-    def paused(self) -> bool:
-        return self._paused_for > 0
-
     def next_length(self) -> int:
         """The length for the coming round (called once per round: a pause counts down here)."""
         if self._stopped:

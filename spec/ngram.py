@@ -21,6 +21,8 @@ __all__ = ["NgramProvider", "NgramSource"]
 
 
 class NgramSource:
+    drafts_in_batch = False  # a lookup: nothing to batch
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, tokens: Sequence[int] = ()):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")

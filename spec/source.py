@@ -23,9 +23,9 @@ together with the tokens they cover.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
-__all__ = ["DraftSource", "DraftProvider"]
+__all__ = ["DraftSource", "BatchableDraftSource", "DraftProvider"]
 
 
 @runtime_checkable
@@ -47,6 +47,39 @@ class DraftSource(Protocol):
     def draft(self, feed: Sequence[int], n: int) -> list[int]: ...
 
     def commit(self, drafted: Sequence[int], accepted: int) -> None: ...
+
+    @property
+    def drafts_in_batch(self) -> bool:
+        """True for a ``BatchableDraftSource``: a batch of speculating rows may run its forwards together with other
+        rows' (server.engine.batch.drafts)."""
+        ...
+
+
+class BatchableDraftSource(DraftSource, Protocol):
+    """A source whose drafting a batch can take over: its caches are lent to the batch, which feeds and drafts
+    for many sources in the same forwards, and the source keeps the token bookkeeping of ``draft`` / ``commit``:
+
+        fed = source.queue_feed(feed)        # the tokens its caches have not seen yet, to feed before drafting
+        ... the batch feeds ``fed`` and drafts d1..dn, feeding d1..d(n-1) ...
+        source.record_draft([d1, ..., dn])   # what was fed and proposed
+        drop = source.record_verdict(drafts, accepted)   # after the target's verify: positions to drop
+    """
+
+    model: Any
+
+    def lend_caches(self) -> list:
+        """Hand the caches over (the batch holds them until ``take_back``); refused while a draft is open."""
+        ...
+
+    def take_back(self, caches: list) -> None:
+        """The caches again, covering exactly ``tokens``."""
+        ...
+
+    def queue_feed(self, feed: Sequence[int]) -> list[int]: ...
+
+    def record_draft(self, drafts: list[int]) -> None: ...
+
+    def record_verdict(self, drafted: Sequence[int], accepted: int) -> int: ...
 
 
 class DraftProvider:

@@ -89,6 +89,10 @@ def _param_count(model) -> int:
 
 
 class TwoModelSource:
+    """A ``spec.source.BatchableDraftSource``: a speculating batch drafts for many of them in the same forwards."""
+
+    drafts_in_batch = True
+
     def __init__(self, model, caches: Optional[list] = None, tokens: Sequence[int] = ()):
         self.model = model
         self._caches = caches if caches is not None else make_prompt_cache(model)
@@ -120,7 +124,7 @@ class TwoModelSource:
             mx.eval([c.state for c in self._caches])
             self._tokens.extend(chunk)
 
-    # -- the bookkeeping shared with a batch that drafts for several sources (server.engine.draft_batch) ----------
+    # -- the bookkeeping shared with a batch that drafts for several sources (server.engine.batch.drafts) ---------
     def lend_caches(self) -> list:
         """Hand the caches over (a batch holds them until ``take_back``); refused while a draft is open."""
         if self._open is not None:
@@ -132,21 +136,21 @@ class TwoModelSource:
         """The caches again, covering exactly ``tokens``."""
         self._caches = caches
 
-    def hear(self, feed: Sequence[int]) -> list[int]:
+    def queue_feed(self, feed: Sequence[int]) -> list[int]:
         """The sequence took ``feed``: returns everything the caches have not seen yet (to feed before drafting)."""
         if self._open is not None:
             raise RuntimeError("draft() called twice without commit()")
         self._unfed.extend(int(t) for t in feed)
         return list(self._unfed)
 
-    def opened(self, drafts: list[int]) -> None:
+    def record_draft(self, drafts: list[int]) -> None:
         """The caches were fed the unfed tokens and ``drafts[:-1]``; ``drafts`` await ``commit``."""
         self._tokens.extend(self._unfed)
         self._tokens.extend(drafts[:-1])
         self._unfed = []
         self._open = drafts
 
-    def settle(self, drafted: Sequence[int], accepted: int) -> int:
+    def record_verdict(self, drafted: Sequence[int], accepted: int) -> int:
         """``commit``'s bookkeeping: returns how many fed positions the caches must drop (the caller drops them)."""
         drafted = list(drafted)
         if drafted != (self._open or []):
@@ -166,7 +170,7 @@ class TwoModelSource:
         return rejected
 
     def draft(self, feed: Sequence[int], n: int) -> list[int]:
-        self.hear(feed)
+        self.queue_feed(feed)
         if n <= 0 or not self._unfed:
             return []
         y = mx.array(self._unfed, mx.uint32)
@@ -178,11 +182,11 @@ class TwoModelSource:
             ys.append(mx.argmax(logits[0, -1:, :], axis=-1).astype(mx.uint32))
             mx.async_eval(ys[-1])
         out = mx.concatenate(ys).tolist()
-        self.opened(out)
+        self.record_draft(out)
         return out
 
     def commit(self, drafted: Sequence[int], accepted: int) -> None:
-        rejected = self.settle(drafted, accepted)
+        rejected = self.record_verdict(drafted, accepted)
         if rejected:
             trim_prompt_cache(self._caches, rejected)
 

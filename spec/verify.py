@@ -3,7 +3,7 @@
 One round: ask the source for up to n drafts (n from the policy); run ONE target forward over
 ``[pending] + drafts``; sample every position with the request's own sampler (logits processors
 see, at position i, the history plus the first i drafts); accept drafts while the target's
-token equals the draft; emit the accepted drafts, then the target's token at the first
+token equals the draft (``spec.accept``, the walk the batched verifier uses too); emit the accepted drafts, then the target's token at the first
 mismatch (the correction) or after the last draft (the bonus). The target's caches are trimmed
 by the rejected drafts (``trim_prompt_cache``) and the source is told what was kept
 (``source.commit``).
@@ -30,6 +30,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from spec.accept import accept
 from spec.adaptive import FixedDraftLength
 from spec.source import DraftSource
 from spec.stats import SpecStats
@@ -130,15 +131,14 @@ def speculative_decode(
                 if drafts:
                     stats.rounds += 1
                     stats.drafted += len(drafts)
-                a = 0
-                while a < len(drafts) and tokens[a] == drafts[a]:
-                    walked = a + 1
+                a = accept(drafts, tokens)
+                for i in range(a):  # a consumer may stop at any of them (EOS, a stop string inside the draft)
+                    walked = i + 1
                     over -= 1
                     ntoks += 1
                     stats.accepted += 1
                     stats.emitted += 1
-                    yield tokens[a], logprobs[a], True
-                    a += 1
+                    yield tokens[i], logprobs[i], True
                 # correction (a < len(drafts)) or bonus (a == len(drafts)) from the target
                 if over:
                     trim_prompt_cache(caches, over)

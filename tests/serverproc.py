@@ -57,6 +57,13 @@ def without_embeddings_unless_asked(args: tuple, env: dict) -> tuple:
     return tuple(args)
 
 
+def entry_module(env: dict) -> str:
+    """``server.cli``, or the launcher with test seams (tests/seamed_server.py) when the environment asks for one."""
+    from tests.seamed_server import wanted
+
+    return "tests.seamed_server" if wanted(env) else "server.cli"
+
+
 class ServerProc:
     """A live server. ``stop()`` sends SIGTERM and returns the exit code."""
 
@@ -68,7 +75,7 @@ class ServerProc:
         self.log_path = Path(tempfile.mkstemp(prefix="mlx-lane-", suffix=".log")[1])
         full_env = server_env(env)
         args = flags_for_tests(args, full_env)
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", entry_module(full_env), "serve", "--port", str(self.port), *args]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
                                      cwd=cwd or Path(__file__).resolve().parents[1])

@@ -18,6 +18,7 @@ from starlette.requests import Request
 
 from server.lane.events import Delta, Event, Failed, Finished, SamplingParams
 from server.lane.sequence import Sequence
+from server.lane.target import Target
 
 
 class _EventPump:
@@ -59,7 +60,7 @@ class _EventPump:
 
 
 class JobRun:
-    def __init__(self, lane, request: Request, prompt: list[int], params: SamplingParams,
+    def __init__(self, lane, request: Request, prompt: list[int], params: SamplingParams, target: Target,
                  session: Optional[str], keepalive_s: float, request_id: Optional[str] = None, ns: str = "",
                  anchors: tuple = ()):
         self.lane = lane
@@ -67,7 +68,8 @@ class JobRun:
         self.keepalive_s = keepalive_s
         self._pump = _EventPump.of(asyncio.get_running_loop())
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.seq = Sequence(prompt=prompt, params=params, sink=self._sink, session=session, ns=ns, anchors=anchors)
+        self.seq = Sequence(prompt=prompt, params=params, sink=self._sink, target=target, session=session, ns=ns,
+                            anchors=anchors)
         if request_id:
             self.seq.id = request_id
         self._watcher: Optional[asyncio.Task] = None

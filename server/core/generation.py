@@ -27,11 +27,13 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from server.core.bridge import JobRun
+from server.core.context import CoreContext
 from server.core.output_parse import make_output_parser, prompt_opens_thinking
 from server.core.prompts import breakpoint_positions, chat_grammar, render, sampling_params
 from server.core.request import GenerationRequest
 from server.errors import APIError, ShuttingDown
 from server.lane.events import Delta, Failed, Finished, SamplingParams, TokenLogprob
+from server.lane.target import Target
 
 __all__ = [
     "TextOut", "ReasoningOut", "KeepAlive", "Done", "Error", "GenEvent", "Result", "Generation", "open_generation",
@@ -121,23 +123,23 @@ class _ResultBuilder:
 class Generation:
     """One request's job on the lane and the parser over its output (see the module docstring)."""
 
-    def __init__(self, state, request: Request, prompt: list[int], params: SamplingParams, *,
-                 session: Optional[str], request_id: str, parser=None, anchors: tuple = ()):
-        self.state = state
+    def __init__(self, ctx: CoreContext, request: Request, prompt: list[int], params: SamplingParams,
+                 target: Target, *, session: Optional[str], request_id: str, parser=None, anchors: tuple = ()):
+        self.ctx = ctx
         self.prompt = prompt
         self.params = params
+        self.target = target
         self.parser = parser  # None: raw text (text completions)
         self.id = request_id
+        self.anchors = anchors  # token positions of the request's cache breakpoints in ``prompt``
         self.t0 = time.monotonic()
-        served = params.served
-        self.model_name = (params.adapter.name if params.adapter is not None else served.name if served is not None
-                           else state.loaded.model_id)  # what the response says served it
-        state.lane.check_fits(len(prompt), params.max_tokens,  # 400 when the memory budget can never admit it
-                              served.kv_bytes_per_token if served is not None else None)
-        ns = state.lane.engine.namespace_for(params)  # the one place, once: the prefetch and the lane use it
-        _prefetch(state, prompt, ns, session)  # starts SSD reads while the sequence waits for the lane
-        self.run = JobRun(state.lane, request, prompt, params, session, state.keepalive_s, request_id=self.id, ns=ns,
-                          anchors=anchors)
+        self.model_name = target.name  # what the response says served it
+        price = target.slot.kv_bytes_per_token or None
+        ctx.lane.check_fits(len(prompt), params.max_tokens, price)  # 400 when the memory budget can never admit it
+        ns = ctx.namespace_for(target, params)  # the one place, once: the prefetch and the lane use it
+        _prefetch(ctx, prompt, ns, session)  # starts SSD reads while the sequence waits for the lane
+        self.run = JobRun(ctx.lane, request, prompt, params, target, session, ctx.keepalive_s, request_id=self.id,
+                          ns=ns, anchors=anchors)
 
     async def __aenter__(self) -> "Generation":
         await self.run.__aenter__()
@@ -147,7 +149,7 @@ class Generation:
         await self.run.__aexit__(*exc)
 
     async def events(self) -> AsyncIterator[GenEvent]:
-        stats = self.state.stats
+        stats = self.ctx.stats
         async for ev in self.run.events():
             if ev is None:
                 yield KeepAlive()
@@ -210,20 +212,23 @@ class Generation:
         return APIError("The server cancelled this response. Please retry.", code="cancelled")
 
 
-async def open_generation(state, request: Request, req: GenerationRequest, request_id: str) -> Generation:
+async def open_generation(ctx: CoreContext, request: Request, req: GenerationRequest,
+                          request_id: str) -> Generation:
     """Render, size and open a generation for an internal request (not yet submitted): the prompt's token ids
     (chat template or raw prompt), its grammar (response_format, forced or strict tool calls) and the lane's
     parameters, all computed off the event loop. Chat-shaped requests get the model family's output parser (tool
     calls, reasoning); a raw text completion's output is passed through as it is. ``request_id``: the id the
-    lane, the logs and the ``X-Request-Id`` header know the request by."""
-    served = req.served  # an on-demand model (server.pool) renders with its own tokenizer and template
-    tok = served.tokenizer if served is not None else state.loaded.tokenizer
-    vocab_size = served.vocab_size if served is not None else state.vocab_size
-    context_length = served.context_length if served is not None else state.loaded.context_length
+    lane, the logs and the ``X-Request-Id`` header know the request by. Everything model-specific comes from the
+    request's target: its tokenizer and template, vocabulary and context length."""
+    target = req.target
+    if target is None:
+        raise ValueError("a request reaches the core with its target resolved (server.http.target)")
+    slot = target.slot
+    tok, vocab_size, context_length = slot.tokenizer, slot.vocab_size, slot.context_length
     prompt = await run_in_threadpool(render, tok, req, vocab_size)
     grammar = None if req.prompt is not None else await run_in_threadpool(chat_grammar, tok, req)
     params = sampling_params(req, len(prompt), context_length,
-                             default_max_tokens=state.default_max_tokens, vocab_size=vocab_size, grammar=grammar)
+                             default_max_tokens=ctx.default_max_tokens, vocab_size=vocab_size, grammar=grammar)
     parser = None
     if req.prompt is None:
         tools = req.tools_enabled
@@ -231,8 +236,8 @@ async def open_generation(state, request: Request, req: GenerationRequest, reque
             tok, tools=tools, in_reasoning=prompt_opens_thinking(tok, prompt),
             tool_specs=list(req.tools) if tools else None, custom_tools=req.custom_names if tools else ())
     anchors = await run_in_threadpool(breakpoint_positions, tok, req, prompt) if req.breakpoints else ()
-    return Generation(state, request, prompt, params, session=req.session, request_id=request_id, parser=parser,
-                      anchors=anchors)
+    return Generation(ctx, request, prompt, params, target, session=req.session, request_id=request_id,
+                      parser=parser, anchors=anchors)
 
 
 def _internal(ev: Failed) -> APIError:
@@ -241,10 +246,10 @@ def _internal(ev: Failed) -> APIError:
     return APIError("The server failed while generating this response. The error was logged; please retry.")
 
 
-def _prefetch(state, prompt: list[int], ns: str, session: Optional[str]) -> None:
+def _prefetch(ctx: CoreContext, prompt: list[int], ns: str, session: Optional[str]) -> None:
     """Start reading an SSD-cached prefix now, while the sequence waits for the lane (index lookups only here), in
     the namespace the lane will take from."""
     try:
-        state.prompt_cache.prefetch(prompt, ns, session)
+        ctx.prompt_cache.prefetch(prompt, ns, session)
     except Exception:  # an optimisation: never fail the request for it
         log.exception("prefetch failed")

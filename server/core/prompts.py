@@ -237,6 +237,4 @@ def sampling_params(req: GenerationRequest, prompt_len: int, context_length: int
         top_logprobs=req.top_logprobs,
         num_draft_tokens=0 if grammar is not None else req.num_draft_tokens,
         grammar=grammar,
-        adapter=req.adapter,
-        served=req.served,
     )

@@ -17,7 +17,9 @@ import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Optional, Union
+
+from server.lane.target import Target
 
 __all__ = ["GenerationRequest", "MaxTokens", "ROOM", "CustomTool", "template_message", "function_tool", "custom_call",
            "system_breakpoint"]
@@ -83,8 +85,8 @@ class GenerationRequest:
     num_draft_tokens: Optional[int] = None  # mlx-lane extension: cap the speculative draft (0: none)
     session: Optional[str] = None  # the prefix cache's session (header, prompt_cache_key, user ...)
     breakpoints: tuple[int, ...] = ()  # cache hints: the prefix of the first N messages is kept as its own entry
-    adapter: Optional[Any] = None  # the LoRA adapter the request's model name selected (None: the base model)
-    served: Optional[Any] = None  # the ModelSlot of another model the name selected (None: the base; server.pool)
+    target: Optional[Target] = None  # the model that computes it: set by the pipeline from the request's model
+    # name (server.http.target), never None once the request reaches the core
     names: Mapping[str, str] = field(default_factory=dict)  # internal field -> the client's parameter name
 
     def param(self, name: str) -> str:

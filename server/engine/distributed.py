@@ -10,8 +10,9 @@ from rank 0 in one collective, which every MLX backend has (ring, NCCL, MPI, JAC
 stream (``bind``), the stream that also carries the sharded model's own collectives: MLX executes one stream's
 work in order, so every rank sees the collectives in the same order as long as it issues the same calls.
 
-Debugging a hang or a garbled plan: ``MLX_LANE_TRACE_COLLECTIVES=1`` logs every collective of this module with
-its sequence number, shape and caller on every rank (the n-th lines of two ranks must match).
+Debugging a hang or a garbled plan: `mlx-lane serve --debug-trace-collectives` (``trace_collectives(True)``) logs
+every collective of this module with its sequence number, shape and caller on every rank (the n-th lines of two
+ranks must match).
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ _INLINE = 4096  # bytes of a broadcast's first collective: a tick plan usually f
 _LEN = 4  # its first bytes: the payload length (little endian)
 
 MODES = ("tensor", "pipeline")
-_TRACE = bool(os.environ.get("MLX_LANE_TRACE_COLLECTIVES"))
+_TRACE = False  # trace_collectives
+
+
+def trace_collectives(on: bool) -> None:
+    """Log every collective (see the module docstring); server.serve sets it from --debug-trace-collectives."""
+    global _TRACE
+    _TRACE = bool(on)
 
 
 @dataclass

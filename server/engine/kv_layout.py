@@ -20,7 +20,7 @@ def kv_scheme(kv_bits: int | None, kv_group_size: int = 64) -> str:
     return "float" if kv_bits is None else f"q{kv_bits}g{kv_group_size}"
 
 
-def _state_nbytes(caches: list) -> int:
+def state_nbytes(caches: list) -> int:
     """Bytes the caches hold for their tokens (KV buffers are allocated in steps of 256 tokens; the padding past
     `offset` on the token axis is not counted)."""
     from mlx.utils import tree_flatten
@@ -38,11 +38,11 @@ def _state_nbytes(caches: list) -> int:
     return total
 
 
-def _quantize_fresh(caches: list, bits: int, group_size: int) -> list:
+def quantize_fresh(caches: list, bits: int, group_size: int) -> list:
     return [QuantizedKVCache(group_size=group_size, bits=bits) if type(c) is KVCache else c for c in caches]
 
 
-def _covered_length(caches: list) -> int | None:
+def covered_length(caches: list) -> int | None:
     offsets = {getattr(c, "offset", None) for c in caches}
     offsets.discard(None)
     return offsets.pop() if len(offsets) == 1 else None

@@ -2,32 +2,34 @@
 
 The engine serves its **base** model (``--model``: the one adapters, the draft model and model-less requests use)
 through its own slot, and every other model of the server (``--model NAME=PATH``, ``--models-dir``; loaded on
-demand by server.pool) through one slot each, which a request carries in ``SamplingParams.served``. A sequence
-takes everything model-specific from its slot: the forward, the fresh KV caches, the detokenizer and EOS ids, the
-namespace its KV is cached under (the model's fingerprint, KV scheme included), and whether its caches may join a
-batch. ``release()`` drops the references to the weights (the pool's unload): sequences still running keep the
-model through their own reference (``Sequence.model``) and finish with it.
+demand by server.pool) through one slot each; a request carries its slot in its ``server.lane.target.Target`` (a
+``ModelSlot`` is the lane's ``Slot``). A sequence takes everything model-specific from its slot: the forward, the
+fresh KV caches, the detokenizer and EOS ids, the namespace its KV is cached under (the model's fingerprint, KV
+scheme included), and the facts of its caches that choose its batch kind (``cache_facts``). ``release()`` drops
+the references to the weights (the pool's unload): sequences still running keep the model through the engine's own
+reference (``server.engine.work.SeqWork.model``) and finish with it.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
 from models.cpu_attention import routes as routes_cpu_attention
-from server.engine.batch import can_batch
-from server.engine.kv_layout import _quantize_fresh, _state_nbytes
+from models.attention_hook import attention_path
+from server.engine.batch.choose import CacheFacts
+from server.engine.batch.mlx import can_batch
+from server.engine.kv_layout import quantize_fresh, state_nbytes
 
 __all__ = ["ModelSlot"]
 
 
 class ModelSlot:
     def __init__(self, loaded, *, name: Optional[str] = None, base: bool = True, kv_bits: Optional[int] = None,
-                 kv_group_size: int = 64):
+                 kv_group_size: int = 64, read_shared_prefix: bool = True):
         self.loaded = loaded  # models.load.LoadedModel
-        self.name = name or getattr(loaded, "model_id", None)  # what requests call it (and responses echo)
+        self.name: str = name or getattr(loaded, "model_id", None) or "default"  # what requests call it
         self.base = base  # the server's base model: adapters, the draft model and batched prefill apply to it
         self.model: Any = loaded.model
         self.tokenizer: Any = loaded.tokenizer
@@ -39,21 +41,22 @@ class ModelSlot:
         self.plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)  # the ragged/prefill layouts
         self.trimmable = can_trim_prompt_cache(layers)  # drafts can be verified (rejected ones rewound)
         self.mergeable = can_batch(self.new_caches())  # its rows may join a decode batch
+        self.cache_facts = CacheFacts(plain_kv=self.plain_kv, mergeable=self.mergeable)
         # a hit's caches may read the cached entry where it lies (models.shared_prefix): plain KV layers, and every
-        # attention of the model through models.cpu_attention (which reads segments)
-        # (MLX_LANE_SHARED_PREFIX=0: every hit copies, as before; to compare)
-        self.reads_shared_prefix = (self.plain_kv and routes_cpu_attention(self.model)
-                                    and os.environ.get("MLX_LANE_SHARED_PREFIX", "1") != "0")
+        # attention of the model through models.cpu_attention (which reads segments); read_shared_prefix False
+        # (--debug-copy-hits): every hit copies, to compare
+        self.reads_shared_prefix = read_shared_prefix and self.plain_kv and routes_cpu_attention(self.model)
+        self.attention = attention_path(self.model)  # which attention its layers run: cpu, cuda or mlx (/stats)
         windows = [c.max_size for c in layers if isinstance(c, RotatingKVCache)]
         self.window = min(windows) if windows else None
         args = getattr(self.model, "args", None)
-        self.vocab_size = getattr(args, "vocab_size", None) or len(getattr(self.tokenizer, "vocab", ()))
+        self.vocab_size: int = getattr(args, "vocab_size", None) or len(getattr(self.tokenizer, "vocab", ()))
         self.kv_bytes_per_token = 0.0  # measured by measure_kv (the memory budget's per-token price)
         self.counters: Any = None  # server.catalog.AdapterCounters of an on-demand model (its pool entry's)
 
     def new_caches(self) -> list:
         caches = make_prompt_cache(self.model)
-        return caches if self.kv_bits is None else _quantize_fresh(caches, self.kv_bits, self.kv_group_size)
+        return caches if self.kv_bits is None else quantize_fresh(caches, self.kv_bits, self.kv_group_size)
 
     def measure_kv(self) -> float:
         """KV bytes one cached token costs in this model (all layers), from a one-token forward."""
@@ -61,7 +64,7 @@ class ModelSlot:
 
         caches = self.new_caches()
         mx.eval(self.model(mx.array([[1]]), cache=caches))
-        self.kv_bytes_per_token = float(_state_nbytes(caches))
+        self.kv_bytes_per_token = float(state_nbytes(caches))
         return self.kv_bytes_per_token
 
     def decode_one(self, token: int) -> str:

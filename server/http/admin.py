@@ -109,14 +109,13 @@ def _on_demand_entry(state, name: str):
 
 @router.post("/admin/models/load")
 async def admin_model_load(request: Request):
-    from server.http.pipeline import acquire_model
+    from server.http.target import Resolution, acquire
 
     state = request.app.state.lane_state
     name = (await parse_body(request, ModelAction, state.max_body_bytes)).target()
     entry = _on_demand_entry(state, name)
     was = entry.state
-    lease = await acquire_model(state, name)
-    lease.release()
+    (await acquire(state, Resolution(on_demand=name))).release()
     return {"object": "model", "id": entry.name, "state": entry.state, "was": was, "size_bytes": entry.nbytes,
             "load_s": round(entry.load_s, 3)}
 

@@ -20,13 +20,20 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cache.protocol import PrefixCache
+from cache.tiered import TieredCache
+from models import LoadedModel
+from models.embedding import EmbeddingModel
 from server.catalog import AdapterRegistry
+from server.core.context import CoreContext
+from server.engine.engine import Engine
 from server.errors import APIError
 from server.http.error_shapes import shaped_body
 from server.http.guard import RequestGuard, WebPolicy, cors_headers, error_response, refusal
 from server.http.responses.store import ResponseStore
 from server.http.wire import json_response, validation_message
 from server.lane.lane import Lane
+from server.pool.pool import ModelPool
 from server.stats import ServingStats
 
 __all__ = ["ServerState", "create_app"]
@@ -36,10 +43,15 @@ log = logging.getLogger("mlx_lane.app")
 
 @dataclass
 class ServerState:
-    loaded: object  # models.LoadedModel
+    """Everything the routes read: the base model's facts, the engine and lane, the caches, the settings. The
+    generation core sees only ``core`` (server.core.context.CoreContext)."""
+
+    loaded: LoadedModel  # the base model's load facts (id, fingerprint, dtype, context length)
+    engine: Engine
     lane: Lane
+    core: CoreContext
     stats: ServingStats
-    prompt_cache: object
+    prompt_cache: PrefixCache  # RAM (+ SSD) tiers; on a sharded model, the wrapper that agrees hits over ranks
     device: str
     blas: str
     api_key: Optional[str] = None
@@ -50,27 +62,21 @@ class ServerState:
     model_names: set = field(default_factory=set)
     model_aliases: tuple = ()  # --model-alias glob patterns answered by the served model (server/catalog.py)
     alias_rules: tuple = ()  # every --model-alias in order: (pattern, on-demand model name or None for the base)
-    ssd: Optional[object] = None  # cache.tiered.TieredCache (the same object as prompt_cache) or None
+    ssd: Optional[TieredCache] = None  # the SSD-backed tier behind prompt_cache (flush, close, its stats), or None
     shutdown_timeout_s: float = 30.0
     distributed: Optional[dict] = None  # server.engine.distributed.Group.describe() when sharded over processes
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses previous_response_id
     adapters: AdapterRegistry = field(default_factory=AdapterRegistry)  # LoRA adapters, selected by `model`
     adapter_dir: Optional[str] = None  # --adapter-dir: what /admin/adapters may load without --api-key
-    models: Optional[object] = None  # server.pool.pool.ModelPool: the on-demand models (None: only the base model)
-    embedder: Optional[object] = None  # models.embedding.EmbeddingModel behind /v1/embeddings, or None
+    models: Optional[ModelPool] = None  # the on-demand models (None: only the base model)
+    embedder: Optional[EmbeddingModel] = None  # behind /v1/embeddings, or None
     web: WebPolicy = field(default_factory=WebPolicy)  # Host / Origin allow-lists (server/http/guard.py)
     keep_billing_header: bool = False  # --keep-billing-header: Claude Code's per-prompt system block stays
     dashboard: bool = True  # GET / and /dashboard (server/http/dashboard.py); --no-dashboard turns it off
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
     def __post_init__(self):
         self.model_names = {self.loaded.model_id} | set(self.model_names)
-        args = getattr(self.loaded.model, "args", None)
-        self._vocab_size = getattr(args, "vocab_size", None) or len(self.loaded.tokenizer.vocab)
         self.system_fingerprint = "fp_" + self.loaded.fingerprint[:12]
 
 

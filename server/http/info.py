@@ -68,7 +68,7 @@ def _model_card(state, name: str) -> dict:
     """The base model (always loaded)."""
     return {"id": name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
             "context_length": state.loaded.context_length, "state": "loaded",
-            "size_bytes": state.lane.engine.weights_nbytes(), "adapters": state.adapters.names()}
+            "size_bytes": state.engine.weights_nbytes(), "adapters": state.adapters.names()}
 
 
 def _on_demand_card(state, entry) -> dict:
@@ -104,10 +104,11 @@ def _embedding_card(state) -> dict:
 def stats_body(state) -> dict:
     lane = state.stats.lane_block()
     lane.update(state.stats.batch_block())
+    batches = state.engine.batch_stats()  # which batch kind and attention path run (server.engine.batch.choose)
     lane.update({"queue_depth": state.lane.queue_depth, "active_request": state.lane.active_job_id,
                  "running_requests": list(state.lane.running_ids), "max_batch": state.lane.scheduler.limits.max_batch,
                  "prefill_batch": state.lane.scheduler.limits.prefill_batch,
-                 "batch_layout": state.lane.engine.resolved_batch_layout(),
+                 "batch_layout": batches["layout"], "attention": batches["attention"], "batches": batches["groups"],
                  "state": state.lane.state.value})
     return {
         "version": server_version(),
@@ -118,7 +119,7 @@ def stats_body(state) -> dict:
         "blas": state.blas,
         "lane": lane,
         "prompt_cache": state.prompt_cache.stats(),
-        "kv_cache": state.lane.engine.kv_stats(),  # KV scheme + bytes per cached token (issue 8)
+        "kv_cache": state.engine.kv_stats(),  # KV scheme + bytes per cached token (issue 8)
         # one model over several processes: the group, and cache hits dropped because a rank lacked its shard
         **({"distributed": {**state.distributed, **state.prompt_cache.shard_stats()}} if state.distributed else {}),
         "ssd_cache": state.ssd.ssd_stats() if state.ssd is not None else {"enabled": False},

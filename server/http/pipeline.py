@@ -8,8 +8,9 @@ nothing else::
     async call(state, request, body) -> Call     the wire body as the internal request (+ stream or not)
     formatter(state, body, call, generation) -> Formatter
 
-``run(door, request)`` does the rest, the same for all four: read and validate the body, let the door build the
-internal request (server.core.request), open the generation (server.core.generation: template, grammar, sampling,
+``run(door, request)`` does the rest, the same for all four: read and validate the body, resolve its model name once
+into a ``Target`` (server.http.target), let the door build the internal request (server.core.request), open the
+generation on that target (server.core.generation: template, grammar, sampling,
 off the event loop), then either stream the formatter's frames as server-sent events or collect the whole result
 and answer the formatter's JSON body. Errors raised on the way are ``APIError``s; the app maps each into the error
 shape of the API the path belongs to (server.http.error_shapes), and a stream that fails midway ends with the
@@ -33,7 +34,9 @@ from fastapi.responses import StreamingResponse
 
 from server.core.generation import Done, Error, Generation, KeepAlive, ReasoningOut, Result, TextOut, open_generation
 from server.core.request import GenerationRequest
-from server.errors import APIError, InvalidRequest
+from server.lane.target import Target
+from server.errors import APIError
+from server.http.target import acquire, resolve
 from server.http.wire import SSE_DONE, SSE_HEADERS, SSE_KEEPALIVE, json_response, parse_body, request_id, sse
 
 __all__ = ["Call", "Door", "Formatter", "run"]
@@ -102,68 +105,59 @@ async def run(door: Door, request: Request):
     state = request.app.state.lane_state
     body = await parse_body(request, door.schema, state.max_body_bytes)
     rid = request_id(request, door.id_prefix)
-    if getattr(body, "stream", False) and _must_load(state, getattr(body, "model", None)):
+    resolution = resolve(state, getattr(body, "model", None))  # the request's model, once (server.http.target)
+    if getattr(body, "stream", False) and resolution.must_load(state):
         # the model loads first: the stream starts now and keeps the client's connection alive meanwhile
-        return StreamingResponse(_after_load(door, state, request, body, rid), media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, "X-Request-Id": rid})
-    lease = await acquire_model(state, getattr(body, "model", None))  # an on-demand model: loaded and held
+        return StreamingResponse(_after_load(door, state, request, body, resolution, rid),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": rid})
+    target = await acquire(state, resolution)  # an on-demand model: loaded and held until the response ends
     try:
-        call, gen, fmt = await _open(door, state, request, body, lease, rid)
+        call, gen, fmt = await _open(door, state, request, body, target, rid)
         headers = {"X-Request-Id": gen.id}
         if call.stream:
             await gen.__aenter__()  # submits the job (may raise QueueFull: a 429 before any byte is sent)
-            frames, lease = _frames(gen, fmt, lease), None  # the stream releases the model when it ends
+            frames, target = _frames(gen, fmt, target), None  # the stream releases the model when it ends
             return StreamingResponse(frames, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
         async with gen:
             result = await gen.collect()
         return json_response(await fmt.body(result), headers=headers)
     finally:
-        if lease is not None:
-            lease.release()
+        if target is not None:
+            target.release()
 
 
-async def _open(door: Door, state, request: Request, body, lease, rid: str):
-    """The door's call, its generation (on the leased model, if any) and its formatter."""
+async def _open(door: Door, state, request: Request, body, target: Target, rid: str):
+    """The door's call, its generation (on the request's target model) and its formatter."""
     call = await door.call(state, request, body)
-    if lease is not None:
-        call = dataclasses.replace(call, request=dataclasses.replace(call.request, served=lease.slot))
-    gen = await open_generation(state, request, call.request, rid)
+    call = dataclasses.replace(call, request=dataclasses.replace(call.request, target=target))
+    gen = await open_generation(state.core, request, call.request, rid)
     return call, gen, door.formatter(state, body, call, gen)
 
 
-def _must_load(state, requested: Optional[str]) -> bool:
-    """Whether ``requested`` names an on-demand model that is not loaded now."""
-    from server.catalog import on_demand_name
-
-    name = on_demand_name(state, requested)
-    entry = state.models.entry(name) if name is not None else None
-    return entry is not None and entry.slot is None
-
-
-async def _after_load(door: Door, state, request: Request, body, rid: str) -> AsyncIterator[bytes]:
+async def _after_load(door: Door, state, request: Request, body, resolution, rid: str) -> AsyncIterator[bytes]:
     """A stream whose model is loading: SSE comments every --keepalive seconds until it is in, then the stream
     itself. What fails before the first event (the load, the prompt's checks, a full queue) is the door's error
     event, since the status line is already sent."""
-    task = asyncio.ensure_future(acquire_model(state, getattr(body, "model", None)))
-    lease = None
+    task = asyncio.ensure_future(acquire(state, resolution))
+    target = None
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=state.keepalive_s)
             if not task.done():
                 yield SSE_KEEPALIVE
-        lease = task.result()
-        call, gen, fmt = await _open(door, state, request, body, lease, rid)
+        target = task.result()
+        call, gen, fmt = await _open(door, state, request, body, target, rid)
         await gen.__aenter__()
     except APIError as exc:
-        if lease is not None:
-            lease.release()
+        if target is not None:
+            target.release()
         for frame in door.stream_error(exc):
             yield frame
         return
     finally:
         if not task.done():  # the client left while the model loaded: the load goes on for the others
             task.cancel()
-    frames = _frames(gen, fmt, lease)
+    frames = _frames(gen, fmt, target)
     try:
         async for frame in frames:
             yield frame
@@ -171,25 +165,7 @@ async def _after_load(door: Door, state, request: Request, body, rid: str) -> As
         await frames.aclose()
 
 
-async def acquire_model(state, requested: Optional[str]):
-    """A lease on the on-demand model ``requested`` names (server.pool), loading it first when it is not loaded;
-    None for the base model, its adapters and aliases. A model that can never fit is a 400, a failed load a 500."""
-    from server.catalog import on_demand_name
-    from server.pool.pool import ModelLoadFailed, ModelWontFit
-
-    name = on_demand_name(state, requested)
-    if name is None:
-        return None
-    try:
-        return await state.models.acquire(name)
-    except ModelWontFit as exc:
-        raise InvalidRequest(str(exc), param="model", code="model_too_large") from None
-    except ModelLoadFailed as exc:
-        raise APIError(f"{exc}. Check the model's files (see the server log), then retry.",
-                       code="model_load_failed") from None
-
-
-async def _frames(gen: Generation, fmt: Formatter, lease=None) -> AsyncIterator[bytes]:
+async def _frames(gen: Generation, fmt: Formatter, target: Optional[Target] = None) -> AsyncIterator[bytes]:
     try:
         for frame in fmt.head():
             yield frame
@@ -200,5 +176,5 @@ async def _frames(gen: Generation, fmt: Formatter, lease=None) -> AsyncIterator[
             yield frame
     finally:
         await gen.__aexit__(None, None, None)
-        if lease is not None:
-            lease.release()
+        if target is not None:
+            target.release()

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 
-
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -30,8 +29,6 @@ class SamplingParams:
     top_logprobs: int = 0
     num_draft_tokens: Optional[int] = None  # None: the server's setting; 0: no speculation
     grammar: Any = None  # server.core.grammar.GrammarSpec: constrained decoding, one .processor() per request
-    adapter: Any = None  # models.adapters.Adapter the request's `model` selected (None: the base model)
-    served: Any = None  # server.engine.slot.ModelSlot of the model the request's `model` selected (None: the base)
 
 
 @dataclass(frozen=True)

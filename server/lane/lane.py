@@ -1,7 +1,7 @@
 """The lane: one thread that owns all model compute and runs one tick plan after another.
 
-(About 475 lines, one job: the thread, its inbox and the plan executor. What a tick does is decided in
-server.lane.scheduler, how a step is computed in server.engine; what stays here is their order and the hand-off.)
+What a tick does is decided in server.lane.scheduler, executed by server.lane.executor through the engine's verbs
+(server.lane.seam.LaneEngine); what stays here is the thread, its inbox, its control and its tasks.
 
 ``submit(seq)`` (event loop) appends to an inbox under a short lock, or raises ``QueueFull`` beyond ``max_queue``
 waiting sequences, or ``ShuttingDown``. Each tick the thread, holding no lock while it works:
@@ -9,7 +9,7 @@ waiting sequences, or ``ShuttingDown``. Each tick the thread, holding no lock wh
 1. moves the inbox into its queue (the engine classifies each arrival: its batch group, whether it may batch);
 2. asks the scheduler for this tick's ``TickPlan`` (server.lane.scheduler; the prefix cache answers index-only
    questions: is a queued prompt's SSD prefix in RAM yet, how much of it is cached);
-3. executes the plan through the engine, in the plan's order (server.lane.plan): end the cancelled, make room in
+3. executes the plan (server.lane.executor), in the plan's order (server.lane.plan): end the cancelled, make room in
    the RAM tier, admit (cache take), the prefill chunks that complete a prompt, start decoding (solo or into a
    batch), one step of every batch and every solo sequence, then the other prefill chunks; sequences that finish
    leave at once and store what they computed.
@@ -41,10 +41,11 @@ from typing import Optional
 
 from server.errors import InvalidRequest, QueueFull, ShuttingDown
 from server.lane.budget import MemoryBudget
-from server.lane.events import Delta, Finished
+from server.lane.executor import Executor
 from server.lane.plan import TickPlan
 from server.lane.scheduler import Limits, Scheduler
-from server.lane.sequence import FinishReason, Phase, Sequence
+from server.lane.seam import LaneEngine
+from server.lane.sequence import Phase, Sequence
 
 __all__ = ["Lane", "LaneState"]
 
@@ -60,19 +61,22 @@ class LaneState(enum.Enum):
 
 
 class Lane:
-    def __init__(self, engine, *, max_queue: int = 0, token_delay_s: float = 0.0, max_batch: int = 8,
+    def __init__(self, engine: LaneEngine, prompt_cache, stats, *, max_queue: int = 0, max_batch: int = 8,
                  budget: Optional[MemoryBudget] = None, prefill_batch: int = 1, replay=None):
+        """``prompt_cache``: the prefix cache the scheduler asks index-only questions of (a
+        ``cache.protocol.PrefixCache``); ``stats``: the serving counters (server.stats.ServingStats)."""
         self.engine = engine
+        self.prompt_cache = prompt_cache
+        self.stats = stats
+        self.executor = Executor(engine, prompt_cache, stats)
         # server.lane.replay.Leader (rank 0) or Follower (other ranks) of a model sharded over processes; None in a
         # single process, where no distributed code runs at all
         self.replay = replay
         self.max_queue = max_queue  # 0 = unbounded
-        self.token_delay_s = token_delay_s  # test seam (MLX_LANE_TEST_TOKEN_DELAY): pause after each token
         self.scheduler = Scheduler(Limits(max_batch=max(1, max_batch), prefill_chunk=engine.prefill_chunk,
                                           prefill_batch=max(1, prefill_batch)), budget)
         self._inbox: collections.deque[Sequence] = collections.deque()  # submitted, not yet seen by the thread
         self._waiting: list[Sequence] = []  # the queue (lane thread only)
-        self._running: list[Sequence] = []  # admitted, in admission order (lane thread only)
         self._running_ids: tuple[str, ...] = ()  # a snapshot for readers on other threads
         self._tasks: collections.deque = collections.deque()  # (callable, Future): model work other than a sequence
         self.follow_failed = False  # a follower's replay raised (server.serve.follow exits non-zero)
@@ -127,10 +131,8 @@ class Lane:
             if self.max_queue and depth >= self.max_queue:
                 raise QueueFull(f"too many requests waiting ({depth}); retry later", retry_after_s=1)
             seq.enqueued_at = time.monotonic()
-            if self.token_delay_s:
-                seq.sink = _slowed(seq.sink, self.token_delay_s)
             self._inbox.append(seq)
-            self.engine.stats.on_queued(seq.id)
+            self.stats.on_queued(seq.id)
             self._cond.notify()
 
     # -- introspection --------------------------------------------------------------
@@ -149,14 +151,14 @@ class Lane:
 
     def running(self) -> list[Sequence]:
         """The admitted sequences (lane thread only)."""
-        return list(self._running)
+        return list(self.executor.running)
 
     def idle(self) -> bool:
         """Nothing queued, running or waiting to run (a snapshot)."""
-        return not (self._inbox or self._waiting or self._running or self._tasks)
+        return not (self._inbox or self._waiting or self.executor.running or self._tasks)
 
     def _cancel_all_locked(self) -> int:
-        seqs = [*self._inbox, *list(self._waiting), *list(self._running)]
+        seqs = [*self._inbox, *list(self._waiting), *list(self.executor.running)]
         for seq in seqs:
             seq.cancel.set()
         while self._tasks:  # tasks not started: their callers get CancelledError
@@ -204,9 +206,9 @@ class Lane:
             arrived = list(self._inbox)
             self._inbox.clear()
         for seq in arrived:
-            self.engine.classify(seq)
+            seq.facts = self.engine.classify(seq)
         self._waiting.extend(arrived)
-        plan = self.scheduler.schedule(self._waiting, self._running, task=bool(self._tasks),
+        plan = self.scheduler.schedule(self._waiting, self.executor.running, task=bool(self._tasks),
                                        ready=self._prefix_ready, lookup=self._cached_length,
                                        batch_bytes=self._batch_bytes())
         for seq in plan.waiting_io:
@@ -222,12 +224,12 @@ class Lane:
                 self._run_task(*task)  # rank 0 only: what tasks run (embeddings) is not sharded
         if plan.model_work:
             if self.replay is not None:  # rank 0 of a group: every rank runs this plan
-                self.replay.lead(plan, self._running)
+                self.replay.lead(plan, self.executor.running)
             self.execute(plan)
         return True
 
     def _prefix_ready(self, seq: Sequence) -> bool:
-        ready = self.engine.prompt_cache.ready(seq.prompt, seq.ns, seq.session)
+        ready = self.prompt_cache.ready(seq.prompt, seq.ns, seq.session)
         if ready and seq.phase == Phase.WAITING_IO:
             seq.phase = Phase.WAITING
         return ready
@@ -236,169 +238,17 @@ class Lane:
         """What the decode batches' buffers hold, for the memory budget (0 when the budget is off)."""
         if not self.scheduler.budget.budget_bytes:
             return 0
-        held = getattr(self.engine, "batch_kv_bytes", None)
-        return int(held()) if held is not None else 0
+        return int(self.engine.batch_kv_bytes())
 
     def _cached_length(self, seq: Sequence) -> int:
         # local: the scheduler runs on rank 0 alone, before its plan is broadcast (an agreement would deadlock)
-        return self.engine.prompt_cache.peek(seq.prompt, seq.ns, seq.session, local=True)
+        return self.prompt_cache.peek(seq.prompt, seq.ns, seq.session, local=True)
 
     # -- executing a plan -------------------------------------------------------------
     def execute(self, plan: TickPlan) -> None:
-        """Run one plan (see server.lane.plan for the order); every rank of a sharded model runs the same one."""
-        stats, engine = self.engine.stats, self.engine
-        t0 = time.perf_counter()
-        for seq in plan.end_waiting:
-            stats.on_started(seq.id)
-            finished = _cancelled_before_start(seq)
-            stats.on_finished(finished)
-            seq.sink(finished)
-        if plan.make_room:
-            engine.prompt_cache.make_room(plan.make_room)
-        for seq in plan.admit:
-            stats.on_started(seq.id)
-            try:
-                engine.admit(seq)
-            except Exception as exc:
-                log.exception("admitting %s failed", seq.id)
-                engine.fail(seq, exc)
-                continue
-            self._running.append(seq)
-        for seq in plan.cancel:
-            self._end(seq, FinishReason.CANCELLED)
-        for seq, position in plan.anchor:  # a prefix others wait for: stored when this sequence's chunk gets there
-            seq.anchors = tuple(sorted({*seq.anchors, position}))
-        t1 = time.perf_counter()
-        prefilled = sum(self._prefill(group, plan.share) for group in plan.prefill)
-        for start in plan.start:
-            self._start(start)
-        for seq in plan.leave:
-            if seq.phase == Phase.BATCHED:
-                engine.leave_batch(seq)
-        phases = {"admit": t1 - t0, "prefill": time.perf_counter() - t1}
-        decoded = self._decode(plan, phases)
-        t2 = time.perf_counter()
-        prefilled += sum(self._prefill(group, plan.share) for group in plan.prefill_late)
-        phases["prefill"] += time.perf_counter() - t2
-        self._running_ids = tuple(s.id for s in self._running)
-        stats.on_tick(batch=engine.batch_size(), prefill_tokens=prefilled, decode_tokens=decoded,
-                      running=len(self._running), phase_s=phases)
-
-    def _prefill(self, group, share: bool) -> int:
-        """One planned prefill group: each sequence takes again from the prefix cache first (an entry put this tick
-        may cover more of its prompt); then one forward for the group. Returns the tokens computed."""
-        items = []
-        for chunk in group:
-            seq = chunk.seq
-            if seq.phase != Phase.PREFILL or seq.prefilled:
-                continue
-            try:
-                self.engine.retake(seq)
-            except Exception as exc:
-                log.exception("prefill of %s failed", seq.id)
-                self._fail(seq, exc)
-                continue
-            items.append((seq, min(chunk.tokens, seq.prefill_left), seq.done))
-        if not items:
-            return 0
-        try:
-            if len(items) == 1:
-                seq, n, _ = items[0]
-                self.engine.prefill(seq, n, share)
-            else:
-                self.engine.prefill_together([(seq, n) for seq, n, _ in items], share)
-                self.engine.stats.on_prefill_together(len(items))
-        except Exception as exc:
-            log.exception("prefill of %s failed", ", ".join(seq.id for seq, *_ in items))
-            for seq, *_ in items:
-                self._fail(seq, exc)
-            return 0
-        return sum(seq.done - before for seq, _, before in items)
-
-    def _start(self, start) -> None:
-        """Planned starts of decoding whose prefill did complete: into the group's batch together, or solo."""
-        batch = [s for s in start.batch if s.phase == Phase.SOLO or (s.phase == Phase.PREFILL and s.prefilled)]
-        if batch:
-            try:
-                self.engine.join_batch(start.group, batch)
-            except Exception as exc:
-                log.exception("joining the batch failed for %s", ", ".join(s.id for s in batch))
-                for seq in batch:
-                    self._fail(seq, exc)
-        for seq in start.solo:
-            if seq.phase == Phase.PREFILL and seq.prefilled:
-                seq.phase = Phase.SOLO
-
-    def _decode(self, plan: TickPlan, phases: dict) -> int:
-        """One step of every planned batch (one forward each: a group never waits for another) and of every solo
-        sequence; adds the seconds of each part to ``phases``."""
-        produced = 0
-        for group in plan.decode:
-            produced += self._step_batch(group, phases)
-        t0 = time.perf_counter()
-        for seq in plan.solo:
-            if seq.phase != Phase.SOLO:
-                continue
-            try:
-                out = self.engine.solo_step(seq)
-            except Exception as exc:
-                log.exception("decode of %s failed", seq.id)
-                self._fail(seq, exc)
-                continue
-            produced += 1 if out is not None else 0
-            reason = FinishReason.LENGTH if out is None else seq.on_token(*out)
-            if reason is not None:
-                self._end(seq, reason)
-        phases["solo"] = time.perf_counter() - t0
-        return produced
-
-    def _step_batch(self, group, phases: dict) -> int:
-        t0 = time.perf_counter()
-        try:
-            rows = self.engine.step_batch(group)
-        except Exception as exc:
-            log.exception("batched decode step failed; failing its sequences")
-            for seq in [s for s in self._running if s.phase == Phase.BATCHED and s.group == group]:
-                self._fail(seq, exc)
-            self.engine.reset_batch(group)
-            return 0
-        t1 = time.perf_counter()
-        phases["batch_step"] = phases.get("batch_step", 0.0) + t1 - t0
-        ending, ended = [], set()
-        for seq, token, logprobs in rows:  # a speculating row may bring several tokens; none after its end
-            if id(seq) in ended:
-                continue
-            reason = seq.on_token(token, logprobs)
-            if reason is not None:
-                ending.append((seq, reason))
-                ended.add(id(seq))
-        t2 = time.perf_counter()
-        if ending:
-            for (seq, reason), covered in zip(ending, self.engine.leave_rows(group, [s for s, _ in ending])):
-                self._drop(seq)
-                self.engine.finish(seq, reason, covered)
-        t3 = time.perf_counter()
-        phases["batch_rows"] = phases.get("batch_rows", 0.0) + t2 - t1
-        if ending:
-            phases["batch_leave"] = phases.get("batch_leave", 0.0) + t3 - t2
-        return len(rows)
-
-    def _end(self, seq: Sequence, reason: FinishReason) -> None:
-        covered = self.engine.leave_rows(seq.group, [seq])[0] if seq.phase == Phase.BATCHED else None
-        self._drop(seq)
-        self.engine.finish(seq, reason, covered)
-
-    def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        if seq.phase == Phase.BATCHED:
-            try:
-                self.engine.leave_rows(seq.group, [seq])
-            except Exception:
-                log.exception("removing %s from its batch failed", seq.id)
-        self._drop(seq)
-        self.engine.fail(seq, exc)
-
-    def _drop(self, seq: Sequence) -> None:
-        self._running = [s for s in self._running if s is not seq]
+        """Run one plan (server.lane.executor); every rank of a sharded model runs the same one."""
+        self.executor.execute(plan)
+        self._running_ids = tuple(s.id for s in self.executor.running)
 
     # -- a follower of a sharded model (server.lane.replay) ------------------------------------
     def _follow(self) -> None:
@@ -449,29 +299,3 @@ def _name_os_thread(name: str) -> None:
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
-
-
-def _slowed(sink, delay_s: float):
-    """The test seam: the lane sleeps after handing over each token (the scheduler sees cancellations next tick)."""
-
-    def slow_sink(event) -> None:
-        sink(event)
-        if isinstance(event, Delta):
-            time.sleep(delay_s)
-
-    return slow_sink
-
-
-def _cancelled_before_start(seq: Sequence) -> Finished:
-    seq.phase, seq.finish_reason = Phase.FINISHED, FinishReason.CANCELLED
-    return Finished(
-        finish_reason=str(FinishReason.CANCELLED),
-        prompt_tokens=len(seq.prompt),
-        completion_tokens=0,
-        cached_tokens=0,
-        prefill_tokens=0,
-        prefill_s=0.0,
-        decode_tokens=0,
-        decode_s=0.0,
-        queued_s=time.monotonic() - seq.enqueued_at,
-    )

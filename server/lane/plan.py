@@ -1,19 +1,19 @@
 """The tick plan: a frozen record of everything one lane tick does, decided before any of it runs.
 
 The scheduler (server.lane.scheduler) makes a ``TickPlan`` from the queue and the running sequences; the lane
-(server.lane.lane) executes it through the engine, in this order, and each step reports back only through the
-sequences' own state (phase, tokens, done):
+(server.lane.lane) executes it through the engine (server.lane.seam), in this order, and writes what each step
+returns into the sequences' own state (phase, tokens, covered):
 
     end_waiting  sequences cancelled while still queued: ended without touching the model
     make_room    bytes the RAM prefix cache yields first, so that the admissions fit the memory budget
     admit        queued sequences that join, FIFO (their prefix-cache take)
     cancel       running sequences whose client went away: what they computed is stored, then they end
     anchor       new anchors (sequence, prompt position): where a prefix another sequence waits for ends
-    prefill      groups of chunks, in order, each of which completes its sequences' prefills (they decode in this
-                 tick's step); a group of several is one batched forward. Before its group each sequence takes
+    prefill      groups of chunks, in order, each of which completes its sequences' prefills (they are READY and
+                 decode in this tick's step); a group of several is one batched forward. Before its group each sequence takes
                  again from the prefix cache (a prompt just computed may cover more of it); a chunk is never more
                  than planned, less when the cache now covers more
-    share        those prefills store their prompt in the cache as soon as it is computed (requests wait, or
+    store_now    those prefills store their prompt in the cache as soon as it is computed (requests wait, or
                  several prefill together: they may share it)
     start        sequences that begin decoding (their prefill completes in ``prefill``, or completed before):
                  per group, the ones that join the group's batch (with the solo ones migrating into it), and
@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 
 import orjson
 
+from server.lane.seam import GroupKey
 from server.lane.sequence import Sequence
 
 __all__ = ["Chunk", "Start", "TickPlan"]
@@ -51,7 +52,7 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Start:
-    group: Any  # the batch group (None: the base model; a LoRA adapter's identity)
+    group: Any  # the batch group (server.lane.seam.GroupKey)
     batch: tuple[Sequence, ...] = ()  # join the group's batch in one step: migrating solo ones first
     solo: tuple[Sequence, ...] = ()  # decode on their own
 
@@ -65,7 +66,7 @@ class TickPlan:
     anchor: tuple[tuple[Sequence, int], ...] = ()
     prefill: tuple[tuple[Chunk, ...], ...] = ()
     prefill_late: tuple[tuple[Chunk, ...], ...] = ()
-    share: bool = False
+    store_now: bool = False
     start: tuple[Start, ...] = ()
     leave: tuple[Sequence, ...] = ()
     decode: tuple[Any, ...] = ()
@@ -93,10 +94,10 @@ class TickPlan:
             "end_waiting": [spec_of(s) for s in self.end_waiting], "make_room": self.make_room,
             "admit": [spec_of(s) for s in self.admit], "cancel": ids(self.cancel),
             "anchor": [[s.id, pos] for s, pos in self.anchor],
-            "prefill": [[[c.seq.id, c.tokens] for c in group] for group in self.prefill], "share": self.share,
+            "prefill": [[[c.seq.id, c.tokens] for c in group] for group in self.prefill], "store_now": self.store_now,
             "prefill_late": [[[c.seq.id, c.tokens] for c in group] for group in self.prefill_late],
-            "start": [[s.group, ids(s.batch), ids(s.solo)] for s in self.start], "leave": ids(self.leave),
-            "decode": list(self.decode), "solo": ids(self.solo), "check": check or {},
+            "start": [[_wire(s.group), ids(s.batch), ids(s.solo)] for s in self.start], "leave": ids(self.leave),
+            "decode": [_wire(g) for g in self.decode], "solo": ids(self.solo), "check": check or {},
         })
 
     @classmethod
@@ -114,11 +115,19 @@ class TickPlan:
             admit=tuple(admitted), cancel=seqs(d["cancel"]),
             anchor=tuple((known[i], pos) for i, pos in d.get("anchor", ()) if i in known),
             prefill=chunks(d["prefill"]), prefill_late=chunks(d.get("prefill_late", ())),
-            share=d["share"],
-            start=tuple(Start(group, seqs(batch), seqs(solo)) for group, batch, solo in d["start"]),
-            leave=seqs(d["leave"]), decode=tuple(d["decode"]), solo=seqs(d["solo"]),
+            store_now=d["store_now"],
+            start=tuple(Start(_unwire(group), seqs(batch), seqs(solo)) for group, batch, solo in d["start"]),
+            leave=seqs(d["leave"]), decode=tuple(_unwire(g) for g in d["decode"]), solo=seqs(d["solo"]),
         )
         return plan, d["check"]
 
     def replace(self, **changes) -> "TickPlan":
         return dataclasses.replace(self, **changes)
+
+
+def _wire(group):
+    return group.wire() if isinstance(group, GroupKey) else group
+
+
+def _unwire(value):
+    return GroupKey.from_wire(value) if isinstance(value, list) else value

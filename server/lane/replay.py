@@ -37,7 +37,7 @@ _STOP = orjson.dumps({"stop": True})
 
 def seq_spec(seq: Sequence) -> dict:
     """What a follower needs to rebuild ``seq`` (no sink: a follower's events go nowhere)."""
-    params = dataclasses.asdict(dataclasses.replace(seq.params, grammar=None, adapter=None, served=None))
+    params = dataclasses.asdict(dataclasses.replace(seq.params, grammar=None))
     if params.get("logit_bias"):
         params["logit_bias"] = [[int(k), float(v)] for k, v in params["logit_bias"].items()]
     params["stop"] = list(params["stop"])
@@ -47,13 +47,12 @@ def seq_spec(seq: Sequence) -> dict:
 
 
 def seq_from_spec(spec: dict, compile_grammar=None, engine=None) -> Sequence:
-    """The follower's own sequence for a spec (its namespace and facts from its own ``engine``, when given).
+    """The follower's own sequence for a spec (its target, namespace and facts from its own ``engine``, when given:
+    a sharded server serves its base model alone).
     ``compile_grammar(text)``: the grammar spec of a grammar's source text (server.core.grammar.GrammarSpec.compile
     with this rank's tokenizer; the lane does not import the core, so the process wiring hands it in)."""
     params = dict(spec["params"])
     params.pop("grammar", None)
-    params.pop("adapter", None)
-    params.pop("served", None)
     if params.get("logit_bias"):
         params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"]}
     params["stop"] = tuple(params["stop"])
@@ -63,11 +62,12 @@ def seq_from_spec(spec: dict, compile_grammar=None, engine=None) -> Sequence:
             raise ValueError("a sequence with a grammar needs compile_grammar to rebuild it")
         grammar = compile_grammar(spec["grammar"])
     params = SamplingParams(**params, grammar=grammar)
+    target = engine.base_target() if engine is not None else None
     seq = Sequence(prompt=list(spec["prompt"]), params=params, sink=_discard, session=spec.get("session"),
-                   id=spec["id"], ns=engine.namespace_for(params) if engine is not None else "",
+                   id=spec["id"], target=target, ns=engine.namespace_for(target, params) if engine is not None else "",
                    anchors=tuple(spec.get("anchors") or ()))
     if engine is not None:
-        engine.classify(seq)
+        seq.facts = engine.classify(seq)
     if spec.get("cancelled"):
         seq.cancel.set()
     return seq

@@ -1,8 +1,8 @@
 """The lane's scheduling policy: ``Scheduler.schedule(waiting, running) -> TickPlan``, every per-tick decision.
 
 The scheduler only decides (vLLM's split between ``Scheduler`` and the model runner); the lane executes the plan
-(server.lane.plan). It reads sequences as plain data (phase, prompt, ``done``, the facts the engine recorded at
-admission: ``group``, ``batchable``, ``prefill_together``, ``migratable``), so every rule is tested table by table
+(server.lane.plan). It reads sequences as plain data (phase, prompt, ``covered``, the facts the engine gave when they
+arrived: ``facts.group``, ``facts.batchable``, ``facts.prefill_together``, and ``migratable``), so every rule is tested table by table
 without a model (tests/unit/test_scheduler.py). The rules, in plan order:
 
 1. Cancelled sequences end: queued ones without touching the model, running ones after storing what they computed.
@@ -24,7 +24,7 @@ without a model (tests/unit/test_scheduler.py). The rules, in plan order:
    over several prompts beats one forward each), up to B sequences get up to one chunk each, gathered into
    batched forwards of those that may prefill together; one that shares at least ``SHARED_PREFIX_MIN`` tokens
    with a prompt gathered before it goes in a later group, so that it takes the shared prefix from the cache
-   instead of computing it again. Prompts go into the cache at once (``share``) when requests wait or several
+   instead of computing it again. Prompts go into the cache at once (``store_now``) when requests wait or several
    prefill: they may share a prefix.
 4. Start: a sequence whose prefill completes decodes solo when it is its group's only plain decoding sequence
    (plain ``generate_step`` beats a batch of one); otherwise it joins its group's batch, and the group's solo
@@ -41,6 +41,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Optional
 
+from cache.prefix import common_prefix
 from server.lane.budget import MemoryBudget
 from server.lane.plan import Chunk, Start, TickPlan
 from server.lane.sequence import Phase, Sequence
@@ -66,9 +67,7 @@ class Scheduler:
 
     def need(self, seq: Sequence) -> int:
         """KV bytes a sequence reserves: its prompt + max_tokens."""
-        served = seq.params.served  # another model of the server: its own KV price (server.engine.slot)
-        return self.budget.need(len(seq.prompt), seq.params.max_tokens,
-                                served.kv_bytes_per_token if served is not None else None)
+        return self.budget.need(len(seq.prompt), seq.params.max_tokens, seq.kv_price)
 
     def reserved(self, live: Seq[Sequence], batch_bytes: int = 0) -> int:
         """KV bytes the running sequences hold: each one's need, or for the batched ones together what the batches'
@@ -97,24 +96,23 @@ class Scheduler:
         left_queued = len(waiting) - len(end_waiting) - len(admit)
         # an admitted sequence's prefix is taken when the plan runs: size its chunks by what the cache has now
         expected = {id(s): min(max(0, lookup(s)), max(0, len(s.prompt) - 1)) for s in admit}
-        done = lambda s: expected.get(id(s), s.done)  # noqa: E731
+        done = lambda s: expected.get(id(s), s.covered)  # noqa: E731
         left = lambda s: max(0, len(s.prompt) - 1 - done(s))  # noqa: E731
 
         # 3. prefill
-        prefilling = self._prefill_order([s for s in live if s.phase == Phase.PREFILL and not s.prefilled]
-                                         + list(admit), left)
+        prefilling = self._prefill_order([s for s in live if s.phase == Phase.PREFILL] + list(admit), left)
         waiters, anchors = self._shared_waits(prefilling, done, {id(s) for s in admit})
         anchor_at = {id(s): pos for s, pos in anchors}
         chunks = self._chunks([s for s in prefilling if id(s) not in waiters], left, anchor_at)
         self._note_passed([s for s in prefilling if id(s) not in waiters], chunks, left)
         groups = self._gather(chunks, done)
-        share = bool(left_queued) or len(prefilling) > 1
+        store_now = bool(left_queued) or len(prefilling) > 1
         early, late = _split_completing(groups, left)
 
         # 4. start: what completes before this tick's decode, or completed since the last plan (a late chunk, or a
         # retake that finished a prefill early)
         completing = [c.seq for g in early for c in g]
-        ready_now = [s for s in live if s.phase == Phase.PREFILL and s.prefilled] + completing
+        ready_now = [s for s in live if s.phase == Phase.READY] + completing
         starts, migrating = self._starts(ready_now, live)
 
         # 5. leave, 6. decode
@@ -123,7 +121,7 @@ class Scheduler:
             if s.phase == Phase.BATCHED:
                 rows.setdefault(s.group, []).append(s)
         joining = {st.group: len(st.batch) for st in starts if st.batch}
-        busy = {s.group for s in [*live, *admit] if s.phase in (Phase.PREFILL, Phase.WAITING) or
+        busy = {s.group for s in [*live, *admit] if s.phase in (Phase.PREFILL, Phase.READY, Phase.WAITING) or
                 (s.phase == Phase.SOLO and s not in migrating)}
         busy |= {st.group for st in starts if st.solo}
         leave = tuple(group_rows[0] for group, group_rows in rows.items()
@@ -135,7 +133,7 @@ class Scheduler:
         solo = tuple(s for s in [*live, *admit] if (s.phase == Phase.SOLO and s not in migrating)
                      or id(s) in started_solo or s in leave)
         return TickPlan(end_waiting=end_waiting, make_room=make_room, admit=tuple(admit), cancel=cancel,
-                        anchor=tuple(anchors), prefill=early, prefill_late=late, share=share and bool(groups),
+                        anchor=tuple(anchors), prefill=early, prefill_late=late, store_now=store_now and bool(groups),
                         start=starts, leave=leave, decode=decode, solo=solo, task=task, waiting_io=io_wait)
 
     # -- the rules -------------------------------------------------------------------------------------------------
@@ -175,12 +173,12 @@ class Scheduler:
         waiters: set = set()
         anchors: dict = {}
         for i, s in enumerate(order):
-            if id(s) not in admitted and s.done != s.cached:
+            if id(s) not in admitted and s.covered != s.cached:
                 continue  # it computed part of its prompt itself: a take could not replace its caches any more
             for e in order[:i]:
                 if id(e) in waiters:
                     continue
-                shared = _common_prefix(e.prompt, s.prompt, min(len(e.prompt), len(s.prompt)) - 1)
+                shared = common_prefix(e.prompt, s.prompt, min(len(e.prompt), len(s.prompt)) - 1)
                 if shared - done(s) < SHARED_PREFIX_MIN or done(e) >= shared:
                     continue
                 waiters.add(id(s))
@@ -221,7 +219,7 @@ class Scheduler:
         groups: list[list[Chunk]] = []
         open_: list[Chunk] = []
         for c in chunks:
-            together = (rows > 1 and c.tokens > 0 and c.seq.prefill_together
+            together = (rows > 1 and c.tokens > 0 and c.seq.facts.prefill_together
                         and done(c.seq) <= self.limits.prefill_chunk)
             if open_ and (not together or len(open_) >= rows
                           or any(_shares_prefix(g.seq, c.seq, done(c.seq)) for g in open_)):
@@ -244,7 +242,7 @@ class Scheduler:
         plain: dict = {}
         solo_only: dict = {}
         for s in ready_now:
-            (plain if s.batchable else solo_only).setdefault(s.group, []).append(s)
+            (plain if s.facts.batchable else solo_only).setdefault(s.group, []).append(s)
         starts, migrating = [], set()
         for group in dict.fromkeys([*plain, *solo_only]):
             new = plain.get(group, [])
@@ -267,21 +265,6 @@ def _split_completing(groups: tuple, left) -> tuple[tuple, tuple]:
     while n < len(groups) and all(c.tokens >= left(c.seq) for c in groups[n]):
         n += 1
     return groups[:n], groups[n:]
-
-
-def _common_prefix(a: list, b: list, cap: int) -> int:
-    """Length of the common prefix of two token lists, at most ``cap`` (a binary search over C-speed slice
-    compares: prompts are thousands of tokens and the scheduler runs every tick)."""
-    lo, hi = 0, max(0, cap)
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi - 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def _shares_prefix(before: Sequence, s: Sequence, done: int) -> bool:

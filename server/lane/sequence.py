@@ -1,20 +1,23 @@
 """One request on the lane, from submission to its end: the one object every part of the lane shares.
 
 A ``Sequence`` is made by the HTTP side (server.core.bridge) with what the request asks for: token ids, the
-lane's ``SamplingParams``, the cache namespace and session, and a thread-safe ``sink`` for its events. The lane
-(server.lane.lane) moves it through one lifecycle, and nothing else holds a request's state:
+lane's ``SamplingParams``, the ``Target`` model that computes it, the cache namespace and session, and a
+thread-safe ``sink`` for its events. The lane (server.lane.lane) moves it through one lifecycle:
 
     WAITING     in the lane's queue
     WAITING_IO  its cached prefix is being read from SSD; it is admitted once the read has landed (the read is
                 never on the lane's clock) and keeps its place in the queue meanwhile
     PREFILL     admitted: the prefix cache was taken, prompt chunks are being computed
+    READY       its prompt is computed (all but its last token, the first decode step's input): it starts decoding
+                at the next start the scheduler plans
     SOLO        decoding on its own (speculative, caches that cannot join a batch, or its group's only sequence)
     BATCHED     decoding as a row of its group's batch
     FINISHED    ended, for a ``FinishReason``
 
-The scheduler (server.lane.scheduler) reads the phase and the facts below to plan each tick; the engine
-(server.engine.engine) keeps its model state in the ``model-side`` fields (lane thread only); ``on_token`` turns
-each sampled token into what the client sees and says when the request is over.
+The scheduler (server.lane.scheduler) reads the phase and the facts below to plan each tick; the lane writes them
+from what the engine returns (server.lane.seam): the engine keeps its model state (caches, sampler, decoder) in a
+record of its own, never here. ``on_token`` turns each sampled token into what the client sees and says when the
+request is over.
 
 Output contract (``on_token(token, logprobs)``, whatever produced the token: the batch, a solo decode, a
 speculative step) answers ``None`` (go on) or a ``FinishReason``:
@@ -38,7 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from server.lane.events import Delta, Event, Finished, SamplingParams
+from server.lane.seam import SeqFacts
 from server.lane.stops import StopMatcher
+from server.lane.target import Target
 
 __all__ = ["Phase", "FinishReason", "Sequence", "Timings"]
 
@@ -47,6 +52,7 @@ class Phase(enum.Enum):
     WAITING = "waiting"
     WAITING_IO = "waiting_io"
     PREFILL = "prefill"
+    READY = "ready"
     SOLO = "solo"
     BATCHED = "batched"
     FINISHED = "finished"
@@ -78,7 +84,8 @@ class Sequence:
     prompt: list
     params: SamplingParams
     sink: Callable[[Event], None]
-    ns: str = ""  # the prefix cache's namespace (Engine.namespace_for, computed once, at submit)
+    target: Optional[Target] = None  # the model that computes it (None only in tests of plans, which need none)
+    ns: str = ""  # the prefix cache's namespace (computed once, at submit: server.core.generation)
     session: Optional[str] = None
     anchors: tuple = ()  # prompt positions kept as cache entries of their own (a client's cache breakpoints)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -89,29 +96,11 @@ class Sequence:
     phase: Phase = Phase.WAITING
     finish_reason: Optional[FinishReason] = None
 
-    # -- facts the scheduler plans with: what the engine says of it when it arrives (Engine.classify) ... --------
-    group: Any = None  # the batch it may join: one per LoRA adapter (None: the base model)
-    batchable: bool = False  # its caches can merge into a batch and it does not speculate
-    prefill_together: bool = False  # its prefill chunks may join a batched prefill forward
-    window: Optional[int] = None  # the model's smallest sliding window (None: no sliding-window layer)
-    # ... and how far it got (the engine keeps them current)
-    done: int = 0  # prompt tokens the caches cover (during prefill)
+    # -- what the scheduler plans with: the engine's facts of it (``LaneEngine.classify``) and how far it got ------
+    facts: SeqFacts = SeqFacts()
+    covered: int = 0  # prompt tokens its caches cover (during prefill)
     cached: int = 0  # prompt tokens served by the prefix cache
-    prefilled: bool = False  # the prompt is computed (all but its last token): ready to decode
     stored: int = 0  # prompt tokens covered by what it put in the prefix cache so far
-
-    # -- model side (the engine's; lane thread only) -------------------------------------------------------------
-    caches: Optional[list] = None  # own caches while prefilling / solo; None while the batch holds them
-    model: Any = None  # what computes it: the base model, or its adapter's
-    sampler: Any = None  # built once: a seeded sampler's key chain goes on across solo <-> batch moves
-    grammar: Any = None  # the request's ONE grammar processor (stateful: one call per sampled token)
-    spec: Any = None  # server.engine.speculation.SpecPlan when it speculates
-    decoder: Any = None  # the solo decoder (server.engine.solo.PlainDecode, or a speculative generator)
-    steps: Any = None  # its iterator
-    solo_base: Optional[list] = None  # the history the solo decoder was opened with (None: the prompt)
-    solo_gen0: int = 0  # generated tokens already in solo_base
-    prefill_s: float = 0.0  # wall seconds of the prefill forwards this sequence was in (what its request waited)
-    prefill_cost_s: float = 0.0  # its share of them: a forward of several prompts is split by their tokens
 
     # -- output side ---------------------------------------------------------------------------------------------
     generated: list = field(default_factory=list)
@@ -129,7 +118,18 @@ class Sequence:
     @property
     def prefill_left(self) -> int:
         """Prompt tokens still to prefill (the last prompt token is the first decode step's input)."""
-        return max(0, len(self.prompt) - 1 - self.done)
+        return max(0, len(self.prompt) - 1 - self.covered)
+
+    @property
+    def group(self):
+        """Its decode batch group (``facts.group``)."""
+        return self.facts.group
+
+    @property
+    def kv_price(self) -> Optional[float]:
+        """KV bytes per token its model costs the memory budget (None: the server's default price)."""
+        price = self.target.slot.kv_bytes_per_token if self.target is not None else 0
+        return price or None
 
     def next_anchor(self, done: int) -> Optional[int]:
         """The first anchor past ``done`` (where a prefill chunk stops, so that prefix is stored), or None."""
@@ -144,9 +144,10 @@ class Sequence:
         """May it move between solo decoding and its group's batch? The move recomputes the one token the pipelined
         decoder fed ahead, so its caches must be trimmable by one (no sliding window has wrapped yet), and it may
         not have a grammar (its processor must see each sampled token exactly once)."""
-        if not self.batchable or self.params.grammar is not None:
+        if not self.facts.batchable or self.params.grammar is not None:
             return False
-        return self.window is None or len(self.prompt) + len(self.generated) < self.window
+        window = self.facts.window
+        return window is None or len(self.prompt) + len(self.generated) < window
 
     def start_output(self, detokenizer, eos: frozenset, logprob_of: Optional[Callable] = None) -> None:
         """Bind the text side (the engine does it at admission: the detokenizer is the model's)."""

@@ -26,7 +26,7 @@ def build_model_pool(args, flags, engine, budget, *, prepare=lambda loaded: load
         return None
     policy = ResidencyPolicy(budget_bytes=budget.budget_bytes, max_loaded=max(0, args.max_loaded_models),
                              ttl_s=max(0.0, args.model_ttl), fixed_bytes=engine.weights_nbytes())
-    base_names = frozenset(n for n in (flags.base_name, engine.loaded.model_id, "default") if n)
+    base_names = frozenset(n for n in (flags.base_name, engine.base.name, "default") if n)
 
     def on_unload():
         import mlx.core as mx
@@ -45,7 +45,7 @@ def build_model_pool(args, flags, engine, budget, *, prepare=lambda loaded: load
         log.info("model %s: %s (loads on first request%s)", entry.name, entry.spec, ", pinned" if entry.pinned else "")
     pool.start()
     log.info("models: %d on demand (--max-loaded-models %d%s), base %s", len(pool.names()), args.max_loaded_models,
-             f", --model-ttl {args.model_ttl:g} s" if args.model_ttl else "", engine.loaded.model_id)
+             f", --model-ttl {args.model_ttl:g} s" if args.model_ttl else "", engine.base.name)
     return pool
 
 
@@ -78,7 +78,8 @@ def load_slot(args, name: str, spec: str, prepare=lambda loaded: loaded):
 
     loaded = prepare(load_model(spec, args.dtype, progress=False))
     slot = ModelSlot(loaded, name=name, base=False, kv_bits=getattr(args, "kv_bits", None),
-                     kv_group_size=getattr(args, "kv_group_size", 64))
+                     kv_group_size=getattr(args, "kv_group_size", 64),
+                     read_shared_prefix=not getattr(args, "debug_copy_hits", False))
     slot.measure_kv()  # also the warm forward: its first request pays no first-call cost
     mx.clear_cache()
     return slot

@@ -210,7 +210,7 @@ def test_structured_output_inside_a_batch_each_row_keeps_its_own_grammar(batch_s
 
 
 def test_penalties_and_logit_bias_inside_a_batch_each_row_keeps_its_own(batch_server, default_model_dir):
-    """The ragged batch applies the rows' rules together (server.engine.batch_logits): each row still gets the
+    """The ragged batch applies the rows' rules together (server.engine.batch.rules): each row still gets the
     text it gets alone, and the rules act (a +100 bias makes every token the biased one; penalties change the text)."""
     from tokenizers import Tokenizer
 

@@ -3,7 +3,7 @@ rendered from deploy/haproxy.cfg.in (deploy/cluster.py). Session affinity for ev
 without a key, a conversation moving between replicas restores from the shared folder, and kill -9 of a replica
 mid-request: a clean error for the request it held, the retry answered by the other replica from the shared tier.
 
-The replicas run with MLX_LANE_TEST_TOKEN_DELAY so a request is surely in flight when its replica is killed; which
+The replicas run with MLX_LANE_TEST_TOKEN_DELAY (tests/seamed_server.py) so a request is surely in flight when its replica is killed; which
 replica answered comes from the proxy's X-Lane-Replica header.
 """
 
@@ -36,7 +36,8 @@ def cluster(default_model_dir, tmp_path_factory):
     c = Cluster(2, ssd_cache=str(tmp_path_factory.mktemp("shared-kv")),
                 serve_args=("--model", "default", "--cache-bytes", "256M", "--write-behind-debounce", "0.05",
                             "--keepalive", "1", "--embedding-model", "none"),  # as every test server
-                env={"MLX_LANE_TEST_TOKEN_DELAY": "0.2"})  # 16 tokens: a 3 s window for the kill
+                env={"MLX_LANE_TEST_TOKEN_DELAY": "0.2"},  # 16 tokens: a 3 s window for the kill
+                entry="tests.seamed_server")
     try:
         c.start()
         for name in c.names:

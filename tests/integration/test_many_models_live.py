@@ -36,7 +36,15 @@ def models_dir(tmp_path_factory, default_model_dir):
     write_shardable_model(root / "tiny-qwen", default_model_dir, arch="qwen2", seed=2)
     (root / "broken").mkdir()  # a config.json and no weights: listed, and its load fails
     (root / "broken" / "config.json").write_text('{"model_type": "llama"}')
+    bracket = write_shardable_model(root / "tiny-bracket", default_model_dir, arch="llama", seed=3)
+    config = json.loads((bracket / "tokenizer_config.json").read_text())
+    config["chat_template"] = BRACKET_TEMPLATE  # another chat template than the base model's ChatML
+    (bracket / "tokenizer_config.json").write_text(json.dumps(config))
     return root
+
+
+BRACKET_TEMPLATE = ("{% for m in messages %}[[{{ m['role'] }}]] {{ m['content'] }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}[[assistant]] {% endif %}")
 
 
 def states(url) -> dict:
@@ -151,6 +159,21 @@ def test_models_load_on_demand_evict_each_other_keep_their_caches_apart_and_rest
                      "--cache-bytes", "256M", "--model-ttl", "1")
     try:
         url = srv.url
+        # a prompt is counted and rendered with the template of the model it names, not the base model's
+        from mlx_lm.utils import load_tokenizer
+
+        counts = {}
+        for model, folder in (("default", default_model_dir), ("tiny-bracket", models_dir / "tiny-bracket")):
+            r = httpx.post(url + "/v1/messages/count_tokens", timeout=120, json={"model": model, "messages": PROMPT})
+            assert r.status_code == 200, r.text
+            tok = load_tokenizer(folder)
+            counts[model] = r.json()["input_tokens"]
+            assert counts[model] == len(tok.apply_chat_template(PROMPT, add_generation_prompt=True)), model
+            m = httpx.post(url + "/v1/messages", timeout=120, json={"model": model, "max_tokens": 2, "messages": PROMPT})
+            usage = m.json()["usage"]
+            assert (usage["input_tokens"] + usage["cache_read_input_tokens"]
+                    + usage["cache_creation_input_tokens"]) == counts[model], (model, usage)
+        assert counts["default"] != counts["tiny-bracket"], counts
         client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         r = client.chat.completions.create(model="tiny-qwen", messages=PROMPT, max_tokens=6, temperature=0)
         assert r.choices[0].message.content == texts["tiny-qwen"][0]

@@ -133,7 +133,7 @@ def test_kill_mid_write_and_corrupt_files_never_load(tmp_path, default_model_dir
     complete = files(kv, "*.safetensors")
     assert len(complete) == 1
 
-    # MLX_LANE_TEST_WRITE_DELAY: every write pauses between fsync and rename (test seam in server/serve.py)
+    # MLX_LANE_TEST_WRITE_DELAY: every write pauses between fsync and rename (test seam, tests/seamed_server.py)
     slow = ServerProc("--model", "default", "--ssd-cache", str(kv), "--write-behind-debounce", "0.1",
                       env={"MLX_LANE_TEST_WRITE_DELAY": "120"})
     try:

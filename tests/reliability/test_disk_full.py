@@ -4,7 +4,7 @@ no temp file is left behind, and writes succeed again afterwards. Real default m
 Two ways to fill it:
   * a real full disk: a small tmpfs mounted as --ssd-cache and filled with a file (needs root and a kernel that lets
     this process mount; skipped with the reason otherwise);
-  * MLX_LANE_TEST_DISK_FULL (test seam, server/serve.py): while a flag file exists, every SSD write fails with
+  * MLX_LANE_TEST_DISK_FULL (test seam, tests/seamed_server.py): while a flag file exists, every SSD write fails with
     ENOSPC after writing its temp file. Runs everywhere.
 """
 

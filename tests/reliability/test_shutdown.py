@@ -1,6 +1,6 @@
 """SIGTERM with streams in flight, on the real default model behind a real uvicorn.
 
-MLX_LANE_TEST_TOKEN_DELAY (a test seam in server/serve.py) makes the lane pause after every token, so the streams
+MLX_LANE_TEST_TOKEN_DELAY (a test seam, tests/seamed_server.py) makes the lane pause after every token, so the streams
 are surely still running when the signal lands, on a fast machine too. Nothing here measures time: the seam only
 sets up the situation; the assertions are about what each client received and what survived on disk.
 """

@@ -1,4 +1,4 @@
-"""A batch's logits rules in a few array operations (server.engine.batch_logits) give what mlx-lm's per-row
+"""A batch's logits rules in a few array operations (server.engine.batch.rules) give what mlx-lm's per-row
 processors give: bias, repetition, presence and frequency penalties over each row's own window, rows without rules
 untouched, rows with fewer tokens than the window, a pipelined row's newest token still lazy; grammar masks of any
 width in one ``where``. Model-free (random logits)."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
-from server.engine.batch_logits import Penalties, apply_rules, mask_rows, penalise, penalty_windows
+from server.engine.batch.rules import Penalties, apply_rules, mask_rows, penalise, penalty_windows
 from server.engine.sampling import PENALTY_CONTEXT
 from server.lane.events import SamplingParams
 

@@ -8,7 +8,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from server.engine.solo import PlainDecode
+from server.engine.batch.solo import PlainDecode
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from mlx_lm.models import base
 from mlx_lm.models.cache import KVCache
 
 from models import gpu_attention
-from server.engine.ragged_kv import RaggedKV
+from server.engine.batch.ragged_kv import RaggedKV
 
 KV, D = 2, 16
 

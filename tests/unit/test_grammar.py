@@ -271,7 +271,7 @@ def test_random_model_output_under_a_schema_validates(tok, random_model, schema)
     from mlx_lm.sample_utils import make_sampler
 
     from server.engine.sampling import build_logits_processors
-    from server.engine.solo import PlainDecode
+    from server.engine.batch.solo import PlainDecode
     from server.lane.events import SamplingParams
 
     prompt = tok.encode("json please")

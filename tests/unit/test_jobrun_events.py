@@ -32,7 +32,7 @@ async def _collect(run: JobRun) -> list:
 
 
 def _run(keepalive_s: float = 10.0) -> JobRun:
-    return JobRun(_Lane(), _Request(), [1, 2, 3], SamplingParams(max_tokens=4), None, keepalive_s)
+    return JobRun(_Lane(), _Request(), [1, 2, 3], SamplingParams(max_tokens=4), None, None, keepalive_s)
 
 
 def test_queued_deltas_go_out_merged_and_the_finish_after_them():

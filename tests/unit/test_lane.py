@@ -11,12 +11,14 @@ from types import SimpleNamespace
 import pytest
 
 from cache.prompt_cache import NullPromptCache, PromptCache
-from server.engine.engine import Engine
+from server.engine.batch import Layout
+from server.engine.engine import Engine, EngineConfig
 from server.errors import InvalidRequest, QueueFull, ShuttingDown
 from server.lane.budget import MemoryBudget
 from server.lane.events import Delta, Failed, Finished, SamplingParams
 from server.lane.lane import Lane, LaneState
 from server.lane.sequence import Phase, Sequence
+from server.lane.target import Target
 from server.stats import ServingStats
 from tests.fixtures.tiny_models import IdTokenizer, tiny_llama
 
@@ -28,25 +30,40 @@ def models():
     return {None: tiny_llama(seed=11), "X": tiny_llama(seed=12), "Y": tiny_llama(seed=13)}
 
 
-def make_lane(models, *, max_batch=8, max_queue=0, chunk=4, prefill_batch=1, budget=None, cache_bytes=0):
+def make_lane(models, *, max_batch=8, max_queue=0, chunk=4, prefill_batch=1, budget=None, cache_bytes=0,
+              speculation=None, spec_in_batch=True, engine_class=Engine):
     loaded = SimpleNamespace(model=models[None], tokenizer=IdTokenizer(), fingerprint="0" * 16)
     cache = PromptCache(cache_bytes) if cache_bytes else NullPromptCache()
-    engine = Engine(loaded, cache, ServingStats(), prefill_chunk=chunk)
+    stats = ServingStats()
+    config = EngineConfig(prefill_chunk=chunk, speculation=speculation, layout=Layout(spec_in_batch=spec_in_batch))
+    engine = engine_class(loaded, cache, stats, config)
     engine.bind_stream()
-    return Lane(engine, max_queue=max_queue, max_batch=max_batch, budget=budget, prefill_batch=prefill_batch)
+    return Lane(engine, cache, stats, max_queue=max_queue, max_batch=max_batch, budget=budget,
+                prefill_batch=prefill_batch)
 
 
 def adapter(models, name):
     return SimpleNamespace(identity=name, name=name, model=models[name])
 
 
-def submit(lane, name, prompt, max_tokens=6, **kw):
+def submit(lane, name, prompt, max_tokens=6, adapter=None, served=None, **kw):
     events = []
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
-    seq = Sequence(prompt=list(prompt), params=params, sink=events.append, id=name,
-                   ns=lane.engine.namespace_for(params))
+    target = Target(served if served is not None else lane.engine.base, adapter)
+    seq = Sequence(prompt=list(prompt), params=params, sink=events.append, id=name, target=target,
+                   ns=lane.engine.namespace_for(target, params))
     lane.submit(seq)
     return seq, events
+
+
+def rows_of(lane, adapter_identity) -> int:
+    """Rows in the decode batches of one adapter."""
+    return sum(len(b) for g, b in lane.engine.decoder.groups.items() if g.adapter == adapter_identity)
+
+
+def batch_kinds(lane, min_rows=1) -> set:
+    """The kinds of the decode batches holding at least ``min_rows`` rows now."""
+    return {b.kind for _, b in lane.engine.decoder.groups.items() if len(b) >= min_rows}
 
 
 def run_until_idle(lane, limit=400):
@@ -96,7 +113,7 @@ def test_sequences_run_together_make_the_tokens_each_makes_alone(models):
     for n, (s, events) in runs.items():
         assert (s.generated, text(events)) == want[n], n  # ... and each made its own tokens, text included
         assert finished(events).finish_reason == "length"
-    assert lane.engine.batch_size() == 0
+    assert lane.engine.batch_rows() == 0
 
 
 def test_cancelling_one_sequence_mid_batch_leaves_the_others_untouched(models):
@@ -134,13 +151,13 @@ def test_adapter_groups_each_have_a_batch_and_make_the_tokens_they_make_alone(mo
     for _ in range(100):
         if lane.idle():
             break
-        before = {g: lane.engine.batches.rows(g) for g in ("X", "Y")}
+        before = {g: rows_of(lane, g) for g in ("X", "Y")}
         lane.tick()
         steps.append(before)
     assert any(s["X"] == 2 and s["Y"] == 2 for s in steps)  # both adapter groups batched at the same time
     for name, (s, _) in runs.items():
         assert s.generated == single[name], name
-    assert lane.engine.batches.rows("X") == lane.engine.batches.rows("Y") == 0
+    assert rows_of(lane, "X") == rows_of(lane, "Y") == 0
 
 
 def test_fifo_admission_under_the_batch_limit(models):
@@ -150,7 +167,7 @@ def test_fifo_admission_under_the_batch_limit(models):
     lane.tick()
     assert lane.queue_depth == 1 and lane.running_ids == ("a", "b")
     run_until_idle(lane)
-    assert list(lane.engine.stats.recent_started) == ["a", "b", "c"]
+    assert list(lane.stats.recent_started) == ["a", "b", "c"]
 
 
 def test_a_sequence_cancelled_while_waiting_ends_without_being_admitted(models):
@@ -160,7 +177,7 @@ def test_a_sequence_cancelled_while_waiting_ends_without_being_admitted(models):
     b.cancel.set()
     run_until_idle(lane)
     assert finished(eb).finish_reason == "cancelled" and finished(eb).completion_tokens == 0
-    assert b.caches is None  # never admitted: no cache was taken for it
+    assert b not in lane.engine._work and b.cached == 0  # never admitted: no cache was taken for it
 
 
 def test_the_queue_limit_is_a_429_and_drain_then_abort_end_every_sequence(models):
@@ -221,19 +238,24 @@ def test_one_task_per_tick_between_decode_steps(models):
     assert isinstance(futures[0], concurrent.futures.Future)
 
 
-def test_a_failing_step_fails_its_sequence_and_the_lane_serves_on(models):
-    lane = make_lane(models)
+class FaultyEngine(Engine):
+    """The real engine, whose admission of a sequence named "bad" raises (after it took its cache)."""
 
-    def boom(seq):
+    def admit(self, seq):
+        admitted = super().admit(seq)
         if seq.id == "bad":
             raise RuntimeError("injected")
+        return admitted
 
-    lane.engine.fault_hook = boom
+
+def test_a_failing_step_fails_its_sequence_and_the_lane_serves_on(models):
+    lane = make_lane(models, engine_class=FaultyEngine)
     _, bad = submit(lane, "bad", PROMPTS["a"], 3)
     good, eg = submit(lane, "good", PROMPTS["b"], 3)
     run_until_idle(lane)
     assert isinstance(bad[-1], Failed) and finished(eg).finish_reason == "length"
     assert len(good.generated) == 3
+    assert not lane.engine._work  # the failed sequence's engine state went with it
 
 
 def test_an_anchor_is_stored_as_an_entry_of_its_own_and_what_was_written_is_reported(models):
@@ -241,8 +263,9 @@ def test_an_anchor_is_stored_as_an_entry_of_its_own_and_what_was_written_is_repo
     prompt = list(range(20, 60))
     events = []
     params = SamplingParams(max_tokens=3, temperature=0.0)
-    seq = Sequence(prompt=prompt, params=params, sink=events.append, id="a", ns=lane.engine.namespace_for(params),
-                   anchors=(13,))
+    target = lane.engine.base_target()
+    seq = Sequence(prompt=prompt, params=params, sink=events.append, id="a", target=target,
+                   ns=lane.engine.namespace_for(target, params), anchors=(13,))
     lane.submit(seq)
     run_until_idle(lane)
     keys = lane.engine.prompt_cache.keys()
@@ -278,9 +301,9 @@ def test_prompts_that_arrive_together_compute_their_shared_prefix_once(models):
 
 
 def test_a_forward_of_several_prompts_feeds_the_cost_model_each_prompts_share(models):
-    """Two prompts prefilled in one forward both waited for all of it (prefill_s), but the SSD tier's cost model
-    must learn this machine's prefill rate: each prompt is charged its share of the forward by tokens, so the two
-    charges add up to the forward once (charging each the whole forward made the rate look 2x lower)."""
+    """Two prompts prefilled in one forward both waited for all of it, but the SSD tier's cost model must learn this
+    machine's prefill rate: each prompt is charged its share of the forward by tokens, so the two charges add up to
+    the forward once (charging each the whole forward made the rate look 2x lower)."""
     lane = make_lane(models, chunk=64, prefill_batch=2, cache_bytes=1 << 26)
     seen = []
     cache = lane.engine.prompt_cache
@@ -288,11 +311,10 @@ def test_a_forward_of_several_prompts_feeds_the_cost_model_each_prompts_share(mo
     a, _ = submit(lane, "a", list(range(300, 308)), 2)  # 7 tokens to compute (the last one is decoded)
     b, _ = submit(lane, "b", list(range(400, 424)), 2)  # 23
     run_until_idle(lane)
-    assert lane.engine.stats.prefill_batches == 1  # both in one forward
-    assert a.prefill_s == b.prefill_s > 0
-    assert a.prefill_cost_s + b.prefill_cost_s == pytest.approx(a.prefill_s)
-    assert a.prefill_cost_s / b.prefill_cost_s == pytest.approx(7 / 23)
-    assert sorted(seen) == sorted([(7, a.prefill_cost_s), (23, b.prefill_cost_s)])
+    assert lane.stats.prefill_batches == 1  # both in one forward
+    (ta, ca), (tb, cb) = sorted(seen)
+    assert (ta, tb) == (7, 23) and ca > 0
+    assert ca / cb == pytest.approx(7 / 23)  # shares of one forward, by tokens
 
 
 def test_only_the_base_models_prefill_feeds_the_cost_model(models):
@@ -315,10 +337,8 @@ def spec_lane(models, *, in_batch: bool, max_batch=8):
     from server.engine.speculation import Speculation
     from spec import NgramProvider
 
-    lane = make_lane(models, max_batch=max_batch, chunk=64)
-    lane.engine.speculation = Speculation(NgramProvider(), models[None], num_draft_tokens=4, kind="ngram")
-    lane.engine.spec_in_batch = in_batch
-    return lane
+    speculation = Speculation(NgramProvider(), models[None], num_draft_tokens=4, kind="ngram")
+    return make_lane(models, max_batch=max_batch, chunk=64, speculation=speculation, spec_in_batch=in_batch)
 
 
 def tokens_alone(models, prompts: dict, max_tokens: int, **kw) -> dict:
@@ -339,7 +359,7 @@ def spec_batches_seen(lane) -> list:
         if lane.idle():
             break
         lane.tick()
-        seen += [b for b in lane.engine.batches._batches.values() if len(b) > 1 and type(b).__name__ == "SpecBatch"]
+        seen += [b for _, b in lane.engine.decoder.groups.items() if len(b) > 1 and b.kind == "speculating"]
     assert lane.idle()
     return seen
 
@@ -375,8 +395,9 @@ def test_a_step_that_raised_inside_the_compiled_sampler_leaves_the_next_sampled_
     for name, top_k in (("bad", 257 + 10), ("next", 0), ("greedy-too", 0)):
         events = []
         params = SamplingParams(max_tokens=4, temperature=0.0 if name == "greedy-too" else 0.8, top_k=top_k)
-        lane.submit(Sequence(prompt=[5, 17, 99, 3], params=params, sink=events.append, id=name,
-                             ns=lane.engine.namespace_for(params)))
+        target = lane.engine.base_target()
+        lane.submit(Sequence(prompt=[5, 17, 99, 3], params=params, sink=events.append, id=name, target=target,
+                             ns=lane.engine.namespace_for(target, params)))
         run_until_idle(lane)
         results[name] = events
     assert isinstance(results["bad"][-1], Failed)
@@ -413,28 +434,28 @@ def test_a_speculating_batch_whose_drafts_do_not_pay_hands_its_rows_to_the_plain
     steps, its rows go on in their group's plain batch (on the H200 a speculating step costs 1.6-2x a plain one),
     and each row still makes the tokens it makes alone. (The tiny model repeats itself, so its drafts do pay: the
     yield asked for is raised past anything a step can make, to reach the hand-over.)"""
-    import server.engine.spec_batch as spec_batch
+    import server.engine.batch.speculating as speculating
 
-    monkeypatch.setattr(spec_batch, "JUDGE_STEPS", 2)
-    monkeypatch.setattr(spec_batch, "PAYS_YIELD", 100.0)
+    monkeypatch.setattr(speculating, "JUDGE_STEPS", 2)
+    monkeypatch.setattr(speculating, "PAYS_YIELD", 100.0)
     prompts = {name: PROMPTS[name] for name in ("a", "b", "c")}
     alone_tokens = tokens_alone(models, prompts, 20)
     from server.engine.speculation import SpecTotals
 
     lane = spec_lane(models, in_batch=True)
-    lane.engine.stats.spec = SpecTotals("ngram", 4)
+    lane.stats.spec = SpecTotals("ngram", 4)
     seqs = {name: submit(lane, name, prompt, 20) for name, prompt in prompts.items()}
     kinds = []
     for _ in range(400):
         if lane.idle():
             break
         lane.tick()
-        kinds.append({type(b).__name__ for b in lane.engine.batches._batches.values() if len(b) > 1})
+        kinds.append(batch_kinds(lane, min_rows=2))
     assert lane.idle()
-    first_spec = next(i for i, k in enumerate(kinds) if "SpecBatch" in k)
-    assert any(k & {"DecodeBatch", "RaggedBatch"} for k in kinds[first_spec:]), kinds  # went on in the plain batch
-    assert lane.engine.stats.spec.as_dict()["in_batch"]["handed_to_plain"] == 3
+    first_spec = next(i for i, k in enumerate(kinds) if "speculating" in k)
+    assert any(k & {"mlx", "ragged"} for k in kinds[first_spec:]), kinds  # went on in the plain batch
+    assert lane.stats.spec.as_dict()["in_batch"]["handed_to_plain"] == 3
     for name, (seq, events) in seqs.items():
         assert finished(events).finish_reason in ("length", "stop")
         assert list(seq.generated) == alone_tokens[name], name
-        assert seq.group is None  # the base model's plain group
+        assert not seq.group.speculating and seq.group.adapter is None  # the base model's plain group

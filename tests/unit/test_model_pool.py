@@ -262,8 +262,9 @@ def test_model_flags_that_cannot_mean_anything_say_what_to_write(values, match):
 def test_names_resolve_adapter_then_base_then_on_demand_then_alias_patterns_in_their_order():
     from types import SimpleNamespace
 
-    from server.catalog import AdapterRegistry, check_model, on_demand_name
+    from server.catalog import AdapterRegistry
     from server.errors import ModelNotFound
+    from server.http.target import resolve
 
     pool = make_pool(FakeLoader(), names=("coder", "small"))
     adapters = AdapterRegistry()
@@ -271,12 +272,13 @@ def test_names_resolve_adapter_then_base_then_on_demand_then_alias_patterns_in_t
     rules = (("claude-*haiku*", "small"), ("claude-*", None), ("gpt-*", "coder"))
     state = SimpleNamespace(models=pool, adapters=adapters, model_names={"default", "SmolLM2"}, alias_rules=rules,
                             model_aliases=tuple(p for p, t in rules if t is None))
-    assert [on_demand_name(state, n) for n in ("coder", "ada", "default", "claude-3-5-haiku-2024", "claude-sonnet-4",
-                                               "gpt-5", None)] == ["coder", None, None, "small", None, "coder", None]
-    assert check_model(state, "ada").name == "ada"
-    assert check_model(state, "claude-sonnet-4") is None and check_model(state, "gpt-5") is None  # served
+    assert [resolve(state, n).on_demand for n in ("coder", "ada", "default", "claude-3-5-haiku-2024",
+                                                   "claude-sonnet-4", "gpt-5", None)] == [
+        "coder", None, None, "small", None, "coder", None]
+    assert resolve(state, "ada").adapter.name == "ada"
+    assert resolve(state, "claude-sonnet-4") == resolve(state, None)  # the base model (an alias pattern)
     with pytest.raises(ModelNotFound, match="coder, small"):
-        check_model(state, "llama-9")
+        resolve(state, "llama-9")
 
 
 def test_a_waiter_whose_client_left_cancels_neither_the_load_nor_the_other_waiters():

@@ -74,10 +74,9 @@ def fmt():
     return ChatFormatter(model="m", fingerprint="fp", id="chatcmpl-1")
 
 
-def test_piece_chunks_map_reasoning_to_reasoning_content():
-    chunks = fmt().piece_chunks([Piece("reasoning", "think"), Piece("text", "answer")], [])
+def test_reasoning_and_content_chunks_carry_their_own_delta_field():
+    chunks = [fmt().reasoning_chunk("think", []), fmt().content_chunk("answer", [])]
     assert [c["choices"][0]["delta"] for c in chunks] == [{"reasoning_content": "think"}, {"content": "answer"}]
-    assert fmt().piece_chunks([], []) == []
 
 
 def test_completion_message_carries_reasoning_content_only_when_there_is_some():

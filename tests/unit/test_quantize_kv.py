@@ -1,6 +1,6 @@
 """KV-cache quantization (--kv-bits) on a tiny random llama: hits equal cold, SSD round trips, scheme isolation.
 
-The engine makes every KVCache layer a QuantizedKVCache from the first token (server.engine.engine._quantize_fresh), and
+The engine makes every KVCache layer a QuantizedKVCache from the first token (server.engine.kv_layout.quantize_fresh), and
 the KV scheme is part of the namespace (cache.prefix.namespace). Checked here without a server or real model.
 """
 
@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from cache.copying import fork
 from cache.prefix import namespace
 from cache.ssd_store import SSDStore
-from server.engine.kv_layout import _quantize_fresh, _state_nbytes, kv_scheme
+from server.engine.kv_layout import quantize_fresh, state_nbytes, kv_scheme
 
 FP = "ab" * 32
 PROMPT = [3, 17, 42, 9, 100, 7, 7, 81, 5, 250, 33, 12, 64, 2]
@@ -37,7 +37,7 @@ def model():
 
 def _caches(model, bits):
     caches = make_prompt_cache(model)
-    return caches if bits is None else _quantize_fresh(caches, bits, 32)
+    return caches if bits is None else quantize_fresh(caches, bits, 32)
 
 
 def _prefill(model, caches, tokens, chunk):
@@ -87,7 +87,7 @@ def test_quantized_bytes_per_token(model):
     for bits in (None, 8, 4):
         caches = _caches(model, bits)
         _prefill(model, caches, PROMPT, chunk=8)
-        sizes[bits] = _state_nbytes(caches) / len(PROMPT)
+        sizes[bits] = state_nbytes(caches) / len(PROMPT)
     # float32: 2 (k, v) * 2 layers * 2 heads * 32 dims * 4 bytes; per group of 32: float32 scale + bias
     assert sizes[None] == 2 * 2 * 2 * 32 * 4
     assert sizes[8] == sizes[None] * (8 + 64 / 32) / 32
@@ -118,21 +118,21 @@ def test_unquantizable_layers_stay_as_they_are():
     from mlx_lm.models.cache import RotatingKVCache
 
     mixed = [KVCache(), RotatingKVCache(max_size=8)]
-    out = _quantize_fresh(mixed, 8, 64)
+    out = quantize_fresh(mixed, 8, 64)
     assert isinstance(out[0], QuantizedKVCache) and out[1] is mixed[1]
 
 
 def _engine(model_obj, bits):
     from types import SimpleNamespace
 
-    from server.engine.engine import Engine
+    from server.engine.engine import Engine, EngineConfig
 
     loaded = SimpleNamespace(model=model_obj, tokenizer=SimpleNamespace(eos_token_ids=[2]), fingerprint=FP)
-    return Engine(loaded, prompt_cache=None, stats=None, kv_bits=bits, kv_group_size=32)
+    return Engine(loaded, prompt_cache=None, stats=None, config=EngineConfig(kv_bits=bits, kv_group_size=32))
 
 
 def test_engine_starts_with_kv_bits_where_quantized_attention_works(model):
-    assert _engine(model, 8).kv_bits == 8
+    assert _engine(model, 8).config.kv_bits == 8
 
 
 def test_engine_refuses_kv_bits_where_the_device_cannot_attend_over_quantized_kv(model):
@@ -149,4 +149,4 @@ def test_engine_refuses_kv_bits_where_the_device_cannot_attend_over_quantized_kv
 
     with pytest.raises(ModelLoadError, match="--kv-bits 8 is not supported.*Start without --kv-bits"):
         _engine(NoQuantizedAttention(), 8)
-    assert _engine(NoQuantizedAttention(), None).kv_bits is None  # without --kv-bits nothing is probed
+    assert _engine(NoQuantizedAttention(), None).config.kv_bits is None  # without --kv-bits nothing is probed

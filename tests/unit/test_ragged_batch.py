@@ -1,7 +1,7 @@
-"""The plain decode batch on the ragged layout (server.engine.ragged_batch over server.engine.ragged_kv), on a tiny
+"""The plain decode batch on the ragged layout (server.engine.batch.ragged over server.engine.batch.ragged_kv), on a tiny
 random model: rows join into free slots and leave by moving the last row into the hole, never copying the others;
 rows of mixed lengths and rows that share a prefix get exactly their own logits; the batch returns the same tokens
-as mlx-lm's GenerationBatch (server.engine.batch.DecodeBatch) for greedy rows, seeded sampled rows and rows with
+as mlx-lm's GenerationBatch (server.engine.batch.mlx.MlxBatch) for greedy rows, seeded sampled rows and rows with
 penalties, logit bias and a grammar, whatever joins and leaves around them."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from server.engine.batch import DecodeBatch
-from server.engine.batch_logits import Penalties
-from server.engine.ragged_batch import RaggedBatch
-from server.engine.ragged_kv import RaggedKV
-from server.engine.sampling import build_logits_processors, build_sampler
+from server.engine.batch import LogitsRules, Row
+from server.engine.batch.mlx import MlxBatch
+from server.engine.batch.ragged import RaggedBatch
+from server.engine.batch.ragged_kv import RaggedKV
+from server.engine.sampling import build_sampler
 from server.lane.events import SamplingParams
 from tests.fixtures.tiny_models import tiny_llama
 
@@ -89,13 +89,13 @@ def run(batch_cls, model, script, steps=14):
                 _, name, prompt, opts = action
                 seqs[name] = SimpleNamespace(name=name)
                 tokens[name] = []
-                batch.add(seqs[name], own_caches(model, prompt[:-1]), prompt, **opts())
+                batch.add([Row(seqs[name], own_caches(model, prompt[:-1]), prompt, **opts())])
             else:
-                (toks, caches), = batch.remove([seqs[action[1]]])
-                covered[action[1]] = (toks, caches[0].offset)
-        for seq, token, logprobs in batch.step():
-            assert logprobs.shape == (model.args.vocab_size,)
-            tokens[seq.name].append(token)
+                (cov,) = batch.remove([seqs[action[1]]])
+                covered[action[1]] = (cov.tokens, cov.caches[0].offset)
+        for out in batch.step():
+            assert out.logprobs.shape == (model.args.vocab_size,)
+            tokens[out.seq.name].append(out.token)
     return tokens, covered
 
 
@@ -120,9 +120,7 @@ class StepGrammar:
 def _opts(params: SamplingParams, grammar: bool = False):
     def make():
         sampler = None if params.temperature == 0 else build_sampler(params)
-        g = StepGrammar(257) if grammar else None
-        return {"sampler": sampler, "processors": build_logits_processors(params, (), g),  # DecodeBatch's
-                "penalties": Penalties.of(params), "grammar": g}  # the ragged batch's
+        return {"sampler": sampler, "rules": LogitsRules.of(params, StepGrammar(257) if grammar else None)}
     return make
 
 
@@ -141,7 +139,7 @@ def test_the_ragged_batch_returns_what_mlx_lms_batch_returns(model):
         9: [("leave", "c")],
     }
     ours, ours_left = run(RaggedBatch, model, script)
-    theirs, theirs_left = run(DecodeBatch, model, script)
+    theirs, theirs_left = run(MlxBatch, model, script)
     assert ours == theirs  # the same tokens, step for step
     for name in ("a", "c"):  # a leaving row's caches cover its prompt and every token it returned but the last
         toks, offset = ours_left[name]
@@ -152,16 +150,17 @@ def test_the_ragged_batch_returns_what_mlx_lms_batch_returns(model):
 def test_a_joining_row_gets_its_first_token_from_the_next_step_and_leaves_with_exact_tokens(model):
     batch = RaggedBatch(model)
     a, b = SimpleNamespace(), SimpleNamespace()
-    batch.add(a, own_caches(model, [5, 6, 7]), [5, 6, 7, 8])
-    (seq, first, _), = batch.step()  # no forward of its own at the join: the step computes its first token
-    assert seq is a and first == int(mx.argmax(alone(model, [5, 6, 7], 8)).item())
-    batch.add(b, own_caches(model, [9, 10]), [9, 10, 11])
-    (toks, caches), = batch.remove([b])  # before any step: its caches cover its history but the next input
-    assert toks == [9, 10] and caches[0].offset == 2
-    (seq, second, _), = batch.step()
-    assert seq is a and second == int(mx.argmax(alone(model, [5, 6, 7, 8], first)).item())
-    (toks, caches), = batch.remove([a])  # everything it fed; its latest token is its next input, not in the KV
-    assert toks == [5, 6, 7, 8, first] and caches[0].offset == 5
+    batch.add([Row(a, own_caches(model, [5, 6, 7]), [5, 6, 7, 8])])
+    (out,) = batch.step()  # no forward of its own at the join: the step computes its first token
+    first = out.token
+    assert out.seq is a and first == int(mx.argmax(alone(model, [5, 6, 7], 8)).item())
+    batch.add([Row(b, own_caches(model, [9, 10]), [9, 10, 11])])
+    (cov,) = batch.remove([b])  # before any step: its caches cover its history but the next input
+    assert cov.tokens == [9, 10] and cov.caches[0].offset == 2
+    (out,) = batch.step()
+    assert out.seq is a and out.token == int(mx.argmax(alone(model, [5, 6, 7, 8], first)).item())
+    (cov,) = batch.remove([a])  # everything it fed; its latest token is its next input, not in the KV
+    assert cov.tokens == [5, 6, 7, 8, first] and cov.caches[0].offset == 5
 
 
 def test_the_pipelined_batch_returns_the_same_tokens_each_a_step_later_but_a_joiners_first(model):
@@ -186,27 +185,29 @@ def test_the_pipelined_batch_returns_the_same_tokens_each_a_step_later_but_a_joi
 
     batch = RaggedBatch(model, pipelined=True)
     a = SimpleNamespace()
-    batch.add(a, own_caches(model, [5, 6, 7]), [5, 6, 7, 8])
-    (seq, first, _), = batch.step()  # the step it joined in returns its first token
-    assert seq is a and first == int(mx.argmax(alone(model, [5, 6, 7], 8)).item())
+    batch.add([Row(a, own_caches(model, [5, 6, 7]), [5, 6, 7, 8])])
+    (out,) = batch.step()  # the step it joined in returns its first token
+    first = out.token
+    assert out.seq is a and first == int(mx.argmax(alone(model, [5, 6, 7], 8)).item())
     assert batch.step() == []  # its second token is being computed while the lane goes on
-    (seq, second, _), = batch.step()
+    (out,) = batch.step()
+    second = out.token
     assert second == int(mx.argmax(alone(model, [5, 6, 7, 8], first)).item())
-    (toks, caches), = batch.remove([a])  # the forward in flight had fed `second`: the caches cover it
-    assert toks == [5, 6, 7, 8, first, second] and caches[0].offset == 6
+    (cov,) = batch.remove([a])  # the forward in flight had fed `second`: the caches cover it
+    assert cov.tokens == [5, 6, 7, 8, first, second] and cov.caches[0].offset == 6
 
 
-@pytest.mark.parametrize("kind", [RaggedBatch, DecodeBatch])
+@pytest.mark.parametrize("kind", [RaggedBatch, MlxBatch])
 def test_both_batch_kinds_say_how_many_bytes_their_kv_holds(model, kind):
     """What the memory budget reads (``Scheduler.reserved``): at least the rows' own KV, nothing once empty."""
     batch = kind(model)
-    assert batch.kv_nbytes == 0
+    assert batch.kv_nbytes() == 0
     prompts = [list(range(10, 40)), list(range(50, 55))]
     rows = [own_caches(model, p[:-1]) for p in prompts]
     own = sum(c.nbytes for r in rows for c in r)
     seqs = [SimpleNamespace(id=n) for n in "ab"]
-    batch.add_many([(seq, caches, p, {}) for seq, caches, p in zip(seqs, rows, prompts)])
+    batch.add([Row(seq, caches, p) for seq, caches, p in zip(seqs, rows, prompts)])
     batch.step()
-    assert batch.kv_nbytes >= own > 0
+    assert batch.kv_nbytes() >= own > 0
     batch.remove(seqs)
-    assert batch.kv_nbytes == 0 or kind is DecodeBatch  # mlx-lm's empty batch may keep its arrays until a join
+    assert batch.kv_nbytes() == 0 or kind is MlxBatch  # mlx-lm's empty batch may keep its arrays until a join

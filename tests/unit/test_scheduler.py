@@ -12,6 +12,7 @@ from server.lane.budget import MemoryBudget
 from server.lane.events import SamplingParams
 from server.lane.plan import Start
 from server.lane.scheduler import SHARED_PREFIX_MIN, Limits, Scheduler
+from server.lane.seam import SeqFacts
 from server.lane.sequence import Phase, Sequence
 
 GRAMMAR = object()  # any grammar: the scheduler only asks whether there is one
@@ -20,10 +21,12 @@ GRAMMAR = object()  # any grammar: the scheduler only asks whether there is one
 def seq(name: str, prompt_len: int = 3, *, phase: Phase = Phase.WAITING, done: int = 0, group=None,
         batchable: bool = True, together: bool = True, max_tokens: int = 4, cancelled: bool = False,
         prefilled: bool = False, generated: int = 0, grammar=None, window=None, prompt=None) -> Sequence:
+    if prefilled and phase == Phase.PREFILL:
+        phase = Phase.READY  # its prompt is computed
     s = Sequence(prompt=list(prompt) if prompt is not None else [7] * prompt_len,
                  params=SamplingParams(max_tokens=max_tokens, grammar=grammar), sink=lambda e: None, id=name,
-                 phase=phase, done=done, group=group, batchable=batchable, prefill_together=together,
-                 prefilled=prefilled, window=window)
+                 phase=phase, covered=done,
+                 facts=SeqFacts(group=group, batchable=batchable, prefill_together=together, window=window))
     s.generated = [1] * generated
     if cancelled:
         s.cancel.set()
@@ -153,7 +156,7 @@ def test_decodes_run_before_the_chunks_that_do_not_complete_a_prompt():
     plan = sched(chunk=512).schedule([], [*batch, long])
     assert not plan.prefill and chunks(plan) == [[("long", 512)]] and plan.decode == (None,) and not plan.start
     # its last chunk completes it: before the decode, which it joins
-    long.done = 612
+    long.covered = 612
     plan = sched(chunk=512).schedule([seq("new", prompt=range(3000))], [*batch, long])  # shares nothing
     assert chunks(plan) == [[("long", 387)], [("new", 125)]]
     assert [[c.seq.id for c in g] for g in plan.prefill] == [["long"]] and starts(plan) == [(None, ["long"], [])]
@@ -211,7 +214,7 @@ def test_a_shared_prefix_is_computed_once_the_others_wait_for_it():
     assert [(s.id, pos) for s, pos in plan.anchor] == [("a", 201)]
     assert chunks(plan) == [[("c", 99), ("a", 201)]]
     a, b = queue[0], queue[1]
-    a.phase, a.done, a.anchors = Phase.PREFILL, 201, (201,)  # the next tick: a stored its prefix
+    a.phase, a.covered, a.anchors = Phase.PREFILL, 201, (201,)  # the next tick: a stored its prefix
     b.phase, b.cached = Phase.PREFILL, 0
     plan = sched(chunk=4096, prefill_batch=4).schedule([], [a, b])
     assert {c.seq.id for g in (*plan.prefill, *plan.prefill_late) for c in g} == {"a", "b"} and not plan.anchor  # b takes it, then goes on
@@ -231,7 +234,7 @@ def test_one_that_computed_part_of_its_prompt_itself_never_waits():
 def test_prompts_are_shared_at_once_when_others_wait_or_prefill(queued, prefilling, share):
     queue = [seq(f"p{i}", prompt_len=3) for i in range(prefilling)] + [seq(f"w{i}") for i in range(queued)]
     plan = sched(max_batch=prefilling).schedule(queue, [])
-    assert plan.share is share
+    assert plan.store_now is share
 
 
 # -- start, leave, decode -------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from server.lane.events import Delta, SamplingParams
+from server.lane.seam import SeqFacts
 from server.lane.sequence import FinishReason, Phase, Sequence
 from tests.fixtures.tiny_models import TextOfIds
 
@@ -71,8 +72,8 @@ def test_cancellation_is_the_schedulers_not_the_tokens():
 def test_migratable_needs_a_batch_no_grammar_and_an_unwrapped_window():
     s, _ = seq()
     assert not s.migratable  # not batchable (the engine has not said so)
-    s.batchable = True
+    s.facts = SeqFacts(batchable=True)
     assert s.migratable
-    s.window = 4
+    s.facts = SeqFacts(batchable=True, window=4)
     s.generated = [1]
     assert not s.migratable  # 3 prompt + 1 generated tokens fill a window of 4: it cannot be trimmed back

@@ -28,13 +28,13 @@ def make(name: str, prompt=(1, 2, 3), **params) -> Sequence:
 def test_a_plan_round_trips_through_bytes_onto_the_followers_own_sequences():
     running = {n: make(n) for n in ("r", "s", "t")}
     new = make("n", prompt=(9, 8, 7, 6))
-    plan = TickPlan(admit=(new,), cancel=(running["t"],), prefill=((Chunk(new, 3),),), share=True,
+    plan = TickPlan(admit=(new,), cancel=(running["t"],), prefill=((Chunk(new, 3),),), store_now=True,
                     start=(Start(None, batch=(running["r"], new)),), leave=(), decode=(None,),
                     solo=(running["s"],), make_room=123)
     data = plan.encode(seq_spec, check={"r": 5})
     mine = {n: make(n) for n in ("r", "s", "t")}  # the follower's own objects for the same ids
     back, check = TickPlan.decode_from(data, mine, lambda spec: seq_from_spec(spec))
-    assert check == {"r": 5} and back.make_room == 123 and back.share and back.decode == (None,)
+    assert check == {"r": 5} and back.make_room == 123 and back.store_now and back.decode == (None,)
     (admitted,) = back.admit
     assert admitted is not new and admitted.id == "n" and admitted.prompt == new.prompt
     assert back.cancel == (mine["t"],) and back.solo == (mine["s"],)

@@ -105,7 +105,7 @@ def test_a_pipeline_style_assignment_keeps_the_positions():
 
 
 def test_a_ragged_batch_takes_shared_rows_as_they_lie(model):
-    from server.engine.ragged_kv import RaggedKV
+    from server.engine.batch.ragged_kv import RaggedKV
 
     entry = _entry(model, 30, seed=1)
     shared = share_prefix(fork(entry))

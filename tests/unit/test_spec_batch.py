@@ -1,4 +1,4 @@
-"""Speculation inside the batch (server.engine.spec_batch, server.engine.ragged_kv): the ragged KV layout on a tiny
+"""Speculation inside the batch (server.engine.batch.speculating, server.engine.batch.ragged_kv): the ragged KV layout on a tiny
 random model (rows of different lengths and draft widths give exactly their own logits), per-row acceptance and
 rewind with fake logits, the sampled acceptance rule's distribution on a toy vocabulary."""
 
@@ -11,8 +11,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from server.engine.ragged_kv import RaggedKV
-from server.engine.spec_batch import SpecBatch
+from server.engine.batch import LogitsRules, Row, RowDraft
+from server.engine.batch.ragged_kv import RaggedKV
+from server.engine.batch.speculating import SpeculatingBatch
 from spec import AdaptiveDraftLength, FixedDraftLength, NgramSource, SpecStats
 from tests.fixtures.tiny_models import tiny_llama
 
@@ -73,8 +74,20 @@ class NextTokenModel:
         return mx.where(mx.arange(self.vocab)[None, None] == mx.array(nxt)[..., None], 10.0, 0.0)
 
 
+def triples(out) -> list:
+    """A step's ``Emitted`` records as (seq, token, logprobs)."""
+    return [(e.seq, e.token, e.logprobs) for e in out]
+
+
+def pairs(covered) -> list:
+    """``remove``'s ``Covered`` records as (tokens, caches)."""
+    return [(c.tokens, c.caches) for c in covered]
+
+
 class ScriptedSource:
     """Proposes the drafts it is given, one list per step."""
+
+    drafts_in_batch = False
 
     def __init__(self, script):
         self.script = list(script)
@@ -105,13 +118,12 @@ def seq(prompt, max_tokens=50):
 
 
 def add(batch, s, source, *, policy=None, sampler=None, stats=None):
-    batch.add_many([(s, empty_row_caches(len(s.prompt) - 1), list(s.prompt),
-                     {"source": source, "policy": policy or FixedDraftLength(4), "max_draft": 4,
-                      "sampler": sampler, "stats": stats})])
+    batch.add([Row(s, empty_row_caches(len(s.prompt) - 1), list(s.prompt), sampler=sampler,
+                   draft=RowDraft(source, policy or FixedDraftLength(4), 4, stats))])
 
 
 def test_each_row_keeps_its_own_accepted_prefix_and_is_rewound_by_its_own_rejections():
-    batch = SpecBatch(NextTokenModel(table={3: 9}))  # after 3 the target says 9, elsewhere t + 1
+    batch = SpeculatingBatch(NextTokenModel(table={3: 9}))  # after 3 the target says 9, elsewhere t + 1
     a, b, c = seq([1, 2]), seq([10, 11]), seq([20, 21])
     # a: pending 2 -> target 3, then 9 (not 4): drafts [3, 4, 5] accept 1
     # b: pending 11 -> 12, 13, 14: drafts [12, 13] accept both, bonus 14
@@ -121,45 +133,45 @@ def test_each_row_keeps_its_own_accepted_prefix_and_is_rewound_by_its_own_reject
     add(batch, c, ScriptedSource([]))
     out = batch.step()
     got = collections.defaultdict(list)
-    for s, token, lp in out:
+    for s, token, lp in triples(out):
         got[id(s)].append(token)
         assert lp.shape == (50,)
     assert got[id(a)] == [3, 9] and got[id(b)] == [12, 13, 14] and got[id(c)] == [22]
     assert batch._kv.lengths == [1 + 2, 1 + 3, 1 + 1]  # prompt[:-1] plus pending + accepted drafts
     assert batch.drafted == 5 and batch.accepted == 3
     # the sequences take the tokens; c stops after its first: its caches cover exactly its prompt + that token
-    for s, token, _ in out:
+    for s, token, _ in triples(out):
         s.generated.append(token)
     c.generated = c.generated[:1]
-    (tokens, caches), = batch.remove([c])
+    (tokens, caches), = pairs(batch.remove([c]))
     assert tokens == [20, 21] and caches[0].offset == 2
     # the next step starts from each row's new pending token
     out = batch.step()
-    assert [t for s, t, _ in out if s is a] == [10]  # after 9, t + 1
-    assert [t for s, t, _ in out if s is b] == [15]
+    assert [t for s, t, _ in triples(out) if s is a] == [10]  # after 9, t + 1
+    assert [t for s, t, _ in triples(out) if s is b] == [15]
 
 
 def test_a_row_stopped_inside_a_step_stores_only_what_it_kept():
-    batch = SpecBatch(NextTokenModel())
+    batch = SpeculatingBatch(NextTokenModel())
     a = seq([1, 2])
     add(batch, a, ScriptedSource([[3, 4, 5, 6]]))
     out = batch.step()
-    assert [t for _, t, _ in out] == [3, 4, 5, 6, 7]
+    assert [t for _, t, _ in triples(out)] == [3, 4, 5, 6, 7]
     a.generated = [3, 4]  # a stop string ended it at its second token
-    (tokens, caches), = batch.remove([a])
+    (tokens, caches), = pairs(batch.remove([a]))
     assert tokens == [1, 2, 3, 4] and caches[0].offset == 4  # prompt + what it kept (both were fed)
 
 
 def test_drafts_never_run_past_max_tokens():
-    batch = SpecBatch(NextTokenModel())
+    batch = SpeculatingBatch(NextTokenModel())
     a = seq([1, 2], max_tokens=3)
     add(batch, a, ScriptedSource([[3, 4, 5, 6]]))
     out = batch.step()
-    assert [t for _, t, _ in out] == [3, 4, 5]  # two drafts and the bonus: max_tokens exactly
+    assert [t for _, t, _ in triples(out)] == [3, 4, 5]  # two drafts and the bonus: max_tokens exactly
 
 
 def test_the_adaptive_length_pauses_a_row_whose_drafts_fail():
-    batch = SpecBatch(NextTokenModel())
+    batch = SpeculatingBatch(NextTokenModel())
     stats = SpecStats()
     a = seq([1, 2], max_tokens=200)
     policy = AdaptiveDraftLength(4, pause=16)
@@ -167,7 +179,7 @@ def test_the_adaptive_length_pauses_a_row_whose_drafts_fail():
     drafted = []
     for _ in range(12):
         before = batch.drafted
-        for s, t, _ in batch.step():
+        for s, t, _ in triples(batch.step()):
             s.generated.append(t)
         drafted.append(batch.drafted - before)
     assert drafted[0] == 4 and drafted[-1] == 0  # it shrank, then paused
@@ -183,28 +195,28 @@ def test_sampled_rows_follow_the_target_distribution():
     counts = collections.Counter()
     trials = 1500
     for _ in range(trials):
-        batch = SpecBatch(NextTokenModel(vocab=4, probs=probs))
+        batch = SpeculatingBatch(NextTokenModel(vocab=4, probs=probs))
         a = seq([1, 2])
         add(batch, a, ScriptedSource([[0, 0]]), sampler=sampler)
-        first = batch.step()[0][1]
+        first = batch.step()[0].token
         counts[first] += 1
     for token, p in enumerate(probs):
         assert abs(counts[token] / trials - p) < 0.04, (token, counts)
 
 
 def test_ngram_source_rows_in_a_batch_draft_from_their_own_history():
-    batch = SpecBatch(NextTokenModel(vocab=50))
+    batch = SpeculatingBatch(NextTokenModel(vocab=50))
     # the target continues t + 1; a prompt that already contains "5 6 7 8" lets lookup propose it after "4"
     a = seq([5, 6, 7, 8, 9, 1, 2, 3, 4])
     b = seq([30, 31, 32, 33])
     add(batch, a, NgramSource())
     add(batch, b, NgramSource())
     out = batch.step()
-    assert [t for s, t, _ in out if s is a][0] == 5
-    for s, t, _ in out:
+    assert [t for s, t, _ in triples(out) if s is a][0] == 5
+    for s, t, _ in triples(out):
         s.generated.append(t)
     out = batch.step()  # after "4 5" lookup proposes "6 7 8 ..." and the target agrees
-    assert len([t for s, t, _ in out if s is a]) > 1
+    assert len([t for s, t, _ in triples(out) if s is a]) > 1
 
 
 def test_the_batch_measures_what_a_drafted_token_costs_and_raises_the_break_even():
@@ -224,10 +236,10 @@ def test_the_batch_measures_what_a_drafted_token_costs_and_raises_the_break_even
 
 
 def test_a_batch_is_judged_not_paying_only_over_a_full_window_of_too_few_tokens_per_row():
-    from server.engine import spec_batch
-    from server.engine.spec_batch import SpecBatch
+    from server.engine.batch import speculating as spec_batch
+    from server.engine.batch.speculating import SpeculatingBatch
 
-    batch = SpecBatch(model=None)
+    batch = SpeculatingBatch(model=None)
     n = spec_batch.JUDGE_STEPS
     for _ in range(n - 1):
         batch._recent.append((4, 4, 0.1))  # 1 token per row per step: drafts made nothing
@@ -243,8 +255,8 @@ def test_whether_drafts_pay_is_judged_against_the_plain_batchs_measured_step():
     """With a plain step of as many rows measured, the batch pays when it makes more tokens per second than the
     plain batch would: 2 tokens per row per step pay for a step of 1.5 plain ones, not for one of 2.5 (the H200 at
     32 rows with half the drafts accepted); without a measurement of that size the fixed yield decides."""
-    from server.engine import spec_batch
-    from server.engine.spec_batch import PlainStepClock, SpecBatch
+    from server.engine.batch import speculating as spec_batch
+    from server.engine.batch.speculating import PlainStepClock, SpeculatingBatch
 
     clock = PlainStepClock()
     clock.observe(8, 0.010)
@@ -252,7 +264,7 @@ def test_whether_drafts_pay_is_judged_against_the_plain_batchs_measured_step():
     assert clock.seconds(8) == pytest.approx(0.010) and clock.seconds(9) == pytest.approx(0.010)
     assert clock.seconds(16) is None  # a batch twice the size: not known
     n = spec_batch.JUDGE_STEPS
-    cheap, dear = SpecBatch(model=None), SpecBatch(model=None)
+    cheap, dear = SpeculatingBatch(model=None), SpeculatingBatch(model=None)
     for _ in range(n):
         cheap._recent.append((8, 16, 0.015))  # 16 tokens in 15 ms vs the plain batch's 8 in 10 ms: pays
         dear._recent.append((8, 16, 0.025))  # 16 tokens in 25 ms: 640 tok/s vs 800: does not
@@ -267,8 +279,8 @@ def test_whether_drafts_pay_is_judged_against_the_plain_batchs_measured_step():
 def test_penalised_rows_verify_each_drafted_position_with_its_own_history(model):
     """A greedy row with penalties and a bias, speculating in a batch beside a plain row, emits what the plain
     ragged batch emits for it: each verified position is ruled over the history up to it (drafts included)."""
-    from server.engine.batch_logits import Penalties
-    from server.engine.ragged_batch import RaggedBatch
+    from server.engine.batch.rules import Penalties
+    from server.engine.batch.ragged import RaggedBatch
     from server.lane.events import SamplingParams
 
     rules = Penalties.of(SamplingParams(max_tokens=40, repetition_penalty=1.6, frequency_penalty=0.7,
@@ -277,10 +289,10 @@ def test_penalised_rows_verify_each_drafted_position_with_its_own_history(model)
     plain = RaggedBatch(model)
     names = [SimpleNamespace(name=i) for i in range(2)]
     for s, p, pen in zip(names, prompts, (rules, None)):
-        plain.add(s, own_caches(model, p[:-1]), p, penalties=pen)
+        plain.add([Row(s, own_caches(model, p[:-1]), p, LogitsRules(pen))])
     want = {0: [], 1: []}
     for _ in range(12):
-        for s, token, _ in plain.step():
+        for s, token, _ in triples(plain.step()):
             want[s.name].append(token)
     assert want[0] != want[1]
     seqs = [seq(p, max_tokens=12) for p in prompts]
@@ -291,14 +303,14 @@ def test_penalised_rows_verify_each_drafted_position_with_its_own_history(model)
             d = want[0][len(seqs[0].generated): len(seqs[0].generated) + n]
             return d if self.calls % 2 else d[:-1] + [250]
 
-    batch = SpecBatch(model)
+    batch = SpeculatingBatch(model)
     batch.cost.probe = lambda: False  # draft every step: this test is about the rules, not about when drafts pay
     batch._worth_drafting = lambda wanted, pays: True
     for s, p, pen, src in zip(seqs, prompts, (rules, None), (Oracle([]), ScriptedSource([]))):
-        batch.add_many([(s, own_caches(model, p[:-1]), list(p),
-                         {"source": src, "policy": FixedDraftLength(3), "max_draft": 3, "penalties": pen})])
+        batch.add([Row(s, own_caches(model, p[:-1]), list(p), LogitsRules(pen),
+                       draft=RowDraft(src, FixedDraftLength(3), 3, None))])
     while any(len(s.generated) < 12 for s in seqs):
-        for s, token, _ in batch.step():
+        for s, token, _ in triples(batch.step()):
             s.generated.append(token)
         for s in [s for s in seqs if len(s.generated) >= 12 and s in batch]:
             batch.remove([s])
@@ -307,10 +319,10 @@ def test_penalised_rows_verify_each_drafted_position_with_its_own_history(model)
 
 
 def test_the_draft_batch_drafts_what_each_rows_own_source_drafts(model):
-    """server.engine.draft_batch: three rows' drafts from batched forwards of the draft model equal each row's own
+    """server.engine.batch.drafts: three rows' drafts from batched forwards of the draft model equal each row's own
     TwoModelSource's, over rounds of different lengths, partial and full accepts (a full accept feeds 2 tokens next
     round); a row that leaves gets caches that go on exactly as its own source's."""
-    from server.engine.draft_batch import DraftBatch
+    from server.engine.batch.drafts import DraftBatch
     from spec.two_model import TwoModelSource
 
     draft = tiny_llama(seed=11)
@@ -344,10 +356,8 @@ def test_the_draft_batch_drafts_what_each_rows_own_source_drafts(model):
 
 @pytest.mark.parametrize("batched", [True, False])  # drafts: batched forwards of the draft model, or row by row
 @pytest.mark.parametrize("draft_seed", [5, 11])  # the target itself (every draft holds), another model (few hold)
-def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_batchs_text(model, draft_seed, batched,
-                                                                                         monkeypatch):
-    monkeypatch.setenv("MLX_LANE_DRAFT_BATCH", "1" if batched else "0")
-    from server.engine.ragged_batch import RaggedBatch
+def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_batchs_text(model, draft_seed, batched):
+    from server.engine.batch.ragged import RaggedBatch
     from spec.two_model import TwoModelSource
 
     draft = model if draft_seed == 5 else tiny_llama(seed=draft_seed)
@@ -355,12 +365,12 @@ def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_bat
     plain = RaggedBatch(model)
     names = [SimpleNamespace(name=i) for i in range(3)]
     for s, p in zip(names, prompts):
-        plain.add(s, own_caches(model, p[:-1]), p)
+        plain.add([Row(s, own_caches(model, p[:-1]), p)])
     want = {i: [] for i in range(3)}
     for _ in range(10):
-        for s, token, _ in plain.step():
+        for s, token, _ in triples(plain.step()):
             want[s.name].append(token)
-    batch = SpecBatch(model)
+    batch = SpeculatingBatch(model, draft_batch=batched)
     batch.cost.probe = lambda: False  # draft every step: this test is about the mechanism, not about when drafts pay
     batch._worth_drafting = lambda wanted, pays: True
     seqs = [seq(p, max_tokens=10) for p in prompts]
@@ -368,14 +378,13 @@ def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_bat
     for s, p in zip(seqs, prompts):
         src = TwoModelSource(draft, None, ())
         sources.append(src)
-        batch.add_many([(s, own_caches(model, p[:-1]), list(p),
-                         {"source": src, "policy": FixedDraftLength(3), "max_draft": 3})])
+        batch.add([Row(s, own_caches(model, p[:-1]), list(p), draft=RowDraft(src, FixedDraftLength(3), 3, None))])
     assert (batch._drafter is not None and len(batch._drafter) == 3) == batched
     while any(len(s.generated) < 10 for s in seqs):
-        for s, token, _ in batch.step():
+        for s, token, _ in triples(batch.step()):
             s.generated.append(token)
         for s in [s for s in seqs if len(s.generated) >= 10 and s in batch]:
-            (tokens, caches), = batch.remove([s])
+            (tokens, caches), = pairs(batch.remove([s]))
             src = sources[seqs.index(s)]
             assert src.tokens == tokens and caches[0].offset == len(tokens)  # both models cover what was kept
             assert src.caches[0].offset == len(src.tokens)  # the draft caches are the source's again
@@ -392,7 +401,7 @@ def test_a_drafted_token_dearer_than_a_plain_rows_step_never_pays_even_when_alwa
     for rows, drafted, seconds in [(4, 0, 0.24), (4, 4, 0.54), (4, 8, 0.84), (4, 0, 0.24), (4, 12, 1.14)]:
         cost.observe(rows, drafted, seconds)  # a = 0.06 per row, m = 0.075 per drafted position: m / a = 1.25
     assert cost.break_even() > 1.0  # no acceptance rate reaches it: every row stops drafting
-    batch = SpecBatch(model=None)
+    batch = SpeculatingBatch(model=None)
     batch._rows = [SimpleNamespace(policy=SimpleNamespace(recent_rate=1.0))] * 4
     skipped = [batch._worth_drafting([3, 3, 3, 3], cost.break_even()) for _ in range(16)]
     assert skipped.count(True) == 2  # only the exploring steps (one in EXPLORE) still draft, to keep measuring

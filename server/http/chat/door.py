@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server.catalog import check_model
 from server.core.generation import Done, Error, Generation, ReasoningOut, Result, TextOut
 from server.core.request import GenerationRequest, system_breakpoint, template_message
 from server.http.chat.format import ChatFormatter, CompletionFormatter
@@ -36,7 +35,7 @@ def _sampling(body) -> dict:
     )
 
 
-def chat_request(body: ChatCompletionRequest, headers, adapter=None) -> GenerationRequest:
+def chat_request(body: ChatCompletionRequest, headers) -> GenerationRequest:
     """A chat completions body as the internal request."""
     messages = tuple(
         template_message(m.role, m.text(), name=m.name, tool_call_id=m.tool_call_id,
@@ -50,7 +49,7 @@ def chat_request(body: ChatCompletionRequest, headers, adapter=None) -> Generati
         answer_schema=body.response_format.target_schema() if body.response_format is not None else None,
         max_tokens=body.requested_max_tokens(),
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
-        session=session_of(headers, body.prompt_cache_key, body.user), adapter=adapter,
+        session=session_of(headers, body.prompt_cache_key, body.user),
         breakpoints=system_breakpoint(messages), **_sampling(body),
     )
 
@@ -91,8 +90,7 @@ class ChatDoor(Door):
     id_prefix = "chatcmpl-"
 
     async def call(self, state, request: Request, body: ChatCompletionRequest) -> Call:
-        adapter = check_model(state, body.model)
-        return Call(chat_request(body, request.headers, adapter), stream=body.stream)
+        return Call(chat_request(body, request.headers), stream=body.stream)
 
     def formatter(self, state, body: ChatCompletionRequest, call: Call, gen: Generation) -> Formatter:
         chunks = ChatFormatter(model=gen.model_name, fingerprint=state.system_fingerprint, id=gen.id)
@@ -130,13 +128,12 @@ class CompletionDoor(Door):
     id_prefix = "cmpl-"
 
     async def call(self, state, request: Request, body: CompletionRequest) -> Call:
-        adapter = check_model(state, body.model)
         prompt = body.prompt if isinstance(body.prompt, str) else tuple(body.prompt)
         req = GenerationRequest(
             prompt=prompt,
             max_tokens=body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS,
             logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
-            session=session_of(request.headers, body.prompt_cache_key, body.user), adapter=adapter,
+            session=session_of(request.headers, body.prompt_cache_key, body.user),
             names={"messages": "prompt"}, **_sampling(body))
         return Call(req, stream=body.stream)
 

@@ -73,17 +73,6 @@ class ChatFormatter:
         lp = {"content": [chat_logprob(x) for x in logprobs]} if logprobs else None
         return self._chunk([{"index": 0, "delta": {"reasoning_content": text}, "logprobs": lp, "finish_reason": None}])
 
-    def piece_chunks(self, pieces: list, logprobs: list[TokenLogprob]) -> list[dict]:
-        """Chunks for output_parse pieces (text -> content, reasoning -> reasoning_content). The delta's logprobs
-        ride on the first chunk, or on an empty content chunk when the parser held all of its text back."""
-        if not pieces:
-            return [self.content_chunk("", logprobs)] if logprobs else []
-        out = []
-        for i, p in enumerate(pieces):
-            lps = logprobs if i == 0 else []
-            out.append(self.reasoning_chunk(p.text, lps) if p.kind == "reasoning" else self.content_chunk(p.text, lps))
-        return out
-
     def tool_calls_chunk(self, calls: list[dict]) -> dict:
         delta = {"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}
         return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])

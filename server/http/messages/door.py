@@ -13,13 +13,13 @@ import uuid
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from server.catalog import check_model
 from server.core.generation import Done, Error, Generation, ReasoningOut, Result, TextOut
 from server.core.prompts import render_chat
 from server.http.messages.format import PING, MessagesStream, message_object
 from server.http.messages.schemas import CountTokensRequest, MessagesRequest
 from server.http.messages.translate import messages_request, session_of_user_id
 from server.http.pipeline import Call, Door, Formatter, run
+from server.http.target import resolve_target
 from server.http.wire import json_response, parse_body, session_of
 
 router = APIRouter()
@@ -60,9 +60,8 @@ class MessagesDoor(Door):
         return MessagesStream.error_event(error)  # Anthropic's `event: error`
 
     async def call(self, state, request: Request, body: MessagesRequest) -> Call:
-        adapter = check_model(state, body.model)
         user = session_of_user_id(body.metadata.user_id if body.metadata else None)
-        return Call(messages_request(body, session=session_of(request.headers, user), adapter=adapter,
+        return Call(messages_request(body, session=session_of(request.headers, user),
                                      keep_billing_header=state.keep_billing_header), stream=body.stream)
 
     def formatter(self, state, body: MessagesRequest, call: Call, gen: Generation) -> Formatter:
@@ -79,10 +78,13 @@ async def create_message(request: Request):
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
-    """Prompt tokens of a Messages request as this server's model renders it (chat template + tools)."""
+    """Prompt tokens of a Messages request as the model it names renders it (its chat template + tools)."""
     state = request.app.state.lane_state
     req = await parse_body(request, CountTokensRequest, state.max_body_bytes)
-    check_model(state, req.model)
-    req_ = messages_request(req, keep_billing_header=state.keep_billing_header)
-    prompt = await run_in_threadpool(render_chat, state.loaded.tokenizer, req_)
+    target = await resolve_target(state, req.model)
+    try:
+        req_ = messages_request(req, keep_billing_header=state.keep_billing_header)
+        prompt = await run_in_threadpool(render_chat, target.tokenizer, req_)
+    finally:
+        target.release()
     return json_response({"input_tokens": len(prompt)})

@@ -116,7 +116,7 @@ def _tool_choice(req: CountTokensRequest) -> tuple[str, Optional[str]]:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], None
 
 
-def messages_request(req: CountTokensRequest, *, session: Optional[str] = None, adapter=None,
+def messages_request(req: CountTokensRequest, *, session: Optional[str] = None,
                      keep_billing_header: bool = False) -> GenerationRequest:
     """The internal request for ``req`` (a ``MessagesRequest``, or the prompt side of one for counting);
     ``session``: the prefix cache's session (the door's header, else ``metadata.user_id``). Each ``cache_control``
@@ -146,5 +146,5 @@ def messages_request(req: CountTokensRequest, *, session: Optional[str] = None, 
     return GenerationRequest(
         messages=tuple(messages),
         tools=tuple(function_tool(t.name, t.description, t.input_schema) for t in req.tools or ()),
-        tool_choice=choice, forced_tool=forced, parallel_tool_calls=parallel, session=session, adapter=adapter,
+        tool_choice=choice, forced_tool=forced, parallel_tool_calls=parallel, session=session,
         breakpoints=tuple(sorted(b for b in breakpoints if b > 0)), names=MESSAGES_NAMES, **fields)

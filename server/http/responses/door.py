@@ -13,7 +13,6 @@ import uuid
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from server.catalog import check_model
 from server.core.generation import Done, Error, Generation, ReasoningOut, Result, TextOut
 from server.errors import NotFound
 from server.http.pipeline import Call, Door, Formatter, run
@@ -31,8 +30,9 @@ router = APIRouter()
 class ResponsesOutput(Formatter):
     """A response object at the end, or OpenAI's event stream; either way the response is stored at its end."""
 
-    def __init__(self, state, body: ResponsesRequest, base: dict, conversation: tuple):
+    def __init__(self, state, body: ResponsesRequest, base: dict, conversation: tuple, tokenizer):
         self.state, self.req, self.base, self.conversation = state, body, base, conversation
+        self.tokenizer = tokenizer  # the request's model's: reasoning tokens are counted with it
         self.tools = tool_index(body, conversation)  # what each call is: a function, a custom tool, a tool search
         self.stream = ResponsesStream(base, self.tools)
         self._reasoning: list[str] = []
@@ -73,7 +73,7 @@ class ResponsesOutput(Formatter):
         """Tokens of the model's thinking (usage.output_tokens_details.reasoning_tokens)."""
         if not text:
             return 0
-        return len(await run_in_threadpool(self.state.loaded.tokenizer.encode, text))
+        return len(await run_in_threadpool(self.tokenizer.encode, text))
 
 
 class ResponsesDoor(Door):
@@ -84,7 +84,6 @@ class ResponsesDoor(Door):
         return ResponsesStream.error_event(error)  # the Responses stream's `error` event
 
     async def call(self, state, request: Request, body: ResponsesRequest) -> Call:
-        adapter = check_model(state, body.model)
         history = ()
         if body.previous_response_id:
             prev = state.responses.get(body.previous_response_id)
@@ -95,13 +94,12 @@ class ResponsesDoor(Door):
                                param="previous_response_id", code="previous_response_not_found")
             history = prev.history
         req = responses_request(body, history, session=session_of(request.headers, body.prompt_cache_key, body.user),
-                                adapter=adapter, max_tokens_cap=state.max_tokens_cap)
-        return Call(req, stream=body.stream, context=(adapter, (*history, *input_items(body))))
+                                max_tokens_cap=state.max_tokens_cap)
+        return Call(req, stream=body.stream, context=(*history, *input_items(body)))
 
     def formatter(self, state, body: ResponsesRequest, call: Call, gen: Generation) -> Formatter:
-        _, conversation = call.context
         base = response_base(body, "resp_" + uuid.uuid4().hex, gen.model_name)
-        return ResponsesOutput(state, body, base, conversation)
+        return ResponsesOutput(state, body, base, call.context, gen.target.tokenizer)
 
 
 _DOOR = ResponsesDoor()

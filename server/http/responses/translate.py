@@ -161,7 +161,7 @@ def tool_namespaces(req: ResponsesRequest, items=()) -> dict[str, str]:
     return tool_index(req, items).namespaces
 
 
-def responses_request(req: ResponsesRequest, history=(), *, session: Optional[str] = None, adapter=None,
+def responses_request(req: ResponsesRequest, history=(), *, session: Optional[str] = None,
                       max_tokens_cap: Optional[int] = None) -> GenerationRequest:
     """The internal request for ``req`` continuing ``history`` (items of the previous responses). Without
     ``max_output_tokens`` the reply may use all the room the prompt leaves in the context (OpenAI's rule: Codex CLI
@@ -186,7 +186,7 @@ def responses_request(req: ResponsesRequest, history=(), *, session: Optional[st
         answer_schema=answer_schema_of(req),
         max_tokens=req.max_output_tokens, default_max_tokens=max_tokens_cap if max_tokens_cap is not None else ROOM,
         temperature=req.temperature, top_p=req.top_p,
-        session=session, adapter=adapter, breakpoints=system_breakpoint(messages), names=RESPONSES_NAMES,
+        session=session, breakpoints=system_breakpoint(messages), names=RESPONSES_NAMES,
     )
 
 

@@ -1,7 +1,7 @@
-"""The plain decode batch on the ragged layout: a row joins without a forward of its own and leaves without moving
+"""The ``ragged`` batch kind: the plain decode batch on the ragged layout: a row joins without a forward of its own and leaves without moving
 the others.
 
-mlx-lm's ``GenerationBatch`` (``server.engine.batch.DecodeBatch``) admits rows through a batch of their own, whose
+mlx-lm's ``GenerationBatch`` (``server.engine.batch.mlx.MlxBatch``) admits rows through a batch of their own, whose
 constructor runs a forward, then ``extend`` concatenates every layer's KV of the running rows with the new ones'
 (and ``BatchKVCache`` left-pads everyone to the longest row); a leave ``filter``s, copying every row that stays.
 With agents' long conversations that is the KV of the whole batch copied on every join and every leave, and one
@@ -30,21 +30,22 @@ tokens its own forward sampled; on the CPU the Python a pipeline would hide is a
 way ``remove`` hands back caches that cover exactly the tokens it says (a row's history and every token fed so far:
 all it returned, or all but the last).
 
-Interface as ``DecodeBatch``: ``add_many``, ``step``, ``remove``, ``sequences``, ``steps`` / ``row_steps``. Only plain
-``KVCache`` layers (``RaggedKV``); the engine sends other models to ``DecodeBatch``. Only the lane thread touches a
-batch.
+A ``Batch`` (server.engine.batch.protocol). Only plain ``KVCache`` layers (``RaggedKV``; a hit's
+``SharedPrefixKVCache`` layers are read where they lie); other models get the ``mlx`` kind
+(server.engine.batch.choose). Only the lane thread touches a batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
-from server.engine.batch_logits import Penalties, apply_rules
-from server.engine.ragged_kv import RaggedKV
+from server.engine.batch.protocol import Covered, Emitted, Row
+from server.engine.batch.ragged_kv import RaggedKV, holds
+from server.engine.batch.rules import LogitsRules, apply_rules
 from server.engine.sampling import sample_rows
 
 __all__ = ["RaggedBatch"]
@@ -59,8 +60,7 @@ class _Row:
     seq: Any
     tokens: list  # what the row's KV covers once the forward in flight (if any) is done
     sampler: Any = None  # None: greedy
-    penalties: Optional[Penalties] = None
-    grammar: Any = None  # the request's GrammarProcessor
+    rules: LogitsRules = LogitsRules()
     state: str = _FRESH
     logprobs: Any = field(default=None, repr=False)  # of the owed token
 
@@ -69,6 +69,8 @@ _greedy = greedy_sampler  # mlx-lm's, the very object a temperature-0 request's 
 
 
 class RaggedBatch:
+    kind: ClassVar[str] = "ragged"
+
     def __init__(self, model, pipelined: bool = False):
         self.model = model
         self.pipelined = pipelined
@@ -88,35 +90,34 @@ class RaggedBatch:
     def sequences(self) -> list:
         return [r.seq for r in self._rows]
 
-    @property
     def kv_nbytes(self) -> int:
         """Bytes of the batch's KV buffers, free slots and unused positions included."""
         return self._kv.nbytes if self._kv is not None else 0
 
-    def add(self, seq, caches: list, history: list, sampler=None, penalties: Optional[Penalties] = None,
-            grammar=None, **_) -> None:
-        """Join ``seq``; ``caches`` (its own, consumed) cover ``history[:-1]``; ``sampler`` None means greedy."""
-        self.add_many([(seq, caches, history, {"sampler": sampler, "penalties": penalties, "grammar": grammar})])
+    def accepts(self, row: Row) -> bool:
+        """Rows that do not speculate, whose every layer is a plain KVCache (``RaggedKV.holds``)."""
+        return row.draft is None and holds(row.caches)
 
-    def add_many(self, rows: list) -> None:
-        """Join several sequences: ``[(seq, caches, history, {"sampler", "penalties", "grammar"}), ...]`` (other
-        keys, such as mlx-lm's per-row "processors", are for other batch kinds). Their KV goes into free slots (no
-        forward, no copy of the running rows); their last history token is their next input."""
+    def add(self, rows: Sequence[Row]) -> None:
+        """These rows join: their KV goes into free slots (no forward, no copy of the running rows); their last
+        history token is their next input."""
         if not rows:
             return
-        caches = [c for _, c, _, _ in rows]
+        for row in rows:
+            if not self.accepts(row):
+                raise ValueError("a ragged batch holds rows of plain KVCache layers that do not speculate")
+        caches = [r.caches for r in rows]
         if self._kv is None:
             self._kv = RaggedKV.from_rows(caches)
         else:
             self._kv.extend(caches)
-        for seq, _, history, opts in rows:
-            self._rows.append(_Row(seq, list(history[:-1]), opts.get("sampler"), opts.get("penalties"),
-                                   opts.get("grammar")))
-        fresh = mx.array([int(h[-1]) for _, _, h, _ in rows], dtype=mx.uint32)
+        for r in rows:
+            self._rows.append(_Row(r.seq, list(r.history[:-1]), r.sampler, r.rules))
+        fresh = mx.array([int(r.history[-1]) for r in rows], dtype=mx.uint32)
         self._next = fresh if self._next is None else mx.concatenate([self._next, fresh])
 
-    def step(self) -> list:
-        """One decode step for every row: ``[(seq, token, logprobs), ...]`` in row order, at most one token per row
+    def step(self) -> list[Emitted]:
+        """One decode step for every row, in row order, at most one token per row
         (pipelined, a row that returned its first token in the step it joined returns none in the next)."""
         if not self._rows:
             return []
@@ -124,10 +125,10 @@ class RaggedBatch:
         self._kv.reserve(1)
         logits = self.model(inputs[:, None], cache=self._kv.layers)[:, -1, :]
         self._kv.commit([1] * len(self._rows))
-        ruled = [e for e, r in enumerate(self._rows) if r.penalties is not None or r.grammar is not None]
+        ruled = [e for e, r in enumerate(self._rows) if not r.rules.empty]
         if ruled:  # each row's history so far is its tokens; its newest token is this step's input
             rows = [self._rows[e] for e in ruled]
-            logits = apply_rules(logits, ruled, [r.penalties for r in rows], [r.grammar for r in rows],
+            logits = apply_rules(logits, ruled, [r.rules.penalties for r in rows], [r.rules.grammar for r in rows],
                                  [r.tokens for r in rows], inputs, inputs.tolist)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = sample_rows(logprobs, [r.sampler or _greedy for r in self._rows])
@@ -144,9 +145,9 @@ class RaggedBatch:
         for e, (row, token) in enumerate(zip(self._rows, fed)):
             row.tokens.append(token)
             if row.state == _OWED:
-                out.append((row.seq, token, row.logprobs))
+                out.append(Emitted(row.seq, token, row.logprobs))
             if wait and row.state != _OWED:
-                out.append((row.seq, new[e], per_row[e]))
+                out.append(Emitted(row.seq, new[e], per_row[e]))
                 row.state, row.logprobs = _SENT, None
             else:
                 row.state, row.logprobs = _OWED, per_row[e]
@@ -154,14 +155,13 @@ class RaggedBatch:
         self.row_steps += len(self._rows)
         return out
 
-    def remove(self, seqs: list) -> list:
-        """Take these rows out; returns ``[(tokens, caches), ...]`` in the order given: each row's own caches and
-        exactly the tokens they cover: its history and every token fed so far (not pipelined: all it returned but the
+    def remove(self, seqs: Sequence) -> list[Covered]:
+        """Take these rows out, in the order given: each row's own caches and exactly the tokens they cover: its history and every token fed so far (not pipelined: all it returned but the
         last, its next input; pipelined: all it returned, or all but the last if it returned that one early)."""
         index = {id(r.seq): i for i, r in enumerate(self._rows)}
         idx = [index[id(seq)] for seq in seqs]
         mx.eval(self._next)  # a forward in flight writes every row's KV: let it finish before copying
-        out = [(list(self._rows[i].tokens), self._kv.extract(i)) for i in idx]
+        out = [Covered(list(self._rows[i].tokens), self._kv.extract(i)) for i in idx]
         order = self._kv.release(idx)  # the last rows fill the holes; no other row moves
         self._rows = [self._rows[i] for i in order]
         if self._rows:

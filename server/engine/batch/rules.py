@@ -14,21 +14,24 @@ frequency penalty on a token seen k > 1 times, ``logit - k * penalty`` instead o
 rounding difference in the last place). Tested against mlx-lm's processors in tests/unit/test_batch_logits.py and,
 through whole batches, against mlx-lm's ``GenerationBatch`` in tests/unit/test_ragged_batch.py.
 
-Policy (which requests have rules, how far back penalties look) lives in ``server.engine.sampling``; this module is
-the mechanism. Lane thread only.
+Every decode path applies these rules, and only these: the ragged and speculating batches call ``apply_rules`` /
+``penalise`` over all their rows; the paths that run mlx-lm's loops (the solo ``generate_step``, mlx-lm's
+``GenerationBatch``, the solo speculative walk) take ``LogitsRules.processors(history)``, the same arithmetic for
+one row in mlx-lm's processor shape. How far back penalties look is ``server.engine.sampling.PENALTY_CONTEXT``.
+Lane thread only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from server.engine.sampling import PENALTY_CONTEXT
 
-__all__ = ["Penalties", "penalise", "penalty_windows", "mask_rows"]
+__all__ = ["Penalties", "LogitsRules", "penalise", "penalty_windows", "mask_rows", "apply_rules"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,49 @@ class Penalties:
     @property
     def needs_history(self) -> bool:
         return bool(self.repetition or self.presence or self.frequency)
+
+
+@dataclass(frozen=True)
+class LogitsRules:
+    """One request's logits rules: its bias and penalties, and its grammar (a ``GrammarProcessor``, stateful: it
+    must see each sampled token exactly once, so one row of one decode path holds it at a time)."""
+
+    penalties: Optional[Penalties] = None
+    grammar: Any = None
+
+    @classmethod
+    def of(cls, params, grammar=None) -> "LogitsRules":
+        return cls(Penalties.of(params), grammar)
+
+    @property
+    def empty(self) -> bool:
+        return self.penalties is None and self.grammar is None
+
+    def processors(self, history: Sequence[int] = ()) -> list:
+        """These rules as mlx-lm logits processors (``proc(tokens, logits) -> logits``, ``tokens`` what the loop fed
+        since ``history``), for mlx-lm's loops; the same arithmetic as the batches' (``penalise``, ``mask_rows``),
+        the window built on the device so that mlx-lm's pipelining keeps its lead."""
+        if self.empty:
+            return []
+        penalties, grammar = self.penalties, self.grammar
+        prefix = mx.array(list(history[-PENALTY_CONTEXT:]), dtype=mx.uint32) if history else None
+
+        def process(tokens: mx.array, logits: mx.array) -> mx.array:
+            if penalties is not None:
+                windows = None
+                if penalties.needs_history:
+                    seen = tokens.astype(mx.uint32)
+                    if prefix is not None:
+                        seen = mx.concatenate([prefix, seen])
+                    seen = seen[-PENALTY_CONTEXT:][None]
+                    windows = (seen, mx.ones(seen.shape, dtype=mx.float32))
+                logits = penalise(logits, [penalties], windows)
+            if grammar is not None:
+                mx.async_eval(logits)  # the forward runs while the host fills the mask
+                logits = mask_rows(logits, [grammar.allowed(lambda: int(tokens[-1].item()))])
+            return logits
+
+        return [process]
 
 
 def penalty_windows(histories: Sequence[Sequence[int]], last: Optional[mx.array] = None,

@@ -1,6 +1,7 @@
 """The draft model's forwards batched over a speculating batch's rows: k forwards per step for all rows, not k per row.
 
-A ``SpecBatch`` row that drafts with a second model (``spec.two_model.TwoModelSource``) used to run that model on
+A speculating row whose source is a ``spec.source.BatchableDraftSource`` (the draft model's
+``spec.two_model.TwoModelSource``) used to run that model on
 its own caches, one row after another. While the row is in the batch its draft caches live here instead, in one
 ``RaggedKV`` (each row left-aligned, writing at its own end, rewound per row with no copy), and ``draft`` computes
 every drafting row's next tokens together:
@@ -11,7 +12,7 @@ every drafting row's next tokens together:
     forward j   every row still drafting feeds its draft j-1 (width 1); draft j is its argmax
 
 so a row drafting n tokens has fed ``unfed + d1..d(n-1)``, exactly as ``TwoModelSource.draft`` does, and
-``commit(row, drafted, accepted)`` keeps the same bookkeeping (the ``n-1-a`` fed-but-rejected positions are dropped:
+``commit([(source, drafted, accepted), ...])`` keeps the same bookkeeping (the ``n-1-a`` fed-but-rejected positions are dropped:
 the row's length goes back; after a full accept ``d_n`` is remembered as unfed). Rows that draft less than the
 longest draft this step stop feeding (their positions past what they keep are overwritten later). The whole chain
 is one lazy MLX graph evaluated once: forward j's input is forward j-1's argmax, with no round trip to Python.
@@ -28,7 +29,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from server.engine.ragged_kv import RaggedKV
+from server.engine.batch.ragged_kv import RaggedKV
 
 __all__ = ["DraftBatch"]
 
@@ -82,7 +83,7 @@ class DraftBatch:
         rows = len(self._sources)
         n_of, unfed = [0] * rows, [[] for _ in range(rows)]  # per batch row: tokens to draft, tokens to feed first
         for source, feed, n in wanted:
-            heard, i = source.hear(feed), index[id(source)]
+            heard, i = source.queue_feed(feed), index[id(source)]
             if heard and n > 0:
                 n_of[i], unfed[i] = int(n), heard
         top = max(n_of, default=0)
@@ -112,17 +113,17 @@ class DraftBatch:
             if not n:
                 continue
             d = [int(t) for t in out_rows[i][:n]]
-            self._sources[i].opened(d)
+            self._sources[i].record_draft(d)
             drafts[i] = d
         return [drafts.get(index[id(source)], []) for source, _, _ in wanted]
 
     def commit(self, done: list) -> None:
         """``[(source, drafted, accepted), ...]`` after the target's verify: each row drops its fed-but-rejected
         draft positions (``n-1-a``), or after a full accept remembers ``d_n`` as not yet fed (TwoModelSource's
-        rule)."""
+        rule: ``record_verdict``)."""
         index = {id(s): i for i, s in enumerate(self._sources)}
         back = [0] * len(self._sources)
         for source, drafted, accepted in done:
-            back[index[id(source)]] = source.settle(drafted, accepted)
+            back[index[id(source)]] = source.record_verdict(drafted, accepted)
         if any(back):
             self._kv.rewind(back)

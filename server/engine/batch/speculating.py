@@ -1,4 +1,4 @@
-"""The speculating decode batch: every row drafts on its own, one forward verifies all rows' drafts together.
+"""The ``speculating`` batch kind: every row drafts on its own, one forward verifies all rows' drafts together.
 
 Each step, row i asks its draft source (n-gram lookup over its own prompt + output, or the draft model: every
 two-model row's drafts in the same batched forwards) for up to n_i tokens, n_i from
@@ -8,10 +8,10 @@ more) and capped by what is left of its ``max_tokens``. What "failing" means is 
 share of a plain step, with a plain step now and then to keep measuring), so on a machine where every extra token in the forward
 costs (a CPU) rows draft only while their drafts are accepted often enough to pay. One forward over the batch feeds every row its pending
 token and its drafts (W = 1 + the longest draft; shorter rows are right-padded, their padding is never kept). Each
-row is then verified with its own sampler and logits rules, exactly as ``spec.verify`` does for one sequence:
-the token at every fed position is drawn from the target's (processed) distribution given the accepted prefix,
-drafts are kept while they equal those tokens, and the first differing token (or the one after the last draft)
-is the row's new pending token. Greedy rows therefore emit what greedy decoding emits; sampled rows follow the
+row is then verified with its own sampler and logits rules and walked with ``spec.accept``, the walk the solo
+verifier (``spec.verify``) uses: the token at every fed position is drawn from the target's (processed)
+distribution given the accepted prefix, drafts are kept while they equal those tokens, and the first differing
+token (or the one after the last draft) is the row's new pending token. Greedy rows therefore emit what greedy decoding emits; sampled rows follow the
 target distribution exactly (for a deterministic draft, "draw and compare" is the standard acceptance rule:
 the draft survives with probability p(draft), and a rejection yields a draw from p without it). Rows without
 drafts decode one token in the same forward. The KV layout (``server.engine.ragged_kv``) keeps each row's
@@ -22,13 +22,14 @@ plain batch. "Paying" is measured where it can be: over its last ``JUDGE_STEPS``
 per second than the plain batch makes with as many rows (``PlainStepClock``, the plain batches' own steps on the
 lane's clock); before any plain step of that size was seen, fewer than ``PAYS_YIELD`` tokens per row per step.
 
-Interface as ``server.engine.batch.DecodeBatch``: ``add_many``, ``step`` (a row may yield several tokens: the
-list is in row order, each row's tokens in sequence order), ``remove`` (the row's caches and exactly the tokens
-they cover, cut back to what the sequence kept when a stop ended it inside a step).
+A ``Batch`` (server.engine.batch.protocol): ``step`` may yield several tokens per row (in row order, each row's in
+sequence order); ``remove`` hands back the row's caches and exactly the tokens they cover, cut back to what the
+sequence kept when a stop ended it inside a step.
 
-The draft model's rows draft together (``server.engine.draft_batch``): while a two-model row is in the batch its
-draft caches live in the drafter's own ragged layout, and a step's k drafted tokens cost k batched forwards of the
-draft model for all rows, not k per row.
+Rows whose source is a ``spec.source.BatchableDraftSource`` (the draft model's) draft together
+(``server.engine.batch.drafts``): while such a row is in the batch its draft caches live in the drafter's own ragged
+layout, and a step's k drafted tokens cost k batched forwards of the draft model for all rows, not k per row
+(``draft_batch=False``: each row drafts on its own caches, to compare).
 
 Not here: grammars (their processor is stateful and sees each token once: such requests do not speculate in a
 batch), pipelining (a step must know what was accepted before it can draft the next one).
@@ -36,33 +37,22 @@ batch), pipelining (a step must know what was accepted before it can draft the n
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional, Sequence
 
 import mlx.core as mx
 
-from server.engine.batch_logits import Penalties, penalise, penalty_windows
-from server.engine.draft_batch import DraftBatch
-from server.engine.ragged_kv import RaggedKV
+from server.engine.batch.drafts import DraftBatch
+from server.engine.batch.protocol import Covered, Emitted, Row
+from server.engine.batch.ragged_kv import RaggedKV, holds
+from server.engine.batch.rules import Penalties, penalise, penalty_windows
 from server.engine.sampling import PENALTY_CONTEXT
 from spec import BatchVerifyCost, SpecStats
-from spec.two_model import TwoModelSource
+from spec.accept import accept
 
-__all__ = ["SpecBatch", "PlainStepClock", "spec_group", "is_spec_group"]
-
-_SPEC = "speculating"
-
-
-def spec_group(group):
-    """The batch group of speculating rows of ``group`` (None: the base model, else an adapter's identity)."""
-    return (_SPEC, group)
-
-
-def is_spec_group(group) -> bool:
-    return isinstance(group, tuple) and len(group) == 2 and group[0] == _SPEC
+__all__ = ["SpeculatingBatch", "PlainStepClock"]
 
 
 EXPLORE = 8  # of the steps whose drafts do not look worth it, one in this many drafts anyway (acceptance stays known)
@@ -112,8 +102,10 @@ class _Row:
     base_stop: Optional[float] = None  # the policy's own break-even (raised to the batch's measured one)
 
 
-class SpecBatch:
-    def __init__(self, model):
+class SpeculatingBatch:
+    kind: ClassVar[str] = "speculating"
+
+    def __init__(self, model, draft_batch: bool = True):
         self.model = model
         self._rows: list[_Row] = []
         self._kv: Optional[RaggedKV] = None
@@ -125,10 +117,10 @@ class SpecBatch:
         self.cost = BatchVerifyCost()  # what a drafted token costs this batch: the rows' break-even acceptance
         self._skipped = 0  # steps whose drafts were not worth their positions
         self._recent: deque = deque(maxlen=JUDGE_STEPS)  # (rows, tokens emitted, seconds) of the latest steps
-        # the two-model rows' draft caches and forwards, batched (None until such a row joins; MLX_LANE_DRAFT_BATCH=0:
+        # the batchable sources' draft caches and forwards, batched (None until such a row joins; draft_batch False:
         # each row drafts on its own caches, to compare)
         self._drafter: Optional[DraftBatch] = None
-        self._batch_drafts = os.environ.get("MLX_LANE_DRAFT_BATCH", "1") != "0"
+        self._batch_drafts = draft_batch
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -155,25 +147,30 @@ class SpecBatch:
     def sequences(self) -> list:
         return [r.seq for r in self._rows]
 
-    @property
     def kv_nbytes(self) -> int:
         """Bytes of the batch's KV buffers (the draft model's too), free slots and unused positions included."""
         return (self._kv.nbytes if self._kv is not None else 0) + (self._drafter.kv_nbytes if self._drafter else 0)
 
-    def add_many(self, rows: list) -> None:
-        """``[(seq, caches, history, opts), ...]``: caches cover history[:-1]; history[-1] is the next input. opts:
-        "sampler" (None: greedy), "penalties" (server.engine.batch_logits.Penalties), "source", "policy", "max_draft",
-        "stats"."""
+    def accepts(self, row: Row) -> bool:
+        """Rows that speculate, whose every layer is a plain KVCache and that have no grammar (its processor is
+        stateful and sees each token once: a verify step samples several positions)."""
+        return row.draft is not None and row.rules.grammar is None and holds(row.caches)
+
+    def add(self, rows: Sequence[Row]) -> None:
+        """These rows join: their KV goes into free slots; each row's source hears its history."""
         if not rows:
             return
+        for row in rows:
+            if not self.accepts(row):
+                raise ValueError("a speculating batch holds speculating rows of plain KVCache layers, no grammar")
         new = []
-        for seq, caches, history, opts in rows:
-            source = opts["source"]
-            source.prefill(list(history[:-1]))  # n-gram lookup over everything the row has seen
-            new.append(_Row(seq, list(history[:-1]), int(history[-1]), source, opts["policy"],
-                            int(opts["max_draft"]), opts.get("sampler"), opts.get("penalties"),
-                            opts.get("stats"), [int(history[-1])], getattr(opts["policy"], "stop_below", None)))
-        caches = [c for _, c, _, _ in rows]
+        for r in rows:
+            d = r.draft
+            d.source.prefill(list(r.history[:-1]))  # n-gram lookup over everything the row has seen
+            new.append(_Row(r.seq, list(r.history[:-1]), int(r.history[-1]), d.source, d.policy, int(d.max_draft),
+                            r.sampler, r.rules.penalties, d.stats, [int(r.history[-1])],
+                            getattr(d.policy, "stop_below", None)))
+        caches = [r.caches for r in rows]
         if self._kv is None:
             self._kv = RaggedKV.from_rows(caches)
         else:
@@ -182,16 +179,16 @@ class SpecBatch:
         self._join_drafter([r.source for r in new])
 
     def _join_drafter(self, sources: list) -> None:
-        """Two-model sources draft together (server.engine.draft_batch): their caches move into the drafter."""
-        two = [s for s in sources if isinstance(s, TwoModelSource)]
-        if not (two and self._batch_drafts):
+        """Batchable sources draft together (server.engine.batch.drafts): their caches move into the drafter."""
+        batchable = [s for s in sources if s.drafts_in_batch]
+        if not (batchable and self._batch_drafts):
             return
         if self._drafter is None:
-            self._drafter = DraftBatch(two[0].model)
-        self._drafter.join([s for s in two if s.model is self._drafter.model])
+            self._drafter = DraftBatch(batchable[0].model)
+        self._drafter.join([s for s in batchable if s.model is self._drafter.model])
 
-    def step(self) -> list:
-        """One verify forward for every row: ``[(seq, token, logprobs), ...]``, a row's tokens in order."""
+    def step(self) -> list[Emitted]:
+        """One verify forward for every row: a row's tokens in order."""
         if not self._rows:
             return []
         t0 = time.perf_counter()
@@ -219,9 +216,7 @@ class SpecBatch:
         rows_out, kept, batched_commits = [], [], []
         for i, (row, d) in enumerate(zip(self._rows, drafts)):
             tokens = picked[i]
-            a = 0
-            while a < len(d) and tokens[a] == d[a]:
-                a += 1
+            a = accept(d, tokens)
             emitted = d[:a] + [tokens[a]]
             kept.append(1 + a)  # the pending token and the accepted drafts are now in the KV
             row.tokens.append(row.pending)
@@ -242,7 +237,7 @@ class SpecBatch:
             if row.stats is not None:
                 row.stats.emitted += len(emitted)
             row.feed.append(row.pending)
-            rows_out.extend((row.seq, t, lp_rows[i][j]) for j, t in enumerate(emitted))
+            rows_out.extend(Emitted(row.seq, t, lp_rows[i][j]) for j, t in enumerate(emitted))
         self._kv.commit(kept)
         if batched_commits:
             self._drafter.commit(batched_commits)
@@ -252,8 +247,8 @@ class SpecBatch:
         self._recent.append((len(self._rows), len(rows_out), time.perf_counter() - t0))
         return rows_out
 
-    def remove(self, seqs: list) -> list:
-        """Take these rows out: ``[(tokens, caches), ...]`` in the order given. The caches cover exactly ``tokens``:
+    def remove(self, seqs: Sequence) -> list[Covered]:
+        """Take these rows out, in the order given. The caches cover exactly the tokens:
         what the row fed, cut back to the sequence's own prompt + generated tokens when it stopped inside a step."""
         index = {id(r.seq): i for i, r in enumerate(self._rows)}
         if self._drafter is not None:  # draft caches back to their sources first: prefill() below uses them
@@ -269,7 +264,7 @@ class SpecBatch:
                 for c in caches:
                     c.trim(cut)
             row.source.prefill(row.tokens[:keep])  # the source hears what it has not yet (a solo decoder goes on)
-            out.append((row.tokens[:keep], caches))
+            out.append(Covered(row.tokens[:keep], caches))
         order = self._kv.release([index[id(s)] for s in seqs])  # the last rows fill the holes; no other row moves
         self._rows = [self._rows[i] for i in order]
         if not self._rows:

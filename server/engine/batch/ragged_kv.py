@@ -1,5 +1,5 @@
 """A batch KV layout for rows of different lengths that each write at their own end: speculation in the batch, and
-the plain batch's joins and leaves without copying the running rows (``server.engine.ragged_batch``).
+the plain batch's joins and leaves without copying the running rows (``server.engine.batch.ragged``).
 
 mlx-lm's ``BatchKVCache`` left-pads rows to a common end and writes every row's new tokens at one shared column, so
 a step must add the same number of tokens to every row and a rewind takes the same number from every row. Verifying
@@ -44,9 +44,14 @@ from mlx_lm.models.cache import KVCache
 
 from models.shared_prefix import SharedPrefixKVCache
 
-__all__ = ["RaggedKV"]
+__all__ = ["RaggedKV", "holds"]
 
 _STEP = 256  # buffer growth, in positions (as mlx-lm's caches)
+
+
+def holds(caches: list) -> bool:
+    """Can a RaggedKV hold this row: every layer a plain KVCache (a hit's SharedPrefixKVCache is read in place)?"""
+    return bool(caches) and all(type(c) is KVCache or isinstance(c, SharedPrefixKVCache) for c in caches)
 
 
 class RaggedKV:
@@ -96,9 +101,9 @@ class RaggedKV:
             return
         lengths = [int(r[0].offset) for r in rows]
         for row in rows:
-            for c in row:
-                if type(c) is not KVCache and not isinstance(c, SharedPrefixKVCache):
-                    raise TypeError(f"RaggedKV holds plain KVCache layers, got {type(c).__name__}")
+            if not holds(row):
+                kinds = ", ".join(sorted({type(c).__name__ for c in row}))
+                raise TypeError(f"RaggedKV holds plain KVCache layers, got {kinds}")
         first = len(self.lengths)
         need = first + len(rows)
         if self._keys[0] is None:

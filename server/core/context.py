@@ -1,0 +1,25 @@
+"""What the generation core needs of the running server, and nothing more: the lane to submit to, the serving
+counters, the prefix cache (for the SSD prefetch), how a request's cache namespace is computed, and two defaults.
+The process wiring (server.serve) builds one; the core never sees the whole ``ServerState``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from server.lane.events import SamplingParams
+from server.lane.lane import Lane
+from server.lane.target import Target
+from server.stats import ServingStats
+
+__all__ = ["CoreContext"]
+
+
+@dataclass(frozen=True)
+class CoreContext:
+    lane: Lane
+    stats: ServingStats
+    prompt_cache: object  # a cache.protocol.PrefixCache: ``prefetch`` starts SSD reads while a request waits
+    namespace_for: Callable[[Target, SamplingParams], str]  # the engine's rule (server.engine.engine.Engine)
+    keepalive_s: float = 10.0  # --keepalive: a stream that waits this long gets a keep-alive
+    default_max_tokens: int = 2048  # when a chat / completions / Messages request gives no max_tokens

@@ -1,0 +1,84 @@
+"""Which batch kind a group of rows gets: the one place a kind is picked, from declared facts.
+
+    plain rows       ``ragged`` where the layout is wanted (``--batch-layout``; ``auto``: the CPU, and CUDA where the
+                     fused attention kernel reads each row's own columns) and every layer is a plain ``KVCache``;
+                     else ``mlx`` (mlx-lm's GenerationBatch) where the caches merge (sliding windows, recurrent state);
+                     else none: each sequence decodes ``solo`` (quantized KV cannot merge)
+    speculating      ``speculating`` (drafts verified together) where every layer is a plain ``KVCache`` and
+                     ``--no-spec-batch`` is not given; else ``solo``
+
+Measured on the H200 (BENCHMARKS.md, "A decode batch's attention in one kernel"): with the kernel the agent workload
+ran in 0.57-0.62x of the wall of mlx-lm's layout; with MLX's masked attention the ragged batch was 0.84-0.91x as fast
+as mlx-lm's layout at 8-16 rows ("The decode batch's layout on the H200"): so ``auto`` is mlx on a GPU without the
+kernel (Metal, or ``--attention mlx``).
+
+``make(kind, model, layout)`` builds an empty batch of the kind. Only the lane thread touches a batch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+from server.engine.batch.mlx import MlxBatch
+from server.engine.batch.protocol import Batch
+from server.engine.batch.ragged import RaggedBatch
+from server.engine.batch.solo import SoloBatch
+from server.engine.batch.speculating import SpeculatingBatch
+
+__all__ = ["BatchKind", "CacheFacts", "Layout", "choose", "make"]
+
+
+class BatchKind(str, enum.Enum):
+    SOLO = "solo"
+    MLX = "mlx"
+    RAGGED = "ragged"
+    SPECULATING = "speculating"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class CacheFacts:
+    """A model's cache layers, as the choice needs them (server.engine.slot.ModelSlot measures them once)."""
+
+    plain_kv: bool  # every layer a plain KVCache, not quantized
+    mergeable: bool  # every layer's class merges into mlx-lm's batch caches
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The server's settings and device, decided once at start (server.cli flags)."""
+
+    batch_layout: str = "auto"  # --batch-layout: auto | ragged | mlx
+    gpu: bool = False
+    fused_attention: bool = False  # models.attention's CUDA kernel reads each ragged row's own columns
+    spec_in_batch: bool = True  # not --no-spec-batch
+    draft_batch: bool = True  # a speculating batch runs its draft model's forwards for all rows together
+
+    def wants_ragged(self) -> bool:
+        if self.batch_layout != "auto":
+            return self.batch_layout == "ragged"
+        return not self.gpu or self.fused_attention
+
+
+def choose(layout: Layout, caches: CacheFacts, speculating: bool) -> BatchKind:
+    """The batch kind of a group (see the module docstring); SOLO: its sequences decode on their own."""
+    if speculating:
+        return BatchKind.SPECULATING if caches.plain_kv and layout.spec_in_batch else BatchKind.SOLO
+    if caches.plain_kv and layout.wants_ragged():
+        return BatchKind.RAGGED
+    return BatchKind.MLX if caches.mergeable else BatchKind.SOLO
+
+
+def make(kind: BatchKind, model, layout: Layout, stream: Optional[object] = None) -> Batch:
+    """An empty batch of ``kind`` for ``model``."""
+    if kind == BatchKind.SPECULATING:
+        return SpeculatingBatch(model, draft_batch=layout.draft_batch)
+    if kind == BatchKind.RAGGED:
+        return RaggedBatch(model, pipelined=layout.gpu)  # on a GPU the lane's Python runs during the forward
+    if kind == BatchKind.MLX:
+        return MlxBatch(model, clear_cache=layout.gpu)
+    return SoloBatch(model, stream)

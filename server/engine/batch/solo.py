@@ -1,0 +1,171 @@
+"""The ``solo`` batch kind: one row decoding on its own, plainly (``PlainDecode`` over mlx-lm's ``generate_step``) or
+speculatively (``spec.speculative_decode``: one verify forward over the row's pending token and its drafts).
+
+A batch of one is slower than the solo path (plain ``generate_step`` pipelines each forward with the next), so a
+sequence decodes here while it is its group's only one, or when no batch kind can hold it (a speculating row with a
+grammar, caches that cannot merge). ``SoloBatch`` is the ``Batch`` (server.engine.batch.protocol) over the two
+decoders: ``add`` takes its one row, the decoder opens at the first ``step``, ``remove`` closes it and hands back the
+caches with exactly the tokens they cover (each decoder's own account, below).
+
+mlx-lm's ``generate_step`` pipelines every forward with the next one (``async_eval``). On a
+CPU the first token then arrives only after *two* forward passes: for a prefix-cache hit
+with one new token that is 2x the time-to-first-token it could be. ``PlainDecode`` computes
+the first token alone, hands it out at once, and then continues with ``generate_step`` fed
+that token, so the rest of the stream keeps mlx-lm's pipelining.
+
+Cache contract: after the iteration ends or is closed, the caches cover the prompt plus the
+first ``fed_generated`` yielded tokens: all of them once the pipeline started, none when the
+request ended on its first token (feeding it would cost a forward nobody needs).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ClassVar, Iterator, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import greedy_sampler
+
+from server.engine.batch.protocol import Covered, Emitted, Row
+from spec import speculative_decode
+
+__all__ = ["SoloBatch", "PlainDecode"]
+
+
+class PlainDecode:
+    def __init__(self, model, caches: list, prompt: Sequence[int], *, max_tokens: int, sampler,
+                 processors_for: Callable[[Sequence[int]], list], stream):
+        self.model = model
+        self.caches = caches
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.sampler = sampler
+        self.processors_for = processors_for  # history -> logits processors that see it
+        self.stream = stream
+        self.fed_generated = 0
+        self._rest = None
+        self._yielded = 0
+
+    def __iter__(self) -> Iterator[tuple[int, mx.array]]:
+        if self.max_tokens <= 0:
+            return
+        first, logprobs = self._first_token()
+        self._yielded = 1
+        yield first, logprobs
+        if self.max_tokens == 1:
+            return
+        self._rest = generate_step(
+            mx.array([first]), self.model, self.stream, max_tokens=self.max_tokens - 1,
+            sampler=self.sampler, logits_processors=self.processors_for(list(self.prompt)),
+            prompt_cache=self.caches,
+        )
+        for token, lp in self._rest:
+            self._yielded += 1
+            self.fed_generated = self._yielded  # generate_step feeds each token before yielding it
+            yield token, lp
+        self.fed_generated = self._yielded
+
+    def _first_token(self) -> tuple[int, mx.array]:
+        last = mx.array(self.prompt[-1:])
+        logits = self.model(last[None], cache=self.caches)[:, -1, :]
+        for proc in self.processors_for(list(self.prompt[:-1])):
+            logits = proc(last, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        token = self.sampler(logprobs)
+        mx.eval(token, logprobs)
+        return token.item(), logprobs.squeeze(0)
+
+    def close(self) -> None:
+        if self._rest is not None:
+            self._rest.close()
+            self.fed_generated = self._yielded
+
+
+class SoloBatch:
+    """One row on its own (see the module docstring). ``stream``: the lane's MLX stream (the decoders run on it;
+    None: the default device's default stream)."""
+
+    kind: ClassVar[str] = "solo"
+
+    def __init__(self, model, stream=None):
+        self.model = model
+        self.stream = stream if stream is not None else mx.default_stream(mx.default_device())
+        self.steps = 0
+        self.row_steps = 0
+        self._row: Optional[Row] = None
+        self._generated0 = 0  # tokens the sequence had generated when the row joined (they are in its history)
+        self._decoder = None  # PlainDecode, or the speculative generator
+        self._steps: Optional[Iterator] = None
+
+    def __len__(self) -> int:
+        return int(self._row is not None)
+
+    @property
+    def sequences(self) -> list:
+        return [self._row.seq] if self._row is not None else []
+
+    def kv_nbytes(self) -> int:
+        return 0  # the row's own caches: counted as its sequence's need, not as a batch's buffers
+
+    def accepts(self, row: Row) -> bool:
+        """Any one row; a speculating one needs caches that can be rewound (rejected drafts are trimmed)."""
+        if self._row is not None:
+            return False
+        return row.draft is None or all(c.is_trimmable() for c in row.caches)
+
+    def add(self, rows: Sequence[Row]) -> None:
+        if len(rows) != 1 or not self.accepts(rows[0]):
+            raise ValueError("a solo batch holds one row (a speculating one over caches that can be rewound)")
+        self._row = rows[0]
+        self._generated0 = len(self._row.seq.generated)
+
+    def step(self) -> list[Emitted]:
+        """The row's next token (a speculative step may have drafted it), or nothing when its decoder is done."""
+        row = self._row
+        if row is None:
+            return []
+        with mx.stream(self.stream):
+            if self._decoder is None:
+                self._decoder = self._open(row)
+                self._steps = iter(self._decoder)
+            try:
+                token, logprobs, *_ = next(self._steps)  # speculative steps also say whether it was drafted
+            except StopIteration:
+                return []
+        self.steps += 1
+        self.row_steps += 1
+        return [Emitted(row.seq, token, logprobs)]
+
+    def remove(self, seqs: Sequence) -> list[Covered]:
+        """Close the decoder; the caches cover the history plus what the decoder fed of what it yielded
+        (``PlainDecode.fed_generated``; a speculative decoder feeds every token it yields)."""
+        row = self._row
+        if row is None or len(seqs) != 1 or seqs[0] is not row.seq:
+            raise KeyError("not this solo batch's row")
+        history = list(row.history)
+        tokens = history[:-1]  # never stepped: the caches cover all but the next input
+        if self._decoder is not None:
+            if self._steps is not self._decoder:
+                self._steps.close()
+            self._decoder.close()
+            g0 = self._generated0
+            generated = row.seq.generated
+            fed = self._decoder.fed_generated if isinstance(self._decoder, PlainDecode) else len(generated) - g0
+            tokens = history + list(generated[g0: g0 + fed])
+        self._row = self._decoder = self._steps = None
+        return [Covered(tokens, row.caches)]
+
+    def _open(self, row: Row):
+        params = row.seq.params
+        history = list(row.history)
+        left = params.max_tokens - self._generated0
+        sampler = row.sampler or greedy_sampler
+        if row.draft is not None:  # the caches cover history[:-1] (fresh, or back from a speculating batch)
+            d = row.draft
+            return speculative_decode(
+                self.model, row.caches, history[-1], d.source, sampler=sampler,
+                logits_processors=row.rules.processors(history[:-1]), max_tokens=left,
+                num_draft_tokens=d.max_draft, stream=self.stream, policy=d.policy, stats=d.stats)
+        return PlainDecode(self.model, row.caches, history, max_tokens=left, sampler=sampler,
+                           stream=self.stream, processors_for=row.rules.processors)
+

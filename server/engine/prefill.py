@@ -1,0 +1,110 @@
+"""Prompt chunks: one forward for one sequence's chunk, or one batched forward for several (mlx-lm's
+``PromptProcessingBatch``), and what a completed prompt stores.
+
+``Prefiller.run(chunks, store_now)`` computes ``[(seq, n), ...]`` (each sequence's next ``n`` prompt tokens) and
+returns a ``Prefilled`` per chunk. A chunk that ends at one of the sequence's anchors (a client's cache breakpoint)
+stores that prefix as an entry of its own. A prompt that is complete (all but its last token, the first decode
+step's input) is READY: its computed share feeds the SSD tier's restore-or-recompute rate (the base model's), its
+draft source hears it, and a prompt-boundary entry is stored when a layer cannot be trimmed back later (a sliding
+window, recurrent state: the next turn needs exactly this boundary) or when ``store_now`` (others may share its
+prefix now; for trimmable caches the final put supersedes it). Lane thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import PromptProcessingBatch
+
+from server.engine.store import CacheWriter
+from server.engine.work import SeqWork
+from server.lane.seam import Prefilled
+
+__all__ = ["Prefiller"]
+
+
+class Prefiller:
+    def __init__(self, work_of: Callable[[object], SeqWork], writer: CacheWriter, prompt_cache, *, gpu: bool,
+                 stream_of: Callable[[], object]):
+        self._work_of = work_of
+        self._writer = writer
+        self._prompt_cache = prompt_cache
+        self._gpu = gpu
+        self._stream = stream_of  # the lane's MLX stream (made on the lane thread, after this object)
+
+    def run(self, chunks: Sequence[tuple[object, int]], store_now: bool) -> list[Prefilled]:
+        computing = [(s, n) for s, n in chunks if n > 0 and self._left(s) > 0]
+        out = {}
+        if len(computing) > 1:
+            self._together(computing)
+        elif computing:
+            self._one(*computing[0])
+        for seq, _ in chunks:
+            work = self._work_of(seq)
+            ready = work.covered >= len(seq.prompt) - 1 and self._complete(seq, work, store_now)
+            if not ready and work.covered in seq.anchors:
+                self._store(seq.prompt[: work.covered], seq, work, anchor=True)  # a breakpoint: an entry of its own
+            out[id(seq)] = Prefilled(seq, work.covered, ready, work.stored)
+        return [out[id(s)] for s, _ in chunks]
+
+    def _left(self, seq) -> int:
+        return max(0, len(seq.prompt) - 1 - self._work_of(seq).covered)
+
+    def _one(self, seq, n: int) -> None:
+        work = self._work_of(seq)
+        n = min(n, self._left(seq))
+        t0 = time.monotonic()
+        with mx.stream(self._stream()):
+            work.model(mx.array(seq.prompt[work.covered: work.covered + n])[None], cache=work.caches)
+            mx.eval([c.state for c in work.caches])
+            if self._gpu:  # as mlx-lm's batch prefill does: freed activations go back to the device (on the
+                mx.clear_cache()  # CPU that only costs page faults on the next chunk's buffers)
+        work.covered += n
+        work.prefill_cost_s += time.monotonic() - t0
+
+    def _together(self, items: list) -> None:
+        """One batched forward: ``PromptProcessingBatch`` merges the rows' caches (left-padded), right-pads the
+        chunks, rolls the padding away and each row's own caches are extracted after. One forward for B prompts beats
+        B forwards on a GPU (mlx-lm's --prompt-concurrency)."""
+        works = [self._work_of(s) for s, _ in items]
+        items = [(s, min(n, self._left(s))) for s, n in items]
+        t0 = time.monotonic()
+        with mx.stream(self._stream()):
+            batch = PromptProcessingBatch(works[0].model, list(range(len(items))), [w.caches for w in works],
+                                          tokens=[[] for _ in items], prefill_step_size=max(n for _, n in items))
+            batch.prompt([list(s.prompt[w.covered: w.covered + n]) for (s, n), w in zip(items, works)])
+            caches = [batch.extract_cache(i) for i in range(len(items))]
+            mx.eval([c.state for row in caches for c in row])
+            del batch
+            if self._gpu:
+                mx.clear_cache()
+        dt = time.monotonic() - t0
+        total = sum(n for _, n in items)
+        for (seq, n), work, row in zip(items, works, caches):
+            work.caches, work.covered = row, work.covered + n
+            work.prefill_cost_s += dt * n / total if total else 0.0  # this machine's rate, not B times less
+
+    def _complete(self, seq, work: SeqWork, store_now: bool) -> bool:
+        """The prompt is computed (all but its last token): account, share, and say it is ready to decode."""
+        prompt = seq.prompt
+        if work.covered > work.cached and work.slot.base:
+            # feeds the SSD tier's restore-or-recompute decision, which is the base model's: another model's rate
+            # (a tiny one prefills 50x faster) made it decline every write, and the rate is saved across restarts
+            self._prompt_cache.observe_prefill(work.covered - work.cached, work.prefill_cost_s)
+        if work.spec is not None:
+            with mx.stream(self._stream()):
+                work.spec.source.prefill(prompt[: work.covered])
+        if work.covered in seq.anchors:
+            self._store(prompt[:-1], seq, work, anchor=True)
+        elif not all(c.is_trimmable() for c in work.caches) or (work.covered > work.cached and store_now):
+            # a prompt-boundary entry: the next turn of a sliding-window model needs it (its caches cannot be
+            # trimmed back to the prompt later), and requests beside this one may share its prefix now; for
+            # trimmable caches the final put supersedes it
+            self._store(prompt[:-1], seq, work)
+        return True
+
+    def _store(self, tokens, seq, work: SeqWork, anchor: bool = False) -> None:
+        with mx.stream(self._stream()):
+            self._writer.store(tokens, work.caches, seq, work, anchor=anchor)

@@ -1,0 +1,162 @@
+"""The seam between the lane and the engine: the verbs the lane's executor calls, and the small records they return.
+
+The lane (server.lane.lane) owns the sequences (their phase, their output, their place in the queue); the engine
+(server.engine) owns the model work (caches, samplers, decode batches) and keeps its per-sequence state in a record
+of its own. The lane reaches the engine only through ``LaneEngine``; what the engine learns of a sequence comes back
+as data (``SeqFacts``, ``Admitted``, ``Prefilled``, ``Emitted``, ``Ended``), never by the engine writing into the
+lane's objects. So the executor is tested against a small fake of this protocol (tests/unit/test_lane_executor.py)
+as well as against the real engine on a tiny model (tests/unit/test_lane.py), as vLLM's scheduler and model runner
+meet in ``SchedulerOutput`` / ``ModelRunnerOutput``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence
+
+__all__ = ["GroupKey", "SeqFacts", "Admitted", "Prefilled", "Emitted", "Covered", "Ended", "LaneEngine"]
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    """Which rows may share one forward: those of one model (its cache namespace), one LoRA adapter (its identity, or
+    None for the model's own weights), speculating or not."""
+
+    model: str
+    adapter: Optional[str] = None
+    speculating: bool = False
+
+    def plain(self) -> "GroupKey":
+        """The group of the same model's rows that do not speculate."""
+        return GroupKey(self.model, self.adapter, False)
+
+    def wire(self) -> list:
+        """As JSON (a sharded model's plans carry groups: server.lane.plan)."""
+        return [self.model, self.adapter, self.speculating]
+
+    @classmethod
+    def from_wire(cls, value) -> "GroupKey":
+        model, adapter, speculating = value
+        return cls(model, adapter, bool(speculating))
+
+
+@dataclass(frozen=True)
+class SeqFacts:
+    """What the engine says of a sequence when it arrives, for the scheduler to plan with."""
+
+    group: Optional[GroupKey] = None  # its decode batch group: rows of one group share a forward
+    batchable: bool = False  # it may decode in its group's batch (else it decodes on its own)
+    prefill_together: bool = False  # its prefill chunks may join a batched prefill forward
+    window: Optional[int] = None  # the model's smallest sliding window (None: no sliding-window layer)
+    batch_kind: str = "solo"  # the kind of its group's batch (server.engine.batch.choose), for /stats
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A sequence took its place: how much of its prompt the prefix cache gave it, and how its tokens become text."""
+
+    cached: int  # prompt tokens served by the prefix cache
+    detokenizer: Any  # a streaming detokenizer of its model (fresh)
+    eos: frozenset  # its model's end-of-sequence ids
+    logprob_of: Optional[Callable] = None  # (logprobs, token) -> TokenLogprob, when the request asked for them
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """One sequence after a prefill chunk."""
+
+    seq: Any
+    covered: int  # prompt tokens its caches cover now
+    ready: bool  # the prompt is computed (all but its last token, the first decode step's input)
+    stored: int = 0  # prompt tokens covered by what it has put in the prefix cache so far
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """A token a decode step made for a sequence (its log-probabilities over the vocabulary, lazily on the device)."""
+
+    seq: Any
+    token: int
+    logprobs: Any = None
+
+
+@dataclass(frozen=True, eq=False)
+class Covered:
+    """A row taken out of a batch: its own caches and exactly the tokens they cover."""
+
+    tokens: list
+    caches: list
+
+
+@dataclass(frozen=True)
+class Ended:
+    """What the engine did with an ending sequence: the prompt tokens now covered by its prefix-cache entries, and
+    its speculative counters (spec.SpecStats) when it speculated."""
+
+    stored: int = 0
+    spec: Any = None
+
+
+class LaneEngine(Protocol):
+    """The verbs of the lane's executor (lane thread only, except ``namespace_for`` and ``classify``, which are
+    pure). Each raises on failure; the lane then ends that sequence with ``fail``."""
+
+    prefill_chunk: int
+    stream: Any  # the lane thread's MLX stream, once bound (a sharded model's collectives run on it)
+
+    def base_target(self):
+        """The server's base model with its own weights (a sharded model's followers serve it alone)."""
+
+    def namespace_for(self, target, params) -> str:
+        """The prefix-cache namespace of a request on ``target``."""
+
+    def bind_stream(self, as_default: bool = False) -> None:
+        """Create the MLX stream the calling (lane) thread computes on."""
+
+    def warmup(self) -> None:
+        """Compile and page in what the first requests use, before the lane says it is ready."""
+
+    def task_context(self) -> ContextManager:
+        """What a lane task (model work other than a sequence's) runs under."""
+
+    def classify(self, seq) -> SeqFacts:
+        """The facts the scheduler plans with (once, when the sequence arrives)."""
+
+    def admit(self, seq) -> Admitted:
+        """Take the prefix cache for the sequence's prompt and prepare its model state."""
+
+    def take_longer_prefix(self, seq) -> Optional[int]:
+        """Before a prefill chunk: when the prefix cache now holds more of the prompt than the sequence covers,
+        take it; the new coverage, or None when nothing changed."""
+
+    def prefill(self, chunks: Sequence[tuple[Any, int]], store_now: bool) -> list[Prefilled]:
+        """Compute these prompt chunks ((sequence, tokens), one forward for all of them); ``store_now``: store a
+        completed prompt at once, for requests that may share its prefix."""
+
+    def join_batch(self, group, seqs: Sequence[Any]) -> None:
+        """These sequences (ready, or decoding on their own) join their group's batch in one step."""
+
+    def leave_batch(self, seq) -> None:
+        """A batch row goes on decoding on its own."""
+
+    def step_batch(self, group) -> list[Emitted]:
+        """One decode step of a group's batch. The list may carry ``regrouped``: ``(seq, SeqFacts)`` of rows that
+        decode in another group from now on (a speculating batch whose drafts stopped paying)."""
+
+    def step_solo(self, seq) -> Optional[Emitted]:
+        """One decode step of a sequence decoding on its own; None when it can make no more tokens."""
+
+    def end(self, seqs: Sequence[Any]) -> list[Ended]:
+        """These sequences end (finished, or cancelled): out of their batch, what they computed stored."""
+
+    def abandon(self, seq) -> None:
+        """A sequence whose model work raised: release what the engine holds for it (nothing is stored)."""
+
+    def reset_batch(self, group) -> None:
+        """A batch whose step raised (its rows were abandoned): start the group afresh."""
+
+    def batch_rows(self) -> int:
+        """Rows in all decode batches."""
+
+    def batch_kv_bytes(self) -> int:
+        """Bytes the decode batches' KV buffers hold now."""

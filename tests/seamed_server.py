@@ -1,0 +1,92 @@
+"""`python -m tests.seamed_server serve ...`: the real server with test seams, for the tests that must make a failure
+happen at a known point. The product has no seams of its own: this launcher puts test-only subclasses in place of
+the engine and the SSD store, then runs ``server.cli.main`` as ``mlx-lane`` would. Each seam is read from the
+environment of the test that starts the server (tests/serverproc.py uses this launcher when one is set):
+
+    MLX_LANE_TEST_TOKEN_DELAY=<seconds>  the lane pauses after handing over each token, so a test can SIGTERM or
+                                         kill the server while streams are surely in flight
+    MLX_LANE_TEST_WRITE_DELAY=<seconds>  every SSD write pauses between the temp file's fsync and its rename, so a
+                                         test can kill -9 the server while a `*.tmp` exists
+    MLX_LANE_TEST_DISK_FULL=<path>       while <path> exists every SSD write fails with ENOSPC, as on a full disk;
+                                         delete it and the space is back
+    MLX_LANE_FAULT_MARKER=<text>         a prompt containing <text> makes its admission raise inside the lane (a
+                                         500 for that request; the lane serves on)
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sys
+import time
+
+SEAMS = ("MLX_LANE_TEST_TOKEN_DELAY", "MLX_LANE_TEST_WRITE_DELAY", "MLX_LANE_TEST_DISK_FULL", "MLX_LANE_FAULT_MARKER")
+
+log = logging.getLogger("mlx_lane.test_seams")
+
+
+def wanted(env) -> bool:
+    """Does this environment ask for any seam?"""
+    return any(env.get(name) for name in SEAMS)
+
+
+def install(env=os.environ) -> None:
+    """Put the seams the environment asks for in place (before ``server.serve.build_state`` runs)."""
+    import cache.ssd_store as ssd_store
+    import server.engine.engine as engine_module
+    from server.lane.events import Delta
+
+    delay = float(env.get("MLX_LANE_TEST_TOKEN_DELAY") or 0)
+    marker = env.get("MLX_LANE_FAULT_MARKER")
+    write_delay = float(env.get("MLX_LANE_TEST_WRITE_DELAY") or 0)
+    full_flag = env.get("MLX_LANE_TEST_DISK_FULL")
+    base_engine = engine_module.Engine
+
+    class SeamedEngine(base_engine):
+        def admit(self, seq):
+            if marker and marker in seq.target.tokenizer.decode(seq.prompt):
+                raise RuntimeError("injected fault (MLX_LANE_FAULT_MARKER)")
+            admitted = super().admit(seq)
+            if delay:
+                seq.sink = _slowed(seq.sink, delay, Delta)
+            return admitted
+
+    if delay or marker:
+        engine_module.Engine = SeamedEngine
+        log.warning("test seams: token delay %.2fs, fault marker %r", delay, marker)
+
+    if write_delay or full_flag:
+        base_store = ssd_store.SSDStore
+
+        def before_rename() -> None:
+            if write_delay:
+                time.sleep(write_delay)
+            if full_flag and os.path.exists(full_flag):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (MLX_LANE_TEST_DISK_FULL)")
+
+        class SeamedStore(base_store):
+            def __init__(self, *args, **kwargs):
+                kwargs.setdefault("before_rename", before_rename)
+                super().__init__(*args, **kwargs)
+
+        ssd_store.SSDStore = SeamedStore
+        log.warning("test seams: ssd writes delayed %.1fs, failing while %s exists", write_delay, full_flag)
+
+
+def _slowed(sink, delay_s: float, delta_type):
+    """The lane sleeps after handing over each token (the scheduler sees cancellations next tick)."""
+
+    def slow_sink(event) -> None:
+        sink(event)
+        if isinstance(event, delta_type):
+            time.sleep(delay_s)
+
+    return slow_sink
+
+
+if __name__ == "__main__":
+    install()
+    from server.cli import main
+
+    sys.exit(main())
