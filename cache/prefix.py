@@ -136,7 +136,7 @@ def namespace(fingerprint: str, *, kv_scheme: Optional[str] = None, adapter: Opt
               draft: Optional[str] = None) -> str:
     """The cache namespace of KV computed by a model, composed in one place (KV of one namespace never seeds another).
 
-    ``fingerprint``: the model's weights, config and dtype (models.fingerprint; a shard's own when the model is split
+    ``fingerprint``: the model's weights, config and dtype (models.loading.fingerprint; a shard's own when the model is split
     over processes). ``kv_scheme``: a quantized KV layout (e.g. "q8g64"; None or "float" for the model's dtype).
     ``adapter``: a LoRA adapter's identity (its weights' hash). ``draft``: the speculative draft's identity when the
     entry also holds the draft's layers. The digests are the ones files on SSD were written under: changing them

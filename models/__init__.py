@@ -9,11 +9,11 @@ Public API (everything else is internal)::
     ModelLoadError (ValueError)
 """
 
-from models.default import ensure_default_model, list_models, mlx_lane_home
+from models.loading.default import ensure_default_model, list_models, mlx_lane_home
 from models.errors import ModelLoadError
-from models.gguf import convert_gguf
-from models.load import LoadedModel, load_model
-from models.packaged import PACKAGED_MODELS, ensure_packaged
+from models.loading.gguf import convert_gguf
+from models.loading.load import LoadedModel, load_model
+from models.loading.packaged import PACKAGED_MODELS, ensure_packaged
 from models.runtime import blas_info, default_dtype, device_name, ensure_blas
 
 __all__ = [

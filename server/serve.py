@@ -19,13 +19,13 @@ log = logging.getLogger("mlx_lane")
 def engine_config(args, speculation=None):
     """The engine's settings from the command line (server.cli)."""
     from models import device_name
-    from models.gpu_attention import enabled as fused_attention
+    from models.attention import fused_batch_attention
     from server.engine.batch import Layout
     from server.engine.engine import EngineConfig
 
     gpu = device_name() != "cpu"
     layout = Layout(batch_layout=getattr(args, "batch_layout", None) or "auto", gpu=gpu,
-                    fused_attention=fused_attention(), spec_in_batch=not getattr(args, "no_spec_batch", False),
+                    fused_attention=fused_batch_attention(), spec_in_batch=not getattr(args, "no_spec_batch", False),
                     draft_batch=not getattr(args, "debug_no_draft_batch", False))
     return EngineConfig(prefill_chunk=args.prefill_chunk or (2048 if gpu else 512),
                         kv_bits=getattr(args, "kv_bits", None), kv_group_size=getattr(args, "kv_group_size", 64),
@@ -35,13 +35,12 @@ def engine_config(args, speculation=None):
 
 def _configure_kernels(args) -> None:
     """--attention and the --debug-* kernel knobs, before any model is loaded (the kernels are installed at load)."""
-    from models import cpu_attention, gpu_attention
+    from models import attention
     from server.engine import distributed
 
-    on = getattr(args, "attention", "auto") != "mlx"
-    cpu_attention.configure(on)
-    gpu_attention.configure(on, getattr(args, "debug_gpu_attention_split", 256),
-                            getattr(args, "debug_gpu_attention_unroll", 4))
+    attention.configure(getattr(args, "attention", "auto") != "mlx",
+                        gpu_split=getattr(args, "debug_gpu_attention_split", 256),
+                        gpu_unroll=getattr(args, "debug_gpu_attention_unroll", 4))
     distributed.trace_collectives(getattr(args, "debug_trace_collectives", False))
 
 
@@ -127,7 +126,7 @@ def build_state(args):
 def _adapters(args, loaded):
     """The registry of served LoRA adapters, with every --adapter NAME=PATH loaded (before the lane starts)."""
     from models import ModelLoadError
-    from models.adapters import load_adapter
+    from models.loading.adapters import load_adapter
     from server.catalog import AdapterRegistry
 
     registry = AdapterRegistry()
@@ -259,7 +258,7 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int, follower: bool = 
     from cache.durability import DurabilityCoordinator
     from cache.ssd_store import SSDStore
     from cache.tiered import TieredCache
-    from models.home import mlx_lane_home
+    from models.loading.home import mlx_lane_home
     from server.sizes import default_ssd_cache_bytes
 
     if args.no_ssd_cache or ram_bytes == 0:

@@ -120,7 +120,7 @@ class ServingStats:
         self.tick_seconds: collections.Counter = collections.Counter()  # lane phase -> seconds, over all ticks
         self.prefill_batches = 0  # batched prefill forwards (--prefill-batch)
         self.prefill_batch_rows = 0  # prompts computed in them
-        self.hits_read_in_place = 0  # RAM hits whose caches read the entry where it lies (models.shared_prefix)
+        self.hits_read_in_place = 0  # RAM hits whose caches read the entry where it lies (models.attention.shared_prefix)
         self.prefill_tick_tokens = 0
         self.decode_tick_tokens = 0
         self.prefill_ticks = 0

@@ -8,6 +8,7 @@ queue behind decoding. Every error is an ``InvalidRequest`` (400) naming the cli
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 from server.core.grammar import (
@@ -46,16 +47,34 @@ def render_chat(tokenizer, req: GenerationRequest) -> list[int]:
 
 
 def breakpoint_positions(tokenizer, req: GenerationRequest, prompt: list[int]) -> tuple[int, ...]:
-    """Token positions of the request's cache breakpoints in ``prompt``: for each, the prefix of the first N
+    """Token positions of the request's cache breakpoints in ``prompt`` that are kept as cache entries of their
+    own (anchors): those of ``breakpoint_marks`` that leave something to compute and cover something."""
+    return breakpoint_marks(tokenizer, req, prompt).anchors
+
+
+@dataclass(frozen=True)
+class BreakpointMarks:
+    """Where a request's cache breakpoints fall in its prompt (token positions)."""
+
+    anchors: tuple[int, ...] = ()  # kept as cache entries of their own: 0 < position < len(prompt) - 1
+    last: int = 0  # the last breakpoint's position, wherever it falls (0: the request has none, or none renders)
+
+
+NO_BREAKPOINTS = BreakpointMarks()
+
+
+def breakpoint_marks(tokenizer, req: GenerationRequest, prompt: list[int]) -> BreakpointMarks:
+    """The token positions of the request's cache breakpoints in ``prompt``: for each, the prefix of the first N
     messages rendered alone (same tools, no generation prompt), as far as it agrees with the whole prompt (a
-    template may close a turn differently at the end). Positions that leave nothing to compute, or cover
-    nothing, are dropped."""
-    out = set()
+    template may close a turn differently at the end). ``last`` is the greatest (where what Anthropic's usage
+    calls cache creation ends); a breakpoint after the last message counts there but is no anchor, nor is a
+    position that leaves nothing to compute or covers nothing. A cut the template refuses marks nothing."""
+    positions: dict[int, int] = {}  # message count -> token position
     kwargs = {"add_generation_prompt": False}
     if req.tools_enabled:
         kwargs["tools"] = list(req.tools) + [c.as_function() for c in req.custom_tools]
     for n in sorted(set(req.breakpoints)):
-        if not 0 < n < len(req.messages):
+        if not 0 < n <= len(req.messages):
             continue
         try:
             ids = tokenizer.apply_chat_template(_custom_calls(list(req.messages[:n]), hermes=_hermes(tokenizer)),
@@ -65,9 +84,10 @@ def breakpoint_positions(tokenizer, req: GenerationRequest, prompt: list[int]) -
         if isinstance(ids, dict):
             ids = ids["input_ids"]
         common = next((i for i, (a, b) in enumerate(zip(ids, prompt)) if a != b), min(len(ids), len(prompt)))
-        if 0 < common < len(prompt) - 1:
-            out.add(common)
-    return tuple(sorted(out))
+        positions[n] = common
+    # after the last message the prompt's own entry serves (an anchor there would pin one entry per turn)
+    anchors = {p for n, p in positions.items() if n < len(req.messages) and 0 < p < len(prompt) - 1}
+    return BreakpointMarks(tuple(sorted(anchors)), max(positions.values(), default=0))
 
 
 def _custom_calls(messages: list[dict], *, hermes: bool) -> list[dict]:

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from cache.prefix import namespace
-from models.shared_prefix import share_prefix
+from models.attention.shared_prefix import share_prefix
 from server.engine.batch import BatchKind, GroupKey, Layout, LogitsRules, choose
 from server.engine.decode import Decoder, Stepped
 from server.engine.kv_layout import kv_scheme
@@ -182,7 +182,7 @@ class Engine:
         return hit.length
 
     def _taken(self, slot: ModelSlot, hit) -> list:
-        """A hit's caches for a plain sequence: on the CPU path of ``models.cpu_attention`` they read the entry's
+        """A hit's caches for a plain sequence: on the CPU path of ``models.attention.cpu`` they read the entry's
         KV where it lies (``SharedPrefixKVCache``: the first new token does not copy the whole prefix); they become
         plain ``KVCache`` again where they are stored or join mlx-lm's batch."""
         if not slot.reads_shared_prefix:

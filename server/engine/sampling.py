@@ -1,4 +1,5 @@
-"""Sampler and logits processors for a request, built from mlx-lm's own factories."""
+"""Samplers for a request, built from mlx-lm's own factories (the logits rules are server.engine.batch.rules), the
+batch's one-call-per-sampler draw, and a token's log-probabilities as the API reports them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 from typing import Callable, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 from server.lane.events import SamplingParams, TokenLogprob
 
@@ -87,37 +88,6 @@ def _seeded_sampler(temp: float, top_p: float, min_p: float, top_k: int, seed: i
         return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
 
     return sample
-
-
-def build_logits_processors(params: SamplingParams, history: Sequence[int], grammar=None) -> list:
-    """Processors that see the whole token history, not only what the decode loop fed.
-
-    The lane prefills the prompt itself and hands mlx-lm's ``generate_step`` only the last
-    prompt token, so processors are wrapped to prepend the tail of the prompt.
-    ``grammar`` (the request's ONE ``params.grammar.processor()``, stateful) goes last, unwrapped: it only reads
-    ``tokens[-1]``, and masking after bias/penalties keeps its -inf final.
-    """
-    tail = [grammar] if grammar is not None else []
-    processors = make_logits_processors(
-        logit_bias=params.logit_bias,
-        repetition_penalty=params.repetition_penalty,
-        repetition_context_size=PENALTY_CONTEXT,
-        presence_penalty=params.presence_penalty,
-        presence_context_size=PENALTY_CONTEXT,
-        frequency_penalty=params.frequency_penalty,
-        frequency_context_size=PENALTY_CONTEXT,
-    )
-    if not processors or not history:
-        return processors + tail
-    prefix = mx.array(list(history[-PENALTY_CONTEXT:]), dtype=mx.uint32)
-
-    def with_history(proc):
-        def wrapped(tokens, logits):
-            return proc(mx.concatenate([prefix, tokens.astype(mx.uint32)]), logits)
-
-        return wrapped
-
-    return [with_history(p) for p in processors] + tail
 
 
 def token_logprobs(

@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
-from models.cpu_attention import routes as routes_cpu_attention
-from models.attention_hook import attention_path
+from models.attention import attention_path
+from models.attention.cpu import routes as routes_cpu_attention
 from server.engine.batch.choose import CacheFacts
 from server.engine.batch.mlx import can_batch
 from server.engine.kv_layout import quantize_fresh, state_nbytes
@@ -28,7 +28,7 @@ __all__ = ["ModelSlot"]
 class ModelSlot:
     def __init__(self, loaded, *, name: Optional[str] = None, base: bool = True, kv_bits: Optional[int] = None,
                  kv_group_size: int = 64, read_shared_prefix: bool = True):
-        self.loaded = loaded  # models.load.LoadedModel
+        self.loaded = loaded  # models.loading.load.LoadedModel
         self.name: str = name or getattr(loaded, "model_id", None) or "default"  # what requests call it
         self.base = base  # the server's base model: adapters, the draft model and batched prefill apply to it
         self.model: Any = loaded.model
@@ -42,8 +42,8 @@ class ModelSlot:
         self.trimmable = can_trim_prompt_cache(layers)  # drafts can be verified (rejected ones rewound)
         self.mergeable = can_batch(self.new_caches())  # its rows may join a decode batch
         self.cache_facts = CacheFacts(plain_kv=self.plain_kv, mergeable=self.mergeable)
-        # a hit's caches may read the cached entry where it lies (models.shared_prefix): plain KV layers, and every
-        # attention of the model through models.cpu_attention (which reads segments); read_shared_prefix False
+        # a hit's caches may read the cached entry where it lies (models.attention.shared_prefix): plain KV layers, and every
+        # attention of the model through models.attention.cpu (which reads segments); read_shared_prefix False
         # (--debug-copy-hits): every hit copies, to compare
         self.reads_shared_prefix = read_shared_prefix and self.plain_kv and routes_cpu_attention(self.model)
         self.attention = attention_path(self.model)  # which attention its layers run: cpu, cuda or mlx (/stats)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from models.shared_prefix import flatten as flatten_shared
+from models.attention.shared_prefix import flatten as flatten_shared
 from server.engine.kv_layout import covered_length, state_nbytes
 from server.engine.work import SeqWork
 

@@ -44,7 +44,7 @@ class AdapterAction(BaseModel):
 @router.post("/admin/adapters")
 async def admin_adapters(request: Request):
     from models import ModelLoadError
-    from models.adapters import load_adapter
+    from models.loading.adapters import load_adapter
 
     state = request.app.state.lane_state
     req = await parse_body(request, AdapterAction, state.max_body_bytes)

@@ -83,7 +83,7 @@ def _configured_context(spec: str):
     """The context length a not-yet-loaded model's config.json declares (None when it cannot be read cheaply)."""
     from pathlib import Path
 
-    from models.load import read_context_length
+    from models.loading.load import read_context_length
 
     return read_context_length(Path(spec).expanduser())
 

@@ -24,7 +24,7 @@ __all__ = ["Resolution", "resolve", "acquire", "resolve_target"]
 
 @dataclass(frozen=True)
 class Resolution:
-    adapter: Optional[object] = None  # models.adapters.Adapter over the base model
+    adapter: Optional[object] = None  # models.loading.adapters.Adapter over the base model
     on_demand: Optional[str] = None  # the name of an on-demand model (server.pool)
 
     def must_load(self, state) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
-from models.adapters import Adapter
+from models.loading.adapters import Adapter
 
 __all__ = ["Slot", "Lease", "Counters", "Target"]
 

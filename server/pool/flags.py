@@ -21,7 +21,7 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
 @dataclass
 class ModelFlags:
-    base: str  # what models.load.load_model resolves for the base model
+    base: str  # what models.loading.load.load_model resolves for the base model
     base_name: Optional[str] = None  # the NAME it was given (None: a plain --model)
     named: dict[str, str] = field(default_factory=dict)  # the on-demand models: NAME -> PATH
 

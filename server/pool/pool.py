@@ -57,7 +57,7 @@ class ModelInUse(Exception):
 @dataclass
 class PoolEntry:
     name: str
-    spec: str  # what models.load.load_model resolves: a directory, a .gguf file, a packaged name, a repo id
+    spec: str  # what models.loading.load.load_model resolves: a directory, a .gguf file, a packaged name, a repo id
     pinned: bool = False
     slot: Any = None  # server.engine.slot.ModelSlot while loaded
     loading: Optional[concurrent.futures.Future] = None  # the one load in flight

@@ -58,7 +58,7 @@ def pair(request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from models import ensure_packaged, load_model
-    from models.packaged import packaged_paths
+    from models.loading.packaged import packaged_paths
 
     name = request.param
     ensure_packaged(name, progress=False)

@@ -55,7 +55,8 @@ def loads(url, name) -> int:
     return httpx.get(url + "/stats").json()["models"][name]["loads"]
 
 
-def test_models_load_on_demand_evict_each_other_keep_their_caches_apart_and_restore_per_model(models_dir, tmp_path):
+def test_models_load_on_demand_evict_each_other_keep_their_caches_apart_and_restore_per_model(models_dir, tmp_path,
+                                                                                               default_model_dir):
     kv = tmp_path / "kv"
     srv = ServerProc("--model", "default", "--models-dir", str(models_dir), "--max-loaded-models", "1",
                      "--ssd-cache", str(kv), "--cache-bytes", "256M", "--write-behind-debounce", "0.05",

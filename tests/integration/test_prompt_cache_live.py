@@ -186,7 +186,7 @@ def test_sliding_window_model_wraps_and_boundary_snapshot_hits(sliding_server):
 
 
 def test_a_hit_reads_the_cached_entry_in_place_and_gives_the_cold_text(server, tokenizer):
-    """models.shared_prefix on the real model: a hit extended by a new turn (a multi-token chunk after the shared
+    """models.attention.shared_prefix on the real model: a hit extended by a new turn (a multi-token chunk after the shared
     prefix, then decoding) reads the entry where it lies (/stats counts it) and gives the cold text; the entry it
     read still serves the next hit unchanged."""
     def in_place():

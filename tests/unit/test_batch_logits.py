@@ -116,3 +116,24 @@ def test_grammar_masks_of_several_rows_go_in_one_where_and_advance_over_each_row
 def test_mask_rows_pads_a_short_vocabulary_with_disallowed_and_cuts_a_long_one():
     out = mask_rows(mx.ones((2, 4)), [np.array([True, False]), np.array([False, True, True, True, True, True])])
     assert mx.isinf(out).tolist() == [[False, True, True, True], [True, False, False, False]]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_the_rules_as_mlx_lm_processors_give_mlx_lms_own_processors_logits(rule):
+    """The solo path, mlx-lm's GenerationBatch and the solo speculative walk run mlx-lm's loops: they take the rules
+    as processors (``LogitsRules.processors(history)``, the window built on the device from the history and the
+    tokens the loop fed); the logits are mlx-lm's own processors' over the same window."""
+    from server.engine.batch.rules import LogitsRules
+
+    rng = np.random.default_rng(3)
+    history = rng.integers(0, V, 90).tolist()
+    fed = mx.array(rng.integers(0, V, 5).tolist(), dtype=mx.uint32)  # what the loop fed since `history`
+    logits = mx.array(rng.normal(0, 3, (1, V)).astype(np.float32))
+    (process,) = LogitsRules.of(SamplingParams(max_tokens=4, **rule)).processors(history)
+    ours = process(fed, logits)[0]
+    want = theirs(logits[0], history + fed.tolist(), rule)
+    if "frequency_penalty" in rule:
+        assert mx.allclose(ours, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert mx.array_equal(ours, want)
+    assert LogitsRules.of(SamplingParams(max_tokens=4)).processors(history) == []  # no rules: no processor

@@ -158,7 +158,7 @@ def test_make_builds_the_kind_chosen(kind, model):
 def test_a_hit_and_a_sliding_window_row_go_where_their_caches_can_be_held(model):
     """The facts choose reads are the caches' own: plain KVCache layers (a hit's shared-prefix layers too) for the
     ragged layout, a RotatingKVCache only through mlx-lm's batch caches."""
-    from models.shared_prefix import share_prefix
+    from models.attention.shared_prefix import share_prefix
 
     hit = share_prefix(own_caches(model, PROMPTS[0][:-1]))
     assert RaggedBatch(model).accepts(Row(Seq(PROMPTS[0]), hit, PROMPTS[0]))

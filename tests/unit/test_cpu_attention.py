@@ -1,4 +1,4 @@
-"""models.cpu_attention: grouped-query attention folded into the query axis gives mlx-lm's attention (the fused
+"""models.attention.cpu: grouped-query attention folded into the query axis gives mlx-lm's attention (the fused
 path's figures to float32 rounding) for every mask kind it takes, hands the others back, and a model switched over
 to it computes the same logits."""
 
@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models import base
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import cpu_attention
+from models.attention import cpu as cpu_attention
 from tests.fixtures.tiny_models import tiny_llama
 
 

@@ -1,4 +1,4 @@
-"""models.gpu_attention: the columns its fused CUDA kernel lets each query see (``row_ranges``) are exactly what the
+"""models.attention.gpu: the columns its fused CUDA kernel lets each query see (``row_ranges``) are exactly what the
 batch caches' masks say, for both decode-batch layouts, and the path stays out of the way where it does not apply.
 
 The kernel itself runs only on MLX's CUDA backend; CI has no GPU, so its arithmetic is checked against
@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models import base
 from mlx_lm.models.cache import KVCache
 
-from models import gpu_attention
+from models.attention import gpu as gpu_attention
 from server.engine.batch.ragged_kv import RaggedKV
 
 KV, D = 2, 16
@@ -87,13 +87,16 @@ def test_only_decode_shaped_16_bit_steps_qualify():
     assert not gpu_attention._applies(q, k, k, Quantized(), None)
 
 
-def test_not_installed_off_cuda(monkeypatch):
+def test_not_installed_off_cuda():
     from tests.fixtures.tiny_models import tiny_llama
 
     model = tiny_llama(0)
     assert gpu_attention.install(model) == 0  # this machine's MLX is the CPU build, or no CUDA device
-    monkeypatch.setenv("MLX_LANE_GPU_ATTENTION", "mlx")
-    assert not gpu_attention.enabled()
+    try:
+        gpu_attention.configure(on=False)  # --attention mlx
+        assert not gpu_attention.enabled()
+    finally:
+        gpu_attention.configure()
 
 
 def test_the_wrapper_hands_what_does_not_apply_to_mlx_lm():

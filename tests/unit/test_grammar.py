@@ -270,7 +270,7 @@ def test_random_model_output_under_a_schema_validates(tok, random_model, schema)
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    from server.engine.sampling import build_logits_processors
+    from server.engine.batch.rules import LogitsRules
     from server.engine.batch.solo import PlainDecode
     from server.lane.events import SamplingParams
 
@@ -280,7 +280,7 @@ def test_random_model_output_under_a_schema_validates(tok, random_model, schema)
     params = SamplingParams(max_tokens=80, temperature=0.0)
     grammar = GrammarSpec.compile(tok, json_schema_grammar(schema)).processor()  # ONE per request
     steps = PlainDecode(random_model, caches, prompt, max_tokens=80, sampler=make_sampler(0.0),
-                        processors_for=lambda h: build_logits_processors(params, h, grammar),
+                        processors_for=LogitsRules.of(params, grammar).processors,
                         stream=mx.default_stream(mx.default_device()))
     out = []
     for t, _ in steps:

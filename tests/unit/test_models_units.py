@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from models import ModelLoadError, default_dtype, device_name, load_model, runtime
-from models.gguf import convert_gguf
-from models.gguf_arch import build_config, fix_tensor, mlx_name, permute_qk, unpermute_qk
-from models.gguf_tokenizer import build_tokenizer, generate_merges
+from models.loading.gguf import convert_gguf
+from models.loading.gguf_arch import build_config, fix_tensor, mlx_name, permute_qk, unpermute_qk
+from models.loading.gguf_tokenizer import build_tokenizer, generate_merges
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +95,7 @@ def test_gemma3_config_fills_what_gguf_lacks():
 # --- tokenizer builder on a synthetic byte-level vocabulary -------------------------------------
 
 def _byte_level_meta(pre="gpt2"):
-    from models.gguf_tokenizer import _byte_alphabet
+    from models.loading.gguf_tokenizer import _byte_alphabet
 
     letters = list(_byte_alphabet().values())
     tokens = ["<|endoftext|>", "<|im_end|>"] + letters + ["he", "ll", "hell", "hello", "\u0120w", "\u0120wo"]

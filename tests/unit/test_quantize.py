@@ -1,4 +1,4 @@
-"""models.quantize / models.rotation / models.quant_eval on tiny random-weight models (no real model, a few seconds).
+"""models.quant.quantize / models.quant.rotation / models.quant.evaluate on tiny random-weight models (no real model, a few seconds).
 
 Contracts: rotation folding leaves float logits unchanged (llama, qwen2; tied and untied heads; Hadamard and
 block rotation); a non-power-of-two width asks for a pure Hadamard -> a clear error; a quantized directory loads
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from models.quant_eval import compare, reference_logprobs
-from models.quantize import QuantSpec, quantize_dir
-from models.rotation import RotationError, hadamard, rotate_model, rotation_matrix
+from models.quant.evaluate import compare, reference_logprobs
+from models.quant.quantize import QuantSpec, quantize_dir
+from models.quant.rotation import RotationError, hadamard, rotate_model, rotation_matrix
 
 TOKENS = mx.array([[1, 5, 7, 9, 22, 3, 200, 17]])
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from models.rotation import RotationError, rotate_model
+from models.quant.rotation import RotationError, rotate_model
 
 pytestmark = pytest.mark.model
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.model
 @pytest.fixture(scope="module")
 def default_float():
     from models import ensure_default_model
-    from models.quantize import load_float
+    from models.quant.quantize import load_float
 
     return load_float(ensure_default_model(progress=False), "float32")
 

@@ -13,7 +13,7 @@ import pytest
 from cache.prompt_cache import CacheHit
 from cache.sharded import ShardedPromptCache
 from models.errors import ModelLoadError
-from models.sharding import check_splits
+from models.loading.sharding import check_splits
 from server.engine.distributed import Group
 from server.lane.events import SamplingParams
 from server.lane.plan import Chunk, Start, TickPlan

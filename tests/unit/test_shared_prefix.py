@@ -1,4 +1,4 @@
-"""models.shared_prefix: a hit's caches that read the entry's KV where it lies give the logits of a plain copy, never
+"""models.attention.shared_prefix: a hit's caches that read the entry's KV where it lies give the logits of a plain copy, never
 write into the entry, trim back into the prefix, and become plain KVCache layers (the same positions) for whatever
 stores or batches them; the engine hands them out only where the model's attention reads segments."""
 
@@ -9,8 +9,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from cache.copying import fork
-from models import cpu_attention
-from models.shared_prefix import SharedPrefixKVCache, flatten, share_prefix
+from models.attention import cpu as cpu_attention
+from models.attention.shared_prefix import SharedPrefixKVCache, flatten, share_prefix
 from tests.fixtures.tiny_models import tiny_llama
 
 

@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, StopSequences, _merge_caches
 from mlx_lm.sample_utils import greedy_sampler
 
-from models.shared_prefix import flatten
+from models.attention.shared_prefix import flatten
 from server.engine.batch.protocol import Covered, Emitted, Row
 
 _NO_LIMIT = 1 << 62

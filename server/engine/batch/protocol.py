@@ -21,12 +21,17 @@ kind against this shape (tests/unit/test_batch_protocol.py). Only the lane threa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
+from typing import Sequence as Seq
 
 from server.engine.batch.rules import LogitsRules
 from server.lane.seam import Covered, Emitted, GroupKey
+from server.lane.sequence import Sequence
+from spec.adaptive import DraftPolicy
+from spec.source import DraftSource
+from spec.stats import SpecStats
 
-__all__ = ["Batch", "Row", "RowDraft", "GroupKey", "Emitted", "Covered", "LogitsRules"]
+__all__ = ["Batch", "Row", "RowDraft", "RowList", "GroupKey", "Emitted", "Covered", "LogitsRules"]
 
 
 @dataclass(frozen=True)
@@ -34,22 +39,38 @@ class RowDraft:
     """A speculating row's drafting: its source (spec.source.DraftSource), its draft-length policy
     (spec.adaptive), the most tokens it drafts per step, and the counters it reports."""
 
-    source: Any
-    policy: Any
+    source: DraftSource
+    policy: DraftPolicy
     max_draft: int
-    stats: Any
+    stats: Optional[SpecStats]
 
 
 @dataclass(frozen=True, eq=False)
 class Row:
     """One sequence as a batch holds it (see the module docstring). ``sampler`` None: greedy."""
 
-    seq: Any  # server.lane.sequence.Sequence: the key of the row, and what it has generated
+    seq: Sequence  # the key of the row, and what it has generated (a batch reads its prompt and generated tokens)
     caches: list
-    history: Sequence[int]
+    history: Seq[int]
     rules: LogitsRules = LogitsRules()
     sampler: Optional[Callable] = None
     draft: Optional[RowDraft] = None
+
+
+class RowList:
+    """What a batch that keeps its rows as records with a ``seq`` (in ``self._rows``, in row order) says of them."""
+
+    _rows: list
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, seq) -> bool:
+        return any(r.seq is seq for r in self._rows)
+
+    @property
+    def sequences(self) -> list:
+        return [r.seq for r in self._rows]
 
 
 @runtime_checkable
@@ -69,7 +90,7 @@ class Batch(Protocol):
         """Can this row join (its caches, its draft, room)? ``add`` of a row it does not accept raises."""
         ...
 
-    def add(self, rows: Sequence[Row]) -> None:
+    def add(self, rows: Seq[Row]) -> None:
         """These rows join in one step."""
         ...
 
@@ -77,7 +98,7 @@ class Batch(Protocol):
         """One forward for every row."""
         ...
 
-    def remove(self, seqs: Sequence[Any]) -> list[Covered]:
+    def remove(self, seqs: Seq[Any]) -> list[Covered]:
         """Take these rows out: one ``Covered`` each, in the order given."""
         ...
 

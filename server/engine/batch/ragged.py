@@ -43,7 +43,7 @@ from typing import Any, ClassVar, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
-from server.engine.batch.protocol import Covered, Emitted, Row
+from server.engine.batch.protocol import Covered, Emitted, Row, RowList
 from server.engine.batch.ragged_kv import RaggedKV, holds
 from server.engine.batch.rules import LogitsRules, apply_rules
 from server.engine.sampling import sample_rows
@@ -68,7 +68,7 @@ class _Row:
 _greedy = greedy_sampler  # mlx-lm's, the very object a temperature-0 request's sampler is: such rows share one call
 
 
-class RaggedBatch:
+class RaggedBatch(RowList):
     kind: ClassVar[str] = "ragged"
 
     def __init__(self, model, pipelined: bool = False):
@@ -79,16 +79,6 @@ class RaggedBatch:
         self._next: Optional[mx.array] = None  # (rows,) each row's next input; lazy while a forward is in flight
         self.steps = 0
         self.row_steps = 0
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __contains__(self, seq) -> bool:
-        return any(r.seq is seq for r in self._rows)
-
-    @property
-    def sequences(self) -> list:
-        return [r.seq for r in self._rows]
 
     def kv_nbytes(self) -> int:
         """Bytes of the batch's KV buffers, free slots and unused positions included."""

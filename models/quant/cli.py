@@ -50,9 +50,9 @@ def evaluate_dirs(src: str, outs: list[Path], *, eval_tokens: int, seq_len: int)
     import mlx.core as mx
     from mlx_lm.utils import load
 
-    from models.quant_data import EVAL_FILES, stdlib_batches
-    from models.quant_eval import QualityRow, compare, dir_size_mb, perplexity, reference_logprobs
-    from models.quantize import describe, load_float, resolve_source, say
+    from models.quant.data import EVAL_FILES, stdlib_batches
+    from models.quant.evaluate import QualityRow, compare, dir_size_mb, perplexity, reference_logprobs
+    from models.quant.quantize import describe, load_float, resolve_source, say
 
     model_dir, model_id = resolve_source(src)
     ref_model, tokenizer, _ = load_float(model_dir, "float32")
@@ -75,9 +75,9 @@ def evaluate_dirs(src: str, outs: list[Path], *, eval_tokens: int, seq_len: int)
 
 def run_quantize(args) -> int:
     from models.errors import ModelLoadError
-    from models.quant_eval import format_table, write_json
-    from models.quantize import QuantSpec, quantize_dir
-    from models.rotation import RotationError
+    from models.quant.evaluate import format_table, write_json
+    from models.quant.quantize import QuantSpec, quantize_dir
+    from models.quant.rotation import RotationError
 
     spec = QuantSpec(bits=args.bits, group_size=args.group_size, target_bpw=args.target_bpw,
                      high_bits=args.high_bits, rotate=args.rotation if args.rotate else None, dtype=args.dtype,

@@ -2,7 +2,7 @@
 
 Spec resolution, first match wins:
 
-1. "default"                         -> the packaged SmolLM2-135M-Instruct (models.default)
+1. "default"                         -> the packaged SmolLM2-135M-Instruct (models.loading.default)
 2. an existing `*.gguf` file         -> converted once to <home>/models/gguf-<sha256[:16]>/
 3. an existing directory             -> an mlx-lm model directory (config.json + *.safetensors)
 4. a packaged model name, fetched    -> its converted directory (fetch with `mlx-lane models fetch`)
@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.cpu_attention import install as install_cpu_attention
-from models.gpu_attention import install as install_gpu_attention
-from models.default import DEFAULT_MODEL, ensure_default_model
+from models.attention.cpu import install as install_cpu_attention
+from models.attention.gpu import install as install_gpu_attention
+from models.loading.default import DEFAULT_MODEL, ensure_default_model
 from models.errors import ModelLoadError
-from models.fingerprint import fingerprint
-from models.gguf import SOURCE_FILE, convert_gguf
-from models.hashing import file_sha256_cached
-from models.home import file_lock, mlx_lane_home
-from models.packaged import PACKAGED_MODELS, canonical_name, is_converted, packaged_paths
+from models.loading.fingerprint import fingerprint
+from models.loading.gguf import SOURCE_FILE, convert_gguf
+from models.loading.hashing import file_sha256_cached
+from models.loading.home import file_lock, mlx_lane_home
+from models.loading.packaged import PACKAGED_MODELS, canonical_name, is_converted, packaged_paths
 from models.runtime import default_dtype
 
 __all__ = ["LoadedModel", "load_model", "DTYPES", "resolve_gguf", "read_context_length"]
@@ -42,7 +42,7 @@ _FALLBACK_CONTEXT = 4096
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model ready to serve. `fingerprint` namespaces its KV caches; see models.fingerprint."""
+    """A model ready to serve. `fingerprint` namespaces its KV caches; see models.loading.fingerprint."""
 
     model: Any  # mlx.nn.Module (mlx-lm model), weights in `dtype`
     tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
@@ -154,7 +154,7 @@ def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, gr
         if group is None:
             model, tokenizer, config = mlx_lm_load(str(model_dir), return_config=True)
         else:
-            from models.sharding import load_shard
+            from models.loading.sharding import load_shard
 
             model, tokenizer, config = load_shard(model_dir, group)
     except (ValueError, FileNotFoundError, OSError, KeyError) as e:

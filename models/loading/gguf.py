@@ -24,10 +24,10 @@ from typing import Any, Iterable
 import numpy as np
 
 from models.errors import ModelLoadError
-from models.gguf_arch import build_config, check_architecture, fix_tensor, mlx_name
-from models.gguf_tokenizer import build_tokenizer, tokenizer_config
-from models.hashing import sha256_file
-from models.progress import Progress
+from models.loading.gguf_arch import build_config, check_architecture, fix_tensor, mlx_name
+from models.loading.gguf_tokenizer import build_tokenizer, tokenizer_config
+from models.loading.hashing import sha256_file
+from models.loading.progress import Progress
 
 __all__ = ["convert_gguf", "read_metadata", "SOURCE_FILE", "CONVERTER_VERSION"]
 
@@ -107,7 +107,7 @@ def convert_gguf(path: str | os.PathLike, outdir: str | os.PathLike, *, progress
                  sha256: str | None = None) -> Path:
     """Convert the GGUF at `path` into an mlx-lm model directory `outdir`; returns `outdir`.
 
-    Supports architectures llama, qwen2 and gemma3 (see models.gguf_arch); anything else raises
+    Supports architectures llama, qwen2 and gemma3 (see models.loading.gguf_arch); anything else raises
     ModelLoadError before any weight is read. `sha256` is the file's digest when the caller
     already knows it (it is recorded in mlx_lane_source.json); otherwise it is computed. An
     existing `outdir` is replaced only once the new conversion is complete. Shows a progress bar

@@ -7,7 +7,7 @@ tokens of the default model (47 MB over 30 layers, mostly first-touch page fault
 grows with the conversation: the price of every agent turn's hit.
 
 ``SharedPrefixKVCache`` keeps the entry's arrays as a read-only first segment and writes new positions into a
-``KVCache`` of its own (the tail). ``models.cpu_attention`` attends over both segments where they lie (the scores of
+``KVCache`` of its own (the tail). ``models.attention.cpu`` attends over both segments where they lie (the scores of
 each, one softmax over all, each segment's weighted values summed), so nothing is copied. For anything else it is a
 ``KVCache``: ``keys`` / ``values`` are the lazy concatenation of the two segments (MLX computes it only if something
 evaluates it), ``offset``, ``trim``, ``make_mask`` and ``update_and_fetch`` behave as KVCache's. Two exceptions:
@@ -16,7 +16,7 @@ the cache is not a plain ``KVCache`` for the rest of the server: ``flatten`` giv
 and the SSD tier see only those).
 
 Used by the lane for a solo sequence's hit (``share_prefix``) where the model's attention goes through
-``models.cpu_attention`` (on a GPU the batch copies rows anyway, and MLX's kernels want one buffer).
+``models.attention.cpu`` (on a GPU the batch copies rows anyway, and MLX's kernels want one buffer).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def _joined(parts: list) -> Optional[mx.array]:
 def share_prefix(caches: list) -> list:
     """A hit's caches as ``SharedPrefixKVCache`` where every layer is a plain ``KVCache`` holding positions;
     otherwise the same list. The caller decides that the model's attention reads segments
-    (``models.cpu_attention.routes``)."""
+    (``models.attention.cpu.routes``)."""
     if not caches or not all(type(c) is KVCache and c.keys is not None and c.offset for c in caches):
         return caches
     return [SharedPrefixKVCache.over(c) for c in caches]

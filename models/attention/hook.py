@@ -3,7 +3,7 @@ imports by name from ``mlx_lm.models.base``.
 
 ``switch(model, wrap)`` replaces that name in every module of the model's layers with ``wrap(original)`` (a function
 of the same signature that keeps the original as ``mlx_lane_original`` and hands it what it does not take itself).
-The CPU path (``models.cpu_attention``) and the CUDA path (``models.gpu_attention``) use it; only one applies on a
+The CPU path (``models.attention.cpu``) and the CUDA path (``models.attention.gpu``) use it; only one applies on a
 given device. A module that defines its own attention function is left alone.
 """
 
@@ -46,7 +46,7 @@ def switched_functions(model) -> list:
 
 
 def attention_path(model) -> str:
-    """Which attention ``model``'s layers run: ``cpu`` (models.cpu_attention), ``cuda`` (models.gpu_attention's fused
+    """Which attention ``model``'s layers run: ``cpu`` (models.attention.cpu), ``cuda`` (models.attention.gpu's fused
     kernel), ``mlx`` (MLX's own, everywhere else), or ``mixed`` when its modules differ (for /stats)."""
     paths = {getattr(fn, "mlx_lane_path", "mlx") for fn in switched_functions(model)}
     if not paths:

@@ -27,8 +27,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from models.attention_hook import switch, switched_functions
-from models.shared_prefix import SharedPrefixKVCache
+from models.attention.hook import switch, switched_functions
+from models.attention.shared_prefix import SharedPrefixKVCache
 
 __all__ = ["install", "routes", "grouped_attention", "segmented_attention"]
 
@@ -44,7 +44,7 @@ def grouped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
 def segmented_attention(queries: mx.array, segments: list, scale: float,
                         mask: Optional[mx.array | str]) -> Optional[mx.array]:
     """``grouped_attention`` over keys and values held in pieces along the sequence axis (``segments``: (keys,
-    values) pairs in position order, e.g. ``models.shared_prefix``'s shared prefix and own tail), read where they lie:
+    values) pairs in position order, e.g. ``models.attention.shared_prefix``'s shared prefix and own tail), read where they lie:
     each piece's scores, one softmax over all of them (the mask applies to their columns in order), each piece's
     weighted values summed. Nothing the size of the keys or values is copied."""
     B, H, L, D = queries.shape

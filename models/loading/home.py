@@ -6,7 +6,7 @@ Layout under `mlx_lane_home()`::
     gguf/<name>.gguf      assembled, sha256-verified packaged GGUFs
     models/<name>/        converted packaged models (mlx-lm directories)
     models/gguf-<sha16>/  conversions of user GGUF files, keyed by the file's sha256
-    hash-cache/           remembered sha256 digests of big files (see models.hashing)
+    hash-cache/           remembered sha256 digests of big files (see models.loading.hashing)
     locks/                lock files serialising conversions between processes
 """
 

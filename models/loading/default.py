@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from models.gguf import SOURCE_FILE
-from models.home import mlx_lane_home
-from models.packaged import PACKAGED_MODELS, ensure_packaged, is_converted, packaged_paths
+from models.loading.gguf import SOURCE_FILE
+from models.loading.home import mlx_lane_home
+from models.loading.packaged import PACKAGED_MODELS, ensure_packaged, is_converted, packaged_paths
 
 __all__ = ["DEFAULT_MODEL", "ensure_default_model", "mlx_lane_home", "list_models"]
 

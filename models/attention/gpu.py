@@ -14,7 +14,7 @@ online softmax in float32; a second small kernel merges the slices. Which column
 not from a mask: row b's query i sees columns ``start[b] .. last[b] + i`` (``row_ranges``), exactly what the mask
 the model built says (``tests/unit/test_gpu_attention.py`` holds both layouts' ranges against their masks).
 
-``install(model)`` swaps the attention function in the model's modules (as ``models.cpu_attention`` does on the
+``install(model)`` swaps the attention function in the model's modules (as ``models.attention.cpu`` does on the
 CPU) for one that takes this path only where it applies (a CUDA device, 16-bit q/k/v, head size 64 or 128, grouped
 or plain heads, a batch cache whose ranges are known, a step of at most ``MAX_WIDTH`` tokens) and hands everything
 else to mlx-lm's own: prefill chunks (cuDNN takes those), single sequences (MLX's own vector kernel), quantized KV,
@@ -27,7 +27,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from models.attention_hook import switch
+from models.attention.hook import switch
 
 __all__ = ["install", "row_ranges", "ranged_attention", "reference_attention", "MAX_WIDTH", "SPLIT"]
 
@@ -327,7 +327,7 @@ def row_ranges(cache, width: int) -> Optional[tuple[mx.array, mx.array]]:
     row's first visible column and the last column its first query sees, as int32 arrays of shape (B,). None for a
     cache whose columns this does not know (the caller keeps the mask).
 
-    - a layer that says it (``RaggedKV``'s: ``attention_ranges(width)``);
+    - a layer that says it (``models.attention.RowRanges``: the ragged batch's layers);
     - mlx-lm's ``BatchKVCache``: row b sees ``left_padding[b] .. _idx - width + i`` (its ``make_mask``), unless a
       right padding is pending (a batched prefill, never a decode step)."""
     ranges = getattr(cache, "attention_ranges", None)

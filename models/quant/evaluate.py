@@ -1,4 +1,4 @@
-"""Quality of a quantized model against its float source, on held-out text (models.quant_data.EVAL_FILES).
+"""Quality of a quantized model against its float source, on held-out text (models.quant.data.EVAL_FILES).
 
 Per configuration: the mean KL divergence KL(P_float || P_quant) of the next-token distributions, top-1
 agreement (the argmax tokens match), and the perplexity of both models on the same tokens. Everything is

@@ -1,0 +1,48 @@
+"""mlx-lane's attention paths, and the layouts they read.
+
+mlx-lm's models call ``mlx_lm.models.base.scaled_dot_product_attention``; ``hook.switch`` puts mlx-lane's own in its
+place where one applies (``models.loading.load`` installs both at load; only one applies on a device):
+
+    cpu.py            on the CPU: grouped-query attention without copying K/V per query head, and the segments of
+                      a ``SharedPrefixKVCache`` read where they lie (shared_prefix.py: a RAM hit's first token does
+                      not copy the cached prefix)
+    gpu.py            on CUDA: a decode batch's rows of different lengths in one fused kernel, no mask; it reads each
+                      row's visible columns through the declared view ``RowRanges`` below (the ragged batch's layers,
+                      server.engine.batch.ragged_kv, implement it) or mlx-lm's ``BatchKVCache``'s own fields
+
+``configure(...)`` is the process's choice (server.serve, from `--attention` and the `--debug-gpu-attention-*`
+flags), made before a model is loaded; ``attention_path(model)`` says which path a loaded model runs (/stats).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import mlx.core as mx
+
+from models.attention import cpu, gpu
+from models.attention.hook import attention_path
+
+__all__ = ["RowRanges", "configure", "attention_path", "fused_batch_attention"]
+
+
+@runtime_checkable
+class RowRanges(Protocol):
+    """A batch cache layer that says which key columns each row's queries may see (the fused CUDA kernel reads
+    this instead of a mask)."""
+
+    def attention_ranges(self, width: int) -> tuple[mx.array, mx.array]:
+        """After a forward's ``width`` new positions were written: row b's first visible column and the last
+        column its first query sees (query i sees up to that + i), both int32 of shape (B,)."""
+        ...
+
+
+def configure(on: bool = True, *, gpu_split: int = 256, gpu_unroll: int = 4) -> None:
+    """``on`` False (`--attention mlx`): MLX's own attention everywhere. The CUDA kernel's two tuning knobs."""
+    cpu.configure(on)
+    gpu.configure(on, gpu_split, gpu_unroll)
+
+
+def fused_batch_attention() -> bool:
+    """Does a decode batch's attention run in the fused CUDA kernel here (the ragged layout pays on a GPU then)?"""
+    return gpu.enabled()
