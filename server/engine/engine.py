@@ -161,7 +161,7 @@ class Engine:
         if params.logprobs:
             top = params.top_logprobs
             logprob_of = lambda logprobs, token: token_logprobs(logprobs, token, top, slot.decode_one)  # noqa: E731
-        return Admitted(cached, slot.tokenizer.detokenizer, slot.eos, logprob_of)
+        return Admitted(cached, slot.detokenizer(keep_leading_space=params.raw_text), slot.eos, logprob_of)
 
     def take_longer_prefix(self, seq) -> Optional[int]:
         """Before a sequence's first prefill chunk: take again when the prefix cache now holds a longer prefix than

@@ -67,6 +67,18 @@ class ModelSlot:
         self.kv_bytes_per_token = float(state_nbytes(caches))
         return self.kv_bytes_per_token
 
+    def detokenizer(self, keep_leading_space: bool = False):
+        """A fresh streaming detokenizer (mlx-lm's). mlx-lm's BPE and SentencePiece detokenizers drop the first
+        token's leading space (right for a chat reply); ``keep_leading_space``: a raw completion keeps it, so that
+        prompt + text reads as the model wrote it."""
+        detokenizer = self.tokenizer.detokenizer
+        if keep_leading_space:
+            if hasattr(detokenizer, "trim_space"):  # SPMStreamingDetokenizer
+                detokenizer.trim_space = False
+            elif hasattr(detokenizer, "_maybe_trim_space"):  # BPEStreamingDetokenizer trims when no text came yet
+                detokenizer._maybe_trim_space = _untrimmed
+        return detokenizer
+
     def decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
@@ -74,3 +86,7 @@ class ModelSlot:
         """Forget the weights (unloaded); running sequences keep their own reference."""
         self.model = None
         self.loaded = None
+
+
+def _untrimmed(text: str) -> str:
+    return text

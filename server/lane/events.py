@@ -29,6 +29,8 @@ class SamplingParams:
     top_logprobs: int = 0
     num_draft_tokens: Optional[int] = None  # None: the server's setting; 0: no speculation
     grammar: Any = None  # server.core.grammar.GrammarSpec: constrained decoding, one .processor() per request
+    raw_text: bool = False  # a raw completion: its text is exactly what the tokens spell, the first token's
+    # leading space included (prompt + text reads as the model wrote it); chat replies trim it, as mlx-lm does
 
 
 @dataclass(frozen=True)

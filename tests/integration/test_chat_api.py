@@ -88,6 +88,27 @@ def test_completions_json_and_stream(server):
     assert "".join(parts) == text
 
 
+def test_a_completion_keeps_its_first_tokens_leading_space_and_a_chat_reply_trims_it(server):
+    """A raw completion's text is exactly what its tokens spell: "The capital of France is" + text reads as the
+    model wrote it, the first token's space included (mlx-lm's streaming detokenizer drops it, right for chat
+    only). The tokens come back in the logprobs, each decoded alone; streamed or not, the same text."""
+    body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+            "logprobs": 0}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    tokens = choice["logprobs"]["tokens"]
+    assert tokens[0].startswith(" "), tokens  # the model's first token carries a space: what is checked below
+    assert choice["text"] == "".join(tokens) and choice["text"].startswith(" ")
+    with httpx.stream("POST", server.url + "/v1/completions", json=dict(body, stream=True), timeout=120) as s:
+        parts = [json.loads(ln[6:])["choices"][0]["text"] for ln in s.iter_lines()
+                 if ln.startswith("data: {") and json.loads(ln[6:])["choices"]]
+    assert "".join(parts) == choice["text"]
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "Say: Paris"}], "max_tokens": 4, "temperature": 0}).json()
+    assert not chat["choices"][0]["message"]["content"].startswith(" ")  # a chat reply is trimmed, as before
+
+
 def test_completions_default_max_tokens_is_16(server):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Once upon a time", "temperature": 0}, timeout=120)
     assert r.status_code == 200
