@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from server.core.bridge import JobRun
 from server.core.context import CoreContext
 from server.core.output_parse import make_output_parser, prompt_opens_thinking
-from server.core.prompts import breakpoint_positions, chat_grammar, render, sampling_params
+from server.core.prompts import NO_BREAKPOINTS, breakpoint_marks, chat_grammar, render, sampling_params
 from server.core.request import GenerationRequest
 from server.errors import APIError, ShuttingDown
 from server.lane.events import Delta, Failed, Finished, SamplingParams, TokenLogprob
@@ -124,7 +124,8 @@ class Generation:
     """One request's job on the lane and the parser over its output (see the module docstring)."""
 
     def __init__(self, ctx: CoreContext, request: Request, prompt: list[int], params: SamplingParams,
-                 target: Target, *, session: Optional[str], request_id: str, parser=None, anchors: tuple = ()):
+                 target: Target, *, session: Optional[str], request_id: str, parser=None, anchors: tuple = (),
+                 last_breakpoint: int = 0):
         self.ctx = ctx
         self.prompt = prompt
         self.params = params
@@ -132,6 +133,7 @@ class Generation:
         self.parser = parser  # None: raw text (text completions)
         self.id = request_id
         self.anchors = anchors  # token positions of the request's cache breakpoints in ``prompt``
+        self.last_breakpoint = last_breakpoint  # the last one's, even at the prompt's end (0: none; Anthropic usage)
         self.t0 = time.monotonic()
         self.model_name = target.name  # what the response says served it
         price = target.slot.kv_bytes_per_token or None
@@ -235,9 +237,9 @@ async def open_generation(ctx: CoreContext, request: Request, req: GenerationReq
         parser = make_output_parser(  # the model family's tool-call format and thinking tags (server.core.output_parse)
             tok, tools=tools, in_reasoning=prompt_opens_thinking(tok, prompt),
             tool_specs=list(req.tools) if tools else None, custom_tools=req.custom_names if tools else ())
-    anchors = await run_in_threadpool(breakpoint_positions, tok, req, prompt) if req.breakpoints else ()
+    marks = await run_in_threadpool(breakpoint_marks, tok, req, prompt) if req.breakpoints else NO_BREAKPOINTS
     return Generation(ctx, request, prompt, params, target, session=req.session, request_id=request_id,
-                      parser=parser, anchors=anchors)
+                      parser=parser, anchors=marks.anchors, last_breakpoint=marks.last)
 
 
 def _internal(ev: Failed) -> APIError:

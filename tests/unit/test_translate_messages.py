@@ -199,7 +199,10 @@ def test_usage_splits_the_prompt_into_read_created_and_the_rest():
     from server.lane.events import Finished
 
     f = Finished("stop", 100, 5, 60, 40, 0.1, 4, 0.1, 0.0, cache_write_tokens=40)
-    u = message_usage(f)
-    assert (u["cache_read_input_tokens"], u["cache_creation_input_tokens"], u["input_tokens"]) == (60, 40, 0)
-    off = message_usage(Finished("stop", 100, 5, 0, 100, 0.1, 4, 0.1, 0.0))  # the cache off: nothing written
+    u = message_usage(f)  # no breakpoint: what was not read is input, though the server cached it
+    assert (u["cache_read_input_tokens"], u["cache_creation_input_tokens"], u["input_tokens"]) == (60, 0, 40)
+    marked = message_usage(f, last_breakpoint=90)  # created: up to the last breakpoint, beyond what was read
+    assert (marked["cache_read_input_tokens"], marked["cache_creation_input_tokens"], marked["input_tokens"]) == (
+        60, 30, 10)
+    off = message_usage(Finished("stop", 100, 5, 0, 100, 0.1, 4, 0.1, 0.0), 90)  # the cache off: nothing written
     assert (off["cache_creation_input_tokens"], off["input_tokens"]) == (0, 100)

@@ -28,9 +28,9 @@ router = APIRouter()
 class MessagesOutput(Formatter):
     keepalive_frame = PING  # Anthropic's keep-alive is a ping event, not an SSE comment
 
-    def __init__(self, message_id: str, model: str, prompt_tokens: int):
-        self.message_id, self.model = message_id, model
-        self.stream = MessagesStream(message_id, model, prompt_tokens)
+    def __init__(self, message_id: str, model: str, prompt_tokens: int, last_breakpoint: int = 0):
+        self.message_id, self.model, self.last_breakpoint = message_id, model, last_breakpoint
+        self.stream = MessagesStream(message_id, model, prompt_tokens, last_breakpoint)
 
     def head(self) -> list[bytes]:
         return self.stream.start()
@@ -49,7 +49,7 @@ class MessagesOutput(Formatter):
 
     async def body(self, res: Result) -> dict:
         return message_object(self.message_id, self.model, res.text, res.reasoning, res.calls, res.reason,
-                              res.stop_sequence, res.finished)
+                              res.stop_sequence, res.finished, self.last_breakpoint)
 
 
 class MessagesDoor(Door):
@@ -65,7 +65,7 @@ class MessagesDoor(Door):
                                      keep_billing_header=state.keep_billing_header), stream=body.stream)
 
     def formatter(self, state, body: MessagesRequest, call: Call, gen: Generation) -> Formatter:
-        return MessagesOutput("msg_" + uuid.uuid4().hex, body.model, len(gen.prompt))
+        return MessagesOutput("msg_" + uuid.uuid4().hex, body.model, len(gen.prompt), gen.last_breakpoint)
 
 
 _DOOR = MessagesDoor()

@@ -2,16 +2,21 @@
 
 Stream::
 
-    message_start (usage: the prompt so far), ping,
+    message_start (usage: the prompt, split as if nothing were read from the cache), ping,
     per content block: content_block_start, content_block_delta* (thinking_delta | text_delta |
         input_json_delta), content_block_stop
     message_delta (stop_reason, stop_sequence, final usage), message_stop
     (event: error {"type": "error", "error": {...}} when the generation fails; nothing follows)
 
-Usage as Anthropic counts it (input + cache_creation + cache_read = the prompt): ``cache_read_input_tokens`` =
-prompt tokens served from the prefix cache, ``cache_creation_input_tokens`` = prompt tokens this request newly put
-in it (every computed prompt token is cached here, not only those before a ``cache_control`` breakpoint; none when
-the cache is off), ``input_tokens`` = the rest.
+Usage as Anthropic counts it (``prompt_split``): the three numbers add up to the rendered prompt (what
+/v1/messages/count_tokens answers). ``cache_read_input_tokens`` = prompt tokens served from the prefix cache (any
+tier, breakpoints or not); ``cache_creation_input_tokens`` = the tokens up to the request's last ``cache_control``
+breakpoint that were not read, as far as the request put them in the cache (none without a breakpoint, whatever
+the server itself keeps: it caches every prompt; none when the cache is off); ``input_tokens`` = the rest,
+everything after the last breakpoint included. In a stream the cache hit is known only once the lane admits the
+request, after ``message_start`` is sent: ``message_start`` carries the split with nothing read (its sum is
+already the prompt), ``message_delta`` the true split (cumulative, as Anthropic's: the SDK's final message takes
+its numbers).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from server.errors import APIError
 from server.http.error_shapes import anthropic_error_body
 from server.lane.events import Finished
 
-__all__ = ["stop_reason_of", "message_usage", "tool_use_block", "message_object", "MessagesStream", "PING"]
+__all__ = ["stop_reason_of", "prompt_split", "message_usage", "tool_use_block", "message_object", "MessagesStream",
+           "PING"]
 
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 
@@ -38,14 +44,23 @@ def stop_reason_of(reason: str, stop_sequence: Optional[str]) -> str:
     return "stop_sequence" if stop_sequence is not None else "end_turn"
 
 
-def message_usage(f: Finished) -> dict:
-    written = max(0, min(f.cache_write_tokens, f.prompt_tokens - f.cached_tokens))
-    return {
-        "input_tokens": f.prompt_tokens - f.cached_tokens - written,
-        "output_tokens": f.completion_tokens,
-        "cache_read_input_tokens": f.cached_tokens,
-        "cache_creation_input_tokens": written,
-    }
+def prompt_split(prompt_tokens: int, cached: int, last_breakpoint: int, written: Optional[int] = None) -> dict:
+    """Anthropic's three prompt counts, adding up to ``prompt_tokens``: ``cached`` tokens read; created: the tokens
+    before ``last_breakpoint`` (the last ``cache_control`` breakpoint's token position, 0 for none) not read, as far
+    as the request did put them in the cache (``written``: prompt tokens it stored beyond those read; None: not
+    known yet, taken as all of them; 0 when the cache is off); and the rest."""
+    read = max(0, min(cached, prompt_tokens))
+    created = max(0, min(last_breakpoint, prompt_tokens) - read)
+    if written is not None:
+        created = min(created, max(0, written))
+    return {"input_tokens": prompt_tokens - read - created, "cache_creation_input_tokens": created,
+            "cache_read_input_tokens": read}
+
+
+def message_usage(f: Finished, last_breakpoint: int = 0) -> dict:
+    """The ``usage`` of a finished message (``prompt_split`` of its prompt, plus its output tokens)."""
+    split = prompt_split(f.prompt_tokens, f.cached_tokens, last_breakpoint, f.cache_write_tokens)
+    return {"output_tokens": f.completion_tokens, **split}
 
 
 def tool_use_block(call: dict) -> dict:
@@ -63,7 +78,7 @@ def tool_use_block(call: dict) -> dict:
 
 
 def message_object(message_id: str, model: str, text: str, reasoning: str, calls, reason: str,
-                   stop_sequence: Optional[str], f: Finished) -> dict:
+                   stop_sequence: Optional[str], f: Finished, last_breakpoint: int = 0) -> dict:
     content: list[dict] = []
     if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
@@ -78,7 +93,7 @@ def message_object(message_id: str, model: str, text: str, reasoning: str, calls
         "content": content,
         "stop_reason": stop_reason_of(reason, stop_sequence),
         "stop_sequence": stop_sequence,
-        "usage": message_usage(f),
+        "usage": message_usage(f, last_breakpoint),
     }
 
 
@@ -89,17 +104,17 @@ def _event(type_: str, obj: dict) -> bytes:
 class MessagesStream:
     """Stateful formatter of one streamed message (see the module docstring)."""
 
-    def __init__(self, message_id: str, model: str, prompt_tokens: int):
+    def __init__(self, message_id: str, model: str, prompt_tokens: int, last_breakpoint: int = 0):
         self.message_id, self.model, self.prompt_tokens = message_id, model, prompt_tokens
+        self.last_breakpoint = last_breakpoint
         self._index = -1  # index of the last block opened
         self._open: Optional[str] = None  # "text" | "thinking"
 
     def start(self) -> list[bytes]:
         message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
-                   # cached tokens are known only at the end: message_delta carries the final split
-                   "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0,
-                             "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
+                   # the cache hit is not known yet: nothing read; message_delta carries the true split
+                   "usage": {"output_tokens": 0, **prompt_split(self.prompt_tokens, 0, self.last_breakpoint)}}
         return [_event("message_start", {"message": message}), PING]
 
     def text(self, delta: str) -> list[bytes]:
@@ -137,7 +152,7 @@ class MessagesStream:
             out.append(_event("content_block_stop", {"index": self._index}))
         out.append(_event("message_delta", {"delta": {"stop_reason": stop_reason_of(reason, stop_sequence),
                                                       "stop_sequence": stop_sequence},
-                                            "usage": message_usage(f)}))
+                                            "usage": message_usage(f, self.last_breakpoint)}))
         out.append(_event("message_stop", {}))
         return out
 
