@@ -16,7 +16,9 @@ class SpecStats:
     - ``accepted``: draft tokens the target agreed with and that were emitted;
     - ``emitted``: every token the speculative generator yielded (accepted drafts, corrections,
       bonus tokens and plain steps);
-    - ``stopped``: requests for which the policy turned drafting off because it did not pay.
+    - ``stopped``: requests for which the policy turned drafting off because it did not pay;
+    - ``cannot_rewind``: requests that decoded plainly because their model's caches cannot take back a rejected
+      draft (recurrent state: linear attention, SSM).
     """
 
     rounds: int = 0
@@ -24,6 +26,7 @@ class SpecStats:
     accepted: int = 0
     emitted: int = 0
     stopped: int = 0
+    cannot_rewind: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -41,6 +44,7 @@ class SpecStats:
         self.accepted += other.accepted
         self.emitted += other.emitted
         self.stopped += other.stopped
+        self.cannot_rewind += other.cannot_rewind
         return self
 
     def as_dict(self) -> dict:

@@ -4,9 +4,10 @@ One round: ask the source for up to n drafts (n from the policy); run ONE target
 ``[pending] + drafts``; sample every position with the request's own sampler (logits processors
 see, at position i, the history plus the first i drafts); accept drafts while the target's
 token equals the draft (``spec.accept``, the walk the batched verifier uses too); emit the accepted drafts, then the target's token at the first
-mismatch (the correction) or after the last draft (the bonus). The target's caches are trimmed
-by the rejected drafts (``trim_prompt_cache``) and the source is told what was kept
-(``source.commit``).
+mismatch (the correction) or after the last draft (the bonus). The target's caches take back
+the rejected drafts (``spec.rewind``: also a sliding window that has wrapped) and the source is
+told what was kept (``source.commit``). Caches that cannot take anything back (recurrent state)
+decode plainly from the first token: a request never fails for its model's cache classes.
 
 Greedy output is token-for-token what plain greedy decoding (``generate_step``) produces.
 Sampled output follows mlx-lm's ``speculative_generate_step`` rule: each position's token is
@@ -27,11 +28,11 @@ from typing import Generator, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from spec.accept import accept
 from spec.adaptive import FixedDraftLength
+from spec.rewind import can_rewind, rewind
 from spec.source import DraftSource
 from spec.stats import SpecStats
 
@@ -54,7 +55,7 @@ def speculative_decode(
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """Yield ``(token, logprobs, from_draft)`` one token at a time, at most ``max_tokens``.
 
-    Preconditions: ``caches`` (the target's, all trimmable) cover the prompt except its last
+    Preconditions: ``caches`` (the target's) cover the prompt except its last
     token, which is ``first_token_input``; the source has been ``prefill``-ed with the same
     tokens. ``logits_processors`` get, like in ``generate_step``, the tokens fed since
     ``first_token_input`` (wrap them to prepend older history). ``policy`` (default: a fixed
@@ -69,9 +70,7 @@ def speculative_decode(
     them). If an exception escapes the model, the caches are trimmed but the last token is not
     fed again.
     """
-    if not can_trim_prompt_cache(caches):
-        types = sorted({type(c).__name__ for c in caches if not c.is_trimmable()})
-        raise ValueError(f"speculative decoding needs trimmable target caches (got {', '.join(types)})")
+    rewindable = can_rewind(caches)  # else: plain decoding (stats.cannot_rewind)
     if isinstance(first_token_input, mx.array):
         first_token_input = first_token_input.tolist()
     if not isinstance(first_token_input, int):
@@ -89,6 +88,7 @@ def speculative_decode(
     over = 0  # tokens in the target caches beyond the yielded sequence (unverified/unyielded drafts)
     unfed = True  # the last token of the sequence is not in the target caches
     drafts: list[int] = []
+    fed = 1  # positions the latest verify forward wrote
     walked = 0  # drafts of the open round emitted so far
     open_round = False
     plain = None  # generate_step, once drafting stopped
@@ -96,7 +96,7 @@ def speculative_decode(
     def settle() -> None:
         nonlocal over, open_round, unfed
         if over:
-            trim_prompt_cache(caches, over)
+            rewind(caches, over, fed)
             over = 0
         if open_round:
             open_round = False
@@ -113,6 +113,9 @@ def speculative_decode(
     with ctx:
         try:
             while ntoks < max_tokens:
+                if not rewindable:
+                    stats.cannot_rewind = 1
+                    break
                 n = min(policy.next_length(), num_draft_tokens, max_tokens - ntoks - 1)
                 if policy.stopped:
                     if not stats.stopped:
@@ -127,7 +130,7 @@ def speculative_decode(
                 open_round = bool(drafts)
                 walked = 0
                 tokens, logprobs = _verify(model, caches, pending, drafts, history, sampler, processors)
-                over, unfed = len(drafts), False
+                over, unfed, fed = len(drafts), False, 1 + len(drafts)
                 if drafts:
                     stats.rounds += 1
                     stats.drafted += len(drafts)
@@ -141,7 +144,7 @@ def speculative_decode(
                     yield tokens[i], logprobs[i], True
                 # correction (a < len(drafts)) or bonus (a == len(drafts)) from the target
                 if over:
-                    trim_prompt_cache(caches, over)
+                    rewind(caches, over, fed)
                     over = 0
                 if open_round:
                     open_round = False

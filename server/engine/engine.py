@@ -111,6 +111,10 @@ class Engine:
             return 0
         return spec.wanted(params.num_draft_tokens, supported=True)
 
+    def _cannot_rewind(self, slot: ModelSlot, params) -> bool:
+        """The server speculates and the request did not turn it off, but its model's caches cannot rewind."""
+        return self.speculation is not None and params.num_draft_tokens != 0 and not slot.trimmable
+
     def namespace_for(self, target: Target, params) -> str:
         """The cache namespace of a request (``cache.prefix.namespace``): the model fingerprint (KV scheme included),
         plus the adapter's identity (its weights' hash) when the request selected one, plus the draft's identity when
@@ -143,6 +147,8 @@ class Engine:
         target, params = seq.target, seq.params
         slot = target.slot
         n_draft = self.draft_tokens(target, params)
+        if not n_draft and self._cannot_rewind(slot, params) and self.stats.spec is not None:
+            self.stats.spec.on_cannot_rewind()  # it asked to speculate; its caches cannot take a draft back
         hit = self.prompt_cache.take(seq.prompt, seq.ns, seq.session)
         cached = hit.length if hit is not None else 0
         spec = None

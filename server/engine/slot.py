@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from models.attention import attention_path
 from models.attention.cpu import routes as routes_cpu_attention
 from server.engine.batch.choose import CacheFacts
 from server.engine.batch.mlx import can_batch
 from server.engine.kv_layout import quantize_fresh, state_nbytes
+from spec.rewind import can_rewind
 
 __all__ = ["ModelSlot"]
 
@@ -39,7 +40,7 @@ class ModelSlot:
         self.eos = frozenset(self.tokenizer.eos_token_ids or [])
         layers = make_prompt_cache(self.model)
         self.plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)  # the ragged/prefill layouts
-        self.trimmable = can_trim_prompt_cache(layers)  # drafts can be verified (rejected ones rewound)
+        self.trimmable = can_rewind(layers)  # drafts can be verified (rejected ones taken back: spec.rewind)
         self.mergeable = can_batch(self.new_caches())  # its rows may join a decode batch
         self.cache_facts = CacheFacts(plain_kv=self.plain_kv, mergeable=self.mergeable)
         # a hit's caches may read the cached entry where it lies (models.attention.shared_prefix): plain KV layers, and every

@@ -13,9 +13,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from spec import SpecStats, speculative_decode
+from spec.rewind import can_rewind
 
 __all__ = ["Speculation", "SpecPlan", "SpecTotals", "speculative_decode"]
 
@@ -36,8 +37,9 @@ class Speculation:
         self.kind = kind
         self.num_draft_tokens = num_draft_tokens
         self.n_target_layers = len(make_prompt_cache(model))
-        # a target whose caches cannot be rewound (sliding windows, recurrent layers) cannot verify drafts
-        self.supported = can_trim_prompt_cache(make_prompt_cache(model))
+        # a target whose caches cannot take back a rejected draft (recurrent layers) decodes plainly; sliding windows
+        # can, also once they have wrapped (spec.rewind)
+        self.supported = can_rewind(make_prompt_cache(model))
 
     def wanted(self, requested: Optional[int], supported: Optional[bool] = None) -> int:
         """Draft length cap for a request (0 = decode plainly); ``supported``: whether its model's caches can be
@@ -74,6 +76,7 @@ class SpecTotals:
         self.total = SpecStats()
         # verify steps of speculating batches (server.engine.spec_batch): steps, rows over them, tokens
         self.batch = dict(steps=0, row_steps=0, drafted=0, accepted=0, emitted=0, handed_to_plain=0)
+        self.plain_cannot_rewind = 0  # requests that asked to speculate on a model whose caches cannot rewind
 
     def add(self, stats: SpecStats) -> None:
         with self._lock:
@@ -89,6 +92,11 @@ class SpecTotals:
             b["accepted"] += accepted
             b["emitted"] += emitted
 
+    def on_cannot_rewind(self) -> None:
+        """A request decoded plainly: its model's caches cannot take back a rejected draft (recurrent state)."""
+        with self._lock:
+            self.plain_cannot_rewind += 1
+
     def on_dissolved(self, rows: int) -> None:
         """Rows of a speculating batch whose drafts did not pay went on in the plain batch."""
         with self._lock:
@@ -98,7 +106,8 @@ class SpecTotals:
         with self._lock:
             d = self.total.as_dict()
             d.update({"enabled": self.kind is not None, "kind": self.kind, "num_draft_tokens": self.max_draft,
-                      "requests": self.requests})
+                      "requests": self.requests,
+                      "plain_cannot_rewind": self.plain_cannot_rewind + d.get("cannot_rewind", 0)})
             b = dict(self.batch)
             b["mean_rows"] = round(b["row_steps"] / b["steps"], 3) if b["steps"] else None
             b["acceptance_rate"] = round(b["accepted"] / b["drafted"], 4) if b["drafted"] else None

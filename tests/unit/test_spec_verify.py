@@ -253,16 +253,6 @@ def test_zero_draft_length_is_plain_decode(target, providers):
     assert stats.drafted == 0 and not any(d for _, _, d in out)
 
 
-def test_untrimmable_target_caches_are_refused(target, providers):
-    from mlx_lm.models.cache import RotatingKVCache
-
-    caches = [RotatingKVCache(max_size=4) for _ in target.layers]
-    for c in caches:
-        c.update_and_fetch(mx.zeros((1, 2, 6, 16)), mx.zeros((1, 2, 6, 16)))
-    with pytest.raises(ValueError, match="trimmable"):
-        next(speculative_decode(target, caches, 1, providers["ngram"].open()))
-
-
 @pytest.mark.parametrize("kind", ["noisy", "ngram"])
 def test_default_adaptive_policy_keeps_greedy_identity(target, providers, kind):
     for prompt in PROMPTS[:2]:

@@ -1,0 +1,94 @@
+"""Speculation that never fails a request for its model's caches (issue 35): a sliding-window model whose window has
+wrapped takes back rejected drafts exactly (spec.rewind) and gives plain greedy decoding's tokens; a model with
+recurrent state (which cannot take anything back) decodes plainly from the first token and says so. Before, both
+raised "speculative decoding needs trimmable target caches" inside the lane: a 500 for every such request."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from spec import NgramSource, SpecStats, speculative_decode
+from spec.rewind import can_rewind, rewind
+
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    """A 2-layer gemma3-text model, its first layer a sliding window of 16 (a RotatingKVCache)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import gemma3_text
+
+    config = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 32,
+              "vocab_size": 97, "sliding_window": WINDOW, "sliding_window_pattern": 2,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6}
+    mx.random.seed(3)
+    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    weights["model.embed_tokens.weight"] = mx.random.normal(weights["model.embed_tokens.weight"].shape) * 0.5
+    model.load_weights(list(weights.items()))
+    assert any(isinstance(c, RotatingKVCache) for c in make_prompt_cache(model))
+    return model
+
+
+def prefilled(model, tokens):
+    caches = make_prompt_cache(model)
+    mx.eval(model(mx.array(tokens)[None], cache=caches))
+    return caches
+
+
+def plain(model, prompt, n):
+    caches = prefilled(model, prompt[:-1])
+    return [int(t) for t, _ in generate_step(mx.array(prompt[-1:]), model, max_tokens=n, prompt_cache=caches)]
+
+
+# repetitive, so that prompt lookup drafts often (accepted and rejected), and far past the window
+PROMPT = ([3, 9, 27, 81, 50, 56] * 9)[:50]
+
+
+def test_ngram_speculation_over_a_wrapped_sliding_window_gives_plain_greedy_tokens(windowed):
+    caches = prefilled(windowed, PROMPT[:-1])
+    assert not all(c.is_trimmable() for c in caches) and can_rewind(caches)  # wrapped: mlx-lm would refuse a trim
+    source = NgramSource()
+    source.prefill(PROMPT[:-1])
+    stats = SpecStats()
+    got = [t for t, _, _ in speculative_decode(windowed, caches, PROMPT[-1], source, max_tokens=40,
+                                               num_draft_tokens=4, stats=stats)]
+    assert got == plain(windowed, PROMPT, 40)
+    assert stats.drafted > stats.accepted > 0  # drafts were both kept and taken back after the window wrapped
+    assert stats.cannot_rewind == 0
+
+
+def test_a_wrapped_window_rewound_after_a_multi_token_forward_continues_as_if_never_fed(windowed):
+    history = list(range(5, 5 + 3 * WINDOW))
+    caches = prefilled(windowed, history)
+    drafted = [7, 8, 9, 10]
+    mx.eval(windowed(mx.array([drafted])[None][0], cache=caches))  # a verify forward of 4 positions
+    rewind(caches, 3, fed=4)  # keep the first, take back three
+    assert {c.offset for c in caches} == {len(history) + 1}
+    want = windowed(mx.array([[11]]), cache=prefilled(windowed, history + [7]))[0, -1]
+    assert mx.allclose(windowed(mx.array([[11]]), cache=caches)[0, -1], want, atol=1e-5)
+    with pytest.raises(ValueError):
+        rewind(caches, 1, fed=1)  # a single-token forward leaves nothing to take back
+
+
+def test_recurrent_state_cannot_rewind_and_decodes_plainly_from_the_first_token():
+    """A hybrid's ArraysCache layer has no positions to drop: no draft is verified, the tokens are plain greedy
+    decoding's, and the request's counters say why."""
+    from tests.fixtures.tiny_models import tiny_llama
+
+    model = tiny_llama(seed=4)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    caches = prefilled(model, prompt[:-1]) + [ArraysCache(2)]  # a layer the model never reads, as a hybrid's
+    assert not can_rewind(caches) and can_rewind(caches[:-1])
+    stats = SpecStats()
+    source = NgramSource()
+    source.prefill(prompt[:-1])
+    got = [t for t, _, _ in speculative_decode(model, caches, prompt[-1], source, max_tokens=12, stats=stats)]
+    assert got == plain(model, prompt, 12)
+    assert stats.cannot_rewind == 1 and stats.drafted == 0
+    assert isinstance(caches[0], KVCache) and caches[0].offset == len(prompt) + 12  # prompt + every token yielded
