@@ -53,7 +53,8 @@ class Decoder:
 
     def _make(self, group: GroupKey):
         model, cache_facts = self._made_of[group]
-        return make(choose(self.layout, cache_facts, group.speculating), model, self.layout, self._stream())
+        return make(choose(self.layout, cache_facts, group.speculating), model, self.layout, self._stream(),
+                    cache_facts)
 
     # -- joins and leaves ----------------------------------------------------------------------------------------
     def join(self, group: GroupKey, seqs: Sequence) -> None:
@@ -126,7 +127,7 @@ class Decoder:
         caches = self._entry(covered, history) if covered is not None else work.caches
         work.caches = None
         row = Row(seq, caches, history, work.rules, work.row_sampler, self._draft(work))
-        solo = SoloBatch(work.model, self._stream())
+        solo = SoloBatch(work.model, self._stream(), pipelined=not work.slot.cache_facts.recurrent)
         solo.add([row])
         work.solo = solo
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from cache.prefix import namespace
 from models.attention.shared_prefix import share_prefix
-from server.engine.batch import BatchKind, GroupKey, Layout, LogitsRules, choose
+from server.engine.batch import BatchKind, GroupKey, Layout, LogitsRules, choose, moves
 from server.engine.decode import Decoder, Stepped
 from server.engine.kv_layout import kv_scheme
 from server.engine.prefill import Prefiller
@@ -134,13 +134,14 @@ class Engine:
         group = GroupKey(slot.namespace, target.adapter_identity, kind == BatchKind.SPECULATING)
         return SeqFacts(group=group, batchable=kind != BatchKind.SOLO,
                         prefill_together=not speculating and slot.plain_kv and slot.base and target.adapter is None,
-                        window=slot.window, batch_kind=str(kind))
+                        window=slot.window, batch_kind=str(kind), moves=moves(kind, slot.cache_facts))
 
     def _facts_in(self, seq, group: GroupKey) -> SeqFacts:
         """A sequence's facts once it decodes in ``group`` (a speculating batch dissolved into the plain one)."""
-        kind = choose(self.config.layout, self._work_of(seq).slot.cache_facts, group.speculating)
+        cache_facts = self._work_of(seq).slot.cache_facts
+        kind = choose(self.config.layout, cache_facts, group.speculating)
         return SeqFacts(group=group, batchable=kind != BatchKind.SOLO, prefill_together=False,
-                        window=seq.facts.window, batch_kind=str(kind))
+                        window=seq.facts.window, batch_kind=str(kind), moves=moves(kind, cache_facts))
 
     # -- admission and prefill ---------------------------------------------------------------------------------
     def admit(self, seq) -> Admitted:

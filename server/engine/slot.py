@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from models.attention import attention_path
 from models.attention.cpu import routes as routes_cpu_attention
@@ -42,7 +42,11 @@ class ModelSlot:
         self.plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)  # the ragged/prefill layouts
         self.trimmable = can_rewind(layers)  # drafts can be verified (rejected ones taken back: spec.rewind)
         self.mergeable = can_batch(self.new_caches())  # its rows may join a decode batch
-        self.cache_facts = CacheFacts(plain_kv=self.plain_kv, mergeable=self.mergeable)
+        recurrent = any(isinstance(c, ArraysCache) for c in layers)
+        ragged = kv_bits is None and any(type(c) is KVCache for c in layers) and all(
+            type(c) is KVCache or isinstance(c, ArraysCache) for c in layers)
+        self.cache_facts = CacheFacts(plain_kv=self.plain_kv, mergeable=self.mergeable, recurrent=recurrent,
+                                      ragged=ragged)
         # a hit's caches may read the cached entry where it lies (models.attention.shared_prefix): plain KV layers, and every
         # attention of the model through models.attention.cpu (which reads segments); read_shared_prefix False
         # (--debug-copy-hits): every hit copies, to compare

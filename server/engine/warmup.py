@@ -31,7 +31,7 @@ def warm_up(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -> None
             mx.eval(model(mx.array([[1]]), cache=caches))
         kind = choose(layout, slot.cache_facts, speculating=False)
         if kind != BatchKind.SOLO:
-            batch = make(kind, model, layout, stream)
+            batch = make(kind, model, layout, stream, slot.cache_facts)
             rows = []
             for n in (3, 5):
                 c = slot.new_caches()

@@ -49,6 +49,7 @@ class SeqFacts:
     prefill_together: bool = False  # its prefill chunks may join a batched prefill forward
     window: Optional[int] = None  # the model's smallest sliding window (None: no sliding-window layer)
     batch_kind: str = "solo"  # the kind of its group's batch (server.engine.batch.choose), for /stats
+    moves: bool = True  # it may move between decoding on its own and its group's batch (its caches allow it)
 
 
 @dataclass(frozen=True)

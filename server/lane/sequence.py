@@ -144,7 +144,7 @@ class Sequence:
         """May it move between solo decoding and its group's batch? The move recomputes the one token the pipelined
         decoder fed ahead, so its caches must be trimmable by one (no sliding window has wrapped yet), and it may
         not have a grammar (its processor must see each sampled token exactly once)."""
-        if not self.facts.batchable or self.params.grammar is not None:
+        if not self.facts.batchable or not self.facts.moves or self.params.grammar is not None:
             return False
         window = self.facts.window
         return window is None or len(self.prompt) + len(self.generated) < window

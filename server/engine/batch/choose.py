@@ -1,9 +1,10 @@
 """Which batch kind a group of rows gets: the one place a kind is picked, from declared facts.
 
     plain rows       ``ragged`` where the layout is wanted (``--batch-layout``; ``auto``: the CPU, and CUDA where the
-                     fused attention kernel reads each row's own columns) and every layer is a plain ``KVCache``;
-                     else ``mlx`` (mlx-lm's GenerationBatch) where the caches merge (sliding windows, recurrent state);
-                     else none: each sequence decodes ``solo`` (quantized KV cannot merge)
+                     fused attention kernel reads each row's own columns) and every layer is a plain ``KVCache`` or a
+                     hybrid's recurrent state (server.engine.batch.ragged_states); else ``mlx`` (mlx-lm's
+                     GenerationBatch) where the caches merge (sliding windows); else none: each sequence decodes
+                     ``solo`` (quantized KV cannot merge)
     speculating      ``speculating`` (drafts verified together) where every layer is a plain ``KVCache`` and
                      ``--no-spec-batch`` is not given; else ``solo``
 
@@ -12,7 +13,10 @@ ran in 0.57-0.62x of the wall of mlx-lm's layout; with MLX's masked attention th
 as mlx-lm's layout at 8-16 rows ("The decode batch's layout on the H200"): so ``auto`` is mlx on a GPU without the
 kernel (Metal, or ``--attention mlx``).
 
-``make(kind, model, layout)`` builds an empty batch of the kind. Only the lane thread touches a batch.
+A model with recurrent state never pipelines (a decoder that fed a token ahead could not take it back): its ragged
+batch and its solo decoder feed each token when the next is asked for, so a row moves between them exactly
+(``moves``). ``make(kind, model, layout, stream, caches)`` builds an empty batch of the kind. Only the lane thread
+touches a batch.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from server.engine.batch.ragged import RaggedBatch
 from server.engine.batch.solo import SoloBatch
 from server.engine.batch.speculating import SpeculatingBatch
 
-__all__ = ["BatchKind", "CacheFacts", "Layout", "choose", "make"]
+__all__ = ["BatchKind", "CacheFacts", "Layout", "choose", "make", "moves", "pipelined"]
 
 
 class BatchKind(str, enum.Enum):
@@ -46,6 +50,12 @@ class CacheFacts:
 
     plain_kv: bool  # every layer a plain KVCache, not quantized
     mergeable: bool  # every layer's class merges into mlx-lm's batch caches
+    recurrent: bool = False  # some layers hold recurrent state (linear attention, SSM): nothing can be taken back
+    ragged: Optional[bool] = None  # the ragged layout holds its layers (None: plain_kv)
+
+    @property
+    def holds_ragged(self) -> bool:
+        return self.plain_kv if self.ragged is None else self.ragged
 
 
 @dataclass(frozen=True)
@@ -68,17 +78,30 @@ def choose(layout: Layout, caches: CacheFacts, speculating: bool) -> BatchKind:
     """The batch kind of a group (see the module docstring); SOLO: its sequences decode on their own."""
     if speculating:
         return BatchKind.SPECULATING if caches.plain_kv and layout.spec_in_batch else BatchKind.SOLO
-    if caches.plain_kv and layout.wants_ragged():
+    if caches.holds_ragged and layout.wants_ragged():
         return BatchKind.RAGGED
     return BatchKind.MLX if caches.mergeable else BatchKind.SOLO
 
 
-def make(kind: BatchKind, model, layout: Layout, stream: Optional[object] = None) -> Batch:
-    """An empty batch of ``kind`` for ``model``."""
+def pipelined(layout: Layout, caches: CacheFacts) -> bool:
+    """Does a decoder run a forward ahead of the tokens it returned (the GPU's overlap)? Never over recurrent state."""
+    return layout.gpu and not caches.recurrent
+
+
+def moves(kind: BatchKind, caches: CacheFacts) -> bool:
+    """May a row move between its solo decoder and its group's batch? A move hands over caches that cover the row's
+    history but its next input: caches that can take a token back always can; recurrent state only between the
+    non-pipelined ragged batch and solo decoder (mlx-lm's batch has fed its returned tokens already)."""
+    return not caches.recurrent or kind == BatchKind.RAGGED
+
+
+def make(kind: BatchKind, model, layout: Layout, stream: Optional[object] = None,
+         caches: CacheFacts = CacheFacts(plain_kv=True, mergeable=True)) -> Batch:
+    """An empty batch of ``kind`` for ``model`` (whose caches are ``caches``)."""
     if kind == BatchKind.SPECULATING:
         return SpeculatingBatch(model, draft_batch=layout.draft_batch)
-    if kind == BatchKind.RAGGED:
-        return RaggedBatch(model, pipelined=layout.gpu)  # on a GPU the lane's Python runs during the forward
+    if kind == BatchKind.RAGGED:  # on a GPU the lane's Python runs during the forward
+        return RaggedBatch(model, pipelined=pipelined(layout, caches))
     if kind == BatchKind.MLX:
         return MlxBatch(model, clear_cache=layout.gpu)
-    return SoloBatch(model, stream)
+    return SoloBatch(model, stream, pipelined=not caches.recurrent)

@@ -44,7 +44,8 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
 from server.engine.batch.protocol import Covered, Emitted, Row, RowList
-from server.engine.batch.ragged_kv import RaggedKV, holds
+from server.engine.batch.ragged_kv import RaggedKV, holds_kv
+from server.engine.batch.ragged_states import HybridRagged, is_state
 from server.engine.batch.rules import LogitsRules, apply_rules
 from server.engine.sampling import sample_rows
 
@@ -85,8 +86,15 @@ class RaggedBatch(RowList):
         return self._kv.nbytes if self._kv is not None else 0
 
     def accepts(self, row: Row) -> bool:
-        """Rows that do not speculate, whose every layer is a plain KVCache (``RaggedKV.holds``)."""
-        return row.draft is None and holds(row.caches)
+        """Rows that do not speculate, whose layers are plain KVCache layers (``RaggedKV``) and, for a hybrid model,
+        recurrent-state layers (``HybridRagged``); all rows of one batch have the same layers."""
+        if row.draft is not None or not row.caches:
+            return False
+        kv = [c for c in row.caches if not is_state(c)]
+        if not kv or not holds_kv(kv):
+            return False
+        hybrid = len(kv) < len(row.caches)
+        return self._kv is None or isinstance(self._kv, HybridRagged) == hybrid
 
     def add(self, rows: Sequence[Row]) -> None:
         """These rows join: their KV goes into free slots (no forward, no copy of the running rows); their last
@@ -98,7 +106,8 @@ class RaggedBatch(RowList):
                 raise ValueError("a ragged batch holds rows of plain KVCache layers that do not speculate")
         caches = [r.caches for r in rows]
         if self._kv is None:
-            self._kv = RaggedKV.from_rows(caches)
+            hybrid = any(is_state(c) for c in caches[0])
+            self._kv = (HybridRagged if hybrid else RaggedKV).from_rows(caches)
         else:
             self._kv.extend(caches)
         for r in rows:

@@ -44,12 +44,12 @@ from mlx_lm.models.cache import KVCache
 
 from models.attention.shared_prefix import SharedPrefixKVCache
 
-__all__ = ["RaggedKV", "holds"]
+__all__ = ["RaggedKV", "holds_kv"]
 
 _STEP = 256  # buffer growth, in positions (as mlx-lm's caches)
 
 
-def holds(caches: list) -> bool:
+def holds_kv(caches: list) -> bool:
     """Can a RaggedKV hold this row: every layer a plain KVCache (a hit's SharedPrefixKVCache is read in place)?"""
     return bool(caches) and all(type(c) is KVCache or isinstance(c, SharedPrefixKVCache) for c in caches)
 
@@ -101,7 +101,7 @@ class RaggedKV:
             return
         lengths = [int(r[0].offset) for r in rows]
         for row in rows:
-            if not holds(row):
+            if not holds_kv(row):
                 kinds = ", ".join(sorted({type(c).__name__ for c in row}))
                 raise TypeError(f"RaggedKV holds plain KVCache layers, got {kinds}")
         first = len(self.lengths)

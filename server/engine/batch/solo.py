@@ -33,8 +33,12 @@ __all__ = ["SoloBatch", "PlainDecode"]
 
 
 class PlainDecode:
+    """Plain decode steps (see the module docstring). ``pipelined`` False (a model with recurrent state, whose caches
+    cannot take a token back): each token is fed only when the next is asked for, so that whenever the decoder stops
+    its caches cover everything but the last token it yielded, and the row can move into a batch exactly."""
+
     def __init__(self, model, caches: list, prompt: Sequence[int], *, max_tokens: int, sampler,
-                 processors_for: Callable[[Sequence[int]], list], stream):
+                 processors_for: Callable[[Sequence[int]], list], stream, pipelined: bool = True):
         self.model = model
         self.caches = caches
         self.prompt = prompt
@@ -42,6 +46,7 @@ class PlainDecode:
         self.sampler = sampler
         self.processors_for = processors_for  # history -> logits processors that see it
         self.stream = stream
+        self.pipelined = pipelined
         self.fed_generated = 0
         self._rest = None
         self._yielded = 0
@@ -54,6 +59,9 @@ class PlainDecode:
         yield first, logprobs
         if self.max_tokens == 1:
             return
+        if not self.pipelined:
+            yield from self._one_at_a_time(first)
+            return
         self._rest = generate_step(
             mx.array([first]), self.model, self.stream, max_tokens=self.max_tokens - 1,
             sampler=self.sampler, logits_processors=self.processors_for(list(self.prompt)),
@@ -64,6 +72,23 @@ class PlainDecode:
             self.fed_generated = self._yielded  # generate_step feeds each token before yielding it
             yield token, lp
         self.fed_generated = self._yielded
+
+    def _one_at_a_time(self, first: int) -> Iterator[tuple[int, mx.array]]:
+        """Feed the last token, sample the next, yield it: no forward runs ahead of what was asked."""
+        processors = self.processors_for(list(self.prompt))
+        generated = [first]
+        while self._yielded < self.max_tokens:
+            fed = mx.array(generated, dtype=mx.uint32)
+            logits = self.model(mx.array([[generated[-1]]]), cache=self.caches)[:, -1, :]
+            for proc in processors:
+                logits = proc(fed, logits)
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            token = self.sampler(logprobs)
+            mx.eval(token, logprobs)
+            self.fed_generated = len(generated)
+            generated.append(token.item())
+            self._yielded += 1
+            yield generated[-1], logprobs.squeeze(0)
 
     def _first_token(self) -> tuple[int, mx.array]:
         last = mx.array(self.prompt[-1:])
@@ -87,8 +112,9 @@ class SoloBatch:
 
     kind: ClassVar[str] = "solo"
 
-    def __init__(self, model, stream=None):
+    def __init__(self, model, stream=None, pipelined: bool = True):
         self.model = model
+        self.pipelined = pipelined  # False: a model with recurrent state (see PlainDecode)
         self.stream = stream if stream is not None else mx.default_stream(mx.default_device())
         self.steps = 0
         self.row_steps = 0
@@ -167,5 +193,5 @@ class SoloBatch:
                 logits_processors=row.rules.processors(history[:-1]), max_tokens=left,
                 num_draft_tokens=d.max_draft, stream=self.stream, policy=d.policy, stats=d.stats)
         return PlainDecode(self.model, row.caches, history, max_tokens=left, sampler=sampler,
-                           stream=self.stream, processors_for=row.rules.processors)
+                           stream=self.stream, processors_for=row.rules.processors, pipelined=self.pipelined)
 

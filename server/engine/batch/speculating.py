@@ -46,7 +46,7 @@ import mlx.core as mx
 
 from server.engine.batch.drafts import DraftBatch
 from server.engine.batch.protocol import Covered, Emitted, Row, RowList
-from server.engine.batch.ragged_kv import RaggedKV, holds
+from server.engine.batch.ragged_kv import RaggedKV, holds_kv
 from server.engine.batch.rules import Penalties, penalise, penalty_windows
 from server.engine.sampling import PENALTY_CONTEXT
 from spec import BatchVerifyCost, SpecStats
@@ -144,7 +144,7 @@ class SpeculatingBatch(RowList):
     def accepts(self, row: Row) -> bool:
         """Rows that speculate, whose every layer is a plain KVCache and that have no grammar (its processor is
         stateful and sees each token once: a verify step samples several positions)."""
-        return row.draft is not None and row.rules.grammar is None and holds(row.caches)
+        return row.draft is not None and row.rules.grammar is None and holds_kv(row.caches)
 
     def add(self, rows: Sequence[Row]) -> None:
         """These rows join: their KV goes into free slots; each row's source hears its history."""

@@ -1,0 +1,182 @@
+"""Hybrid models (recurrent state beside attention) batched exactly (issue 35): rows of a tiny random qwen3-next of
+different lengths, joining and leaving at different steps, each give the tokens they give alone; a row moves
+between its solo decoder and the batch without a token fed twice (recurrent state cannot take one back: neither
+side runs ahead); what leaves covers exactly its history but the next input. Before, a row that migrated from
+solo decoding into the batch had its caches "trimmed" by a token they silently kept (mlx-lm's trim refuses an
+ArraysCache), so it fed that token twice and its text differed."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+
+from server.engine.batch import BatchKind, CacheFacts, Layout, Row, choose, moves
+from server.engine.batch.ragged import RaggedBatch
+from server.engine.batch.solo import SoloBatch
+
+
+def tiny_qwen3_next(seed: int = 0, vocab: int = 97):
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3_next
+
+    args = qwen3_next.ModelArgs.from_dict({
+        "model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 64, "mlp_only_layers": [], "moe_intermediate_size": 32,
+        "rms_norm_eps": 1e-6, "vocab_size": vocab, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+        "max_position_embeddings": 4096, "full_attention_interval": 2, "tie_word_embeddings": False})
+    mx.random.seed(seed)
+    model = qwen3_next.Model(args)
+    weights = dict(tree_flatten(model.parameters()))
+    weights["model.embed_tokens.weight"] = mx.random.normal(weights["model.embed_tokens.weight"].shape)
+    model.load_weights(list(weights.items()))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_qwen3_next()
+    kinds = {type(c) for c in make_prompt_cache(m)}
+    assert kinds == {KVCache, ArraysCache}  # a hybrid: attention and recurrent layers
+    return m
+
+
+class Seq:
+    def __init__(self, prompt, max_tokens=64):
+        self.prompt, self.generated = list(prompt), []
+        self.params = type("P", (), {"max_tokens": max_tokens})()
+
+
+def own_caches(model, tokens):
+    caches = make_prompt_cache(model)
+    mx.eval(model(mx.array(tokens)[None], cache=caches))
+    return caches
+
+
+def alone(model, prompt, n):
+    caches = own_caches(model, prompt[:-1])
+    return [int(t) for t, _ in generate_step(mx.array(prompt[-1:]), model, max_tokens=n, prompt_cache=caches)]
+
+
+PROMPTS = [list(range(3, 40)), list(range(50, 57)), [9, 8, 7, 6, 5, 4, 3, 2, 1] * 3, list(range(60, 64))]
+HYBRID = CacheFacts(plain_kv=False, mergeable=True, recurrent=True, ragged=True)
+
+
+def test_a_hybrid_batches_in_the_ragged_layout_and_moves_only_where_nothing_runs_ahead():
+    cpu, gpu = Layout(), Layout(gpu=True, fused_attention=True)
+    assert choose(cpu, HYBRID, False) == choose(gpu, HYBRID, False) == BatchKind.RAGGED
+    assert moves(BatchKind.RAGGED, HYBRID) and not moves(BatchKind.MLX, HYBRID)
+    assert choose(Layout(gpu=True), HYBRID, False) == BatchKind.MLX  # no fused kernel (Metal): mlx-lm's batch
+
+
+def test_hybrid_rows_joining_and_leaving_at_different_steps_give_their_alone_tokens(model):
+    want = {i: alone(model, p, 12) for i, p in enumerate(PROMPTS)}
+    batch = RaggedBatch(model)
+    seqs = [Seq(p) for p in PROMPTS]
+    joins = {0: [0, 1], 3: [2], 5: [3]}
+    for step in range(40):
+        for i in joins.get(step, []):
+            batch.add([Row(seqs[i], own_caches(model, PROMPTS[i][:-1]), PROMPTS[i])])
+        for out in batch.step():
+            out.seq.generated.append(out.token)
+        done = [s for s in seqs if s in batch and len(s.generated) >= 12]
+        for s, cov in zip(done, batch.remove(done)):
+            assert cov.tokens == s.prompt + s.generated[:-1]  # its history but the next input, exactly
+            assert all(c.offset == len(cov.tokens) for c in cov.caches if isinstance(c, KVCache))
+            assert any(isinstance(c, ArraysCache) and c.cache[0] is not None for c in cov.caches)
+        if not len(batch) and step > 5:
+            break
+    for i, s in enumerate(seqs):
+        assert s.generated[:12] == want[i], i
+
+
+def test_a_hybrid_row_moves_solo_to_batch_to_solo_without_feeding_a_token_twice(model):
+    """The lane's moves: a row decodes alone (the non-pipelined solo decoder), joins the batch beside another,
+    leaves it again: its tokens are those it makes alone all the way."""
+    prompt, other = PROMPTS[0], PROMPTS[1]
+    want = alone(model, prompt, 15)
+    a, b = Seq(prompt), Seq(other)
+    solo = SoloBatch(model, pipelined=False)
+    solo.add([Row(a, own_caches(model, prompt[:-1]), prompt)])
+    for _ in range(5):
+        (out,) = solo.step()
+        a.generated.append(out.token)
+    (cov,) = solo.remove([a])
+    history = a.prompt + a.generated
+    assert cov.tokens == history[:-1]  # nothing ran ahead: no token to take back
+    batch = RaggedBatch(model)
+    batch.add([Row(a, cov.caches, history), Row(b, own_caches(model, other[:-1]), other)])
+    for _ in range(5):
+        for out in batch.step():
+            out.seq.generated.append(out.token)
+    (cov,) = batch.remove([a])
+    history = a.prompt + a.generated
+    assert cov.tokens == history[:-1]
+    solo = SoloBatch(model, pipelined=False)
+    solo.add([Row(a, cov.caches, history)])
+    for _ in range(5):
+        (out,) = solo.step()
+        a.generated.append(out.token)
+    assert a.generated == want
+    assert b.generated == alone(model, other, 5)
+
+
+def test_on_the_lane_four_hybrid_requests_arriving_at_different_times_make_their_alone_tokens(model):
+    """The real engine and lane: the first request decodes alone (solo), the next ones join it in the ragged batch
+    as they arrive, the batch shrinks as they end; every request makes the tokens it makes alone, and each stored
+    entry covers exactly what it computed (nothing is refused as "caches cover N tokens, expected N-1")."""
+    from types import SimpleNamespace
+
+    from cache.prompt_cache import PromptCache
+    from server.engine.engine import Engine, EngineConfig
+    from server.lane.events import SamplingParams
+    from server.lane.lane import Lane
+    from server.lane.sequence import Phase, Sequence
+    from server.stats import ServingStats
+    from tests.fixtures.tiny_models import IdTokenizer
+
+    def lane_of(max_batch):
+        loaded = SimpleNamespace(model=model, tokenizer=IdTokenizer(), fingerprint="h" * 16)
+        cache, stats = PromptCache(1 << 26), ServingStats()
+        engine = Engine(loaded, cache, stats, EngineConfig(prefill_chunk=16))
+        engine.bind_stream()
+        return Lane(engine, cache, stats, max_batch=max_batch), cache
+
+    def submit(lane, name, prompt, n=10):
+        target = lane.engine.base_target()
+        params = SamplingParams(max_tokens=n, temperature=0.0)
+        seq = Sequence(prompt=list(prompt), params=params, sink=lambda e: None, id=name, target=target,
+                       ns=lane.engine.namespace_for(target, params))
+        lane.submit(seq)
+        return seq
+
+    want = {}
+    for i, p in enumerate(PROMPTS):
+        lane, _ = lane_of(1)
+        s = submit(lane, str(i), p)
+        while not lane.idle():
+            lane.tick()
+        want[i] = list(s.generated)
+        assert want[i] == alone(model, p, 10)
+    lane, cache = lane_of(8)
+    ARRIVALS = [0, 5, 7, 9]  # the first decodes alone by the time the second arrives
+    seqs, phases = {}, set()
+    for tick in range(200):
+        if tick in ARRIVALS:
+            i = ARRIVALS.index(tick)
+            seqs[i] = submit(lane, str(i), PROMPTS[i])
+        if lane.idle() and len(seqs) == 4:
+            break
+        lane.tick()
+        phases |= {(s.id, s.phase) for s in seqs.values()}
+    assert {("0", Phase.SOLO), ("0", Phase.BATCHED)} <= phases  # the first moved from solo into the batch
+    for i, s in seqs.items():
+        assert list(s.generated) == want[i], i
+        assert s.stored == len(s.prompt) + 10 - 1  # its whole run was stored (all but the last token, unfed)
+    for i, s in seqs.items():  # the prompt-boundary entry (a hybrid's caches cannot be cut back) and the run
+        assert {(s.ns, tuple(s.prompt[:-1])), (s.ns, tuple(s.prompt + s.generated[:-1]))} <= set(cache.keys()), i
