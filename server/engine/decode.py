@@ -194,6 +194,6 @@ class Decoder:
 
     def describe(self) -> list[dict]:
         """Each group's batch for /stats: its kind, rows and steps."""
-        return [{"model": g.model[:16], "adapter": g.adapter[:16] if g.adapter else None,
+        return [{"model": g.model, "adapter": g.adapter[:16] if g.adapter else None,
                  "speculating": g.speculating, "kind": b.kind, "rows": len(b), "steps": b.steps,
                  "row_steps": b.row_steps} for g, b in self.groups.items()]

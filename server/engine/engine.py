@@ -131,7 +131,9 @@ class Engine:
         slot = target.slot
         speculating = bool(self.draft_tokens(target, seq.params))
         kind = choose(self.config.layout, slot.cache_facts, speculating)
-        group = GroupKey(slot.namespace, target.adapter_identity, kind == BatchKind.SPECULATING)
+        # the model by name, not by namespace: every rank of a sharded model has its own shard's namespace, and the
+        # plans rank 0 broadcasts name groups
+        group = GroupKey(slot.name, target.adapter_identity, kind == BatchKind.SPECULATING)
         return SeqFacts(group=group, batchable=kind != BatchKind.SOLO,
                         prefill_together=not speculating and slot.plain_kv and slot.base and target.adapter is None,
                         window=slot.window, batch_kind=str(kind), moves=moves(kind, slot.cache_facts))

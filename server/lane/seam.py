@@ -19,8 +19,8 @@ __all__ = ["GroupKey", "SeqFacts", "Admitted", "Prefilled", "Emitted", "Covered"
 
 @dataclass(frozen=True)
 class GroupKey:
-    """Which rows may share one forward: those of one model (its cache namespace), one LoRA adapter (its identity, or
-    None for the model's own weights), speculating or not."""
+    """Which rows may share one forward: those of one model (its name: the same on every rank of a sharded model),
+    one LoRA adapter (its identity, or None for the model's own weights), speculating or not."""
 
     model: str
     adapter: Optional[str] = None
