@@ -15,7 +15,9 @@ KVCache and QuantizedKVCache are sliced to the kept length, so a stored entry's 
 (keys may be allocated past `offset` in steps of 256; that padding stays in the shared buffer, unseen).
 RotatingKVCache keeps its ring as is: `trim` only moves offset/_idx, which mlx-lm handles while it is trimmable
 (offset < max_size, i.e. the ring has not wrapped and is still in temporal order).
-Unknown classes fall back to `copy.deepcopy` (a real copy), then `trim`.
+Unknown classes fall back to `copy.deepcopy` (a real copy), then `trim`. A `cache.checkpoints.Checkpointed` layer (an
+untrimmable layer with snapshots at earlier positions) forks whole for an entry, and for a taker (`unwrap`) becomes
+the plain layer at the position cut back to (its end, or one of its snapshots).
 
 `cache` depends on no package of ours; mlx-lm is the library whose cache classes we fork.
 """
@@ -28,6 +30,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlc
+
+from cache.checkpoints import Checkpointed
 
 __all__ = ["all_trimmable", "fork", "iter_offsets", "total_nbytes"]
 
@@ -123,23 +127,36 @@ def _arrays(value: Any) -> Iterator[mx.array]:
             yield from _arrays(v)
 
 
-def fork(caches: Sequence[Any], *, trim: int = 0) -> list[Any]:
+def fork(caches: Sequence[Any], *, trim: int = 0, unwrap: bool = False) -> list[Any]:
     """New per-layer cache objects over the same arrays, with the last `trim` tokens dropped.
 
     The caller owns the result and may extend it freely; `caches` are only read. `trim > 0` requires every cache to
-    be trimmable (ValueError otherwise: trimming an untrimmable cache silently would change the generated text).
+    be trimmable or checkpointed there (ValueError otherwise: trimming an untrimmable cache silently would change the
+    generated text). `unwrap`: a taker's caches, checkpointed layers as plain ones (what a model computes with).
     The result is evaluated (views: no bytes copied) so it holds no lazy graph pointing back at `caches`; arrays the
     caller left lazy get computed here, which the durability writer relies on (it serializes evaluated arrays).
     """
     if trim < 0:
         raise ValueError(f"trim must be >= 0, got {trim}")
-    if trim and not all_trimmable(caches):
-        raise ValueError("cannot trim: not every cache is trimmable")
-    out = [_fork_one(c, trim) for c in caches]
+    if trim and not all(c.is_trimmable() or (isinstance(c, Checkpointed) and c.offset - trim in c.points)
+                        for c in caches):
+        raise ValueError("cannot trim: not every cache is trimmable (or checkpointed there)")
+    out = [_fork_checkpointed(c, trim, unwrap) if isinstance(c, Checkpointed) else _fork_one(c, trim)
+           for c in caches]
     arrays = [a for c in out for a in _arrays(getattr(c, "state", ()))]
     if arrays:
         mx.eval(arrays)
     return out
+
+
+def _fork_checkpointed(cache: Checkpointed, trim: int, unwrap: bool) -> Any:
+    if unwrap:
+        position = cache.offset - trim
+        return _fork_one(cache.inner if position == cache.offset else cache.snapshots[position], 0)
+    if trim:
+        raise ValueError("a checkpointed layer is stored whole: cut it back only for a taker (unwrap)")
+    return Checkpointed(_fork_one(cache.inner, 0), cache.offset,
+                        {p: _fork_one(s, 0) for p, s in cache.snapshots.items()})
 
 
 def all_trimmable(caches: Iterable[Any]) -> bool:

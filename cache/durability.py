@@ -51,7 +51,7 @@ class _Pending:
     tokens: tuple[int, ...]
     snap: Any  # kvfile.Encoded (or whatever `capture` returns)
     nbytes: int
-    trimmable: bool
+    trimmable: Any  # its reach (cache.prefix): True, False, or the positions it can be cut back to
     created: float  # first schedule of this key: age, and "oldest" for the budget
     due: float  # debounce deadline
     not_before: float = 0.0  # retry backoff deadline (flush does not skip it)
@@ -124,7 +124,7 @@ class DurabilityCoordinator:
             return False
         now = self._clock()
         wait = self._debounce if delay is None else max(0.0, float(delay))
-        item = _Pending(ns, key[1], snap, int(snap.nbytes), bool(snap.trimmable), now, now + wait)
+        item = _Pending(ns, key[1], snap, int(snap.nbytes), snap.trimmable, now, now + wait)
         with self._cond:
             old = self._pending.pop(key, None)
             if old is not None:

@@ -9,7 +9,8 @@ A file holds the KV state of one token sequence for every layer of a model:
               buffer (mlx-lm allocates KV buffers in steps of 256; the tail past `offset` is not stored);
     metadata  one key, "mlx_lane", whose value is JSON:
               {"format": "mlx-lane-kv", "version": 1, "fingerprint", "ns", "ns_hash", "tokens": [ids],
-               "trimmable": bool, "nbytes": int, "layers": [{"tag": class tag, "meta": {ints}}], "extra": {}}
+               "trimmable": bool or [positions] (its reach: cache.prefix), "nbytes": int,
+               "layers": [{"tag": class tag, "meta": {ints}}], "extra": {}}
 
 Contract:
 - The caches of an entry cover exactly its `tokens`: the store trims a restored entry by `len(tokens) - p`.
@@ -43,6 +44,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from cache import filelocks
+from cache.checkpoints import Checkpointed, reach_of
 
 __all__ = ["FORMAT", "VERSION", "KVFileError", "KVHeader", "KVFile", "Encoded", "encode", "save", "load",
            "read_header", "ns_hash"]
@@ -72,7 +74,7 @@ class KVHeader:
     ns: str
     ns_hash: str
     tokens: tuple[int, ...]
-    trimmable: bool
+    trimmable: Any  # its reach (cache.prefix): True, False, or the positions it can be cut back to
     nbytes: int  # tensor bytes (the file is a little larger)
     layers: tuple[dict, ...]
     extra: dict
@@ -93,7 +95,7 @@ class Encoded:
 
     arrays: dict[str, mx.array]
     layers: tuple[dict, ...]
-    trimmable: bool
+    trimmable: Any  # its reach (cache.prefix): True, False, or the positions it can be cut back to
     nbytes: int
 
 
@@ -208,6 +210,33 @@ def _dec_arrays(meta: dict, get: Get, depth: int) -> ArraysCache:
     return c
 
 
+def _enc_ckpt(c: Checkpointed, put: Put) -> dict:
+    """A checkpointed layer (cache.checkpoints): its inner layer, then each snapshot, each in its own codec."""
+    inner = _tag_of(c.inner)
+    snaps = []
+    for j, (position, snap) in enumerate(sorted(c.snapshots.items())):
+        if _tag_of(snap) != inner:
+            raise TypeError("a checkpoint's class differs from its layer's")
+        snaps.append({"position": position, "meta": _CODECS[inner].encode(snap, _prefixed(put, f"s{j}."))})
+    return {"offset": c.offset, "tag": inner, "inner": _CODECS[inner].encode(c.inner, _prefixed(put, "i.")),
+            "snapshots": snaps}
+
+
+def _dec_ckpt(meta: dict, get: Get, depth: int) -> Checkpointed:
+    offset, snaps = _int(meta, "offset"), meta.get("snapshots")
+    if meta.get("tag") in ("ckpt", "CacheList") or not isinstance(snaps, list) or len(snaps) > 4096:
+        raise KVFileError("bad checkpointed layer")
+    inner = _decode_layer({"tag": meta.get("tag"), "meta": meta.get("inner")}, lambda p: get("i." + p), depth + 1)
+    out = {}
+    for j, s in enumerate(snaps):
+        if not isinstance(s, dict):
+            raise KVFileError("bad checkpoint")
+        position = _int(s, "position", 1, max(1, offset - 1))
+        out[position] = _decode_layer({"tag": meta["tag"], "meta": s.get("meta")},
+                                      lambda p, j=j: get(f"s{j}.{p}"), depth + 1)
+    return Checkpointed(inner, offset, out)
+
+
 def _enc_list(c: CacheList, put: Put) -> dict:
     children = []
     for j, child in enumerate(c.caches):
@@ -238,6 +267,7 @@ _CODECS: dict[str, _Codec] = {
     "QuantizedKVCache": _Codec(QuantizedKVCache, _enc_quant, _dec_quant),
     "ArraysCache": _Codec(ArraysCache, _enc_arrays, _dec_arrays),
     "CacheList": _Codec(CacheList, _enc_list, _dec_list),
+    "ckpt": _Codec(Checkpointed, _enc_ckpt, _dec_ckpt),
 }
 _TAGS: dict[type, str] = {codec.cls: tag for tag, codec in _CODECS.items()}
 
@@ -282,7 +312,7 @@ def encode(caches: Sequence[Any]) -> Encoded:
         tag = _tag_of(c)
         layers.append({"tag": tag, "meta": _CODECS[tag].encode(c, _prefixed(put, f"{i}."))})
     mx.eval(list(arrays.values()))
-    trimmable = all(c.is_trimmable() for c in caches)
+    trimmable = reach_of(list(caches))
     return Encoded(arrays, tuple(layers), trimmable, sum(x.nbytes for x in arrays.values()))
 
 
@@ -377,14 +407,21 @@ def read_header(path: str | os.PathLike, *, expect_fingerprint: str | None = Non
         raise KVFileError("bad fingerprint or namespace fields")
     if not isinstance(tokens, list) or any(type(t) is not int or not 0 <= t < _MAX_TOKEN for t in tokens):
         raise KVFileError("bad token ids")
-    if not isinstance(layers, list) or type(meta.get("trimmable")) is not bool or type(meta.get("nbytes")) is not int:
+    if not isinstance(layers, list) or type(meta.get("nbytes")) is not int or not _is_reach(meta.get("trimmable")):
         raise KVFileError("bad layer table")
     if expect_fingerprint is not None and fp != expect_fingerprint:
         raise KVFileError(f"model fingerprint {fp!r} != {expect_fingerprint!r}")
     if expect_ns is not None and ns != expect_ns:
         raise KVFileError("namespace mismatch")
     extra = meta.get("extra") if isinstance(meta.get("extra"), dict) else {}
-    return KVHeader(fp, ns, meta["ns_hash"], tuple(tokens), meta["trimmable"], meta["nbytes"], tuple(layers), extra)
+    reach = meta["trimmable"] if type(meta["trimmable"]) is bool else tuple(meta["trimmable"])
+    return KVHeader(fp, ns, meta["ns_hash"], tuple(tokens), reach, meta["nbytes"], tuple(layers), extra)
+
+
+def _is_reach(value: Any) -> bool:
+    """A header's reach (cache.prefix): a bool, or the positions its checkpoints cut it back to."""
+    return type(value) is bool or (isinstance(value, list) and len(value) <= 4096
+                                   and all(type(p) is int and 0 < p < _MAX_TOKEN for p in value))
 
 
 def load(path: str | os.PathLike, *, expect_fingerprint: str | None = None, expect_ns: str | None = None,

@@ -1,22 +1,27 @@
 """The one prefix rule of every cache tier: which entry may serve a prompt, and which entry makes another redundant.
 
 An entry is KV that covers exactly its tokens, under one namespace (the identity of what computed it: see
-``namespace``); ``trimmable`` says whether every layer's cache can be cut back to fewer tokens (mlx-lm's
-``is_trimmable()``: a sliding-window cache that wrapped, or a recurrent layer's state, cannot). The RAM tier
+``namespace``). Its ``trimmable`` (a *reach*) says to which fewer tokens it can be cut back: ``True``, any (every
+layer's cache is trimmable: mlx-lm's ``is_trimmable()``); ``False``, none (a sliding-window cache that wrapped, or a
+recurrent layer's state); or a tuple of positions, exactly those (an untrimmable entry that carries checkpoints of
+its untrimmable layers' state at those positions: cache.checkpoints). The RAM tier
 (cache.prompt_cache), the SSD store (cache.ssd_store) and the write-behind (cache.durability) decide with these
 functions only, so the tiers can never disagree about what a file or an entry is good for.
 
 ``usable(entry, trimmable, prompt) -> Usable | None``
     p = min(common prefix, len(prompt) - 1): at least one prompt token is always forwarded (it yields the first
     output token). An entry longer than p must be trimmed back to p, so it qualifies only when it is trimmable; an
-    untrimmable entry matches only when all its tokens are a prefix of the prompt and at most len(prompt) - 1 long.
+    untrimmable entry matches only when all its tokens are a prefix of the prompt and at most len(prompt) - 1 long;
+    an entry with checkpoints serves the greatest of its positions up to p (the longest reuse before the prompt
+    parts from it: a turn whose template re-renders the previous reply still reuses the history before it).
     p == 0 is no match. Ranking (``Usable.rank``, larger is better): the longest p, then the smaller trim, then the
     more recently used (the caller's clock: the RAM tier's LRU time, a file's mtime).
 
 ``supersedes(new, new_trimmable, old, old_anchor=False) -> bool``
     Within one namespace, ``old`` is redundant once ``new`` is stored: the same tokens, or a strict prefix of them
-    when ``new`` is trimmable (it can then serve every prompt ``old`` could, trimmed). An untrimmable entry never
-    supersedes its ancestors: a prompt-boundary snapshot of a sliding-window model must survive the longer entry.
+    when ``new`` can be cut back to ``old``'s length (trimmable, or a checkpoint there: it can then serve every
+    prompt ``old`` could). An untrimmable entry without that checkpoint never supersedes its ancestors: a
+    prompt-boundary snapshot of a sliding-window model must survive the longer entry.
     Nor is an anchor ever superseded by a longer entry: an anchor is a prefix kept on purpose (a client's cache
     breakpoint, a shared system prompt), so that it outlives the per-conversation entries that extend it.
     ``covers(entry, trimmable, tokens)`` is the same question asked the other way round: can ``entry`` serve all of
@@ -30,11 +35,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
-__all__ = ["Usable", "ids", "common_prefix", "is_prefix", "usable", "best_match", "supersedes",
+Reach = Union[bool, tuple]  # True: any position; False: none below its end; a tuple: exactly those positions
+
+__all__ = ["Reach", "Usable", "ids", "common_prefix", "is_prefix", "usable", "best_match", "supersedes",
            "covers", "namespace"]
 
 
@@ -86,7 +93,7 @@ def is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
     return len(short) <= len(long) and bool(np.array_equal(long[: len(short)], short))
 
 
-def usable(entry: np.ndarray, trimmable: bool, prompt: np.ndarray) -> Optional[Usable]:
+def usable(entry: np.ndarray, trimmable: Reach, prompt: np.ndarray) -> Optional[Usable]:
     """How ``entry`` can serve ``prompt`` (see the module docstring), or None."""
     cap = len(prompt) - 1
     n = len(entry)
@@ -98,10 +105,12 @@ def usable(entry: np.ndarray, trimmable: bool, prompt: np.ndarray) -> Optional[U
     if not trimmable:
         return None  # it would need a trim it cannot take
     p = min(common, cap)
+    if trimmable is not True:  # checkpoints: the greatest position it can be cut back to, within p
+        p = max((q for q in trimmable if q <= p), default=0)
     return Usable(p, n - p) if p > 0 else None
 
 
-def best_match(prompt: np.ndarray, candidates: Iterable[tuple[Any, np.ndarray, bool, float]]
+def best_match(prompt: np.ndarray, candidates: Iterable[tuple[Any, np.ndarray, Reach, float]]
                ) -> Optional[tuple[Any, Usable]]:
     """The candidate that serves ``prompt`` best, by ``Usable.rank``: ``candidates`` are (entry, tokens, trimmable,
     recency) of one namespace. Entries that cannot beat the best so far (shorter than its length) are not
@@ -120,14 +129,19 @@ def best_match(prompt: np.ndarray, candidates: Iterable[tuple[Any, np.ndarray, b
     return (best, best_use) if best is not None else None
 
 
-def supersedes(new: np.ndarray, new_trimmable: bool, old: np.ndarray, old_anchor: bool = False) -> bool:
+def supersedes(new: np.ndarray, new_trimmable: Reach, old: np.ndarray, old_anchor: bool = False) -> bool:
     """Is ``old`` redundant once ``new`` is stored (same namespace)? See the module docstring."""
-    if len(old) > len(new) or (len(old) < len(new) and (not new_trimmable or old_anchor)):
+    if len(old) > len(new) or (len(old) < len(new) and (not reaches(new_trimmable, len(old)) or old_anchor)):
         return False
     return bool(np.array_equal(new[: len(old)], old))
 
 
-def covers(entry: np.ndarray, trimmable: bool, tokens: np.ndarray) -> bool:
+def reaches(trimmable: Reach, position: int) -> bool:
+    """Can an entry of this reach be cut back to exactly ``position`` tokens?"""
+    return trimmable is True or (isinstance(trimmable, tuple) and position in trimmable)
+
+
+def covers(entry: np.ndarray, trimmable: Reach, tokens: np.ndarray) -> bool:
     """Can ``entry`` serve all of ``tokens``: the same tokens, or a trimmable extension of them?"""
     return supersedes(entry, trimmable, tokens)
 

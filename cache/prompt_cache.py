@@ -49,7 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from cache.copying import all_trimmable, fork, iter_offsets, total_nbytes
+from cache.checkpoints import reach_of
+from cache.copying import fork, iter_offsets, total_nbytes
 from cache.policy import LruSessionLast
 from cache.prefix import ids as _as_ids
 from cache.prefix import best_match, is_prefix, supersedes
@@ -73,7 +74,7 @@ class _Entry:
     ids: np.ndarray  # the same tokens, for vectorized prefix comparison
     caches: list  # never handed out, never mutated: takers get forks
     nbytes: int
-    trimmable: bool
+    trimmable: Any  # its reach (cache.prefix): True, False, or the positions its checkpoints cut it back to
     last_use: float
     sessions: set[str] = field(default_factory=set)
     anchor: bool = False  # kept on purpose: never superseded, evicted last (see put)
@@ -124,7 +125,7 @@ class PromptCache:
             if source == "session":
                 self._session_hits += 1
         # Outside the lock: the entry's caches are never mutated, and a concurrent clear() only unlinks them.
-        caches = fork(entry.caches, trim=len(entry.tokens) - length)
+        caches = fork(entry.caches, trim=len(entry.tokens) - length, unwrap=True)
         return CacheHit(caches=caches, length=length, source=source)
 
     def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None, *,
@@ -158,7 +159,7 @@ class PromptCache:
             ids=ids,
             caches=stored,
             nbytes=nbytes,
-            trimmable=all_trimmable(stored),
+            trimmable=reach_of(stored),
             last_use=self._clock(),
             anchor=anchor,
         )

@@ -91,7 +91,7 @@ class SSDMatch:
     length: int  # usable prefix p (0 < p <= len(prompt) - 1)
     entry_tokens: int  # tokens the file holds; the restore trims entry_tokens - length
     nbytes: int  # file size: what a restore reads
-    trimmable: bool
+    trimmable: Any  # its reach (cache.prefix): True, False, or the positions it can be cut back to
 
 
 class Restored(NamedTuple):
@@ -110,7 +110,7 @@ class _Entry:
     tokens: np.ndarray
     size: int
     mtime: float
-    trimmable: bool
+    trimmable: Any  # its reach (cache.prefix): True, False, or the positions it can be cut back to
 
 
 def _ids(tokens: Sequence[int]) -> np.ndarray:

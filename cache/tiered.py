@@ -149,7 +149,8 @@ class TieredCache:
             if loaded is not None and match.length > ram_len and not loaded.in_ram:
                 # Too big for RAM: serve this request from the restored objects themselves (forks of them).
                 self._count_ssd_hit(match.length)
-                return CacheHit(fork(loaded.caches, trim=len(loaded.tokens) - match.length), match.length, "ssd")
+                return CacheHit(fork(loaded.caches, trim=len(loaded.tokens) - match.length, unwrap=True),
+                                match.length, "ssd")
         hit = self._ram.take(tokens, ns, session)
         if hit is not None and loaded is not None and match is not None and hit.length == match.length:
             self._count_ssd_hit(hit.length)

@@ -29,7 +29,8 @@ from starlette.concurrency import run_in_threadpool
 from server.core.bridge import JobRun
 from server.core.context import CoreContext
 from server.core.output_parse import make_output_parser, prompt_opens_thinking
-from server.core.prompts import NO_BREAKPOINTS, breakpoint_marks, chat_grammar, render, sampling_params
+from server.core.prompts import (NO_BREAKPOINTS, breakpoint_marks, chat_grammar, history_end, render,
+                                 sampling_params)
 from server.core.request import GenerationRequest
 from server.errors import APIError, ShuttingDown
 from server.lane.events import Delta, Failed, Finished, SamplingParams, TokenLogprob
@@ -125,7 +126,7 @@ class Generation:
 
     def __init__(self, ctx: CoreContext, request: Request, prompt: list[int], params: SamplingParams,
                  target: Target, *, session: Optional[str], request_id: str, parser=None, anchors: tuple = (),
-                 last_breakpoint: int = 0):
+                 last_breakpoint: int = 0, checkpoints: tuple = ()):
         self.ctx = ctx
         self.prompt = prompt
         self.params = params
@@ -141,7 +142,7 @@ class Generation:
         ns = ctx.namespace_for(target, params)  # the one place, once: the prefetch and the lane use it
         _prefetch(ctx, prompt, ns, session)  # starts SSD reads while the sequence waits for the lane
         self.run = JobRun(ctx.lane, request, prompt, params, target, session, ctx.keepalive_s, request_id=self.id,
-                          ns=ns, anchors=anchors)
+                          ns=ns, anchors=anchors, checkpoints=checkpoints)
 
     async def __aenter__(self) -> "Generation":
         await self.run.__aenter__()
@@ -238,8 +239,12 @@ async def open_generation(ctx: CoreContext, request: Request, req: GenerationReq
             tok, tools=tools, in_reasoning=prompt_opens_thinking(tok, prompt),
             tool_specs=list(req.tools) if tools else None, custom_tools=req.custom_names if tools else ())
     marks = await run_in_threadpool(breakpoint_marks, tok, req, prompt) if req.breakpoints else NO_BREAKPOINTS
+    checkpoints = ()
+    if slot.needs_checkpoints:  # its caches cannot be cut back: keep their state where the next turn parts
+        end = await run_in_threadpool(history_end, tok, req, prompt)
+        checkpoints = (end,) if end is not None else ()
     return Generation(ctx, request, prompt, params, target, session=req.session, request_id=request_id,
-                      parser=parser, anchors=marks.anchors, last_breakpoint=marks.last)
+                      parser=parser, anchors=marks.anchors, last_breakpoint=marks.last, checkpoints=checkpoints)
 
 
 def _internal(ev: Failed) -> APIError:

@@ -94,6 +94,21 @@ def breakpoint_marks(tokenizer, req: GenerationRequest, prompt: list[int]) -> Br
     return BreakpointMarks(tuple(sorted(anchors)), max(positions.values(), default=0))
 
 
+def history_end(tokenizer, req: GenerationRequest, prompt: list[int]) -> Optional[int]:
+    """Where the conversation ends in a chat prompt, before the generation prompt (the assistant turn's opening, and
+    what a thinking template puts there, e.g. ``<think>``): the position past which the next turn's prompt usually
+    parts from this one (it renders this turn's reply, often without its reasoning). None for a raw completion, or a
+    template whose text does not split there. A model whose caches cannot be cut back keeps a checkpoint here."""
+    if req.prompt is not None or not req.messages:
+        return None
+    kwargs = {"add_generation_prompt": False}
+    if req.tools_enabled:
+        kwargs["tools"] = list(req.tools) + [c.as_function() for c in req.custom_tools]
+    messages = _custom_calls(list(req.messages), hermes=_hermes(tokenizer))
+    end = _end_of_messages(tokenizer, messages, kwargs, prompt)
+    return end if end is not None and 0 < end < len(prompt) - 1 else None
+
+
 def _end_of_messages(tokenizer, messages: list[dict], kwargs: dict, prompt: list[int]) -> Optional[int]:
     """Where all of ``messages`` (the whole conversation) end in ``prompt``: before the tokens of the text the
     generation prompt adds. Found from the template's text, because tokenizing the whole conversation once more

@@ -30,7 +30,7 @@ from server.engine.prefill import Prefiller
 from server.engine.sampling import build_sampler, repair_random_state, token_logprobs
 from server.engine.slot import ModelSlot
 from server.engine.speculation import Speculation
-from server.engine.store import CacheWriter
+from server.engine.store import CacheWriter, take_checkpoint
 from server.engine.warmup import check_kv_quantization, warm_up
 from server.engine.work import SeqWork
 from server.lane.seam import Admitted, Emitted, Ended, Prefilled, SeqFacts
@@ -162,10 +162,12 @@ class Engine:
         else:
             caches = self._taken(slot, hit) if hit is not None else slot.new_caches()
         grammar = params.grammar.processor() if params.grammar is not None else None
-        self._work[seq] = SeqWork(
+        work = self._work[seq] = SeqWork(
             slot=slot, model=target.adapter.model if target.adapter is not None else slot.model, caches=caches,
             sampler=build_sampler(params), greedy=params.temperature == 0, rules=LogitsRules.of(params, grammar),
             spec=spec, covered=cached, cached=cached)
+        if cached and slot.needs_checkpoints:
+            take_checkpoint(seq, work, cached)  # where its hit ends is a checkpoint too
         logprob_of = None
         if params.logprobs:
             top = params.top_logprobs
@@ -188,6 +190,8 @@ class Engine:
             return None
         work.caches = self._taken(work.slot, hit) if work.spec is None else hit.caches
         work.covered = work.cached = hit.length
+        if work.slot.needs_checkpoints:
+            take_checkpoint(seq, work, hit.length)
         return hit.length
 
     def _taken(self, slot: ModelSlot, hit) -> list:

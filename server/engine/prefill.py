@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
 
-from server.engine.store import CacheWriter
+from server.engine.store import CacheWriter, take_checkpoint
 from server.engine.work import SeqWork
 from server.lane.seam import Prefilled
 
@@ -41,6 +41,10 @@ class Prefiller:
             self._together(computing)
         elif computing:
             self._one(*computing[0])
+        for seq, _ in computing:  # a model whose caches cannot be cut back keeps their state at each chunk's end
+            work = self._work_of(seq)
+            if work.slot.needs_checkpoints:
+                take_checkpoint(seq, work, work.covered)
         for seq, _ in chunks:
             work = self._work_of(seq)
             ready = work.covered >= len(seq.prompt) - 1 and self._complete(seq, work, store_now)

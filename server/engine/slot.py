@@ -47,6 +47,10 @@ class ModelSlot:
             type(c) is KVCache or isinstance(c, ArraysCache) for c in layers)
         self.cache_facts = CacheFacts(plain_kv=self.plain_kv, mergeable=self.mergeable, recurrent=recurrent,
                                       ragged=ragged)
+        # layers whose state the prefix cache keeps at checkpoints (cache.checkpoints): they cannot be cut back
+        self.checkpointed_layers = tuple(i for i, c in enumerate(layers)
+                                         if isinstance(c, (ArraysCache, RotatingKVCache)))
+        self.needs_checkpoints = bool(self.checkpointed_layers)
         # a hit's caches may read the cached entry where it lies (models.attention.shared_prefix): plain KV layers, and every
         # attention of the model through models.attention.cpu (which reads segments); read_shared_prefix False
         # (--debug-copy-hits): every hit copies, to compare

@@ -9,7 +9,7 @@ sequence object (``server.engine.engine.Engine``); only the lane thread touches 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from server.engine.batch.protocol import LogitsRules
@@ -35,6 +35,8 @@ class SeqWork:
     stored: int = 0  # prompt tokens covered by what it has put in the prefix cache
     batched: bool = False  # a row of its group's batch
     solo: Optional[SoloBatch] = None  # decoding on its own
+    snapshots: dict = field(default_factory=dict)  # position -> {layer index: that layer's state there}: the
+    # checkpoints of the layers that cannot be cut back (cache.checkpoints), taken while prefilling
 
     @property
     def row_sampler(self) -> Optional[Callable]:

@@ -43,7 +43,8 @@ def seq_spec(seq: Sequence) -> dict:
     params["stop"] = list(params["stop"])
     grammar = seq.params.grammar.grammar if seq.params.grammar is not None else None
     return {"id": seq.id, "prompt": list(seq.prompt), "session": seq.session, "params": params,
-            "grammar": grammar, "cancelled": seq.cancelled, "anchors": list(seq.anchors)}
+            "grammar": grammar, "cancelled": seq.cancelled, "anchors": list(seq.anchors),
+            "checkpoints": list(seq.checkpoints)}
 
 
 def seq_from_spec(spec: dict, compile_grammar=None, engine=None) -> Sequence:
@@ -65,7 +66,7 @@ def seq_from_spec(spec: dict, compile_grammar=None, engine=None) -> Sequence:
     target = engine.base_target() if engine is not None else None
     seq = Sequence(prompt=list(spec["prompt"]), params=params, sink=_discard, session=spec.get("session"),
                    id=spec["id"], target=target, ns=engine.namespace_for(target, params) if engine is not None else "",
-                   anchors=tuple(spec.get("anchors") or ()))
+                   anchors=tuple(spec.get("anchors") or ()), checkpoints=tuple(spec.get("checkpoints") or ()))
     if engine is not None:
         seq.facts = engine.classify(seq)
     if spec.get("cancelled"):

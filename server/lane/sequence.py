@@ -88,6 +88,8 @@ class Sequence:
     ns: str = ""  # the prefix cache's namespace (computed once, at submit: server.core.generation)
     session: Optional[str] = None
     anchors: tuple = ()  # prompt positions kept as cache entries of their own (a client's cache breakpoints)
+    checkpoints: tuple = ()  # prompt positions where a model whose caches cannot be cut back keeps their state
+    # (cache.checkpoints: where the next turn's prompt is expected to part from this one)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.monotonic)
@@ -132,8 +134,9 @@ class Sequence:
         return price or None
 
     def next_anchor(self, done: int) -> Optional[int]:
-        """The first anchor past ``done`` (where a prefill chunk stops, so that prefix is stored), or None."""
-        return next((a for a in self.anchors if a > done), None)
+        """The first anchor or checkpoint past ``done`` (where a prefill chunk stops, so that prefix is stored or its
+        state kept), or None."""
+        return min((a for a in (*self.anchors, *self.checkpoints) if a > done), default=None)
 
     @property
     def decoding(self) -> bool:

@@ -29,6 +29,7 @@ class Slot(Protocol):
     vocab_size: int
     context_length: int
     kv_bytes_per_token: float  # the memory budget's price of one token of its KV (0: the server's default price)
+    needs_checkpoints: bool  # its caches cannot be cut back (recurrent state, sliding windows): keep checkpoints
 
 
 class Lease(Protocol):

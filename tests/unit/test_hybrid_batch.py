@@ -178,5 +178,73 @@ def test_on_the_lane_four_hybrid_requests_arriving_at_different_times_make_their
     for i, s in seqs.items():
         assert list(s.generated) == want[i], i
         assert s.stored == len(s.prompt) + 10 - 1  # its whole run was stored (all but the last token, unfed)
-    for i, s in seqs.items():  # the prompt-boundary entry (a hybrid's caches cannot be cut back) and the run
-        assert {(s.ns, tuple(s.prompt[:-1])), (s.ns, tuple(s.prompt + s.generated[:-1]))} <= set(cache.keys()), i
+    for i, s in seqs.items():  # the run, with a checkpoint at the prompt's end (it superseded the boundary entry)
+        key = tuple(s.prompt + s.generated[:-1])
+        assert (s.ns, key) in set(cache.keys()) and (s.ns, tuple(s.prompt[:-1])) not in set(cache.keys()), i
+        with cache._lock:
+            assert len(s.prompt) - 1 in cache._by_ns[s.ns][key].trimmable, i
+
+
+def test_a_turn_that_parts_inside_the_last_entry_reuses_its_checkpoint_and_gives_the_cold_tokens(model, tmp_path):
+    """A hybrid's recurrent state cannot be cut back, so its entries used to serve only prompts that extend all of
+    their tokens: a turn whose template re-renders the previous reply (or whose generation prompt opened a think
+    block) parted inside and recomputed everything. With a checkpoint where the conversation ended (and at each
+    chunk's end), the next turn takes the longest checkpoint before the parting, and its tokens are the cold run's.
+    The same entry restored from SSD (a restart) serves it the same way."""
+    from types import SimpleNamespace
+
+    from cache.checkpoints import Checkpointed
+    from cache.kvfile import load, save
+    from cache.prompt_cache import NullPromptCache, PromptCache
+    from server.engine.engine import Engine, EngineConfig
+    from server.lane.events import Finished, SamplingParams
+    from server.lane.lane import Lane
+    from server.lane.sequence import Sequence
+    from server.stats import ServingStats
+    from tests.fixtures.tiny_models import IdTokenizer
+
+    history = list(range(3, 45))  # the conversation so far
+    turn1 = history + [90, 91]  # + a generation prompt that opens a think block, say
+    turn2 = history + [70, 71, 72, 73, 90, 91]  # the previous reply rendered without it, a new user turn
+
+    def lane_of(cache):
+        loaded = SimpleNamespace(model=model, tokenizer=IdTokenizer(), fingerprint="c" * 16)
+        stats = ServingStats()
+        engine = Engine(loaded, cache, stats, EngineConfig(prefill_chunk=16))
+        engine.bind_stream()
+        return Lane(engine, cache, stats, max_batch=4)
+
+    def run(lane, prompt, checkpoints=()):
+        events = []
+        target = lane.engine.base_target()
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        seq = Sequence(prompt=list(prompt), params=params, sink=events.append, id=str(len(prompt)), target=target,
+                       ns=lane.engine.namespace_for(target, params), checkpoints=checkpoints)
+        lane.submit(seq)
+        while not lane.idle():
+            lane.tick()
+        return seq, next(e for e in events if isinstance(e, Finished))
+
+    cold, _ = run(lane_of(NullPromptCache()), turn2)
+    cache = PromptCache(1 << 26)
+    lane = lane_of(cache)
+    first, _ = run(lane, turn1, checkpoints=(len(history),))
+    second, done = run(lane, turn2, checkpoints=(len(history) + 4,))
+    assert done.cached_tokens == len(history)  # the checkpoint where the conversation ended
+    assert list(second.generated) == list(cold.generated)
+    # the first turn's entry carries its checkpoints; the prompt-boundary entry it extends was superseded
+    entry = max(cache.keys(), key=lambda k: len(k[1]) if k[1][:len(turn1)] == tuple(turn1) else -1)
+    assert (first.ns, tuple(turn1[:-1])) not in cache.keys()
+    with cache._lock:
+        stored = cache._by_ns[first.ns][entry[1]]
+    ckpt = [c for c in stored.caches if isinstance(c, Checkpointed)]
+    assert ckpt and len(history) in stored.trimmable and len(turn1) - 1 in stored.trimmable
+
+    # through the SSD format: the same entry restored serves the second turn from the same checkpoint
+    save(tmp_path / "e.safetensors", entry[1], stored.caches, fingerprint="f", ns=first.ns)
+    back = load(tmp_path / "e.safetensors")
+    assert back.meta.trimmable == stored.trimmable
+    fresh = PromptCache(1 << 26)
+    fresh.put(list(back.tokens), back.caches, first.ns)
+    again, done = run(lane_of(fresh), turn2, checkpoints=(len(history) + 4,))
+    assert done.cached_tokens == len(history) and list(again.generated) == list(cold.generated)
