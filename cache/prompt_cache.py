@@ -101,6 +101,7 @@ class PromptCache:
         self._bytes = 0
         self._queries = self._hits = self._tokens_queried = self._tokens_hit = 0
         self._evictions = self._session_hits = self._rejected_too_big = self._superseded = 0
+        self._checkpoint_hits = self._checkpoint_tokens = 0  # hits cut back to a checkpoint inside an entry
         self._demoted = 0
 
     # ----------------------------------------------------------------------------------------------- public verbs
@@ -124,6 +125,9 @@ class PromptCache:
             self._tokens_hit += length
             if source == "session":
                 self._session_hits += 1
+            if length < len(entry.tokens) and isinstance(entry.trimmable, tuple):  # cut back to a checkpoint
+                self._checkpoint_hits += 1
+                self._checkpoint_tokens += length
         # Outside the lock: the entry's caches are never mutated, and a concurrent clear() only unlinks them.
         caches = fork(entry.caches, trim=len(entry.tokens) - length, unwrap=True)
         return CacheHit(caches=caches, length=length, source=source)
@@ -254,6 +258,8 @@ class PromptCache:
         with self._lock:
             return {
                 "enabled": True,
+                "checkpoint_hits": self._checkpoint_hits,  # hits an entry served from a checkpoint inside it
+                "checkpoint_tokens": self._checkpoint_tokens,  # the prompt tokens those hits saved computing
                 "entries": len(self._policy),
                 "bytes": self._bytes,
                 "max_bytes": self._max_bytes,

@@ -232,6 +232,8 @@ def test_a_turn_that_parts_inside_the_last_entry_reuses_its_checkpoint_and_gives
     second, done = run(lane, turn2, checkpoints=(len(history) + 4,))
     assert done.cached_tokens == len(history)  # the checkpoint where the conversation ended
     assert list(second.generated) == list(cold.generated)
+    stats = cache.stats()
+    assert stats["checkpoint_hits"] == 1 and stats["checkpoint_tokens"] == len(history)  # what /stats shows
     # the first turn's entry carries its checkpoints; the prompt-boundary entry it extends was superseded
     entry = max(cache.keys(), key=lambda k: len(k[1]) if k[1][:len(turn1)] == tuple(turn1) else -1)
     assert (first.ns, tuple(turn1[:-1])) not in cache.keys()
