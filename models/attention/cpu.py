@@ -15,8 +15,9 @@ logit, the same argmax).
 
 ``install(model)`` swaps the function in the modules of the model's layers (mlx-lm imports it by name into each
 model module) for one that takes this path where it applies and hands everything else to mlx-lm's own: quantized
-KV (``cache.bits``), attention sinks, one KV head per query head, masks of other shapes. Only on the CPU: a GPU has
-fused kernels. ``MLX_LANE_CPU_ATTENTION=mlx`` leaves mlx-lm's path in place (to compare).
+KV (``cache.bits``), one KV head per query head, masks of other shapes. Sliding windows come as masks; attention
+sinks (gpt-oss: a per-head logit that takes probability mass and gives no value) are a column of the softmax. Only
+on the CPU: a GPU has fused kernels. `--attention mlx` leaves mlx-lm's path in place (to compare).
 """
 
 from __future__ import annotations
@@ -34,15 +35,16 @@ __all__ = ["install", "routes", "grouped_attention", "segmented_attention"]
 
 
 def grouped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                      mask: Optional[mx.array | str]) -> Optional[mx.array]:
+                      mask: Optional[mx.array | str], sinks: Optional[mx.array] = None) -> Optional[mx.array]:
     """``softmax(q k^T * scale + mask) v`` for ``queries`` (B, H, L, D) over ``keys``/``values`` (B, KV, S, D), H a
     multiple of KV; ``mask`` None, ``"causal"`` (query i sees keys up to i + S - L), or a bool / additive array of
-    shape (L, S), (B or 1, 1, L, S). Returns None for a mask it does not take (the caller falls back)."""
-    return segmented_attention(queries, [(keys, values)], scale, mask)
+    shape (L, S), (B or 1, 1, L, S); ``sinks`` (H,): each head's sink logit, one more column of its softmax that
+    weighs no value. Returns None for a mask it does not take (the caller falls back)."""
+    return segmented_attention(queries, [(keys, values)], scale, mask, sinks)
 
 
 def segmented_attention(queries: mx.array, segments: list, scale: float,
-                        mask: Optional[mx.array | str]) -> Optional[mx.array]:
+                        mask: Optional[mx.array | str], sinks: Optional[mx.array] = None) -> Optional[mx.array]:
     """``grouped_attention`` over keys and values held in pieces along the sequence axis (``segments``: (keys,
     values) pairs in position order, e.g. ``models.attention.shared_prefix``'s shared prefix and own tail), read where they lie:
     each piece's scores, one softmax over all of them (the mask applies to their columns in order), each piece's
@@ -68,7 +70,12 @@ def segmented_attention(queries: mx.array, segments: list, scale: float,
         else:
             scores = scores + m
         scores = scores.reshape(B, kv, rep * L, S)
+    if sinks is not None:  # one more column per head: its sink logit (rep query heads per KV head, in order)
+        sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, kv, rep, 1, 1), (B, kv, rep, L, 1))
+        scores = mx.concatenate([scores.reshape(B, kv, rep, L, S), sink], axis=-1).reshape(B, kv, rep * L, S + 1)
     weights = _softmax(scores)
+    if sinks is not None:
+        weights = weights[..., :S]
     if len(segments) == 1:
         out = weights @ segments[0][1]
     else:
@@ -128,13 +135,13 @@ def _pool():
 
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, SharedPrefixKVCache) and sinks is None:  # keys/values: its lazy concatenation, unused
-            out = segmented_attention(queries, cache.segments(), scale, mask)
+        if isinstance(cache, SharedPrefixKVCache):  # keys/values: its lazy concatenation, unused
+            out = segmented_attention(queries, cache.segments(), scale, mask, sinks)
             if out is not None:
                 return out
-        if sinks is None and not hasattr(cache, "bits") and queries.ndim == 4 and keys.ndim == 4 \
+        if not hasattr(cache, "bits") and queries.ndim == 4 and keys.ndim == 4 \
                 and queries.shape[1] != keys.shape[1] and queries.shape[1] % keys.shape[1] == 0:
-            out = grouped_attention(queries, keys, values, scale, mask)
+            out = grouped_attention(queries, keys, values, scale, mask, sinks)
             if out is not None:
                 return out
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

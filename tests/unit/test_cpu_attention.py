@@ -32,6 +32,20 @@ def test_grouped_attention_equals_the_fused_path_for_every_mask_kind(L, S):
         assert mx.allclose(ours, theirs, atol=1e-5), type(mask)
 
 
+@pytest.mark.parametrize("L,S", [(1, 37), (4, 29)])
+def test_attention_sinks_take_their_share_of_the_softmax_as_the_fused_path_does(L, S):
+    """gpt-oss's sinks: one logit per head, a softmax column that weighs no value; with a sliding-window mask too."""
+    q, k, v = _qkv(2, 6, 2, L, S, seed=3)
+    sinks = mx.array([0.5, -1.0, 2.0, 0.0, 3.0, -0.5])
+    window = (mx.arange(S)[None, :] <= (mx.arange(L) + S - L)[:, None]) & \
+        (mx.arange(S)[None, :] > (mx.arange(L) + S - L - 8)[:, None])  # the last 8 keys of each query
+    for mask in (None, "causal", window):
+        ours = cpu_attention.grouped_attention(q, k, v, 0.25, mask, sinks)
+        theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask, sinks=sinks)
+        assert mx.allclose(ours, theirs, atol=1e-5), type(mask)
+        assert not mx.allclose(ours, cpu_attention.grouped_attention(q, k, v, 0.25, mask), atol=1e-3)
+
+
 def test_masks_of_other_shapes_go_back_to_mlx_lm():
     q, k, v = _qkv(1, 4, 2, 3, 8)
     per_head = mx.ones((1, 4, 3, 8), dtype=mx.bool_)
