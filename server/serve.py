@@ -57,16 +57,21 @@ def build_state(args):
     from server.sizes import default_cache_bytes
     from server.stats import ServingStats
 
+    from server.startup import TIMELINE
+
     _configure_kernels(args)
     flags = parse_model_flags(args.model)
     group = _group(args, flags)
+    TIMELINE.mark("mlx and the process group")
     loaded = load_model(flags.base, args.dtype, progress=True, group=group)
     loaded = _with_kv_scheme(loaded, args)
+    TIMELINE.mark("weights")
     cache_bytes = default_cache_bytes(weights_nbytes(loaded.model)) if args.cache_bytes is None else args.cache_bytes
     tiered = build_tiered_cache(args, loaded.fingerprint, cache_bytes, follower=group is not None and not group.leader)
     if tiered is not None and group is not None:
         _write_shard_manifest(tiered, group, loaded.model_fingerprint)
     prompt_cache = tiered if tiered is not None else make_prompt_cache(cache_bytes)
+    TIMELINE.mark("ssd scan")
     replay = None
     if group is not None:  # one model over several processes (server.lane.replay, cache.sharded)
         from cache.sharded import ShardedPromptCache
@@ -84,17 +89,22 @@ def build_state(args):
 
         stats.spec = SpecTotals(speculation.kind, speculation.num_draft_tokens)
     engine = Engine(loaded, prompt_cache, stats, engine_config(args, speculation))
+    TIMELINE.mark("draft model and engine")
     adapters = _adapters(args, loaded)
     embedder = _embedder(args)
+    TIMELINE.mark("adapters and embedding model")
     max_batch = args.max_batch or (16 if device_name() == "cpu" else 32)  # BENCHMARKS.md: 16 agents on the CPU
     prefill_batch = getattr(args, "prefill_batch", None) or (1 if device_name() == "cpu" else 8)
     pool_box: list = []  # the model pool, once built: the budget counts its loaded models' weights
     budget = _memory_budget(args, engine, prompt_cache, extra_weights=lambda: pool_box[0].loaded_bytes() if pool_box else 0)
     lane = Lane(engine, prompt_cache, stats, max_queue=args.max_queue, max_batch=max_batch, budget=budget,
                 prefill_batch=prefill_batch, replay=replay)
+    TIMELINE.mark("kv price")
     lane.start()
     lane.ready.wait()
+    TIMELINE.mark("warm-up")
     pool = build_model_pool(args, flags, engine, budget, prepare=lambda loaded: _with_kv_scheme(loaded, args))
+    TIMELINE.mark("on-demand models")
     if pool is not None:
         pool_box.append(pool)
     alias_rules = model_alias_rules(args, pool, flags)
@@ -403,10 +413,13 @@ def serve(args) -> int:
     from models import ModelLoadError
     from server.http.app import create_app
 
+    from server.startup import TIMELINE
+
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    TIMELINE.mark("interpreter and imports")
     try:
         state = build_state(args)
     except ModelLoadError as exc:
@@ -415,6 +428,7 @@ def serve(args) -> int:
     if state.distributed is not None and state.distributed["rank"] != 0:
         return follow(state)
     app = create_app(state)
+    TIMELINE.mark("app")
     log.info("serving on http://%s:%d (OpenAI API under /v1%s)", args.host, args.port,
              "" if state.dashboard else "; dashboard off")
     if state.dashboard:

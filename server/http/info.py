@@ -102,6 +102,8 @@ def _embedding_card(state) -> dict:
 
 
 def stats_body(state) -> dict:
+    from server.startup import TIMELINE
+
     lane = state.stats.lane_block()
     lane.update(state.stats.batch_block())
     batches = state.engine.batch_stats()  # which batch kind and attention path run (server.engine.batch.choose)
@@ -128,6 +130,7 @@ def stats_body(state) -> dict:
         "models": _models_block(state),  # the on-demand models
         "embeddings": state.stats.embeddings.as_dict(state.embedder),
         "http": state.stats.http_block(),
+        "startup": TIMELINE.as_dict(),  # where the seconds before ready went (server.startup)
     }
 
 
