@@ -1,7 +1,7 @@
 """Cost of serving two LoRA adapters at once vs one: decode throughput of the lane's adapter groups, in process.
 
 The default model, two random rank-8 adapters over its last 16 layers (tests/fixtures/adapters.py; weights do not
-change speed), the lane's own decode batch (server.engine.batch.DecodeBatch, what each adapter group steps per tick).
+change speed), the lane's own decode batch (server.engine.batch.mlx.MlxBatch, what each adapter group steps per tick).
 Per round and in rotated order, --steps decode steps of 2 rows after a short prefill each:
   base_2rows      the base model, one batch of two rows (what two base requests cost)
   one_adapter     adapter A, one batch of two rows (two requests of the same adapter)
@@ -29,17 +29,18 @@ def run(batches_rows, steps: int) -> float:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from server.engine.batch import DecodeBatch
+    from server.engine.batch.mlx import MlxBatch
+    from server.engine.batch.protocol import Row
 
     batches = []
     for model, prompts in batches_rows:
-        b = DecodeBatch(model, clear_cache=False)
+        b = MlxBatch(model, clear_cache=False)
         rows = []
         for p in prompts:
             c = make_prompt_cache(model)
             mx.eval(model(mx.array([p[:-1]]), cache=c))
-            rows.append((object(), c, list(p), {}))
-        b.add_many(rows)
+            rows.append(Row(object(), c, list(p)))
+        b.add(rows)
         batches.append(b)
     for b in batches:
         b.step()  # the pipelined first step
@@ -62,7 +63,7 @@ def main() -> None:
     import mlx.core as mx
 
     from models import load_model
-    from models.adapters import load_adapter
+    from models.loading.adapters import load_adapter
     from tests.fixtures.adapters import write_random_adapter
 
     pf = preflight()

@@ -1,5 +1,5 @@
 """The decode batch's two layouts side by side (issue 22, item 2), in-process: mlx-lm's GenerationBatch
-(``server.engine.batch.DecodeBatch``: a join runs a forward of its own and copies the batch's KV; a leave copies every
+(``server.engine.batch.mlx.MlxBatch``: a join runs a forward of its own and copies the batch's KV; a leave copies every
 row that stays) against the ragged layout (``server.engine.batch.ragged.RaggedBatch``: a join writes the row into a
 free slot and rides the next forward; a leave moves the last row into the hole).
 
@@ -42,9 +42,11 @@ DEFAULT_MODEL = Path.home() / ".cache" / "mlx-lane" / "models" / "SmolLM2-135M-I
 
 def measure(cls, model, views, histories, n: int, reps: int, churn_steps: int, churn_every: int) -> dict:
     """One layout's figures; `views()` gives fresh per-row caches (views of one prefill) for every batch built."""
+    from server.engine.batch.protocol import Row
+
     batch = cls(model)
     seqs = [SimpleNamespace(id=r) for r in range(n)]
-    batch.add_many([(s, c, h, {}) for s, c, h in zip(seqs, views()[:n], histories[:n])])
+    batch.add([Row(s, c, h) for s, c, h in zip(seqs, views()[:n], histories[:n])])
     for _ in range(2):
         batch.step()
     steps = []
@@ -63,7 +65,7 @@ def measure(cls, model, views, histories, n: int, reps: int, churn_steps: int, c
     for k in range(reps):
         newcomer = SimpleNamespace(id=f"new{k}")
         t = time.perf_counter()
-        batch.add_many([(newcomer, views()[n], histories[n], {})])
+        batch.add([Row(newcomer, views()[n], histories[n])])
         batch.step()
         mx.synchronize()
         joins.append(time.perf_counter() - t - step)
@@ -76,7 +78,7 @@ def measure(cls, model, views, histories, n: int, reps: int, churn_steps: int, c
 
     batch = cls(model)  # the churn: turns end and start while the others decode
     live = [SimpleNamespace(id=r) for r in range(n)]
-    batch.add_many([(s, c, h, {}) for s, c, h in zip(live, views()[:n], histories[:n])])
+    batch.add([Row(s, c, h) for s, c, h in zip(live, views()[:n], histories[:n])])
     out: dict = {s.id: [] for s in live}
     made, nxt = 0, n
     t = time.perf_counter()
@@ -85,11 +87,11 @@ def measure(cls, model, views, histories, n: int, reps: int, churn_steps: int, c
             batch.remove([live.pop(0)])
             seq = SimpleNamespace(id=nxt)
             out[nxt] = []
-            batch.add_many([(seq, views()[nxt % (n + 1)], histories[nxt % (n + 1)], {})])
+            batch.add([Row(seq, views()[nxt % (n + 1)], histories[nxt % (n + 1)])])
             live.append(seq)
             nxt += 1
-        for seq, token, _ in batch.step():
-            out[seq.id].append(token)
+        for e in batch.step():
+            out[e.seq.id].append(e.token)
             made += 1
     mx.synchronize()
     wall = time.perf_counter() - t
@@ -109,7 +111,7 @@ def main() -> int:
     from gpu_spec_oracle import row_views  # each row's own KVCache views over one batched prefill
     from gpu_write_cost import build  # random weights of a real shape (speed does not depend on the values)
     from models import load_model
-    from server.engine.batch import DecodeBatch
+    from server.engine.batch.mlx import MlxBatch
     from server.engine.batch.ragged import RaggedBatch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -125,7 +127,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".bench")))
     args = ap.parse_args()
     model = build(args.shape, args.dtype)[0] if args.shape else load_model(args.model).model
-    layouts = {"mlx": DecodeBatch, "ragged": RaggedBatch,
+    layouts = {"mlx": MlxBatch, "ragged": RaggedBatch,
                "ragged_pipelined": lambda m: RaggedBatch(m, pipelined=True)}
     rec = {"script": "bench/batch_layout.py", "argv": sys.argv[1:], "mlx": mx.__version__,
            "device": str(mx.default_device()), "model": args.shape or args.model, "rows": {}}

@@ -1,5 +1,5 @@
 """Attention on the CPU: mlx-lm's path (``mx.fast.scaled_dot_product_attention``, which has no fused CPU kernel) vs
-``models.cpu_attention`` (a KV head's query heads folded into the query axis), in-process on the default model.
+``models.attention.cpu`` (a KV head's query heads folded into the query axis), in-process on the default model.
 
 For --context tokens of KV (one prefill, then copied into --rows rows), per path: one batched decode step of all
 rows (median of --reps) and one --chunk-token prefill chunk on top of one row's KV; then the largest logit
@@ -35,7 +35,8 @@ def main() -> int:
     from mlx_lm.models import base
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from models import cpu_attention, load_model
+    from models import load_model
+    from models.attention import cpu as cpu_attention
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))

@@ -634,7 +634,7 @@ def phase_quant_weights(args, model_dir: Path, rng, eos) -> None:
     import mlx.core as mx
     from mlx_lm import load
 
-    from models.quantize import QuantSpec, quantize_dir
+    from models.quant.quantize import QuantSpec, quantize_dir
 
     qdir = model_dir.parent / (model_dir.name + "-4bit")
     shutil.rmtree(qdir, ignore_errors=True)
@@ -754,7 +754,7 @@ def main() -> int:
     log(f"facts: {R['facts']}")
     tok_dir = Path(args.tokenizer_dir)
     if not (tok_dir / "tokenizer.json").is_file():
-        from models.default import ensure_default_model
+        from models.loading.default import ensure_default_model
 
         tok_dir = Path(ensure_default_model(False))
     model_dir, kv_dir, drop_all = pick_dirs(args)

@@ -19,8 +19,9 @@ stops; servers one after the other, their order rotated per round and entry.
   mlx_lm  `mlx_lm.server --decode-concurrency 32 --prompt-concurrency 8 --prompt-cache-size 64
           --prompt-cache-bytes 60000000000` (the fair peer: its LRU of prompt caches holds every agent)
   ours_mlx_attention, ours_ragged, ours_mlx_layout, ours_unroll1
-          `ours` with mlx-lm's masked attention instead of models/gpu_attention's kernel, or with a batch layout
-          forced (`--batch-layout ragged|mlx`): A/B runs of one change (OURS_VARIANTS)
+          `ours` with mlx-lm's masked attention instead of models.attention.gpu's kernel (`--attention mlx`), with
+          a batch layout forced (`--batch-layout ragged|mlx`), or with the kernel's first form
+          (`--debug-gpu-attention-unroll 1`): A/B runs of one change (OURS_VARIANTS)
 
 Measured per server and entry: wall (first request sent -> last reply done), mean / p95 TTFT, generated tok/s,
 cached prompt tokens (usage.prompt_tokens_details.cached_tokens; mlx_lm.server reports it too), and for ours the
@@ -56,10 +57,10 @@ TARGET_WALL = 0.4  # issue 22: ours / mlx_lm.server wall on this workload
 # mlx-lane at its defaults, and variants of it to compare with (each is started as `ours` is, plus these)
 OURS_VARIANTS = {
     "ours": ((), {}),
-    "ours_mlx_attention": ((), {"MLX_LANE_GPU_ATTENTION": "mlx"}),  # MLX's masked attention, not gpu_attention's
+    "ours_mlx_attention": (("--attention", "mlx"), {}),  # MLX's masked attention, not models.attention.gpu's
     "ours_ragged": (("--batch-layout", "ragged"), {}),
     "ours_mlx_layout": (("--batch-layout", "mlx"), {}),
-    "ours_unroll1": ((), {"MLX_LANE_GPU_ATTENTION_UNROLL": "1"}),  # gpu_attention's first kernel (one key group a round)
+    "ours_unroll1": (("--debug-gpu-attention-unroll", "1"), {}),  # the kernel's first form (one key group a round)
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
                "--prompt-cache-bytes", "60000000000")

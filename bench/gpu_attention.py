@@ -1,10 +1,10 @@
-"""A decode batch's attention on the H200 (issue 22): models/gpu_attention's fused kernel over rows of different
+"""A decode batch's attention on the H200 (issue 22): models.attention.gpu's fused kernel over rows of different
 lengths vs the masked path mlx-lm's batch takes today (MLX's CUDA backend has no fused kernel for an array mask at
 decode time, so it runs the unfused fallback).
 
 Three parts, in-process, random data / a random Llama-3-8B-shaped bf16 model (bench/gpu_write_cost.build):
 
-  check    the kernel against a float32 masked reference (``gpu_attention.reference_attention``) for several
+  check    the kernel against a float32 masked reference (``models.attention.gpu.reference_attention``) for several
            shapes: grouped heads (32 over 8, 9 over 3), head sizes 128 and 64, widths 1 and 5 (a verify step),
            rows of very different lengths, left-padded rows; max |difference| per shape (bf16 output: <= 0.02)
   attention  one layer's attention alone, median ms: the kernel vs ``mx.fast.scaled_dot_product_attention`` with
@@ -14,9 +14,13 @@ Three parts, in-process, random data / a random Llama-3-8B-shaped bf16 model (be
            float32 weights and KV (masked): which is nearer, and how often its argmax agrees
   step     one batched forward of 1 token per row + argmax over the whole model, rows of ~--context tokens, in
            mlx-lm's left-padded BatchKVCache and in our RaggedKV, with the kernel and without (mlx-lm's path)
-  sweep    the kernel's knobs (``UNROLL`` key groups a warp loads per round x ``SPLIT`` keys per block) over the
-           attention shapes that matter (16 / 32 rows x 5.5k, 32 x 1k, 8 x 32k, a width-5 verify step), each
-           configuration checked against the reference first: which one the defaults should be
+  sweep    the kernel's knobs (``UNROLL`` key groups a warp loads per round x ``SPLIT`` keys per block, set through
+           ``models.attention.gpu.configure``) over the attention shapes that matter (16 / 32 rows x 5.5k, 32 x 1k,
+           8 x 32k, a width-5 verify step), each configuration checked against the reference first: which one the
+           defaults should be
+
+--split / --unroll set the knobs of the other parts (the server's `--debug-gpu-attention-split` /
+`--debug-gpu-attention-unroll`; default: the kernel's defaults).
 
     OUT=$OUT bash bench/gpu.sh bench/gpu_attention.py                   # H200 (gpu.sh installs the carried wheels)
     python bench/gpu_attention.py --parts check                         # anywhere else: says it needs CUDA
@@ -40,7 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import mlx.core as mx  # noqa: E402
 
-from models import gpu_attention as ga  # noqa: E402
+from models.attention import gpu as ga  # noqa: E402
 
 R: dict = {"script": "bench/gpu_attention.py", "argv": sys.argv[1:], "started_unix": int(time.time())}
 
@@ -191,7 +195,7 @@ def part_sweep(reps: int) -> list:
     try:
         for unroll in (1, 2, 4, 8):
             for split in (128, 256, 512):
-                ga.UNROLL, ga.SPLIT = unroll, split
+                ga.configure(True, split=split, unroll=unroll)
                 r = {"unroll": unroll, "split": split}
                 for (B, ctx, W), (q, k, v, start, last, kv_bytes) in data.items():
                     scale = 128 ** -0.5
@@ -204,7 +208,7 @@ def part_sweep(reps: int) -> list:
                 rows.append(r)
                 print("sweep", r, flush=True)
     finally:
-        ga.UNROLL, ga.SPLIT = defaults
+        ga.configure(True, split=defaults[1], unroll=defaults[0])
     return rows
 
 
@@ -276,10 +280,15 @@ def main() -> int:
     ap.add_argument("--rows", default="16,32")
     ap.add_argument("--context", type=int, default=5500)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--split", type=int, default=ga.SPLIT, help="the kernel's key positions per block of its first "
+                    "pass (the server's --debug-gpu-attention-split)")
+    ap.add_argument("--unroll", type=int, default=ga.UNROLL, help="key groups a warp loads per round (the server's "
+                    "--debug-gpu-attention-unroll)")
     args = ap.parse_args()
     parts = args.parts.split(",")
+    ga.configure(True, split=args.split, unroll=args.unroll)
     if not ga.enabled():
-        print("bench/gpu_attention.py needs MLX's CUDA backend (and MLX_LANE_GPU_ATTENTION unset)", file=sys.stderr)
+        print("bench/gpu_attention.py needs MLX's CUDA backend", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -274,7 +274,7 @@ def main() -> int:
     log(f"facts: {R['facts']}")
     tok_dir = Path(args.tokenizer_dir)
     if not (tok_dir / "tokenizer.json").is_file():
-        from models.default import ensure_default_model
+        from models.loading.default import ensure_default_model
 
         tok_dir = Path(ensure_default_model(False))
     model_dir = model_place(args)

@@ -6,7 +6,8 @@ For each context length L: prefill a random L-token prompt, then time, each the 
   take          PromptCache.take of prompt + 1 new token (find + fork, views)
   first_forward the new token's forward over the taken caches (the first write copies the shared KV buffer:
                 copy-on-write, see cache/copying.py)
-  engine_first  the lane's whole path for that request: Engine.admit (take) + prefill_step + the first solo token
+  engine_first  the lane's whole path for that request: Engine.admit (take) + Engine.prefill + the first
+                Engine.step_solo token
   http_parse    what the handler does before the lane for a /v1/completions body of L token ids: orjson + pydantic
                 + the id check (off the lane, but inside a served TTFT)
 Ratios: engine_first / raw_step (target <= 2x on the H200, <= 1.3x on the CPU).
@@ -57,7 +58,9 @@ def main() -> int:
     from cache.prompt_cache import PromptCache
     from server.core.prompts import tokenize_completion
     from server.core.request import GenerationRequest
-    from server.engine.engine import Engine
+    from models import device_name
+    from server.engine.batch import Layout
+    from server.engine.engine import Engine, EngineConfig
     from server.http.chat.schemas import CompletionRequest
     from server.lane.events import SamplingParams
     from server.lane.sequence import FinishReason, Phase, Sequence
@@ -100,20 +103,28 @@ def main() -> int:
                 return time.perf_counter() - t0
 
             fwd = statistics.median(first_forward() for _ in range(args.rounds))
-            engine = Engine(loaded, pc, ServingStats(), prefill_chunk=args.chunk)
+            engine = Engine(loaded, pc, ServingStats(),
+                            EngineConfig(prefill_chunk=args.chunk, layout=Layout(gpu=device_name() != "cpu")))
             engine.stream = stream
 
-            def engine_first():
+            def engine_first(engine=engine):  # what the lane's executor does for it (server.lane.executor)
                 events = []
                 params = SamplingParams(max_tokens=2, temperature=0.0)
-                seq = Sequence(prompt=new, params=params, sink=events.append, ns="ns")
-                engine.classify(seq)
-                engine.admit(seq)
-                engine.prefill(seq, seq.prefill_left)
+                target = engine.base_target()
+                seq = Sequence(prompt=new, params=params, sink=events.append, target=target,
+                               ns=engine.namespace_for(target, params))  # "ns": the loaded fingerprint
+                seq.facts = engine.classify(seq)
+                admitted = engine.admit(seq)
+                seq.start_output(admitted.detokenizer, admitted.eos, admitted.logprob_of)
+                seq.cached = seq.covered = admitted.cached
+                seq.phase = Phase.PREFILL
+                (prefilled,) = engine.prefill([(seq, seq.prefill_left)], store_now=False)
+                seq.covered = prefilled.covered
                 seq.phase = Phase.SOLO
-                engine.solo_step(seq)
+                engine.step_solo(seq)
                 dt = time.perf_counter()
-                engine.finish(seq, FinishReason.CANCELLED)
+                engine.end([seq])
+                seq.finished(FinishReason.CANCELLED)
                 return dt, seq.cached
 
             firsts = []

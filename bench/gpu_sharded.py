@@ -209,7 +209,7 @@ def main() -> int:
     log(f"facts: {R['facts']}")
     tok_dir = Path(args.tokenizer_dir)
     if not (tok_dir / "tokenizer.json").is_file():
-        from models.default import ensure_default_model
+        from models.loading.default import ensure_default_model
 
         tok_dir = ensure_default_model(progress=False)
     model_dir = Path(args.model_dir) if args.model_dir else (

@@ -1,11 +1,11 @@
 """Throughput of speculation in the batch with an oracle draft (issue 24), in-process on the bench model shape.
 
 Random weights cannot echo their prompt, so n-gram lookup finds nothing to draft on them. This measures what the
-speculating batch (``server.engine.batch.speculating.SpeculatingBatch``, the server's own code: its adaptive per-row draft length,
-its measured break-even, its ragged KV) makes of drafts whose acceptance is known:
+speculating batch (``server.engine.batch.speculating.SpeculatingBatch``, the server's own code: its adaptive per-row
+draft length, its measured break-even, its ragged KV) makes of drafts whose acceptance is known:
 
   plain        the server's ragged plain batch (``server.engine.batch.ragged.RaggedBatch``, pipelined on a GPU: the
-               CPU's default), and ``plain_mlx``: mlx-lm's GenerationBatch (``server.engine.batch.DecodeBatch``: the
+               CPU's default), and ``plain_mlx``: mlx-lm's GenerationBatch (``server.engine.batch.mlx.MlxBatch``: the
                GPU's default)
   spec_none    SpeculatingBatch whose rows never find a draft (the layout's own cost)
   oracle_100   SpeculatingBatch whose rows draft the continuation a first greedy run of the same layout produced
@@ -56,6 +56,7 @@ class OracleSource:
         self._open: list[int] | None = None
 
     caches = None
+    drafts_in_batch = False  # it drafts on its own (spec.source.DraftSource), never in a batched draft model
 
     def prefill(self, ids) -> None:
         self.seen = len(ids)
@@ -105,11 +106,11 @@ def run(batch, seqs, gen: int) -> tuple[float, list[list[int]]]:
     out = {id(s): [] for s in seqs}
     t = time.perf_counter()
     while any(len(v) < gen for v in out.values()):
-        for seq, token, _ in batch.step():
-            got = out[id(seq)]
+        for e in batch.step():
+            got = out[id(e.seq)]
             if len(got) < gen:
-                got.append(int(token))
-                seq.generated.append(int(token))
+                got.append(int(e.token))
+                e.seq.generated.append(int(e.token))
     dt = time.perf_counter() - t
     return dt, [out[id(s)] for s in seqs]
 
@@ -118,7 +119,8 @@ def main() -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     from gpu_write_cost import build
-    from server.engine.batch import DecodeBatch
+    from server.engine.batch.mlx import MlxBatch
+    from server.engine.batch.protocol import Row, RowDraft
     from server.engine.batch.ragged import RaggedBatch
     from server.engine.batch.speculating import SpeculatingBatch
     from spec.ngram import NgramProvider
@@ -140,7 +142,7 @@ def main() -> int:
     provider = NgramProvider()
     gpu = mx.default_device() != mx.cpu
     default_plain = lambda m: RaggedBatch(m, pipelined=gpu)  # noqa: E731 (--batch-layout ragged)
-    mlx_plain = lambda m: DecodeBatch(m, clear_cache=False)  # noqa: E731
+    mlx_plain = lambda m: MlxBatch(m, clear_cache=False)  # noqa: E731
     rec = {"script": "bench/gpu_spec_oracle.py", "argv": sys.argv[1:], "mlx": mx.__version__,
            "device": str(mx.default_device()), "rows": {}}
     for n in [int(x) for x in args.rows.split(",")]:
@@ -160,13 +162,13 @@ def main() -> int:
 
         def plain(layout=None):
             b, ss = (layout or default_plain)(model), seqs()
-            b.add_many([(s, c, h, {}) for s, c, h in zip(ss, row_views(cache, lengths), histories)])
+            b.add([Row(s, c, h) for s, c, h in zip(ss, row_views(cache, lengths), histories)])
             return run(b, ss, args.gen)
 
         def spec(sources):
             b, ss = SpeculatingBatch(model), seqs()
-            b.add_many([(s, c, h, {"source": src, "policy": provider.policy(args.k), "max_draft": args.k})
-                        for s, c, h, src in zip(ss, row_views(cache, lengths), histories, sources)])
+            b.add([Row(s, c, h, draft=RowDraft(src, provider.policy(args.k), args.k, None))
+                   for s, c, h, src in zip(ss, row_views(cache, lengths), histories, sources)])
             dt, toks = run(b, ss, args.gen)
             return dt, toks, b
 

@@ -116,7 +116,7 @@ class Ours(Peer):
         super().__init__(workdir, persistent)
         self.model_dir = model_dir
         self.extra = extra
-        self.env = env or {}  # more environment for the server (e.g. MLX_LANE_GPU_ATTENTION=mlx, to compare)
+        self.env = env or {}  # more environment for the server (e.g. MLX_LANE_ATTENTION=mlx: `--attention mlx`)
         self.proc: ServerProc | None = None
 
     def start(self) -> None:
@@ -216,8 +216,8 @@ def llamacpp_python() -> str:
 
 def default_paths() -> tuple[Path, Path]:
     """(converted default model dir, its original GGUF)."""
-    from models.default import ensure_default_model
-    from models.packaged import packaged_paths
+    from models.loading.default import ensure_default_model
+    from models.loading.packaged import packaged_paths
 
     model_dir = Path(ensure_default_model(False))
     gguf = packaged_paths(model_dir.name)[0]

@@ -26,8 +26,8 @@ from common import preflight, run_record  # noqa: E402
 def rotation_check(src: str, kind: str) -> dict:
     import mlx.core as mx
 
-    from models.quantize import load_float, resolve_source
-    from models.rotation import rotate_model
+    from models.quant.quantize import load_float, resolve_source
+    from models.quant.rotation import rotate_model
 
     model_dir, _ = resolve_source(src)
     model, tokenizer, config = load_float(model_dir, "float32")
@@ -55,8 +55,8 @@ def tiny_outlier_rows(bits_list) -> list:
     from mlx_lm.models import llama
     from mlx_lm.utils import quantize_model
 
-    from models.quant_eval import compare, reference_logprobs
-    from models.rotation import rotate_model
+    from models.quant.evaluate import compare, reference_logprobs
+    from models.quant.rotation import rotate_model
 
     cfg = dict(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
                num_attention_heads=4, num_key_value_heads=2, vocab_size=512, rms_norm_eps=1e-5,
@@ -86,9 +86,9 @@ def tiny_outlier_rows(bits_list) -> list:
 
 
 def main() -> int:
-    from models.quant_cli import evaluate_dirs
-    from models.quant_eval import format_table, write_json
-    from models.quantize import QuantSpec, quantize_dir, resolve_source
+    from models.quant.cli import evaluate_dirs
+    from models.quant.evaluate import format_table, write_json
+    from models.quant.quantize import QuantSpec, quantize_dir, resolve_source
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")

@@ -1,6 +1,6 @@
 """CPU speed of quantized weights: decode and prefill tok/s of float32 vs 8-bit vs 4-bit, raw mlx-lm, alternated.
 
-Each configuration is made with `mlx-lane quantize`'s code path (models.quantize.quantize_dir, group 64) into a
+Each configuration is made with `mlx-lane quantize`'s code path (models.quant.quantize.quantize_dir, group 64) into a
 temporary directory; every round runs every configuration (order rotated): a --prompt-tokens prefill timed to the
 first token, then --tokens greedy decode steps (EOS banned). MLX's quantized matmuls on this CPU are expected to be
 slower than float32 with OpenBLAS: this measures by how much.
@@ -51,7 +51,7 @@ def main() -> None:
 
     from mlx_lm import load
 
-    from models.quantize import QuantSpec, quantize_dir, resolve_source
+    from models.quant.quantize import QuantSpec, quantize_dir, resolve_source
 
     src_dir, model_id = resolve_source(args.model)
     tmp = Path(tempfile.mkdtemp(prefix="quant-speed-"))

@@ -2,12 +2,12 @@
 
 Three configurations of our server, each started fresh (RAM cache only, cleared before every pass), alternated
 round by round:
-  plain       no speculation: the lane's plain batching (mlx-lm GenerationBatch)
+  plain       no speculation: the lane's plain batching (server.engine.batch.choose: the ragged batch on this CPU)
   spec_batch  --draft-kind ngram: the agents' drafts verified together, one forward per step (server.engine.batch.speculating)
   spec_solo   --draft-kind ngram --no-spec-batch: each speculating agent decoded on its own (before this change)
   two_model_batch / two_model_solo   --draft-model default (the default model drafting for itself), in the batch or
               each on its own: the two-model mechanism's cost on this CPU (only with --configs);
-              two_model_rowwise: in the batch, each row's drafts from its own draft caches (MLX_LANE_DRAFT_BATCH=0)
+              two_model_rowwise: in the batch, each row's drafts from its own draft caches (--debug-no-draft-batch)
 Each pass: K agents send their turn at once (threads released together); a turn is the benchmark agent's system
 prompt, a task and 150-400 tokens of tool output (bench/agent_workload.py: code read from a file, test logs, grep
 hits), ending in an instruction that makes the reply quote that output ("Show the function you will change,
@@ -43,8 +43,7 @@ CONFIGS = {"plain": (), "spec_batch": ("--draft-kind", "ngram"),
            "two_model_batch": ("--draft-model", "default", "--num-draft-tokens", "4"),
            "two_model_solo": ("--draft-model", "default", "--num-draft-tokens", "4", "--no-spec-batch"),
            # in the batch, but each row drafting on its own draft caches (before server.engine.batch.drafts)
-           "two_model_rowwise": ("--draft-model", "default", "--num-draft-tokens", "4")}
-ENV = {"two_model_rowwise": {"MLX_LANE_DRAFT_BATCH": "0"}}
+           "two_model_rowwise": ("--draft-model", "default", "--num-draft-tokens", "4", "--debug-no-draft-batch")}
 ASK = "\n\nShow the function you will change, exactly as it is now, then the fixed version."
 
 
@@ -108,7 +107,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="spec-batch-") as tmp:
         servers = {}
         for name in configs:
-            s = peer_servers.Ours(Path(tmp) / name, model_dir, extra=CONFIGS[name], env=ENV.get(name))
+            s = peer_servers.Ours(Path(tmp) / name, model_dir, extra=CONFIGS[name])
             s.start()
             servers[name] = s
         try:

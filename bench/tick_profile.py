@@ -8,10 +8,10 @@ after it (so the parts do not overlap as they do in a pipelined step: their sum 
   forward            one batch forward of 1 token per row + argmax, evaluated (the model's work)
   forward_ctx16      the same over 16-token rows: weights only, almost no attention. forward - forward_ctx16 is
                      what attending over --context costs (attention share = that / forward)
-  step               DecodeBatch.step: mlx-lm's GenerationBatch.next (pipelined: sampling, logprobs, the next
+  step               MlxBatch.step: mlx-lm's GenerationBatch.next (pipelined: sampling, logprobs, the next
                      forward started), greedy rows; step - forward is the wrapper and sampling overhead
-  step_penalty       the same with a repetition penalty on every row (mlx-lm's per-row logits processors: a Python
-                     loop per row per step)
+  step_penalty       the same with a repetition penalty on every row (each row's LogitsRules.processors, mlx-lm's
+                     per-row logits processors: a Python loop per row per step)
   logsumexp          the logprobs of every row over the vocabulary (what each step returns per token)
   join               one new row of --context tokens joining the N-row batch (GenerationBatch over it + extend:
                      the batch's KV is copied into the merged one)
@@ -60,12 +60,13 @@ def main() -> int:
 
     ensure_blas_here()  # on Linux, OpenBLAS (mlx-cpu's bundled reference BLAS is ~48x slower), as the server does
     from mlx_lm.models.cache import KVCache, make_prompt_cache
-    from mlx_lm.sample_utils import make_logits_processors
 
     from cache import kvfile
     from gpu_spec_oracle import row_views
     from gpu_write_cost import build
-    from server.engine.batch import DecodeBatch
+    from server.engine.batch.mlx import MlxBatch
+    from server.engine.batch.protocol import Row
+    from server.engine.batch.rules import LogitsRules, Penalties
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".bench" / "gpu-out")))
@@ -97,11 +98,11 @@ def main() -> int:
             histories = [ids[r, :lengths[r] + 1].tolist() for r in range(n + 1)]
 
             def batch(penalty=False, rows=n):
-                b = DecodeBatch(model, clear_cache=False)
-                procs = make_logits_processors(repetition_penalty=1.1) if penalty else None
+                b = MlxBatch(model, clear_cache=False)
+                rules = LogitsRules(Penalties(repetition=1.1)) if penalty else LogitsRules()
                 seqs = [SimpleNamespace(id=r) for r in range(rows)]
-                b.add_many([(s, c, h, {"processors": procs}) for s, c, h in
-                            zip(seqs, row_views(cache, lengths[:rows]), histories[:rows])])
+                b.add([Row(s, c, h, rules) for s, c, h in
+                       zip(seqs, row_views(cache, lengths[:rows]), histories[:rows])])
                 b.step()
                 return b, seqs
 
@@ -127,7 +128,7 @@ def main() -> int:
             newcomer = SimpleNamespace(id="new")
 
             def join():
-                b.add_many([(newcomer, row_views(cache, lengths)[n], histories[n], {})])
+                b.add([Row(newcomer, row_views(cache, lengths)[n], histories[n])])
 
             def leave():
                 b.remove([newcomer])
