@@ -108,8 +108,10 @@ def run_server(peer, turns: list[list[dict]], max_tokens: int) -> list[dict]:
                     if not line.startswith("data: {"):
                         continue
                     obj = json.loads(line[6:])
-                    if first is None and obj.get("choices"):
-                        first = time.monotonic() - t0
+                    delta = obj["choices"][0].get("delta", {}) if obj.get("choices") else {}
+                    if first is None and (delta.get("content") or delta.get("reasoning_content")
+                                          or delta.get("reasoning")):
+                        first = time.monotonic() - t0  # the first generated text (not the role chunk)
                     if obj.get("usage"):
                         usage = obj["usage"]
             prompt = usage["prompt_tokens"]

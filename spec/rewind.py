@@ -6,27 +6,40 @@ several tokens it can be rewound exactly: a multi-token update (``_update_concat
 order and keeps ``max_size - 1`` positions before the new ones, so dropping the last ``n <= S - 1`` of the ``S``
 positions just written leaves every position the next token's window needs; the buffer is cut to its new end so
 that the next single-token update rotates over valid keys only. A verify forward always feeds ``1 + drafts``
-tokens, so its rejected drafts can always be taken back this way. Recurrent state (``ArraysCache``: linear
-attention, SSM, convolutions) has no positions to drop: a model with such layers cannot rewind, and its requests
-decode plainly (``can_rewind``).
+tokens, so its rejected drafts can always be taken back this way.
+
+Recurrent state (``ArraysCache``: linear attention, SSM, convolutions) has no positions to drop. A hybrid model
+(recurrent layers beside trimmable attention) rewinds from a checkpoint instead: ``VerifyRewind.mark`` keeps the
+recurrent state before the verify forward (new handles over immutable arrays: nothing is copied), and taking back n
+of its positions restores that state, drops all the forward wrote from the attention layers, and feeds again the
+positions that were kept: one more forward over the accepted tokens, only in a round that rejected a draft.
 
     can_rewind(caches)        every layer can take back what a verify forward wrote
-    rewind(caches, n, fed)    drop the last n of the ``fed`` positions the latest forward wrote, on every layer
+    rewind(caches, n, fed)    drop the last n of the ``fed`` positions the latest forward wrote (no recurrent layer)
+    VerifyRewind(model, caches).mark(); .take_back(n, fed_tokens)    either way, around one verify forward
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from mlx_lm.models.cache import RotatingKVCache
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
-__all__ = ["can_rewind", "rewind"]
+__all__ = ["can_rewind", "rewind", "VerifyRewind"]
 
 
 def can_rewind(caches: Sequence) -> bool:
-    """Can every layer take back drafted positions: trimmable now, or a sliding window (rewound after a multi-token
-    forward, see the module docstring)?"""
-    return bool(caches) and all(c.is_trimmable() or isinstance(c, RotatingKVCache) for c in caches)
+    """Can every layer take back drafted positions: trimmable now, a sliding window (rewound after a multi-token
+    forward), or recurrent state beside attention layers that are all trimmable (rewound from a checkpoint)? See
+    the module docstring."""
+    if not caches:
+        return False
+    states = [c for c in caches if isinstance(c, ArraysCache)]
+    others = [c for c in caches if not isinstance(c, ArraysCache)]
+    if states:
+        return all(c.is_trimmable() for c in others)
+    return all(c.is_trimmable() or isinstance(c, RotatingKVCache) for c in caches)
 
 
 def rewind(caches: Sequence, n: int, fed: int) -> None:
@@ -48,3 +61,35 @@ def rewind(caches: Sequence, n: int, fed: int) -> None:
             c._idx -= n
         else:
             raise ValueError(f"{type(c).__name__} cannot take back drafted positions")
+
+
+class VerifyRewind:
+    """Takes back a verify forward's rejected positions, whatever the layers (see the module docstring)."""
+
+    def __init__(self, model, caches: list):
+        self.model, self.caches = model, caches
+        self._states = [i for i, c in enumerate(caches) if isinstance(c, ArraysCache)]
+        self._marked: dict = {}
+
+    def mark(self) -> None:
+        """Before a verify forward: keep the recurrent layers' state (new lists over the same arrays)."""
+        if self._states:
+            self._marked = {i: list(self.caches[i].cache) for i in self._states}
+
+    def take_back(self, n: int, fed: Sequence[int]) -> None:
+        """Drop the last ``n`` of the tokens ``fed`` (what the latest verify forward fed, in order)."""
+        if n <= 0:
+            return
+        if not self._states:
+            rewind(self.caches, n, len(fed))
+            return
+        if n >= len(fed):
+            raise ValueError(f"cannot take back {n} of the {len(fed)} positions the last forward wrote")
+        for i, state in self._marked.items():
+            self.caches[i].cache = list(state)
+        for i, c in enumerate(self.caches):
+            if i not in self._marked and c.trim(len(fed)) != len(fed):
+                raise ValueError(f"{type(c).__name__} took back fewer than {len(fed)} positions")
+        kept = [int(t) for t in fed[: len(fed) - n]]
+        self.model(mx.array([kept]), cache=self.caches)  # the kept positions again, from the checkpoint
+        mx.eval([c.state for c in self.caches])

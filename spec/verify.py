@@ -32,7 +32,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from spec.accept import accept
 from spec.adaptive import FixedDraftLength
-from spec.rewind import can_rewind, rewind
+from spec.rewind import VerifyRewind, can_rewind
 from spec.source import DraftSource
 from spec.stats import SpecStats
 
@@ -71,6 +71,7 @@ def speculative_decode(
     fed again.
     """
     rewindable = can_rewind(caches)  # else: plain decoding (stats.cannot_rewind)
+    rewinder = VerifyRewind(model, caches)
     if isinstance(first_token_input, mx.array):
         first_token_input = first_token_input.tolist()
     if not isinstance(first_token_input, int):
@@ -88,7 +89,7 @@ def speculative_decode(
     over = 0  # tokens in the target caches beyond the yielded sequence (unverified/unyielded drafts)
     unfed = True  # the last token of the sequence is not in the target caches
     drafts: list[int] = []
-    fed = 1  # positions the latest verify forward wrote
+    fed: list[int] = []  # the tokens the latest verify forward fed
     walked = 0  # drafts of the open round emitted so far
     open_round = False
     plain = None  # generate_step, once drafting stopped
@@ -96,7 +97,7 @@ def speculative_decode(
     def settle() -> None:
         nonlocal over, open_round, unfed
         if over:
-            rewind(caches, over, fed)
+            rewinder.take_back(over, fed)
             over = 0
         if open_round:
             open_round = False
@@ -129,8 +130,9 @@ def speculative_decode(
                         raise RuntimeError(f"draft source proposed {len(drafts)} tokens, asked for {n}")
                 open_round = bool(drafts)
                 walked = 0
+                rewinder.mark()
                 tokens, logprobs = _verify(model, caches, pending, drafts, history, sampler, processors)
-                over, unfed, fed = len(drafts), False, 1 + len(drafts)
+                over, unfed, fed = len(drafts), False, [pending] + list(drafts)
                 if drafts:
                     stats.rounds += 1
                     stats.drafted += len(drafts)
@@ -144,7 +146,7 @@ def speculative_decode(
                     yield tokens[i], logprobs[i], True
                 # correction (a < len(drafts)) or bonus (a == len(drafts)) from the target
                 if over:
-                    rewind(caches, over, fed)
+                    rewinder.take_back(over, fed)
                     over = 0
                 if open_round:
                     open_round = False

@@ -76,19 +76,36 @@ def test_a_wrapped_window_rewound_after_a_multi_token_forward_continues_as_if_ne
         rewind(caches, 1, fed=1)  # a single-token forward leaves nothing to take back
 
 
-def test_recurrent_state_cannot_rewind_and_decodes_plainly_from_the_first_token():
-    """A hybrid's ArraysCache layer has no positions to drop: no draft is verified, the tokens are plain greedy
-    decoding's, and the request's counters say why."""
-    from tests.fixtures.tiny_models import tiny_llama
+def test_a_hybrid_speculates_rewinding_its_recurrent_state_from_a_checkpoint():
+    """Recurrent state has no positions to drop: before each verify forward its state is kept, and a round that
+    rejected drafts restores it and feeds the kept positions again. The tokens are plain greedy decoding's, and
+    drafts were both kept and taken back."""
+    from tests.unit.test_hybrid_batch import tiny_qwen3_next
 
-    model = tiny_llama(seed=4)
-    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
-    caches = prefilled(model, prompt[:-1]) + [ArraysCache(2)]  # a layer the model never reads, as a hybrid's
+    model = tiny_qwen3_next(seed=1)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    caches = prefilled(model, prompt[:-1])
+    assert any(isinstance(c, ArraysCache) for c in caches) and can_rewind(caches)
+    source = NgramSource()
+    source.prefill(prompt[:-1])
+    stats = SpecStats()
+    got = [t for t, _, _ in speculative_decode(model, caches, prompt[-1], source, max_tokens=24,
+                                               num_draft_tokens=4, stats=stats)]
+    assert got == plain(model, prompt, 24)
+    assert stats.drafted > stats.accepted > 0 and stats.cannot_rewind == 0
+    kv = [c for c in caches if isinstance(c, KVCache)]
+    assert all(c.offset == len(prompt) + 24 for c in kv)  # prompt + every token yielded, as plain decoding leaves
+
+
+def test_recurrent_state_beside_a_wrapped_window_cannot_rewind_and_decodes_plainly_from_the_first_token(windowed):
+    """Recurrent state rewinds from a checkpoint only beside attention layers that can drop a whole forward: beside
+    a wrapped sliding window it cannot. No draft is verified, the tokens are plain greedy decoding's, and the
+    request's counters say why."""
+    caches = prefilled(windowed, PROMPT[:-1]) + [ArraysCache(2)]  # a layer the model never reads, as a hybrid's
     assert not can_rewind(caches) and can_rewind(caches[:-1])
     stats = SpecStats()
     source = NgramSource()
-    source.prefill(prompt[:-1])
-    got = [t for t, _, _ in speculative_decode(model, caches, prompt[-1], source, max_tokens=12, stats=stats)]
-    assert got == plain(model, prompt, 12)
+    source.prefill(PROMPT[:-1])
+    got = [t for t, _, _ in speculative_decode(windowed, caches, PROMPT[-1], source, max_tokens=12, stats=stats)]
+    assert got == plain(windowed, PROMPT, 12)
     assert stats.cannot_rewind == 1 and stats.drafted == 0
-    assert isinstance(caches[0], KVCache) and caches[0].offset == len(prompt) + 12  # prompt + every token yielded

@@ -28,6 +28,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from server.engine.batch.protocol import Covered, Emitted, Row
 from spec import speculative_decode
+from spec.rewind import can_rewind
 
 __all__ = ["SoloBatch", "PlainDecode"]
 
@@ -134,10 +135,10 @@ class SoloBatch:
         return 0  # the row's own caches: counted as its sequence's need, not as a batch's buffers
 
     def accepts(self, row: Row) -> bool:
-        """Any one row; a speculating one needs caches that can be rewound (rejected drafts are trimmed)."""
+        """Any one row; a speculating one needs caches that can take rejected drafts back (spec.rewind)."""
         if self._row is not None:
             return False
-        return row.draft is None or all(c.is_trimmable() for c in row.caches)
+        return row.draft is None or can_rewind(row.caches)
 
     def add(self, rows: Sequence[Row]) -> None:
         if len(rows) != 1 or not self.accepts(rows[0]):
