@@ -261,7 +261,8 @@ class Server:
         first = next((ln for ln in self.proc.log().splitlines() if "| device " in ln), "")
         log(f"server {name} up in {self.start_s:.1f}s: {' '.join(args)}\n    {first.strip()}")
         R.setdefault("servers", {})[name] = {"args": list(args), "start_s": round(self.start_s, 1),
-                                             "startup_line": first.strip()[-300:]}
+                                             "startup_line": first.strip()[-300:],
+                                             "startup": self.stats().get("startup")}  # server.startup's timeline
 
     def stats(self) -> dict:
         return self.client.get(self.url + "/stats", timeout=60).json()
@@ -771,6 +772,14 @@ def main() -> int:
         model = build_model(model_dir, args.shape, args.dtype, tok_dir)
     eos = eos_ids(model_dir)
     R["eos_ids"] = eos
+    if "startup" in phases:  # issue 37: what mlx-lm needs to load the same model (weights in memory, evaluated)
+        del model
+        mx.clear_cache()
+        t = time.perf_counter()
+        model = mlx_lm.load(str(model_dir))[0]
+        mx.eval(model.parameters())
+        R["mlx_lm_load_s"] = round(time.perf_counter() - t, 2)
+        log(f"mlx_lm.load + eval of the weights: {R['mlx_lm_load_s']:.2f}s")
     save()
 
     if phases & {"decode", "ttft"}:
