@@ -34,9 +34,14 @@ def engine_config(args, speculation=None):
 
 
 def _configure_kernels(args) -> None:
-    """--attention and the --debug-* kernel knobs, before any model is loaded (the kernels are installed at load)."""
-    from models import attention
+    """--attention and the --debug-* kernel knobs, before any model is loaded (the kernels are installed at load);
+    and where MLX's CUDA backend keeps the kernels it compiles: under $MLX_LANE_HOME (a restart then compiles
+    nothing: on the H200 a first start spent 36 of its 50 s compiling), unless MLX_PTX_CACHE_DIR says otherwise
+    (MLX's own default is a temporary directory). MLX reads it at its first compile, so setting it here is in time."""
+    from models import attention, mlx_lane_home
     from server.engine import distributed
+
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(mlx_lane_home() / "ptx"))
 
     attention.configure(getattr(args, "attention", "auto") != "mlx",
                         gpu_split=getattr(args, "debug_gpu_attention_split", 256),
