@@ -672,6 +672,26 @@ def phase_quant_weights(args, model_dir: Path, rng, eos) -> None:
         srv.stop(kill=True)
 
 
+def phase_restart(args, model_dir: Path, rng) -> None:
+    """Issue 37: a server started twice on one MLX_LANE_HOME (the second start finds the kernels the first one
+    compiled, under $MLX_LANE_HOME/ptx) with each one's first request (a cold prompt of the first --lengths)."""
+    out = {}
+    prompt = rand_prompt(rng, args.lengths[0])
+    for name in ("R_first_start", "R_restart"):
+        srv = Server(name, "--model", str(model_dir), "--dtype", args.dtype, "--cache-bytes", args.cache_bytes,
+                     "--no-ssd-cache", "--prefill-chunk", str(args.prefill_chunk))
+        try:
+            first = srv.complete(prompt, 1)
+            out[name] = {"ready_s": round(srv.start_s, 2), "first_request_ttft_s": round(first["ttft_s"], 3),
+                         "startup": R["servers"][name].get("startup")}
+            log(f"{name}: ready {srv.start_s:.1f}s, first request ({len(prompt)} tokens, cold) "
+                f"{first['ttft_s']:.3f}s")
+        finally:
+            srv.stop(kill=True)
+    R["restart"] = out
+    save()
+
+
 def guarded(name: str, fn, *a) -> None:
     """Run one phase; an exception is recorded (and the run goes on) instead of ending the run."""
     try:
@@ -730,7 +750,9 @@ def main() -> int:
                     help="use the model already in --model-dir / the default place when its config.json exists")
     ap.add_argument("--phases", default="decode,ttft,quant,ssd,ssd_kv8,kv_files",
                     help="comma list, in this order: decode, ttft, quant (4-bit weights), ssd (bf16 KV), "
-                         "ssd_kv8 (8-bit KV through the server), kv_files (bf16 vs 8-bit KV file write/read)")
+                         "ssd_kv8 (8-bit KV through the server), kv_files (bf16 vs 8-bit KV file write/read); "
+                         "startup (mlx_lm.load of the same weights), restart (a server started twice: "
+                         "compiled kernels kept)")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     phases = set(filter(None, args.phases.split(",")))
@@ -781,6 +803,11 @@ def main() -> int:
         R["mlx_lm_load_s"] = round(time.perf_counter() - t, 2)
         log(f"mlx_lm.load + eval of the weights: {R['mlx_lm_load_s']:.2f}s")
     save()
+    if "restart" in phases:
+        del model
+        mx.clear_cache()
+        guarded("restart", phase_restart, args, model_dir, rng)
+        model = mlx_lm.load(str(model_dir))[0] if phases & {"decode", "ttft"} else None
 
     if phases & {"decode", "ttft"}:
         a = Server("A_ram", "--model", str(model_dir), "--dtype", args.dtype, "--cache-bytes", args.cache_bytes,

@@ -33,15 +33,29 @@ def engine_config(args, speculation=None):
                         read_shared_prefix=not getattr(args, "debug_copy_hits", False))
 
 
+def _kernel_cache_dir(home):
+    """$MLX_LANE_HOME/ptx/<mlx version>/<device name>, the name made safe for a path."""
+    import re
+
+    import mlx.core as mx
+
+    try:
+        device = mx.device_info().get("device_name", "unknown")
+    except Exception:  # an MLX without device_info: one shared directory per version is still right for one machine
+        device = "unknown"
+    return home / "ptx" / mx.__version__ / (re.sub(r"[^A-Za-z0-9._-]+", "-", device).strip("-") or "unknown")
+
+
 def _configure_kernels(args) -> None:
     """--attention and the --debug-* kernel knobs, before any model is loaded (the kernels are installed at load);
     and where MLX's CUDA backend keeps the kernels it compiles: under $MLX_LANE_HOME (a restart then compiles
     nothing: on the H200 a first start spent 36 of its 50 s compiling), unless MLX_PTX_CACHE_DIR says otherwise
-    (MLX's own default is a temporary directory). MLX reads it at its first compile, so setting it here is in time."""
+    (MLX's own default is a temporary directory). MLX reads it at its first compile, so setting it here is in time.
+    One directory per MLX version and device: a kernel compiled for one GPU architecture must not load on another."""
     from models import attention, mlx_lane_home
     from server.engine import distributed
 
-    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(mlx_lane_home() / "ptx"))
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(_kernel_cache_dir(mlx_lane_home())))
 
     attention.configure(getattr(args, "attention", "auto") != "mlx",
                         gpu_split=getattr(args, "debug_gpu_attention_split", 256),
