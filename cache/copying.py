@@ -159,6 +159,18 @@ def _fork_checkpointed(cache: Checkpointed, trim: int, unwrap: bool) -> Any:
                         {p: _fork_one(s, 0) for p, s in cache.snapshots.items()})
 
 
+def fork_checkpoints(caches: Sequence[Any], below: int) -> dict[int, dict[int, Any]]:
+    """The checkpoints a stored entry's layers share below ``below`` tokens, as {position: {layer index: a plain
+    cache object covering exactly position tokens}} (fresh handles: nothing copied). A taker that continues from
+    the entry carries them into the entry it stores, so that entry reaches every point the old one did and may
+    supersede it without losing a checkpoint."""
+    layers = [(i, c) for i, c in enumerate(caches) if isinstance(c, Checkpointed)]
+    if not layers:
+        return {}
+    shared = set.intersection(*(set(c.snapshots) for _, c in layers))
+    return {p: {i: _fork_one(c.snapshots[p], 0) for i, c in layers} for p in sorted(shared) if p < below}
+
+
 def all_trimmable(caches: Iterable[Any]) -> bool:
     return all(c.is_trimmable() for c in caches)
 

@@ -70,7 +70,7 @@ class _Pending:
             self._ids = ids(self.tokens)
         if other._ids is None:
             other._ids = ids(other.tokens)
-        return supersedes(self._ids, self.trimmable, other._ids)
+        return supersedes(self._ids, self.trimmable, other._ids, old_trimmable=other.trimmable)
 
 
 class DurabilityCoordinator:

@@ -17,10 +17,11 @@ functions only, so the tiers can never disagree about what a file or an entry is
     p == 0 is no match. Ranking (``Usable.rank``, larger is better): the longest p, then the smaller trim, then the
     more recently used (the caller's clock: the RAM tier's LRU time, a file's mtime).
 
-``supersedes(new, new_trimmable, old, old_anchor=False) -> bool``
+``supersedes(new, new_trimmable, old, old_anchor=False, old_trimmable=True) -> bool``
     Within one namespace, ``old`` is redundant once ``new`` is stored: the same tokens, or a strict prefix of them
     when ``new`` can be cut back to ``old``'s length (trimmable, or a checkpoint there: it can then serve every
-    prompt ``old`` could). An untrimmable entry without that checkpoint never supersedes its ancestors: a
+    prompt ``old`` could), and to each of ``old``'s own checkpoints (else a prompt that parted from ``old`` at one
+    of them would lose its reuse). An untrimmable entry without that checkpoint never supersedes its ancestors: a
     prompt-boundary snapshot of a sliding-window model must survive the longer entry.
     Nor is an anchor ever superseded by a longer entry: an anchor is a prefix kept on purpose (a client's cache
     breakpoint, a shared system prompt), so that it outlives the per-conversation entries that extend it.
@@ -129,9 +130,12 @@ def best_match(prompt: np.ndarray, candidates: Iterable[tuple[Any, np.ndarray, R
     return (best, best_use) if best is not None else None
 
 
-def supersedes(new: np.ndarray, new_trimmable: Reach, old: np.ndarray, old_anchor: bool = False) -> bool:
+def supersedes(new: np.ndarray, new_trimmable: Reach, old: np.ndarray, old_anchor: bool = False,
+               old_trimmable: Reach = True) -> bool:
     """Is ``old`` redundant once ``new`` is stored (same namespace)? See the module docstring."""
     if len(old) > len(new) or (len(old) < len(new) and (not reaches(new_trimmable, len(old)) or old_anchor)):
+        return False
+    if isinstance(old_trimmable, tuple) and not all(reaches(new_trimmable, p) for p in old_trimmable):
         return False
     return bool(np.array_equal(new[: len(old)], old))
 

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from cache.checkpoints import reach_of
-from cache.copying import fork, iter_offsets, total_nbytes
+from cache.copying import fork, fork_checkpoints, iter_offsets, total_nbytes
 from cache.policy import LruSessionLast
 from cache.prefix import ids as _as_ids
 from cache.prefix import best_match, is_prefix, supersedes
@@ -65,6 +65,8 @@ class CacheHit:
     caches: list
     length: int  # prompt tokens the caches cover: 0 < length <= len(prompt) - 1
     source: str  # "ram" | "session" (later "ssd")
+    # the entry's checkpoints below `length` (cache.copying.fork_checkpoints): {position: {layer: cache}}
+    checkpoints: dict = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -130,7 +132,8 @@ class PromptCache:
                 self._checkpoint_tokens += length
         # Outside the lock: the entry's caches are never mutated, and a concurrent clear() only unlinks them.
         caches = fork(entry.caches, trim=len(entry.tokens) - length, unwrap=True)
-        return CacheHit(caches=caches, length=length, source=source)
+        return CacheHit(caches=caches, length=length, source=source,
+                        checkpoints=fork_checkpoints(entry.caches, length))
 
     def put(self, tokens: Sequence[int], caches: list, ns: str, session: str | None = None, *,
             anchor: bool = False) -> bool:
@@ -305,7 +308,7 @@ class PromptCache:
         if old is not None and old.anchor:
             entry.anchor = True  # the same prefix, stored again: it stays an anchor
         for other in list(existing.values()):
-            if supersedes(entry.ids, entry.trimmable, other.ids, other.anchor):  # strict ancestors, when trimmable
+            if supersedes(entry.ids, entry.trimmable, other.ids, other.anchor, other.trimmable):  # strict ancestors, when trimmable
                 self._drop(other)
                 self._superseded += 1
         self._by_ns.setdefault(entry.ns, {})[entry.tokens] = entry

@@ -292,7 +292,7 @@ class SSDStore:
             # not the entry of this very file: a concurrent sync (another thread's flush or prefetch) may have indexed
             # it between the rename and here, and it "supersedes" itself (same tokens): unlinking it lost the write
             victims = [e for p, e in self._entries.items()
-                       if p != path and e.ns == ns and supersedes(ids, entry.trimmable, e.tokens)]
+                       if p != path and e.ns == ns and supersedes(ids, entry.trimmable, e.tokens, old_trimmable=e.trimmable)]
             for v in victims:
                 self._drop_locked(v)
             self._c["superseded"] += len(victims)

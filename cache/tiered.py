@@ -59,7 +59,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from cache import kvfile
-from cache.copying import all_trimmable, fork, total_nbytes
+from cache.copying import all_trimmable, fork, fork_checkpoints, total_nbytes
 from cache.prompt_cache import CacheHit, PromptCache
 from cache.ssd_store import thread_stream
 
@@ -150,7 +150,7 @@ class TieredCache:
                 # Too big for RAM: serve this request from the restored objects themselves (forks of them).
                 self._count_ssd_hit(match.length)
                 return CacheHit(fork(loaded.caches, trim=len(loaded.tokens) - match.length, unwrap=True),
-                                match.length, "ssd")
+                                match.length, "ssd", fork_checkpoints(loaded.caches, match.length))
         hit = self._ram.take(tokens, ns, session)
         if hit is not None and loaded is not None and match is not None and hit.length == match.length:
             self._count_ssd_hit(hit.length)

@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache, trim_prompt_cache
 
 from spec.errors import DraftMismatch, UnsupportedDraft
+from spec.rewind import can_rewind
 from spec.source import DraftProvider
 
 __all__ = ["TwoModelProvider", "TwoModelSource", "vocab_size", "tokenizer_digest", "check_pair"]
@@ -80,7 +81,10 @@ def check_pair(target, draft, target_tokenizer=None, draft_tokenizer=None) -> No
                 "a draft must use the target's exact tokenizer (same family and version), or use "
                 "--draft-kind ngram"
             )
-    _check_rewindable(target, "target")
+    # the target's rejected drafts are taken back by spec.rewind (also over sliding windows and recurrent state);
+    # the draft's own by trimming its caches (TwoModelSource.commit): a draft must be plain attention
+    if not can_rewind(make_prompt_cache(target)):
+        _check_rewindable(target, "target")
     _check_rewindable(draft, "draft")
 
 

@@ -167,6 +167,7 @@ class Engine:
             sampler=build_sampler(params), greedy=params.temperature == 0, rules=LogitsRules.of(params, grammar),
             spec=spec, covered=cached, cached=cached)
         if cached and slot.needs_checkpoints:
+            work.snapshots.update(hit.checkpoints)  # the entry's own, so the one it stores reaches them too
             take_checkpoint(seq, work, cached)  # where its hit ends is a checkpoint too
         logprob_of = None
         if params.logprobs:
@@ -191,6 +192,7 @@ class Engine:
         work.caches = self._taken(work.slot, hit) if work.spec is None else hit.caches
         work.covered = work.cached = hit.length
         if work.slot.needs_checkpoints:
+            work.snapshots.update(hit.checkpoints)
             take_checkpoint(seq, work, hit.length)
         return hit.length
 

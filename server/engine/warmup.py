@@ -52,7 +52,7 @@ def warm_up(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -> None
 
 
 def check_kv_quantization(slot: ModelSlot) -> None:
-    """Refuse to start when this device's MLX cannot attend over a quantized KV cache.
+    """Refuse to start when this device's MLX, or this model's attention, cannot attend over a quantized KV cache.
 
     Seen on the H200 (mlx-cuda 0.32.4): `quantized_matmul` has no CUDA kernel for the attention shapes ("No
     implementation for problem shape"), so every request would fail with a 500. A few-token forward (odd lengths, as
@@ -63,8 +63,10 @@ def check_kv_quantization(slot: ModelSlot) -> None:
     try:
         for n in (3, 5):
             mx.eval(slot.model(mx.array([list(range(1, n + 1))]), cache=caches))
-    except (RuntimeError, ValueError) as exc:
+    except Exception as exc:  # whatever the forward raised: an MLX kernel missing (RuntimeError, ValueError) or a
+        # model whose attention cannot read mlx-lm's quantized cache (MLA: AttributeError on its (data, scales) tuple)
+        first = (str(exc).splitlines() or [""])[0][:200].rstrip(".")
         raise ModelLoadError(
-            f"--kv-bits {slot.kv_bits} is not supported by mlx {mx.__version__} on this device "
-            f"({mx.default_device()}): {str(exc).splitlines()[0][:200]}. Start without --kv-bits "
+            f"--kv-bits {slot.kv_bits} is not supported for this model by mlx {mx.__version__} / mlx-lm on this "
+            f"device ({mx.default_device()}): {type(exc).__name__}: {first}. Start without --kv-bits "
             "(the KV cache then stays in the model's dtype).") from exc

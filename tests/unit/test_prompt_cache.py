@@ -381,3 +381,15 @@ def test_entries_are_counted_per_namespace():
     put(cache, [4, 5, 6, 7], ns="a")
     put(cache, [1, 2, 3], ns="b")
     assert cache.entries_by_namespace() == {"a": 2, "b": 1}
+
+
+def test_an_entry_with_checkpoints_is_superseded_only_by_one_that_reaches_each_of_them():
+    """cache.prefix.supersedes: a longer entry that can be cut back to the old one's length but not to one of its
+    checkpoints would lose that checkpoint's reuse (a turn parting there); it supersedes once it reaches them all."""
+    from cache.prefix import ids, supersedes
+
+    old, new = ids(range(10)), ids(range(20))
+    assert supersedes(new, (4, 10), old, old_trimmable=(4,))
+    assert not supersedes(new, (10,), old, old_trimmable=(4,))
+    assert supersedes(new, True, old, old_trimmable=(4,))
+    assert supersedes(new, (10,), old, old_trimmable=False)  # the old one reached nothing inside it

@@ -1,0 +1,207 @@
+"""The architecture zoo on the real engine and lane (issue 35): for every architecture of tests.fixtures.zoo, tiny
+random weights built by mlx-lm's own classes, each check against mlx-lm's own greedy tokens on the same model:
+
+- cold; the same prompt again (a RAM hit); a longer prompt extending the first run (a prefix hit); a turn that
+  parts from the stored one where its conversation ended (what a thinking template does when it re-renders the
+  history without the reasoning): served from the longest reusable prefix (cut back, or a checkpoint);
+- four requests arriving at different ticks into one batch, each making its alone tokens, each run stored whole;
+- an entry written in the SSD tier's file format and read back (a restart) serves the next turn the same way;
+- n-gram and two-model speculation give plain greedy tokens, with drafts actually verified;
+- ``--kv-bits 8``: mlx-lm's greedy tokens over the same quantized caches, or a clear refusal at start.
+
+The live server side of the zoo (HTTP, the chat template, the SSD tier across a restart, an adapter) is in
+tests/integration/test_zoo_live.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from tests.fixtures import zoo
+from tests.fixtures.tiny_models import IdTokenizer
+
+VOCAB = 256
+NAMES = sorted(zoo.ZOO)
+
+
+class NoEosTokenizer(IdTokenizer):
+    eos_token_ids: set = set()  # every request runs to max_tokens, like mlx-lm's generate_step
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def arch(request):
+    return request.param, zoo.build(request.param, VOCAB)
+
+
+def alone(model, prompt, n, caches=None):
+    """mlx-lm's greedy tokens (the oracle)."""
+    caches = make_prompt_cache(model) if caches is None else caches
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=caches)]
+
+
+def lane_of(model, cache=None, **config):
+    from cache.prompt_cache import NullPromptCache
+    from server.engine.engine import Engine, EngineConfig
+    from server.lane.lane import Lane
+    from server.stats import ServingStats
+
+    cache = NullPromptCache() if cache is None else cache
+    loaded = SimpleNamespace(model=model, tokenizer=NoEosTokenizer(), fingerprint="z" * 16)
+    stats = ServingStats()
+    engine = Engine(loaded, cache, stats, EngineConfig(prefill_chunk=16, **config))
+    engine.bind_stream()
+    return Lane(engine, cache, stats, max_batch=8)
+
+
+def submit(lane, prompt, n, checkpoints=()):
+    from server.lane.events import SamplingParams
+    from server.lane.sequence import Sequence
+
+    events = []
+    target = lane.engine.base_target()
+    params = SamplingParams(max_tokens=n, temperature=0.0)
+    seq = Sequence(prompt=list(prompt), params=params, sink=events.append, id=str(id(events)), target=target,
+                   ns=lane.engine.namespace_for(target, params), checkpoints=tuple(checkpoints))
+    lane.submit(seq)
+    return seq, events
+
+
+def finished(events):
+    from server.lane.events import Failed, Finished
+
+    errors = [e for e in events if isinstance(e, Failed)]
+    assert not errors, errors
+    return next(e for e in events if isinstance(e, Finished))
+
+
+def run(lane, prompt, n=8, checkpoints=()):
+    seq, events = submit(lane, prompt, n, checkpoints)
+    while not lane.idle():
+        lane.tick()
+    return list(seq.generated), finished(events)
+
+
+HISTORY = [(7 * i + 3) % 200 + 20 for i in range(40)]  # a conversation of 40 tokens: past a 16-token window
+TURN1 = HISTORY + [5, 6]  # + a generation prompt that opens a think block
+TURN2 = HISTORY + [9, 10, 11, 12, 5, 6]  # the reply re-rendered without it and a new user turn: parts at 40
+
+
+def test_cold_ram_hit_prefix_hit_and_a_turn_that_parts_where_the_conversation_ended(arch):
+    from cache.prompt_cache import PromptCache
+
+    name, model = arch
+    cold, done = run(lane_of(model), TURN1)
+    assert cold == alone(model, TURN1, 8), name
+    assert done.cached_tokens == 0
+
+    cache = PromptCache(1 << 28)
+    lane = lane_of(model, cache)
+    first, _ = run(lane, TURN1, checkpoints=(len(HISTORY),))
+    assert first == cold
+    again, done = run(lane, TURN1)
+    assert again == cold and done.cached_tokens > len(HISTORY), (name, done.cached_tokens)  # a RAM hit
+
+    longer = TURN1 + first + [40, 41, 42]  # the next turn extends the whole first run
+    grown, done = run(lane, longer)
+    assert grown == alone(model, longer, 8), name
+    assert done.cached_tokens >= len(TURN1) + len(first) - 1, (name, done.cached_tokens)
+
+    parted, done = run(lane, TURN2)
+    assert parted == alone(model, TURN2, 8), name
+    # the longest prefix before the parting: cut back (plain KV) or the checkpoint kept where the conversation ended
+    assert done.cached_tokens == len(HISTORY), (name, zoo.FAMILY[name], done.cached_tokens)
+
+
+PROMPTS = [HISTORY, HISTORY[:9] + [77, 78], [9, 8, 7, 6, 5, 4, 3, 2, 1] * 4, HISTORY[5:12]]
+
+
+def test_four_requests_arriving_at_different_ticks_make_their_alone_tokens_and_store_their_runs(arch):
+    from cache.prompt_cache import PromptCache
+
+    name, model = arch
+    want = [alone(model, p, 10) for p in PROMPTS]
+    lane = lane_of(model, PromptCache(1 << 28))
+    arrivals, seqs, sizes = [0, 3, 5, 6], {}, set()
+    for tick in range(300):
+        if tick in arrivals:
+            i = arrivals.index(tick)
+            seqs[i] = submit(lane, PROMPTS[i], 10)
+        if lane.idle() and len(seqs) == len(PROMPTS):
+            break
+        lane.tick()
+        sizes.add(sum(1 for s, _ in seqs.values() if s.phase.name == "BATCHED"))
+    assert max(sizes) >= 2, (name, sizes)  # they did decode together
+    for i, (seq, events) in seqs.items():
+        finished(events)
+        assert list(seq.generated) == want[i], (name, i)
+        # its whole run stored (all but the last token where nothing ran ahead to feed it)
+        assert seq.stored >= len(PROMPTS[i]) + 10 - 1, (name, i, seq.stored)
+
+
+def test_an_entry_through_the_ssd_file_format_serves_the_next_turn(arch, tmp_path):
+    from cache.kvfile import load, save
+    from cache.prompt_cache import PromptCache
+
+    name, model = arch
+    cache = PromptCache(1 << 28)
+    lane = lane_of(model, cache)
+    run(lane, TURN1, checkpoints=(len(HISTORY),))
+    (ns, key), = [k for k in cache.keys() if k[1][:len(TURN1)] == tuple(TURN1)]
+    with cache._lock:
+        stored = cache._by_ns[ns][key]
+    save(tmp_path / "entry.safetensors", key, stored.caches, fingerprint="z", ns=ns)
+    back = load(tmp_path / "entry.safetensors")
+    restarted = PromptCache(1 << 28)
+    restarted.put(list(back.tokens), back.caches, ns)
+    got, done = run(lane_of(model, restarted), TURN2)
+    assert got == alone(model, TURN2, 8), name
+    assert done.cached_tokens == len(HISTORY), (name, done.cached_tokens)
+
+
+REPEATING = [11, 12, 13, 14, 15, 16, 17, 18] * 5  # an n-gram source has something to draft from
+
+
+@pytest.mark.parametrize("kind", ["ngram", "two-model"])
+def test_speculation_gives_plain_greedy_tokens_and_verifies_drafts(arch, kind):
+    from server.engine.speculation import Speculation
+    from spec import NgramProvider, TwoModelProvider
+
+    name, model = arch
+    if kind == "ngram":
+        provider = NgramProvider()
+    else:  # a smaller draft of the same vocabulary: a tiny llama
+        provider = TwoModelProvider(model, zoo.build("llama", VOCAB, seed=7), identity="draft:llama")
+    speculation = Speculation(provider, model, num_draft_tokens=4, kind=kind)
+    assert speculation.supported, name  # every zoo architecture can take back a rejected draft
+    lane = lane_of(model, speculation=speculation)
+    drafted = 0
+    for prompt in (REPEATING, TURN1):
+        got, done = run(lane, prompt, n=16)
+        assert got == alone(model, prompt, 16), (name, kind)
+        drafted += (done.spec or {}).get("drafted", 0)
+    assert drafted > 0, (name, kind)  # drafts were verified, not skipped
+
+
+# mlx-lm's MLA reads its cache's keys as arrays, not (data, scales, biases); its quantized attention has no sinks
+KV_BITS_REFUSED = {"deepseek_v3", "gpt_oss"}
+
+
+def test_kv_bits_gives_mlx_lm_tokens_over_the_same_quantized_caches_or_refuses_at_start(arch):
+    from models import ModelLoadError
+    from server.engine.kv_layout import quantize_fresh
+
+    name, model = arch
+    try:
+        lane = lane_of(model, kv_bits=8, kv_group_size=32)
+    except ModelLoadError as exc:  # the start-up probe: this model's attention cannot read quantized KV here
+        assert "--kv-bits 8 is not supported for this model" in str(exc), (name, exc)
+        assert name in KV_BITS_REFUSED, (name, exc)
+        return
+    assert name not in KV_BITS_REFUSED, name
+    got, _ = run(lane, TURN1)
+    want = alone(model, TURN1, 8, caches=quantize_fresh(make_prompt_cache(model), 8, 32))
+    assert got == want, name
