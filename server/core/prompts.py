@@ -30,20 +30,48 @@ def render(tokenizer, req: GenerationRequest, vocab_size: int) -> list[int]:
     return render_chat(tokenizer, req)
 
 
-def render_chat(tokenizer, req: GenerationRequest) -> list[int]:
-    """Apply the model's chat template (tools included: custom tools as functions of one ``input`` string) and
-    tokenize. Calls to custom tools in the history are written the way this model writes them (``_custom_calls``)."""
-    kwargs = {"add_generation_prompt": True}
+def render_chat(tokenizer, req: GenerationRequest, *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> list[int]:
+    """Apply the model's chat template (tools included: custom tools as functions of one ``input`` string; the
+    request's template variables: ``template_variables``) and tokenize. Calls to custom tools in the history are
+    written the way this model writes them (``_custom_calls``). A generation always adds the generation prompt;
+    /tokenize may ask for the conversation alone, or for its last message left open (``continue_final_message``)."""
+    ids = _apply_template(tokenizer, req, {}, add_generation_prompt, continue_final_message)
+    if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def render_chat_text(tokenizer, req: GenerationRequest, *, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False) -> str:
+    """``render_chat``'s rendering as text, before tokenization."""
+    return _apply_template(tokenizer, req, {"tokenize": False}, add_generation_prompt, continue_final_message)
+
+
+def template_variables(req: GenerationRequest) -> dict:
+    """The chat template variables a request sets besides its messages and tools: the reasoning switch
+    (``enable_thinking``, which mlx-lm's tokenizer renames to the template's own when it differs) and
+    ``reasoning_effort``. A field the request leaves None is not passed, so the template's default holds."""
+    out: dict = {}
+    if req.enable_thinking is not None:
+        out["enable_thinking"] = req.enable_thinking
+    if req.reasoning_effort is not None:
+        out["reasoning_effort"] = req.reasoning_effort
+    return out
+
+
+def _apply_template(tokenizer, req: GenerationRequest, extra: dict, add_generation_prompt: bool,
+                    continue_final_message: bool):
+    kwargs = {"add_generation_prompt": add_generation_prompt, **template_variables(req), **extra}
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
     if req.tools_enabled:
         kwargs["tools"] = list(req.tools) + [c.as_function() for c in req.custom_tools]
     messages = _custom_calls(list(req.messages), hermes=_hermes(tokenizer))
     try:
-        ids = tokenizer.apply_chat_template(messages, **kwargs)
+        return tokenizer.apply_chat_template(messages, **kwargs)
     except Exception as exc:  # jinja raises for roles/orders a template refuses
         raise InvalidRequest(f"the chat template rejected these messages: {exc}", param=req.param("messages")) from exc
-    if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def breakpoint_positions(tokenizer, req: GenerationRequest, prompt: list[int]) -> tuple[int, ...]:
@@ -70,7 +98,7 @@ def breakpoint_marks(tokenizer, req: GenerationRequest, prompt: list[int]) -> Br
     calls cache creation ends); a breakpoint after the last message counts there but is no anchor, nor is a
     position that leaves nothing to compute or covers nothing. A cut the template refuses marks nothing."""
     positions: dict[int, int] = {}  # message count -> token position
-    kwargs = {"add_generation_prompt": False}
+    kwargs = {"add_generation_prompt": False, **template_variables(req)}
     if req.tools_enabled:
         kwargs["tools"] = list(req.tools) + [c.as_function() for c in req.custom_tools]
     hermes = _hermes(tokenizer)
@@ -101,7 +129,7 @@ def history_end(tokenizer, req: GenerationRequest, prompt: list[int]) -> Optiona
     template whose text does not split there. A model whose caches cannot be cut back keeps a checkpoint here."""
     if req.prompt is not None or not req.messages:
         return None
-    kwargs = {"add_generation_prompt": False}
+    kwargs = {"add_generation_prompt": False, **template_variables(req)}
     if req.tools_enabled:
         kwargs["tools"] = list(req.tools) + [c.as_function() for c in req.custom_tools]
     messages = _custom_calls(list(req.messages), hermes=_hermes(tokenizer))

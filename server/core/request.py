@@ -85,6 +85,10 @@ class GenerationRequest:
     num_draft_tokens: Optional[int] = None  # mlx-lane extension: cap the speculative draft (0: none)
     session: Optional[str] = None  # the prefix cache's session (header, prompt_cache_key, user ...)
     breakpoints: tuple[int, ...] = ()  # cache hints: the prefix of the first N messages is kept as its own entry
+    enable_thinking: Optional[bool] = None  # the chat template's reasoning switch (None: the template's default);
+    # mlx-lm's tokenizer passes it under the template's own name (``thinking`` for some renderers)
+    reasoning_effort: Optional[str] = None  # the template variable ``reasoning_effort`` ("low" | "medium" | "high"),
+    # read by templates that have one (gpt-oss); None: not passed
     target: Optional[Target] = None  # the model that computes it: set by the pipeline from the request's model
     # name (server.http.target), never None once the request reaches the core
     names: Mapping[str, str] = field(default_factory=dict)  # internal field -> the client's parameter name

@@ -1,9 +1,10 @@
 """The FastAPI application: the server's state, its routes, the guard in front of them, and error mapping.
 
 ``create_app(state)`` wires a ready ``ServerState`` (model loaded, lane started) to the routes of every room of
-server.http: the doors (chat, completions, responses, messages: server.http.pipeline runs them), embeddings, the
-read-only endpoints (server.http.info), /admin (server.http.admin) and the dashboard. Every error leaves as its
-API's error body (server.http.error_shapes); nothing internal (stack traces, file paths) is ever put in a response.
+server.http: the doors (chat, completions, responses, messages: server.http.pipeline runs them), embeddings,
+/tokenize and /detokenize (server.http.tokenize), the read-only endpoints (server.http.info), /admin
+(server.http.admin) and the dashboard. Every error leaves as its API's error body (server.http.error_shapes);
+nothing internal (stack traces, file paths) is ever put in a response.
 The lifespan stops the lane and flushes the SSD tier on shutdown.
 """
 
@@ -104,12 +105,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="mlx-lane", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.lane_state = state
-    from server.http import admin, embeddings, info
+    from server.http import admin, embeddings, info, tokenize
     from server.http.chat import door as chat
     from server.http.messages import door as messages
     from server.http.responses import door as responses
 
-    for room in (chat, responses, messages, embeddings, info, admin):
+    for room in (chat, responses, messages, embeddings, tokenize, info, admin):
         app.include_router(room.router)
     if state.dashboard:
         from server.http.dashboard import mount_dashboard

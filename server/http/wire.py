@@ -18,7 +18,8 @@ from pydantic import ValidationError
 
 from server.errors import InvalidRequest, PayloadTooLarge
 
-__all__ = ["SSE_HEADERS", "SSE_DONE", "SSE_KEEPALIVE", "sse", "json_response", "parse_body", "request_id",
+__all__ = ["SSE_HEADERS", "SSE_DONE", "SSE_KEEPALIVE", "sse", "json_response", "read_json", "parse_body",
+           "validate_body", "request_id",
            "validation_message", "session_header", "session_of"]
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -73,7 +74,11 @@ async def read_json(request: Request, max_bytes: int) -> dict:
 
 async def parse_body(request: Request, schema, max_bytes: int):
     """Read and validate a JSON body into ``schema`` (a pydantic model class)."""
-    obj = await read_json(request, max_bytes)
+    return validate_body(await read_json(request, max_bytes), schema)
+
+
+def validate_body(obj: dict, schema):
+    """A JSON body already read (``read_json``) validated into ``schema``; a failure is an ``InvalidRequest``."""
     try:
         return schema.model_validate(obj)
     except ValidationError as exc:

@@ -4,8 +4,9 @@ A turn's role is user, assistant or system (a system turn mid-conversation, as C
 text blocks only). Content blocks are a tagged union on ``type``: ``text``, ``tool_use``, ``tool_result`` (content a string
 or text blocks), ``thinking`` / ``redacted_thinking`` (accepted from history, not rendered). Image and
 document blocks are refused with a message saying why; an unknown block type, a wrong type, a missing
-``max_tokens`` or ``model`` is a 400 in Anthropic's error shape (mapped at the app boundary). Unknown
-fields (``cache_control``, ``service_tier``, ``container`` ...) are ignored.
+``max_tokens`` or ``model`` is a 400 in Anthropic's error shape (mapped at the app boundary). ``thinking`` and
+``output_config.effort`` are validated (an unknown type or level is a 400) and mapped onto the chat template by
+server.http.messages.translate. Unknown fields (``cache_control``, ``service_tier``, ``container`` ...) are ignored.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "TextBlock", "ToolUseBlock", "ToolResultBlock", "ThinkingBlock", "RedactedThinkingBlock", "MessageParam",
-    "AnthropicTool", "ToolChoice", "CountTokensRequest", "MessagesRequest",
+    "AnthropicTool", "ToolChoice", "ThinkingConfig", "OutputConfig", "EFFORTS", "CountTokensRequest",
+    "MessagesRequest",
 ]
 
 _MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
@@ -110,6 +112,23 @@ class ToolChoice(_Lenient):
         return self
 
 
+class ThinkingConfig(_Lenient):
+    """``thinking``: ``{"type": "enabled", "budget_tokens": N}``, ``{"type": "disabled"}`` or ``{"type":
+    "adaptive"}`` (server.http.messages.translate maps it onto the model's chat template)."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[int] = Field(default=None, ge=0)
+
+
+EFFORTS = ("low", "medium", "high", "xhigh", "max")  # Anthropic's output_config.effort levels, lowest first
+
+
+class OutputConfig(_Lenient):
+    """``output_config``: ``effort`` is read (other members, e.g. ``format``, are ignored)."""
+
+    effort: Optional[Literal[EFFORTS]] = None
+
+
 class Metadata(_Lenient):
     user_id: Optional[str] = Field(default=None, max_length=1024)
 
@@ -122,7 +141,8 @@ class CountTokensRequest(_Lenient):
     system: Union[str, list[TextBlock], None] = None
     tools: Optional[list[AnthropicTool]] = Field(default=None, max_length=512)
     tool_choice: Optional[ToolChoice] = None
-    thinking: Optional[dict[str, Any]] = None
+    thinking: Optional[ThinkingConfig] = None
+    output_config: Optional[OutputConfig] = None
 
     @field_validator("system", mode="before")
     @classmethod

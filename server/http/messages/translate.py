@@ -2,13 +2,20 @@
 
 ``messages_request(req)`` maps ``system`` (string or text blocks) to the first system message; a user
 turn's ``tool_result`` blocks to ``tool`` messages (before the turn's text, the order Anthropic requires);
-an assistant turn's ``tool_use`` blocks to ``tool_calls`` (input as JSON text); ``thinking`` blocks are
-dropped (chat templates drop past thinking). Text blocks of one turn join with a newline. The same
+an assistant turn's ``tool_use`` blocks to ``tool_calls`` (input as JSON text); ``thinking`` and
+``redacted_thinking`` blocks are dropped (chat templates drop past thinking; the other doors drop it too, so a
+conversation renders the same whichever API carries it). Text blocks of one turn join with a newline. The same
 conversation therefore renders the same tokens every turn, so the prefix cache hits across turns.
 A system turn mid-conversation joins the user message before it (see ``_append``). ``metadata.user_id``
 becomes the cache session; ``stop_sequences`` the stop strings; a ``max_tokens`` past the room the prompt leaves
 is lowered to that room (Anthropic clients size it for Claude). Errors name the Messages parameters
 (``MESSAGES_NAMES``).
+
+``thinking`` and ``output_config.effort`` become the chat template's reasoning variables (``reasoning_wish``):
+``thinking.type`` "enabled" turns the template's thinking on (``enable_thinking``, or the name the template uses),
+"disabled" off, "adaptive" leaves the template's default; ``output_config.effort`` becomes ``reasoning_effort``
+("low" / "medium" / "high"; "xhigh" and "max" are "high"), read by templates that have such a variable (gpt-oss).
+``budget_tokens`` is accepted and not enforced: thinking and answer share ``max_tokens``, as at Anthropic.
 """
 
 from __future__ import annotations
@@ -23,13 +30,25 @@ from server.http.messages.schemas import (
 )
 
 __all__ = ["messages_request", "turn_to_messages", "system_text", "system_blocks", "session_of_user_id",
-           "MESSAGES_NAMES", "BILLING_HEADER"]
+           "reasoning_wish", "MESSAGES_NAMES", "BILLING_HEADER", "THINKING_SWITCH", "EFFORT_LEVELS"]
 
 # the internal request's fields under their Messages names (server.core.request.GenerationRequest.param)
 MESSAGES_NAMES = {"stop": "stop_sequences"}
 
 
 BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block (see system_blocks)
+
+# thinking.type -> the template's reasoning switch (None: not passed, the template's default holds)
+THINKING_SWITCH = {"enabled": True, "disabled": False, "adaptive": None}
+# output_config.effort -> the template variable reasoning_effort, in the levels templates know (OpenAI's three)
+EFFORT_LEVELS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+
+
+def reasoning_wish(req: CountTokensRequest) -> tuple[Optional[bool], Optional[str]]:
+    """(enable_thinking, reasoning_effort) of the internal request: see the module docstring."""
+    switch = THINKING_SWITCH[req.thinking.type] if req.thinking is not None else None
+    effort = req.output_config.effort if req.output_config is not None else None
+    return switch, EFFORT_LEVELS[effort] if effort is not None else None
 
 
 def system_blocks(system, *, keep_billing_header: bool = False) -> list:
@@ -143,8 +162,10 @@ def messages_request(req: CountTokensRequest, *, session: Optional[str] = None,
                       top_p=req.top_p, top_k=req.top_k, stop=tuple(req.stop_sequences or ()))
     parallel = None if req.tool_choice is None or req.tool_choice.disable_parallel_tool_use is None else (
         not req.tool_choice.disable_parallel_tool_use)
+    thinking, effort = reasoning_wish(req)
     return GenerationRequest(
         messages=tuple(messages),
         tools=tuple(function_tool(t.name, t.description, t.input_schema) for t in req.tools or ()),
         tool_choice=choice, forced_tool=forced, parallel_tool_calls=parallel, session=session,
-        breakpoints=tuple(sorted(b for b in breakpoints if b > 0)), names=MESSAGES_NAMES, **fields)
+        breakpoints=tuple(sorted(b for b in breakpoints if b > 0)), enable_thinking=thinking, reasoning_effort=effort,
+        names=MESSAGES_NAMES, **fields)

@@ -1,4 +1,5 @@
-"""OpenAI Responses API: ``POST /v1/responses`` (JSON and SSE), ``GET`` / ``DELETE /v1/responses/{id}``.
+"""OpenAI Responses API: ``POST /v1/responses`` (JSON and SSE), ``GET`` / ``DELETE /v1/responses/{id}``,
+``POST /v1/responses/input_tokens``.
 
 A door of server.http.pipeline: validate (server.http.responses.schemas), continue a stored conversation
 (``previous_response_id``, server.http.responses.store), build the internal request (server.http.responses.
@@ -14,15 +15,17 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from server.core.generation import Done, Error, Generation, ReasoningOut, Result, TextOut
+from server.core.prompts import render_chat
 from server.errors import NotFound
 from server.http.pipeline import Call, Door, Formatter, run
 from server.http.responses.format import ResponsesStream, response_base, response_object, status_of
-from server.http.responses.schemas import ResponsesRequest
+from server.http.responses.schemas import InputTokensRequest, ResponsesRequest
 from server.http.responses.store import StoredResponse
 from server.http.responses.translate import (
     input_items, items_for_history, output_to_items, responses_request, tool_index,
 )
-from server.http.wire import json_response, session_of
+from server.http.target import resolve_target
+from server.http.wire import json_response, parse_body, session_of
 
 router = APIRouter()
 
@@ -76,6 +79,20 @@ class ResponsesOutput(Formatter):
         return len(await run_in_threadpool(self.tokenizer.encode, text))
 
 
+def history_of(state, body: ResponsesRequest) -> tuple:
+    """The input items of the stored conversation ``previous_response_id`` continues (none without one); a
+    response not stored (or evicted) is a 404."""
+    if not body.previous_response_id:
+        return ()
+    prev = state.responses.get(body.previous_response_id)
+    if prev is None:
+        raise NotFound(f"Previous response with id '{body.previous_response_id}' not found: it was stored "
+                       "with store=false, or evicted (the server keeps the most recent responses in memory "
+                       "only). Resend the whole conversation as input instead.",
+                       param="previous_response_id", code="previous_response_not_found")
+    return prev.history
+
+
 class ResponsesDoor(Door):
     schema = ResponsesRequest
     id_prefix = "resp_"
@@ -84,15 +101,7 @@ class ResponsesDoor(Door):
         return ResponsesStream.error_event(error)  # the Responses stream's `error` event
 
     async def call(self, state, request: Request, body: ResponsesRequest) -> Call:
-        history = ()
-        if body.previous_response_id:
-            prev = state.responses.get(body.previous_response_id)
-            if prev is None:
-                raise NotFound(f"Previous response with id '{body.previous_response_id}' not found: it was stored "
-                               "with store=false, or evicted (the server keeps the most recent responses in memory "
-                               "only). Resend the whole conversation as input instead.",
-                               param="previous_response_id", code="previous_response_not_found")
-            history = prev.history
+        history = history_of(state, body)
         req = responses_request(body, history, session=session_of(request.headers, body.prompt_cache_key, body.user),
                                 max_tokens_cap=state.max_tokens_cap)
         return Call(req, stream=body.stream, context=(*history, *input_items(body)))
@@ -108,6 +117,22 @@ _DOOR = ResponsesDoor()
 @router.post("/v1/responses")
 async def create_response(request: Request):
     return await run(_DOOR, request)
+
+
+@router.post("/v1/responses/input_tokens")
+async def input_tokens(request: Request):
+    """Input tokens of a Responses request (OpenAI's ``POST /v1/responses/input_tokens``): the same translation and
+    rendering as ``/v1/responses`` (its model's template, instructions, a stored conversation, tools), so the count
+    is that response's ``usage.input_tokens``."""
+    state = request.app.state.lane_state
+    body = await parse_body(request, InputTokensRequest, state.max_body_bytes)
+    req = responses_request(body, history_of(state, body))
+    target = await resolve_target(state, body.model)
+    try:
+        prompt = await run_in_threadpool(render_chat, target.tokenizer, req)
+    finally:
+        target.release()
+    return json_response({"object": "response.input_tokens", "input_tokens": len(prompt)})
 
 
 @router.get("/v1/responses/{response_id}")

@@ -25,7 +25,7 @@ __all__ = [
     "InputText", "OutputText", "Refusal", "MessageItem", "FunctionCallItem", "FunctionCallOutputItem",
     "ReasoningItem", "CustomToolCallItem", "CustomToolCallOutputItem", "ToolSearchCallItem", "ToolSearchOutputItem",
     "InputItem", "FunctionTool", "NamespaceTool", "CustomTool", "ToolSearchTool", "ToolChoiceFunction",
-    "ToolChoiceCustom", "TextFormat", "TextConfig", "ResponsesRequest", "INPUT_ITEMS", "TOOLS",
+    "ToolChoiceCustom", "TextFormat", "TextConfig", "ResponsesRequest", "InputTokensRequest", "INPUT_ITEMS", "TOOLS",
 ]
 
 log = logging.getLogger("mlx_lane.responses")
@@ -307,3 +307,10 @@ class ResponsesRequest(_Lenient):
         if v:
             raise ValueError("background mode is not supported; send the request without 'background'")
         return v
+
+
+class InputTokensRequest(ResponsesRequest):
+    """What ``POST /v1/responses/input_tokens`` reads: a Responses create body whose ``input`` may be left out (a
+    ``previous_response_id`` or ``instructions`` alone are counted too)."""
+
+    input: Union[str, list[InputItem]] = Field(default_factory=list)
