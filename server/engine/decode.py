@@ -20,7 +20,8 @@ from typing import Callable, Optional, Sequence
 
 from mlx_lm.models.cache import trim_prompt_cache
 
-from server.engine.batch import BatchGroups, Covered, Emitted, GroupKey, Layout, Row, RowDraft, choose, make
+from server.engine.batch import (BatchGroups, Covered, Emitted, GroupKey, Layout, Row, RowDraft, choose, make,
+                                 solo_pipelined)
 from server.engine.batch.solo import SoloBatch
 from server.engine.batch.speculating import PlainStepClock
 from server.engine.work import SeqWork
@@ -127,7 +128,7 @@ class Decoder:
         caches = self._entry(covered, history) if covered is not None else work.caches
         work.caches = None
         row = Row(seq, caches, history, work.rules, work.row_sampler, self._draft(work))
-        solo = SoloBatch(work.model, self._stream(), pipelined=not work.slot.cache_facts.recurrent)
+        solo = SoloBatch(work.model, self._stream(), pipelined=solo_pipelined(self.layout, work.slot.cache_facts))
         solo.add([row])
         work.solo = solo
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from cache.prefix import namespace
 from models.attention.shared_prefix import share_prefix
-from server.engine.batch import BatchKind, GroupKey, Layout, LogitsRules, choose, moves
+from server.engine.batch import BatchKind, GroupKey, Layout, LogitsRules, choose, moves, solo_pipelined
 from server.engine.decode import Decoder, Stepped
 from server.engine.kv_layout import kv_scheme
 from server.engine.prefill import Prefiller
@@ -123,33 +123,43 @@ class Engine:
         draft = self.speculation.provider.identity if self.draft_tokens(target, params) else None
         return namespace(target.slot.namespace, adapter=target.adapter_identity, draft=draft)
 
-    def classify(self, seq) -> SeqFacts:
+    def classify(self, seq, company: bool = False) -> SeqFacts:
         """Its batch group (one per model, per LoRA adapter, and a speculating one beside each), the kind of that
         group's batch (``server.engine.batch.choose``), whether it may prefill in a batched forward (plain KV
-        layers, the base model, no adapter, no speculation) and the model's sliding window."""
+        layers, the base model, no adapter, no speculation), the model's sliding window, and whether it drafts.
+
+        A model whose caches a speculating batch cannot hold (recurrent state, sliding windows) speculates only on
+        its own: a request that arrives with ``company`` (others running or waiting) decodes plainly instead, in
+        its group's plain batch, since every speculating request of such a model decoding alone made 4 concurrent
+        requests on a tiny qwen3.5 take 4x the wall of the plain batch."""
         target = seq.target
         slot = target.slot
         speculating = bool(self.draft_tokens(target, seq.params))
         kind = choose(self.config.layout, slot.cache_facts, speculating)
+        if speculating and kind == BatchKind.SOLO and company and self.config.layout.spec_in_batch:
+            speculating = False
+            kind = choose(self.config.layout, slot.cache_facts, False)
         # the model by name, not by namespace: every rank of a sharded model has its own shard's namespace, and the
         # plans rank 0 broadcasts name groups
         group = GroupKey(slot.name, target.adapter_identity, kind == BatchKind.SPECULATING)
         return SeqFacts(group=group, batchable=kind != BatchKind.SOLO,
                         prefill_together=not speculating and slot.plain_kv and slot.base and target.adapter is None,
-                        window=slot.window, batch_kind=str(kind), moves=moves(kind, slot.cache_facts))
+                        window=slot.window, batch_kind=str(kind), moves=moves(kind, slot.cache_facts),
+                        drafting=speculating, solo_ahead=solo_pipelined(self.config.layout, slot.cache_facts))
 
     def _facts_in(self, seq, group: GroupKey) -> SeqFacts:
         """A sequence's facts once it decodes in ``group`` (a speculating batch dissolved into the plain one)."""
         cache_facts = self._work_of(seq).slot.cache_facts
         kind = choose(self.config.layout, cache_facts, group.speculating)
         return SeqFacts(group=group, batchable=kind != BatchKind.SOLO, prefill_together=False,
-                        window=seq.facts.window, batch_kind=str(kind), moves=moves(kind, cache_facts))
+                        window=seq.facts.window, batch_kind=str(kind), moves=moves(kind, cache_facts),
+                        drafting=group.speculating, solo_ahead=seq.facts.solo_ahead)
 
     # -- admission and prefill ---------------------------------------------------------------------------------
     def admit(self, seq) -> Admitted:
         target, params = seq.target, seq.params
         slot = target.slot
-        n_draft = self.draft_tokens(target, params)
+        n_draft = self.draft_tokens(target, params) if seq.facts.drafting else 0
         if not n_draft and self._cannot_rewind(slot, params) and self.stats.spec is not None:
             self.stats.spec.on_cannot_rewind()  # it asked to speculate; its caches cannot take a draft back
         hit = self.prompt_cache.take(seq.prompt, seq.ns, seq.session)

@@ -46,7 +46,7 @@ class ModelSlot:
         ragged = kv_bits is None and any(type(c) is KVCache for c in layers) and all(
             type(c) is KVCache or isinstance(c, ArraysCache) for c in layers)
         self.cache_facts = CacheFacts(plain_kv=self.plain_kv, mergeable=self.mergeable, recurrent=recurrent,
-                                      ragged=ragged)
+                                      windowed=any(isinstance(c, RotatingKVCache) for c in layers), ragged=ragged)
         # layers whose state the prefix cache keeps at checkpoints (cache.checkpoints): they cannot be cut back
         self.checkpointed_layers = tuple(i for i, c in enumerate(layers)
                                          if isinstance(c, (ArraysCache, RotatingKVCache)))

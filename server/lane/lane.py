@@ -205,8 +205,9 @@ class Lane:
         with self._cond:
             arrived = list(self._inbox)
             self._inbox.clear()
-        for seq in arrived:
-            seq.facts = self.engine.classify(seq)
+        for i, seq in enumerate(arrived):
+            company = bool(self.executor.running or self._waiting or i)
+            seq.facts = self.engine.classify(seq, company)
         self._waiting.extend(arrived)
         plan = self.scheduler.schedule(self._waiting, self.executor.running, task=bool(self._tasks),
                                        ready=self._prefix_ready, lookup=self._cached_length,

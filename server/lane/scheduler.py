@@ -2,7 +2,7 @@
 
 The scheduler only decides (vLLM's split between ``Scheduler`` and the model runner); the lane executes the plan
 (server.lane.plan). It reads sequences as plain data (phase, prompt, ``covered``, the facts the engine gave when they
-arrived: ``facts.group``, ``facts.batchable``, ``facts.prefill_together``, and ``migratable``), so every rule is tested table by table
+arrived: ``facts.group``, ``facts.batchable``, ``facts.prefill_together``, ``migratable`` and ``joinable``), so every rule is tested
 without a model (tests/unit/test_scheduler.py). The rules, in plan order:
 
 1. Cancelled sequences end: queued ones without touching the model, running ones after storing what they computed.
@@ -246,7 +246,7 @@ class Scheduler:
         starts, migrating = [], set()
         for group in dict.fromkeys([*plain, *solo_only]):
             new = plain.get(group, [])
-            others = [s for s in live if s.phase == Phase.SOLO and s.group == group and s.migratable]
+            others = [s for s in live if s.phase == Phase.SOLO and s.group == group and s.joinable]
             alone = len(new) == 1 and not batch_rows.get(group) and not others
             batch = () if (alone or not new) else tuple(others + new)
             migrating.update(others if batch else ())

@@ -50,6 +50,8 @@ class SeqFacts:
     window: Optional[int] = None  # the model's smallest sliding window (None: no sliding-window layer)
     batch_kind: str = "solo"  # the kind of its group's batch (server.engine.batch.choose), for /stats
     moves: bool = True  # it may move between decoding on its own and its group's batch (its caches allow it)
+    drafting: bool = False  # it decodes speculatively (the server speculates, the request and its model allow it)
+    solo_ahead: bool = True  # decoding on its own, it runs a forward ahead of the tokens it returned
 
 
 @dataclass(frozen=True)
@@ -120,8 +122,9 @@ class LaneEngine(Protocol):
     def task_context(self) -> ContextManager:
         """What a lane task (model work other than a sequence's) runs under."""
 
-    def classify(self, seq) -> SeqFacts:
-        """The facts the scheduler plans with (once, when the sequence arrives)."""
+    def classify(self, seq, company: bool = False) -> SeqFacts:
+        """The facts the scheduler plans with (once, when the sequence arrives); ``company``: other sequences are
+        running or waiting in the lane."""
 
     def admit(self, seq) -> Admitted:
         """Take the prefix cache for the sequence's prompt and prepare its model state."""

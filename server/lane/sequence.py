@@ -144,13 +144,23 @@ class Sequence:
 
     @property
     def migratable(self) -> bool:
-        """May it move between solo decoding and its group's batch? The move recomputes the one token the pipelined
-        decoder fed ahead, so its caches must be trimmable by one (no sliding window has wrapped yet), and it may
-        not have a grammar (its processor must see each sampled token exactly once)."""
+        """May it move from its group's batch to solo decoding? The move recomputes the one token the batch fed
+        ahead, so its caches must be trimmable by one (no sliding window has wrapped yet), and it may not have a
+        grammar (its processor must see each sampled token exactly once)."""
         if not self.facts.batchable or not self.facts.moves or self.params.grammar is not None:
             return False
         window = self.facts.window
         return window is None or len(self.prompt) + len(self.generated) < window
+
+    @property
+    def joinable(self) -> bool:
+        """May it move from solo decoding into its group's batch? As ``migratable``, but a solo decoder that ran
+        nothing ahead (``facts.solo_ahead`` False: recurrent state, or sliding windows on the CPU) hands over
+        caches that need no trim, so a wrapped window joins too."""
+        if self.migratable:
+            return True
+        return (self.facts.batchable and self.facts.moves and self.params.grammar is None
+                and not self.facts.solo_ahead)
 
     def start_output(self, detokenizer, eos: frozenset, logprob_of: Optional[Callable] = None) -> None:
         """Bind the text side (the engine does it at admission: the detokenizer is the model's)."""

@@ -50,7 +50,7 @@ class FakeEngine:
 
         return contextlib.nullcontext()
 
-    def classify(self, seq) -> SeqFacts:
+    def classify(self, seq, company: bool = False) -> SeqFacts:
         return SeqFacts(group=GROUP, batchable=True)
 
     def admit(self, seq) -> Admitted:

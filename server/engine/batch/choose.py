@@ -31,7 +31,7 @@ from server.engine.batch.ragged import RaggedBatch
 from server.engine.batch.solo import SoloBatch
 from server.engine.batch.speculating import SpeculatingBatch
 
-__all__ = ["BatchKind", "CacheFacts", "Layout", "choose", "make", "moves", "pipelined"]
+__all__ = ["BatchKind", "CacheFacts", "Layout", "choose", "make", "moves", "pipelined", "solo_pipelined"]
 
 
 class BatchKind(str, enum.Enum):
@@ -51,6 +51,7 @@ class CacheFacts:
     plain_kv: bool  # every layer a plain KVCache, not quantized
     mergeable: bool  # every layer's class merges into mlx-lm's batch caches
     recurrent: bool = False  # some layers hold recurrent state (linear attention, SSM): nothing can be taken back
+    windowed: bool = False  # some layers are sliding windows (RotatingKVCache): once wrapped, nothing can be taken back
     ragged: Optional[bool] = None  # the ragged layout holds its layers (None: plain_kv)
 
     @property
@@ -88,6 +89,13 @@ def pipelined(layout: Layout, caches: CacheFacts) -> bool:
     return layout.gpu and not caches.recurrent
 
 
+def solo_pipelined(layout: Layout, caches: CacheFacts) -> bool:
+    """Does a sequence decoding on its own run a forward ahead? Not over recurrent state (see ``moves``), nor over
+    sliding windows on the CPU: a wrapped window cannot take the token fed ahead back, so such a row could never
+    join its group's batch, and on the CPU the overlap saves little (it computes either way)."""
+    return not caches.recurrent and (layout.gpu or not caches.windowed)
+
+
 def moves(kind: BatchKind, caches: CacheFacts) -> bool:
     """May a row move between its solo decoder and its group's batch? A move hands over caches that cover the row's
     history but its next input: caches that can take a token back always can; recurrent state only between the
@@ -104,4 +112,4 @@ def make(kind: BatchKind, model, layout: Layout, stream: Optional[object] = None
         return RaggedBatch(model, pipelined=pipelined(layout, caches))
     if kind == BatchKind.MLX:
         return MlxBatch(model, clear_cache=layout.gpu)
-    return SoloBatch(model, stream, pipelined=not caches.recurrent)
+    return SoloBatch(model, stream, pipelined=solo_pipelined(layout, caches))
