@@ -48,6 +48,14 @@ SHAPES = {
                       intermediate_size=14336, vocab_size=128256),
     "tiny": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=512, vocab_size=128256),
+    # gpt-oss-20b's config (openai/gpt-oss-20b): 24 layers alternating 128-token sliding windows (with attention
+    # sinks) and full attention, 32 experts (4 per token); 20.9e9 parameters, ~42 GB in bf16 (issue 35)
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
+                        num_experts_per_tok=4, sliding_window=128, rope_theta=150000, rms_norm_eps=1e-5,
+                        layer_types=["sliding_attention", "full_attention"] * 12, vocab_size=201088,
+                        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "original_max_position_embeddings": 4096, "truncate": False}),
 }
 PROMPT_VOCAB = 49152
 REQUEST_TIMEOUT = 120.0  # the SmolLM2 tokenizer's ids: prompts use ids in [3, 49152)
@@ -165,12 +173,22 @@ def build_model(model_dir: Path, shape: str, dtype: str, tok_dir: Path):
     from mlx_lm.utils import save_model
 
     s = SHAPES[shape]
-    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **s,
-           "head_dim": s["hidden_size"] // s["num_attention_heads"], "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-           "max_position_embeddings": 131072, "tie_word_embeddings": False, "attention_bias": False,
-           "mlp_bias": False, "hidden_act": "silu", "torch_dtype": dtype, "bos_token_id": 1, "eos_token_id": 2}
-    t = time.perf_counter()
-    model = Model(ModelArgs.from_dict(cfg))
+    if "model_type" in s:  # another architecture, by its own config (mlx-lm's class for its model_type)
+        from mlx_lm.utils import _get_classes
+
+        cfg = {**s, "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": dtype,
+               "eos_token_id": 2}
+        model_class, args_class = _get_classes(cfg)
+        t = time.perf_counter()
+        model = model_class(args_class.from_dict(cfg))
+    else:
+        cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **s,
+               "head_dim": s["hidden_size"] // s["num_attention_heads"], "rms_norm_eps": 1e-5,
+               "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+               "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "torch_dtype": dtype,
+               "bos_token_id": 1, "eos_token_id": 2}
+        t = time.perf_counter()
+        model = Model(ModelArgs.from_dict(cfg))
     mx.random.seed(0)
     dt = getattr(mx, dtype)
     params = []
