@@ -32,10 +32,11 @@ def render(tokenizer, req: GenerationRequest, vocab_size: int) -> list[int]:
 
 def render_chat(tokenizer, req: GenerationRequest, *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False) -> list[int]:
-    """Apply the model's chat template (tools included: custom tools as functions of one ``input`` string; the
-    request's template variables: ``template_variables``) and tokenize. Calls to custom tools in the history are
-    written the way this model writes them (``_custom_calls``). A generation always adds the generation prompt;
-    /tokenize may ask for the conversation alone, or for its last message left open (``continue_final_message``)."""
+    """Apply the model's chat template (tools included: custom tools as functions of one ``input`` string, deferred
+    tools left out: ``GenerationRequest.template_tools``; the request's template variables: ``template_variables``)
+    and tokenize. Calls to custom tools in the history are written the way this model writes them
+    (``_custom_calls``). A generation always adds the generation prompt; /tokenize may ask for the conversation
+    alone, or for its last message left open (``continue_final_message``)."""
     ids = _apply_template(tokenizer, req, {}, add_generation_prompt, continue_final_message)
     if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
@@ -65,8 +66,8 @@ def _apply_template(tokenizer, req: GenerationRequest, extra: dict, add_generati
     kwargs = {"add_generation_prompt": add_generation_prompt, **template_variables(req), **extra}
     if continue_final_message:
         kwargs["continue_final_message"] = True
-    if req.tools_enabled:
-        kwargs["tools"] = list(req.tools) + [c.as_function() for c in req.custom_tools]
+    if tools := req.template_tools:
+        kwargs["tools"] = tools
     messages = _custom_calls(list(req.messages), hermes=_hermes(tokenizer))
     try:
         return tokenizer.apply_chat_template(messages, **kwargs)
@@ -99,8 +100,8 @@ def breakpoint_marks(tokenizer, req: GenerationRequest, prompt: list[int]) -> Br
     position that leaves nothing to compute or covers nothing. A cut the template refuses marks nothing."""
     positions: dict[int, int] = {}  # message count -> token position
     kwargs = {"add_generation_prompt": False, **template_variables(req)}
-    if req.tools_enabled:
-        kwargs["tools"] = list(req.tools) + [c.as_function() for c in req.custom_tools]
+    if tools := req.template_tools:
+        kwargs["tools"] = tools
     hermes = _hermes(tokenizer)
     for n in sorted(set(req.breakpoints)):
         if not 0 < n <= len(req.messages):
@@ -130,8 +131,8 @@ def history_end(tokenizer, req: GenerationRequest, prompt: list[int]) -> Optiona
     if req.prompt is not None or not req.messages:
         return None
     kwargs = {"add_generation_prompt": False, **template_variables(req)}
-    if req.tools_enabled:
-        kwargs["tools"] = list(req.tools) + [c.as_function() for c in req.custom_tools]
+    if tools := req.template_tools:
+        kwargs["tools"] = tools
     messages = _custom_calls(list(req.messages), hermes=_hermes(tokenizer))
     end = _end_of_messages(tokenizer, messages, kwargs, prompt)
     return end if end is not None and 0 < end < len(prompt) - 1 else None

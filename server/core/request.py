@@ -61,6 +61,8 @@ class GenerationRequest:
     messages: tuple[dict, ...] = ()  # chat messages as the template reads them (see template_message)
     prompt: Union[str, tuple[int, ...], None] = None  # a text completion's prompt instead of messages
     tools: tuple[dict, ...] = ()  # offered functions: {"type": "function", "function": {"name", ...}}
+    deferred_tools: tuple[str, ...] = ()  # names of ``tools`` the chat template's tool list leaves out (Anthropic's
+    # defer_loading): the conversation shows them (a tool search's result), calls to them parse like any other's
     custom_tools: tuple[CustomTool, ...] = ()  # offered freeform tools (Responses ``custom`` tools)
     tool_choice: str = "auto"  # "auto" | "none" | "required"
     forced_tool: Optional[str] = None  # the tool (a function or a custom tool) every call must name
@@ -101,6 +103,17 @@ class GenerationRequest:
     def tools_enabled(self) -> bool:
         """Tools are offered to the model unless ``tool_choice`` is ``"none"``."""
         return bool(self.tools or self.custom_tools) and self.tool_choice != "none"
+
+    @property
+    def template_tools(self) -> list[dict]:
+        """The tool list the chat template renders: the offered functions but the deferred ones, then the custom
+        tools as functions; empty when tools are off. A deferred tool loaded mid-session (its definition added to
+        ``tools``) thus leaves the prompt's opening as it was, and the prefix cache keeps serving it."""
+        if not self.tools_enabled:
+            return []
+        deferred = set(self.deferred_tools)
+        return ([t for t in self.tools if t["function"]["name"] not in deferred]
+                + [c.as_function() for c in self.custom_tools])
 
     @property
     def function_names(self) -> list[str]:

@@ -17,10 +17,10 @@ from server.core.generation import Done, Error, Generation, ReasoningOut, Result
 from server.core.prompts import render_chat
 from server.http.messages.format import PING, MessagesStream, message_object
 from server.http.messages.schemas import CountTokensRequest, MessagesRequest
-from server.http.messages.translate import messages_request, session_of_user_id
+from server.http.messages.translate import messages_request, messages_session
 from server.http.pipeline import Call, Door, Formatter, run
 from server.http.target import resolve_target
-from server.http.wire import json_response, parse_body, session_of
+from server.http.wire import json_response, parse_body
 
 router = APIRouter()
 
@@ -60,9 +60,9 @@ class MessagesDoor(Door):
         return MessagesStream.error_event(error)  # Anthropic's `event: error`
 
     async def call(self, state, request: Request, body: MessagesRequest) -> Call:
-        user = session_of_user_id(body.metadata.user_id if body.metadata else None)
-        return Call(messages_request(body, session=session_of(request.headers, user),
-                                     keep_billing_header=state.keep_billing_header), stream=body.stream)
+        session = messages_session(request.headers, body.metadata.user_id if body.metadata else None)
+        return Call(messages_request(body, session=session, keep_billing_header=state.keep_billing_header),
+                    stream=body.stream)
 
     def formatter(self, state, body: MessagesRequest, call: Call, gen: Generation) -> Formatter:
         return MessagesOutput("msg_" + uuid.uuid4().hex, body.model, len(gen.prompt), gen.last_breakpoint)

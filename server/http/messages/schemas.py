@@ -2,7 +2,9 @@
 
 A turn's role is user, assistant or system (a system turn mid-conversation, as Claude Code sends them; its
 text blocks only). Content blocks are a tagged union on ``type``: ``text``, ``tool_use``, ``tool_result`` (content a string
-or text blocks), ``thinking`` / ``redacted_thinking`` (accepted from history, not rendered). Image and
+or text and ``tool_reference`` blocks: the tools a client-side tool search loaded, as Claude Code's ToolSearch
+answers), ``thinking`` / ``redacted_thinking`` (accepted from history, not rendered). A tool may be marked
+``defer_loading`` (kept out of the chat template's tool list, still callable). Image and
 document blocks are refused with a message saying why; an unknown block type, a wrong type, a missing
 ``max_tokens`` or ``model`` is a 400 in Anthropic's error shape (mapped at the app boundary). ``thinking`` and
 ``output_config.effort`` are validated (an unknown type or level is a 400) and mapped onto the chat template by
@@ -16,7 +18,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
-    "TextBlock", "ToolUseBlock", "ToolResultBlock", "ThinkingBlock", "RedactedThinkingBlock", "MessageParam",
+    "TextBlock", "ToolReferenceBlock", "ToolUseBlock", "ToolResultBlock", "ThinkingBlock", "RedactedThinkingBlock", "MessageParam",
     "AnthropicTool", "ToolChoice", "ThinkingConfig", "OutputConfig", "EFFORTS", "CountTokensRequest",
     "MessagesRequest",
 ]
@@ -50,19 +52,28 @@ class ToolUseBlock(_Lenient):
     input: dict[str, Any]
 
 
+class ToolReferenceBlock(_Lenient):
+    """A tool a client-side tool search found (Anthropic's tool search; Claude Code's ToolSearch answers with
+    them): only inside a ``tool_result``'s content. server.http.messages.translate renders it in place as the named
+    tool's definition, taken from the request's ``tools``."""
+
+    type: Literal["tool_reference"]
+    tool_name: str = Field(min_length=1, max_length=128)
+
+
+ToolResultContent = Annotated[Union[TextBlock, ToolReferenceBlock], Field(discriminator="type")]
+
+
 class ToolResultBlock(_Lenient):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1, max_length=256)
-    content: Union[str, list[TextBlock]] = ""
+    content: Union[str, list[ToolResultContent]] = ""
     is_error: Optional[bool] = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _media(cls, v):
         return _refuse_media(v)
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "\n".join(b.text for b in self.content)
 
 
 class ThinkingBlock(_Lenient):
@@ -98,6 +109,8 @@ class AnthropicTool(_Lenient):
     name: str = Field(min_length=1, max_length=128)
     description: Optional[str] = None
     input_schema: dict[str, Any]
+    # a tool the model learns of from a tool search's result (a tool_reference block), not from the tool list
+    defer_loading: Optional[bool] = None
 
 
 class ToolChoice(_Lenient):

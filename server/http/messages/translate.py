@@ -6,8 +6,10 @@ an assistant turn's ``tool_use`` blocks to ``tool_calls`` (input as JSON text); 
 ``redacted_thinking`` blocks are dropped (chat templates drop past thinking; the other doors drop it too, so a
 conversation renders the same whichever API carries it). Text blocks of one turn join with a newline. The same
 conversation therefore renders the same tokens every turn, so the prefix cache hits across turns.
-A system turn mid-conversation joins the user message before it (see ``_append``). ``metadata.user_id``
-becomes the cache session; ``stop_sequences`` the stop strings; a ``max_tokens`` past the room the prompt leaves
+A system turn mid-conversation stays where it is: it joins the user message before it, or stays a system message
+after a tool or assistant turn (see ``_append``); it is never hoisted into the system prompt, which would move it in
+every later request (Claude Code sends one after every tool result). ``metadata.user_id`` names the cache session
+(``messages_session``); ``stop_sequences`` are the stop strings; a ``max_tokens`` past the room the prompt leaves
 is lowered to that room (Anthropic clients size it for Claude). Errors name the Messages parameters
 (``MESSAGES_NAMES``).
 
@@ -16,27 +18,48 @@ is lowered to that room (Anthropic clients size it for Claude). Errors name the 
 "disabled" off, "adaptive" leaves the template's default; ``output_config.effort`` becomes ``reasoning_effort``
 ("low" / "medium" / "high"; "xhigh" and "max" are "high"), read by templates that have such a variable (gpt-oss).
 ``budget_tokens`` is accepted and not enforced: thinking and answer share ``max_tokens``, as at Anthropic.
+
+Tool search (Anthropic's ``defer_loading``; Claude Code's ToolSearch tool): a tool marked ``defer_loading`` is left
+out of the chat template's tool list but stays callable (``GenerationRequest.deferred_tools``), and a
+``tool_reference`` block in a tool result is rendered in place as the named tool's definition, in the encoding
+ToolSearch's own description promises: ``<functions>`` holding one ``<function>{"description", "name",
+"parameters"}</function>`` line per tool (``reference_text``). Claude Code adds a tool it loaded to ``tools`` from the
+next request on; the prompt's opening (system prompt and tool list) stays the same, so the prefix cache keeps
+serving the session, and the loaded tool costs only its definition's tokens where the search returned it.
+
+The cache session (``messages_session``): a session header, else ``metadata.user_id`` (Claude Code's JSON string
+holding ``session_id``), else Claude Code's ``X-Claude-Code-Session-Id``; a Claude Code subagent, which sends its
+main agent's session id, is told apart by ``X-Claude-Code-Agent-Id`` and keyed ``<session>/<agent id>``, so its
+requests do not take over the main agent's session entry.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from itertools import groupby
 from typing import Optional
 
 from server.core.request import GenerationRequest, MaxTokens, function_tool, template_message
 from server.errors import InvalidRequest
 from server.http.messages.schemas import (
-    CountTokensRequest, MessageParam, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock,
+    AnthropicTool, CountTokensRequest, MessageParam, MessagesRequest, TextBlock, ToolReferenceBlock, ToolResultBlock,
+    ToolUseBlock,
 )
+from server.http.wire import session_of
 
 __all__ = ["messages_request", "turn_to_messages", "system_text", "system_blocks", "session_of_user_id",
-           "reasoning_wish", "MESSAGES_NAMES", "BILLING_HEADER", "THINKING_SWITCH", "EFFORT_LEVELS"]
+           "messages_session", "tool_result_text", "reference_text", "reasoning_wish", "MESSAGES_NAMES",
+           "BILLING_HEADER", "THINKING_SWITCH", "EFFORT_LEVELS", "CLAUDE_CODE_SESSION_HEADER",
+           "CLAUDE_CODE_AGENT_HEADER"]
 
 # the internal request's fields under their Messages names (server.core.request.GenerationRequest.param)
 MESSAGES_NAMES = {"stop": "stop_sequences"}
 
 
 BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block (see system_blocks)
+CLAUDE_CODE_SESSION_HEADER = "x-claude-code-session-id"  # the session_id of metadata.user_id, as a header
+CLAUDE_CODE_AGENT_HEADER = "x-claude-code-agent-id"  # set by a subagent (the Agent tool), beside its main's session
 
 # thinking.type -> the template's reasoning switch (None: not passed, the template's default holds)
 THINKING_SWITCH = {"enabled": True, "disabled": False, "adaptive": None}
@@ -89,8 +112,51 @@ def session_of_user_id(user_id: Optional[str]) -> Optional[str]:
     return user_id
 
 
-def turn_to_messages(turn: MessageParam) -> list[dict]:
-    """One Anthropic turn -> chat messages as chat templates read them (server.core.request.template_message)."""
+def messages_session(headers: Mapping[str, str], user_id: Optional[str]) -> Optional[str]:
+    """The prefix cache's session of a Messages request (``headers`` read with lower-case names, as Starlette's
+    are): a session header (server.http.wire.session_header), else ``metadata.user_id`` (``session_of_user_id``),
+    else ``X-Claude-Code-Session-Id``. Claude Code's subagents send their main agent's session id; the
+    ``X-Claude-Code-Agent-Id`` header tells them apart, and keys the session ``<session>/<agent id>``: a session
+    maps to the one entry last put with it, so a subagent's request under the main agent's key would take that
+    entry's O(1) lookup and its session-bound eviction protection away from the main agent."""
+    session = session_of(headers, session_of_user_id(user_id), headers.get(CLAUDE_CODE_SESSION_HEADER))
+    agent = headers.get(CLAUDE_CODE_AGENT_HEADER)
+    return f"{session}/{agent}" if session and agent else session
+
+
+def reference_text(names: list[str], tools: Mapping[str, AnthropicTool]) -> str:
+    """The definitions of the tools a tool search found, as Claude Code's ToolSearch describes its result: a
+    ``<functions>`` block with one ``<function>{"description": ..., "name": ..., "parameters": ...}</function>``
+    line per tool, the input schema as the request's tool list holds it. A name ``tools`` lacks is shown as just
+    its name. The same request tools render the same text every turn (the prefix cache hits past it)."""
+    lines = []
+    for name in names:
+        tool = tools.get(name)
+        fields = {"name": name} if tool is None else {
+            **({"description": tool.description} if tool.description is not None else {}),
+            "name": tool.name, "parameters": tool.input_schema}
+        lines.append(f"<function>{json.dumps(fields, ensure_ascii=False)}</function>")
+    return "<functions>\n" + "\n".join(lines) + "\n</functions>"
+
+
+def tool_result_text(block: ToolResultBlock, tools: Mapping[str, AnthropicTool]) -> str:
+    """A tool result's content as the tool message's text: text blocks join with a newline (one text block reads
+    like a string); each run of ``tool_reference`` blocks is the referenced tools' definitions, in place
+    (``reference_text``)."""
+    if isinstance(block.content, str):
+        return block.content
+    parts: list[str] = []
+    for references, run in groupby(block.content, key=lambda b: isinstance(b, ToolReferenceBlock)):
+        if references:
+            parts.append(reference_text([b.tool_name for b in run], tools))
+        else:
+            parts.extend(b.text for b in run)
+    return "\n".join(parts)
+
+
+def turn_to_messages(turn: MessageParam, tools: Optional[Mapping[str, AnthropicTool]] = None) -> list[dict]:
+    """One Anthropic turn -> chat messages as chat templates read them (server.core.request.template_message);
+    ``tools``: the request's tools by name (what a tool result's ``tool_reference`` blocks show)."""
     if isinstance(turn.content, str):
         return [template_message(turn.role, turn.content)]
     texts = [b.text for b in turn.content if isinstance(b, TextBlock)]
@@ -102,7 +168,7 @@ def turn_to_messages(turn: MessageParam) -> list[dict]:
         calls = [(b.id, b.name, json.dumps(b.input, ensure_ascii=False))
                  for b in turn.content if isinstance(b, ToolUseBlock)]
         return [template_message("assistant", "\n".join(texts) if (texts or not calls) else None, tool_calls=calls)]
-    out = [template_message("tool", b.text(), tool_call_id=b.tool_use_id)
+    out = [template_message("tool", tool_result_text(b, tools or {}), tool_call_id=b.tool_use_id)
            for b in turn.content if isinstance(b, ToolResultBlock)]
     if texts or not out:
         out.append(template_message("user", "\n".join(texts)))
@@ -138,7 +204,7 @@ def _tool_choice(req: CountTokensRequest) -> tuple[str, Optional[str]]:
 def messages_request(req: CountTokensRequest, *, session: Optional[str] = None,
                      keep_billing_header: bool = False) -> GenerationRequest:
     """The internal request for ``req`` (a ``MessagesRequest``, or the prompt side of one for counting);
-    ``session``: the prefix cache's session (the door's header, else ``metadata.user_id``). Each ``cache_control``
+    ``session``: the prefix cache's session (the door's ``messages_session``). Each ``cache_control``
     breakpoint becomes a breakpoint of the internal request at the message boundary at or before it: on the system
     prompt or a tool, after the system prompt; on a turn's last block, after that turn; on an earlier block, before
     that turn (the rest of a turn changes with it)."""
@@ -149,9 +215,11 @@ def messages_request(req: CountTokensRequest, *, session: Optional[str] = None,
         messages.append(template_message("system", "\n".join(b.text for b in blocks)))
     if messages and (any(_marked(b) for b in blocks) or any(_marked(t) for t in req.tools or ())):
         breakpoints.add(1)
+    tools = list(req.tools or ())
+    by_name = {t.name: t for t in tools}
     for turn in req.messages:
         before = len(messages)
-        for message in turn_to_messages(turn):
+        for message in turn_to_messages(turn, by_name):
             _append(messages, message)
         if isinstance(turn.content, list) and any(_marked(b) for b in turn.content):
             breakpoints.add(len(messages) if _marked(turn.content[-1]) else before)
@@ -165,7 +233,8 @@ def messages_request(req: CountTokensRequest, *, session: Optional[str] = None,
     thinking, effort = reasoning_wish(req)
     return GenerationRequest(
         messages=tuple(messages),
-        tools=tuple(function_tool(t.name, t.description, t.input_schema) for t in req.tools or ()),
+        tools=tuple(function_tool(t.name, t.description, t.input_schema) for t in tools),
+        deferred_tools=tuple(t.name for t in tools if t.defer_loading),
         tool_choice=choice, forced_tool=forced, parallel_tool_calls=parallel, session=session,
         breakpoints=tuple(sorted(b for b in breakpoints if b > 0)), enable_thinking=thinking, reasoning_effort=effort,
         names=MESSAGES_NAMES, **fields)
