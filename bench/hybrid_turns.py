@@ -36,15 +36,7 @@ import peers as peer_servers  # noqa: E402
 from agent_workload import SYSTEM_PROMPT, user_message, workload  # noqa: E402
 from common import ROOT, ServerProc, preflight, run_record, write_result  # noqa: E402
 
-THINKING_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message.role == 'assistant' -%}"
-    "<|im_start|>assistant\n{{ message.content.split('</think>')[-1].lstrip() }}<|im_end|>\n"
-    "{%- else -%}"
-    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n<think>\n{%- endif -%}")
+from tests.fixtures.zoo import THINKING_TEMPLATE  # noqa: E402  (the zoo's: the same thinking template)
 
 
 def write_model(out: Path, tokenizer_dir: Path, *, hidden: int, layers: int, seed: int = 0) -> Path:

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from spec import NgramSource, SpecStats, speculative_decode
 from spec.rewind import can_rewind, rewind
+from tests.unit.test_hybrid_batch import own_caches as prefilled  # caches after a prefill of tokens
 
 WINDOW = 16
 
@@ -35,10 +36,6 @@ def windowed():
     return model
 
 
-def prefilled(model, tokens):
-    caches = make_prompt_cache(model)
-    mx.eval(model(mx.array(tokens)[None], cache=caches))
-    return caches
 
 
 def plain(model, prompt, n):
