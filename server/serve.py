@@ -128,10 +128,12 @@ def build_state(args):
         pool_box.append(pool)
     alias_rules = model_alias_rules(args, pool, flags)
     blas = blas_info()
+    batches = engine.batch_stats()
     log.info(
-        "model %s (%s) | device %s | dtype %s | BLAS %s | prefix cache %.2f GiB | fingerprint %s",
-        loaded.model_id, loaded.architecture, device_name(), loaded.dtype, blas,
-        cache_bytes / (1 << 30), loaded.fingerprint[:16],
+        "model %s (%s) | device %s | dtype %s | BLAS %s | attention %s | decode batch %s | prefix cache %.2f GiB | "
+        "fingerprint %s",
+        loaded.model_id, loaded.architecture, device_name(), loaded.dtype, blas, batches["attention"],
+        batches["layout"], cache_bytes / (1 << 30), loaded.fingerprint[:16],
     )
     default_max_tokens = args.default_max_tokens if args.default_max_tokens is not None else 2048
     core = CoreContext(lane=lane, stats=stats, prompt_cache=prompt_cache, namespace_for=engine.namespace_for,
