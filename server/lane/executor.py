@@ -218,6 +218,10 @@ class Executor:
         self.stats.on_finished(finished)
         seq.sink(finished)
 
+    def fail(self, seq: Sequence, exc: BaseException) -> None:
+        """The sequence ends with ``Failed`` (a 500), whatever it was doing (the lane's last resort)."""
+        self._fail(seq, exc)
+
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         """The sequence's model work raised: it ends with ``Failed`` (a 500); the lane serves on."""
         self._drop(seq)

@@ -45,11 +45,14 @@ from server.lane.executor import Executor
 from server.lane.plan import TickPlan
 from server.lane.scheduler import Limits, Scheduler
 from server.lane.seam import LaneEngine
-from server.lane.sequence import Phase, Sequence
+from server.lane.events import Failed
+from server.lane.sequence import FinishReason, Phase, Sequence
 
 __all__ = ["Lane", "LaneState"]
 
 log = logging.getLogger("mlx_lane.lane")
+
+FAILED_TICKS_BEFORE_RESET = 3  # ticks failing in a row before the lane ends the requests in it (see _run)
 
 
 class LaneState(enum.Enum):
@@ -157,6 +160,25 @@ class Lane:
         """Nothing queued, running or waiting to run (a snapshot)."""
         return not (self._inbox or self._waiting or self.executor.running or self._tasks)
 
+    def _fail_waiting(self, seq: Sequence, exc: BaseException) -> None:
+        """A sequence that never ran ends with ``Failed`` (a 500)."""
+        seq.phase, seq.finish_reason = Phase.FINISHED, FinishReason.FAILED
+        self.stats.on_failure()
+        seq.sink(Failed(exc))
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        """Every request in the lane ends with ``Failed``: the last resort after ticks that keep failing."""
+        with self._cond:
+            waiting = [*self._inbox, *self._waiting]
+            self._inbox.clear()
+        self._waiting = []
+        log.error("%d lane ticks failed in a row: ending the %d requests in the lane with an error",
+                  FAILED_TICKS_BEFORE_RESET, len(waiting) + len(self.executor.running))
+        for seq in waiting:
+            self._fail_waiting(seq, exc)
+        for seq in list(self.executor.running):
+            self.executor.fail(seq, exc)
+
     def _cancel_all_locked(self) -> int:
         seqs = [*self._inbox, *list(self._waiting), *list(self.executor.running)]
         for seq in seqs:
@@ -182,6 +204,7 @@ class Lane:
             if self.state == LaneState.STARTING:
                 self.state = LaneState.SERVING
         self.ready.set()
+        failed_ticks = 0  # in a row
         while True:
             with self._cond:
                 while self.idle() and self.state != LaneState.STOPPED:
@@ -192,8 +215,15 @@ class Lane:
                     return  # stopped and nothing left
             try:
                 busy = self.tick()
-            except Exception:  # each step reports its own failures; this is the last resort that keeps the lane up
+                failed_ticks = 0
+            except Exception as exc:  # each step reports its own failures; this is the last resort that keeps the
+                # lane up. A tick that keeps failing would leave every request waiting forever: after a few in a
+                # row, the requests in the lane end with an error (a 500) and the lane starts clean.
                 log.exception("lane tick failed")
+                failed_ticks += 1
+                if failed_ticks >= FAILED_TICKS_BEFORE_RESET:
+                    self._fail_everything(exc)
+                    failed_ticks = 0
                 busy = False
             if not busy:
                 with self._cond:  # only sequences whose SSD prefix is still being read: wait for it, do not spin
@@ -207,7 +237,12 @@ class Lane:
             self._inbox.clear()
         for i, seq in enumerate(arrived):
             company = bool(self.executor.running or self._waiting or i)
-            seq.facts = self.engine.classify(seq, company)
+            try:
+                seq.facts = self.engine.classify(seq, company)
+            except Exception as exc:
+                log.exception("classifying %s failed", seq.id)
+                self._fail_waiting(seq, exc)
+        arrived = [s for s in arrived if s.phase != Phase.FINISHED]
         self._waiting.extend(arrived)
         plan = self.scheduler.schedule(self._waiting, self.executor.running, task=bool(self._tasks),
                                        ready=self._prefix_ready, lookup=self._cached_length,

@@ -262,3 +262,42 @@ def test_a_verb_that_raises_fails_that_sequence_alone(verb):
     run(lane)
     assert isinstance(bad[-1], Failed)
     assert eg[-1].finish_reason == "length" and good.generated == [8, 9, 10]
+
+
+def test_a_sequence_whose_classification_raises_ends_with_an_error_not_a_wait():
+    """Before, an exception in the engine's classify lost the arriving sequences (taken from the inbox, never queued):
+    their requests waited forever."""
+    engine = FakeEngine()
+    engine.classify = lambda seq, company=False: (_ for _ in ()).throw(RuntimeError("classify broke"))
+    lane = lane_with(engine)
+    seq, events = submit(lane, "a", [1, 2, 3], 4)
+    run(lane)
+    assert isinstance(events[-1], Failed) and "classify broke" in str(events[-1].error)
+    assert seq.phase == Phase.FINISHED and lane.idle()
+
+
+def test_ticks_that_keep_failing_end_the_requests_in_the_lane_with_an_error():
+    """The lane thread's last resort: a tick that raises every time (a bug in planning) would leave every request
+    waiting forever; after a few in a row they end with ``Failed`` and the lane is empty again."""
+    import threading
+
+    engine = FakeEngine()
+    lane = lane_with(engine)
+    lane.scheduler.schedule = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("planning broke"))
+    ended = threading.Event()
+    events = []
+
+    def sink(event):
+        events.append(event)
+        if isinstance(event, (Failed, Finished)):
+            ended.set()
+
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    seq = Sequence(prompt=[1, 2, 3], params=params, sink=sink, id="a", ns="ns")
+    lane.start()
+    try:
+        lane.submit(seq)
+        assert ended.wait(30), "the request was left waiting"
+        assert isinstance(events[-1], Failed) and "planning broke" in str(events[-1].error)
+    finally:
+        lane.stop()
