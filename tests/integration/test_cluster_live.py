@@ -153,8 +153,9 @@ def test_kill_9_of_a_replica_mid_request_fails_cleanly_and_the_retry_restores_el
     messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
                  {"role": "user", "content": "Explain it step by step."}]
 
-    # a streamed turn and a plain one, both in flight on the victim when it dies
-    stream = start_stream(cluster.url, messages, 16, headers={"X-Session-Id": key})
+    # a streamed turn and a plain one, both in flight on the victim when it dies (the stream asks for many tokens, so
+    # that it is still running when the plain one arrives on a loaded machine: the kill comes as soon as both run)
+    stream = start_stream(cluster.url, messages, 256, headers={"X-Session-Id": key})
     plain: list[httpx.Response] = []
     t = threading.Thread(target=lambda: plain.append(chat(cluster.url, messages, headers={"X-Session-Id": key},
                                                           max_tokens=16)))
