@@ -57,6 +57,10 @@ SHAPES = {
                         rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                       "original_max_position_embeddings": 4096, "truncate": False}),
 }
+# the same architecture at a size this CPU runs (logic checks, CPU comparisons of its batch path)
+SHAPES["gpt-oss-tiny"] = {**SHAPES["gpt-oss-20b"], "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+                          "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "num_local_experts": 8,
+                          "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"] * 2}
 PROMPT_VOCAB = 49152
 REQUEST_TIMEOUT = 120.0  # the SmolLM2 tokenizer's ids: prompts use ids in [3, 49152)
 T0 = time.monotonic()
