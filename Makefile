@@ -97,7 +97,13 @@ model: venv
 serve: venv blas model
 	$(BIN)/mlx-lane serve --host $(HOST) --port $(PORT) $(ARGS)
 
+# The vision extra (mlx-vlm) for the image tests: its own files and the two packages images use (Pillow, requests),
+# without the ~0.8 GB of dependencies it declares for audio, video and datasets (pip install -e '.[vision]' brings
+# those too; the server needs none of them).
+VISION_SPEC ?= mlx-vlm==0.7.10
 test-deps: venv
+	@$(BIN)/python -c "import mlx_vlm" 2>/dev/null || { $(BIN)/python -m pip install -q --no-deps "$(VISION_SPEC)" \
+		&& $(BIN)/python -m pip install -q "Pillow>=10.3" "requests>=2.31"; }
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	@$(BIN)/python -c "import accelerate" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)" "$(ACCELERATE_SPEC)"
 
