@@ -30,6 +30,7 @@ from models.loading.gguf import SOURCE_FILE, convert_gguf
 from models.loading.hashing import file_sha256_cached
 from models.loading.home import file_lock, mlx_lane_home
 from models.loading.packaged import PACKAGED_MODELS, canonical_name, is_converted, packaged_paths
+from models.loading.vision import is_vision_config, load_vision
 from models.runtime import default_dtype
 
 __all__ = ["LoadedModel", "load_model", "DTYPES", "resolve_gguf", "read_context_length"]
@@ -53,6 +54,7 @@ class LoadedModel:
     context_length: int
     architecture: str
     model_fingerprint: str = ""  # the whole model's fingerprint when `fingerprint` is one shard's, else ""
+    vision: Any = None  # models.loading.vision.VisionTower of an image-text model (None: text only)
 
 
 def _check_dtype(dtype: str | None) -> str:
@@ -164,6 +166,9 @@ def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, gr
     install_cpu_attention(model)  # on the CPU only: grouped-query attention without copying K/V per query head
     install_gpu_attention(model)  # on CUDA only: a decode batch's attention in one kernel, rows of their own lengths
     fp = fingerprint(model_dir, dtype)
+    vision = None
+    if is_vision_config(config) and group is None:  # a model sharded over processes is served text-only
+        vision = load_vision(Path(model_dir), config, model, dtype)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -174,4 +179,5 @@ def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, gr
         context_length=_context_length(config, Path(model_dir)),
         architecture=str(config.get("model_type", "unknown")),
         model_fingerprint=fp if group is not None else "",
+        vision=vision,
     )

@@ -34,6 +34,7 @@ class ModelSlot:
         self.base = base  # the server's base model: adapters, the draft model and batched prefill apply to it
         self.model: Any = loaded.model
         self.tokenizer: Any = loaded.tokenizer
+        self.vision: Any = getattr(loaded, "vision", None)  # models.loading.vision.VisionTower (None: text only)
         self.namespace: str = loaded.fingerprint
         self.context_length: int = getattr(loaded, "context_length", 0)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size

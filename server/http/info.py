@@ -68,7 +68,8 @@ def _model_card(state, name: str) -> dict:
     """The base model (always loaded)."""
     return {"id": name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
             "context_length": state.loaded.context_length, "state": "loaded",
-            "size_bytes": state.engine.weights_nbytes(), "adapters": state.adapters.names()}
+            "size_bytes": state.engine.weights_nbytes(), "adapters": state.adapters.names(),
+            "vision": state.engine.base.vision is not None}
 
 
 def _on_demand_card(state, entry) -> dict:
@@ -76,7 +77,8 @@ def _on_demand_card(state, entry) -> dict:
     slot = entry.slot
     return {"id": entry.name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
             "context_length": slot.context_length if slot is not None else _configured_context(entry.spec),
-            "state": entry.state, "size_bytes": entry.nbytes, "pinned": entry.pinned, "adapters": []}
+            "state": entry.state, "size_bytes": entry.nbytes, "pinned": entry.pinned, "adapters": [],
+            "vision": slot.vision is not None if slot is not None else _configured_vision(entry.spec)}
 
 
 def _configured_context(spec: str):
@@ -86,6 +88,23 @@ def _configured_context(spec: str):
     from models.loading.load import read_context_length
 
     return read_context_length(Path(spec).expanduser())
+
+
+def _configured_vision(spec: str) -> bool:
+    """Whether a not-yet-loaded model will take images: an image-text config of a family served with images, and
+    mlx-vlm installed (models.loading.vision)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from models.loading.vision import FAMILIES, is_vision_config
+
+    try:
+        config = json.loads((Path(spec).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(config, dict) and is_vision_config(config) and config.get("model_type") in FAMILIES
+            and importlib.util.find_spec("mlx_vlm") is not None)
 
 
 def _adapter_card(state, adapter) -> dict:
