@@ -164,6 +164,17 @@ def _serve_parser(sub) -> None:
                    help="requests allowed to wait for the lane before 429 (0 = unbounded; default 256)")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes(_env("max_body_bytes", "8M")),
                    help="largest accepted request body (default 8M)")
+    p.add_argument("--max-images", type=int, default=int(_env("max_images", "32")),
+                   help="images one request may carry, its history's included (default 32) [MLX_LANE_MAX_IMAGES]")
+    p.add_argument("--max-image-bytes", type=parse_bytes, default=parse_bytes(_env("max_image_bytes", "10M")),
+                   help="largest image file (decoded from base64; default 10M); bigger is a 413 "
+                        "[MLX_LANE_MAX_IMAGE_BYTES]")
+    p.add_argument("--max-image-pixels", type=int, default=int(_env("max_image_pixels", str(1 << 24))),
+                   help="most pixels (width x height) per image (default 16777216); more is a 400 "
+                        "[MLX_LANE_MAX_IMAGE_PIXELS]")
+    p.add_argument("--allow-image-urls", action="store_true", default=_env_flag("allow_image_urls"),
+                   help="fetch images given as http(s) URLs (off: only base64 data; the server then makes requests "
+                        "a client names: keep it off on a shared network) [MLX_LANE_ALLOW_IMAGE_URLS]")
     p.add_argument("--default-max-tokens", type=int,
                    default=int(_env("default_max_tokens")) if _env("default_max_tokens") else None,
                    help="completion length when a chat or Messages request gives none (default 2048, never past the "

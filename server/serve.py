@@ -68,6 +68,7 @@ def build_state(args):
     from cache.prompt_cache import make_prompt_cache
     from models import blas_info, device_name, load_model
     from server.core.context import CoreContext
+    from server.core.media import ImageLimits
     from server.engine.engine import Engine, weights_nbytes
     from server.http.app import ServerState
     from server.lane.lane import Lane
@@ -136,8 +137,10 @@ def build_state(args):
         batches["layout"], cache_bytes / (1 << 30), loaded.fingerprint[:16],
     )
     default_max_tokens = args.default_max_tokens if args.default_max_tokens is not None else 2048
+    images = ImageLimits(max_images=args.max_images, max_bytes=args.max_image_bytes,
+                         max_pixels=args.max_image_pixels, allow_urls=args.allow_image_urls)
     core = CoreContext(lane=lane, stats=stats, prompt_cache=prompt_cache, namespace_for=engine.namespace_for,
-                       keepalive_s=args.keepalive, default_max_tokens=default_max_tokens)
+                       keepalive_s=args.keepalive, default_max_tokens=default_max_tokens, image_limits=images)
     return ServerState(
         loaded=loaded, engine=engine, lane=lane, core=core, stats=stats, prompt_cache=prompt_cache,
         device=device_name(), blas=blas, api_key=args.api_key, keepalive_s=args.keepalive,

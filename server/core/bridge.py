@@ -62,14 +62,14 @@ class _EventPump:
 class JobRun:
     def __init__(self, lane, request: Request, prompt: list[int], params: SamplingParams, target: Target,
                  session: Optional[str], keepalive_s: float, request_id: Optional[str] = None, ns: str = "",
-                 anchors: tuple = (), checkpoints: tuple = ()):
+                 anchors: tuple = (), checkpoints: tuple = (), media=None):
         self.lane = lane
         self.request = request
         self.keepalive_s = keepalive_s
         self._pump = _EventPump.of(asyncio.get_running_loop())
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self.seq = Sequence(prompt=prompt, params=params, sink=self._sink, target=target, session=session, ns=ns,
-                            anchors=anchors, checkpoints=checkpoints)
+                            anchors=anchors, checkpoints=checkpoints, media=media)
         if request_id:
             self.seq.id = request_id
         self._watcher: Optional[asyncio.Task] = None

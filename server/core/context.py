@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from server.core.media import ImageLimits
 from server.lane.events import SamplingParams
 from server.lane.lane import Lane
 from server.lane.target import Target
@@ -23,3 +24,4 @@ class CoreContext:
     namespace_for: Callable[[Target, SamplingParams], str]  # the engine's rule (server.engine.engine.Engine)
     keepalive_s: float = 10.0  # --keepalive: a stream that waits this long gets a keep-alive
     default_max_tokens: int = 2048  # when a chat / completions / Messages request gives no max_tokens
+    image_limits: ImageLimits = ImageLimits()  # --max-images, --max-image-bytes, --max-image-pixels, --allow-image-urls

@@ -18,6 +18,7 @@ response, which must call ``__aexit__`` in its ``finally``); entering submits th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from server.core.bridge import JobRun
 from server.core.context import CoreContext
 from server.core.output_parse import make_output_parser, prompt_opens_thinking
 from server.core.prompts import (NO_BREAKPOINTS, breakpoint_marks, chat_grammar, history_end, render,
-                                 sampling_params)
+                                 render_media, sampling_params)
 from server.core.request import GenerationRequest
 from server.errors import APIError, ShuttingDown
 from server.lane.events import Delta, Failed, Finished, SamplingParams, TokenLogprob
@@ -126,7 +127,7 @@ class Generation:
 
     def __init__(self, ctx: CoreContext, request: Request, prompt: list[int], params: SamplingParams,
                  target: Target, *, session: Optional[str], request_id: str, parser=None, anchors: tuple = (),
-                 last_breakpoint: int = 0, checkpoints: tuple = ()):
+                 last_breakpoint: int = 0, checkpoints: tuple = (), media=None):
         self.ctx = ctx
         self.prompt = prompt
         self.params = params
@@ -142,7 +143,7 @@ class Generation:
         ns = ctx.namespace_for(target, params)  # the one place, once: the prefetch and the lane use it
         _prefetch(ctx, prompt, ns, session)  # starts SSD reads while the sequence waits for the lane
         self.run = JobRun(ctx.lane, request, prompt, params, target, session, ctx.keepalive_s, request_id=self.id,
-                          ns=ns, anchors=anchors, checkpoints=checkpoints)
+                          ns=ns, anchors=anchors, checkpoints=checkpoints, media=media)
 
     async def __aenter__(self) -> "Generation":
         await self.run.__aenter__()
@@ -228,10 +229,16 @@ async def open_generation(ctx: CoreContext, request: Request, req: GenerationReq
         raise ValueError("a request reaches the core with its target resolved (server.http.target)")
     slot = target.slot
     tok, vocab_size, context_length = slot.tokenizer, slot.vocab_size, slot.context_length
-    prompt = await run_in_threadpool(render, tok, req, vocab_size)
+    media = None
+    if req.images:  # the prompt is its cache key; the model reads ``media`` at the images (server.core.media)
+        prompt, media = await run_in_threadpool(render_media, slot, req, ctx.image_limits)
+    else:
+        prompt = await run_in_threadpool(render, tok, req, vocab_size)
     grammar = None if req.prompt is not None else await run_in_threadpool(chat_grammar, tok, req)
     params = sampling_params(req, len(prompt), context_length,
                              default_max_tokens=ctx.default_max_tokens, vocab_size=vocab_size, grammar=grammar)
+    if media is not None:  # drafts would be proposed from (and fed as) the key's image tokens
+        params = dataclasses.replace(params, num_draft_tokens=0)
     parser = None
     if req.prompt is None:
         tools = req.tools_enabled
@@ -244,7 +251,8 @@ async def open_generation(ctx: CoreContext, request: Request, req: GenerationReq
         end = await run_in_threadpool(history_end, tok, req, prompt)
         checkpoints = (end,) if end is not None else ()
     return Generation(ctx, request, prompt, params, target, session=req.session, request_id=request_id,
-                      parser=parser, anchors=marks.anchors, last_breakpoint=marks.last, checkpoints=checkpoints)
+                      parser=parser, anchors=marks.anchors, last_breakpoint=marks.last, checkpoints=checkpoints,
+                      media=media)
 
 
 def _internal(ev: Failed) -> APIError:

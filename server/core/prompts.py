@@ -15,6 +15,7 @@ from server.core.grammar import (
     TOOL_CALL_CLOSE, TOOL_CALL_OPEN, CustomInput, GrammarSpec, check_custom_grammar, custom_call_header,
     json_schema_grammar, tool_call_grammar,
 )
+from server.core.media import ImageLimits, PromptMedia, cache_key, decode, image_spans
 from server.core.request import ROOM, GenerationRequest, MaxTokens
 from server.errors import ContextLengthExceeded, InvalidRequest
 from server.lane.events import SamplingParams
@@ -28,6 +29,40 @@ def render(tokenizer, req: GenerationRequest, vocab_size: int) -> list[int]:
     if req.prompt is not None:
         return tokenize_completion(tokenizer, req, vocab_size)
     return render_chat(tokenizer, req)
+
+
+def render_media(slot, req: GenerationRequest, limits: ImageLimits) -> tuple[list[int], PromptMedia]:
+    """A chat request with images (``req.images``): its prompt's cache key and what the model reads at its images
+    (server.core.media). Each image is decoded within ``limits``; the chat template's text and the images go
+    through the model's processor (mlx-vlm). Raises InvalidRequest for a model that takes no images, too many
+    images, an image that does not decode or is too large (PayloadTooLarge for its bytes), or images the processor
+    cannot pair with the template's placeholders, each naming the client's parameter of the image."""
+    vision = getattr(slot, "vision", None)
+    if vision is None:
+        raise InvalidRequest(f"the model '{slot.name}' does not take images (a text-only model); send text only, "
+                             "or pick a model whose /v1/models entry has \"vision\": true",
+                             param=req.images[0].param, code="image_input_unsupported")
+    if len(req.images) > limits.max_images:
+        raise InvalidRequest(f"{len(req.images)} images; this server takes at most {limits.max_images} per request "
+                             "(--max-images)", param=req.images[limits.max_images].param)
+    decoded = [decode(ref, limits) for ref in req.images]
+    text = render_chat_text(slot.tokenizer, req)
+    try:
+        prepared = vision.prepare(text, [d.image for d in decoded])
+    except ValueError as exc:
+        raise InvalidRequest(f"the model's processor refused the images: {exc}", param=req.images[0].param) from exc
+    ids = list(prepared.input_ids)
+    spans = image_spans(ids, vision.image_token_id)
+    if len(spans) != len(decoded) or (spans and spans[-1][1] >= len(ids)):
+        raise InvalidRequest(f"the prompt holds {len(spans)} image placeholders for {len(decoded)} images (does the "
+                             "text spell the model's image token?)", param=req.param("messages"))
+    digests = tuple(d.digest for d in decoded)
+    return cache_key(ids, spans, digests), PromptMedia(tuple(ids), tuple(spans), prepared.pixel_values, digests)
+
+
+def chat_prompt(slot, req: GenerationRequest, limits: ImageLimits) -> list[int]:
+    """A chat request's prompt as its generation computes it (its cache key when it has images): for counting."""
+    return render_media(slot, req, limits)[0] if req.images else render_chat(slot.tokenizer, req)
 
 
 def render_chat(tokenizer, req: GenerationRequest, *, add_generation_prompt: bool = True,

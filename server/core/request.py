@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from server.core.media import IMAGE_KEY
 from server.lane.target import Target
 
 __all__ = ["GenerationRequest", "MaxTokens", "ROOM", "CustomTool", "template_message", "function_tool", "custom_call",
@@ -100,6 +101,13 @@ class GenerationRequest:
         return self.names.get(name, name)
 
     @property
+    def images(self) -> tuple:
+        """The images of ``messages`` (server.core.media.ImageRef, in message and part order: the order chat
+        templates render them in)."""
+        return tuple(part[IMAGE_KEY] for m in self.messages if isinstance(m.get("content"), list)
+                     for part in m["content"] if isinstance(part, dict) and IMAGE_KEY in part)
+
+    @property
     def tools_enabled(self) -> bool:
         """Tools are offered to the model unless ``tool_choice`` is ``"none"``."""
         return bool(self.tools or self.custom_tools) and self.tool_choice != "none"
@@ -124,9 +132,10 @@ class GenerationRequest:
         return [c.name for c in self.custom_tools]
 
 
-def template_message(role: str, content: Optional[str], *, name: Optional[str] = None, tool_calls=(),
+def template_message(role: str, content, *, name: Optional[str] = None, tool_calls=(),
                      tool_call_id: Optional[str] = None) -> dict:
-    """One chat message in the shape chat templates read: ``developer`` is ``system``, no content is "";
+    """One chat message in the shape chat templates read: ``developer`` is ``system``, no content is ""; a content
+    with images is a list of parts (server.core.media.parts_content);
     ``tool_calls`` given as ``(id, name, arguments JSON text)`` become ``{"id", "type", "function": {"name",
     "arguments"}}`` with the arguments parsed back into a JSON value when they are JSON (templates render objects,
     not quoted strings); a call given as a dict (``custom_call``) is kept as it is."""

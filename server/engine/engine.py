@@ -143,7 +143,8 @@ class Engine:
         # plans rank 0 broadcasts name groups
         group = GroupKey(slot.name, target.adapter_identity, kind == BatchKind.SPECULATING)
         return SeqFacts(group=group, batchable=kind != BatchKind.SOLO,
-                        prefill_together=not speculating and slot.plain_kv and slot.base and target.adapter is None,
+                        prefill_together=(not speculating and slot.plain_kv and slot.base and target.adapter is None
+                                          and seq.media is None),  # images: embeddings, one forward each
                         window=slot.window, batch_kind=str(kind), moves=moves(kind, slot.cache_facts),
                         drafting=speculating, solo_ahead=solo_pipelined(self.config.layout, slot.cache_facts))
 
@@ -288,6 +289,13 @@ class Engine:
         bits, group = self.config.kv_bits, self.config.kv_group_size
         return {"scheme": kv_scheme(bits, group), "bits": bits, "group_size": group if bits else None,
                 "bytes_per_token": round(self.writer.kv_bytes_per_token, 1)}
+
+    def vision_stats(self) -> dict:
+        """The ``vision`` block of /stats: whether the base model takes images, the images the vision encoder ran
+        on (those the prefix cache did not serve) and its seconds on the lane."""
+        pre = self.prefiller
+        return {"enabled": self.base.vision is not None, "images_encoded": pre.images_encoded,
+                "encode_s": round(pre.encode_s, 4)}
 
     def batch_stats(self) -> dict:
         """The ``batch`` block of /stats: the base model's plain batch kind, its attention path, and every group's

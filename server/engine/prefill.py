@@ -8,12 +8,16 @@ step's input) is READY: its computed share feeds the SSD tier's restore-or-recom
 draft source hears it, and a prompt-boundary entry is stored when a layer cannot be trimmed back later (a sliding
 window, recurrent state: the next turn needs exactly this boundary) or when ``store_now`` (others may share its
 prefix now; for trimmable caches the final put supersedes it). Lane thread only.
+
+A prompt with images (``Sequence.media``, server.core.media) has its cache key as ``prompt``; the chunks that hold
+image tokens are fed as input embeddings (``_embeddings``: the vision encoder runs at the first such chunk, for the
+images the prefix cache did not serve), the rest as tokens. Such a prompt prefills alone (``SeqFacts``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
@@ -33,6 +37,8 @@ class Prefiller:
         self._prompt_cache = prompt_cache
         self._gpu = gpu
         self._stream = stream_of  # the lane's MLX stream (made on the lane thread, after this object)
+        self.encode_s = 0.0  # seconds the vision encoder ran (images' embeddings), for /stats
+        self.images_encoded = 0
 
     def run(self, chunks: Sequence[tuple[object, int]], store_now: bool) -> list[Prefilled]:
         computing = [(s, n) for s, n in chunks if n > 0 and self._left(s) > 0]
@@ -61,12 +67,43 @@ class Prefiller:
         n = min(n, self._left(seq))
         t0 = time.monotonic()
         with mx.stream(self._stream()):
-            work.model(mx.array(seq.prompt[work.covered: work.covered + n])[None], cache=work.caches)
+            start, end = work.covered, work.covered + n
+            embeds = self._embeddings(seq, work) if seq.media is not None else None
+            if embeds is not None and start < embeds[1]:  # image tokens: the model reads their embeddings
+                cut = min(end, embeds[1])
+                ids = mx.array(seq.media.input_ids[start:cut])[None]
+                # a slice is a new array: the model scales its input embeddings in place (``h *= ...``)
+                work.model(ids, cache=work.caches, input_embeddings=embeds[2][start - embeds[0]: cut - embeds[0]][None])
+                start = cut
+                if cut == embeds[1]:
+                    work.embeds = None  # past every image: the embeddings are done with
+            if start < end:  # text: past the last image, the cache key's tokens are the prompt's own
+                work.model(mx.array(seq.prompt[start:end])[None], cache=work.caches)
             mx.eval([c.state for c in work.caches])
             if self._gpu:  # as mlx-lm's batch prefill does: freed activations go back to the device (on the
                 mx.clear_cache()  # CPU that only costs page faults on the next chunk's buffers)
         work.covered += n
         work.prefill_cost_s += time.monotonic() - t0
+
+    def _embeddings(self, seq, work: SeqWork) -> Optional[tuple]:
+        """``(start, stop, array)``: the input embeddings of the prompt from ``start`` to the end of its last image
+        that the caches do not cover whole (mlx-vlm's ``get_input_embeddings`` over those images: the vision
+        encoder runs here, on the lane, once per request and only for images the prefix cache did not serve); None
+        when the caches already cover every image. The encoding's time is the prefill's (``encode_s`` counts it)."""
+        covered = work.covered
+        if work.embeds is not None and work.embeds[0] <= covered:
+            return work.embeds
+        window = seq.media.window(covered)
+        if window is None:
+            return None
+        lo, hi, first, last = window
+        t0 = time.monotonic()
+        array = work.slot.vision.embed(seq.media.input_ids[lo:hi], seq.media.pixel_values[first:last])[covered - lo:]
+        mx.eval(array)
+        self.encode_s += time.monotonic() - t0
+        self.images_encoded += last - first
+        work.embeds = (covered, hi, array)
+        return work.embeds
 
     def _together(self, items: list) -> None:
         """One batched forward: ``PromptProcessingBatch`` merges the rows' caches (left-padded), right-pads the

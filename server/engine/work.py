@@ -35,6 +35,8 @@ class SeqWork:
     stored: int = 0  # prompt tokens covered by what it has put in the prefix cache
     batched: bool = False  # a row of its group's batch
     solo: Optional[SoloBatch] = None  # decoding on its own
+    embeds: Optional[tuple] = None  # (start, stop, array) of a prompt with images: its input embeddings from
+    # ``start`` (the first prefill chunk that holds image tokens computes them, server.engine.prefill)
     snapshots: dict = field(default_factory=dict)  # position -> {layer index: that layer's state there}: the
     # checkpoints of the layers that cannot be cut back (cache.checkpoints), taken while prefilling
 

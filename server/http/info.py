@@ -141,6 +141,7 @@ def stats_body(state) -> dict:
         "lane": lane,
         "prompt_cache": state.prompt_cache.stats(),
         "kv_cache": state.engine.kv_stats(),  # KV scheme + bytes per cached token (issue 8)
+        "vision": state.engine.vision_stats(),  # images in (issue 36): encoder runs and their time
         # one model over several processes: the group, and cache hits dropped because a rank lacked its shard
         **({"distributed": {**state.distributed, **state.prompt_cache.shard_stats()}} if state.distributed else {}),
         "ssd_cache": state.ssd.ssd_stats() if state.ssd is not None else {"enabled": False},

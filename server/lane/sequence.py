@@ -90,6 +90,7 @@ class Sequence:
     anchors: tuple = ()  # prompt positions kept as cache entries of their own (a client's cache breakpoints)
     checkpoints: tuple = ()  # prompt positions where a model whose caches cannot be cut back keeps their state
     # (cache.checkpoints: where the next turn's prompt is expected to part from this one)
+    media: Any = None  # server.core.media.PromptMedia of a prompt with images (``prompt`` is then its cache key)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.monotonic)

@@ -127,8 +127,8 @@ def test_output_items_shapes():
 @pytest.mark.parametrize("body,param,words", [
     ({"input": [{"type": "web_search_call"}]}, "input.0", "known 'type'"),
     ({"input": [{"content": "no role"}]}, "input.0", "known 'type'"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content",
-     "text-only"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, "input.0.content",
+     "not supported"),
     ({"input": [{"role": "user", "content": [{"type": "bogus", "text": "x"}]}]}, "input.0.content.0", "bogus"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input.0.call_id", "required"),
     ({"input": [{"role": "wizard", "content": "x"}]}, "input.0.role", None),

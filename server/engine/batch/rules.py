@@ -135,6 +135,9 @@ def penalise(logits: mx.array, rules: Sequence[Penalties], windows: Optional[tup
     if not any(r.needs_history for r in rules):
         return logits
     tokens, weights = windows
+    vocab = logits.shape[-1]  # an id past the vocabulary (an image's cache-key token, server.core.media) is no
+    weights = mx.where(tokens < vocab, weights, 0.0)  # token the model could repeat: it weighs nothing
+    tokens = mx.minimum(tokens, vocab - 1)
     counts = mx.zeros(logits.shape, dtype=mx.float32).at[mx.arange(rows)[:, None], tokens].add(weights)
     seen = counts > 0
 

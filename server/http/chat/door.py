@@ -38,9 +38,9 @@ def _sampling(body) -> dict:
 def chat_request(body: ChatCompletionRequest, headers) -> GenerationRequest:
     """A chat completions body as the internal request."""
     messages = tuple(
-        template_message(m.role, m.text(), name=m.name, tool_call_id=m.tool_call_id,
+        template_message(m.role, m.template_content(i), name=m.name, tool_call_id=m.tool_call_id,
                          tool_calls=[(tc.id, tc.function.name, tc.function.arguments) for tc in m.tool_calls or ()])
-        for m in body.messages)
+        for i, m in enumerate(body.messages))
     choice = body.tool_choice if isinstance(body.tool_choice, str) else "auto"
     return GenerationRequest(
         messages=messages,

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from server.core.media import image_ref, parts_content
+
 MAX_STOP_SEQUENCES = 16
 MAX_LOGIT_BIAS_ENTRIES = 1024
 TOOL_CHOICES = ("none", "auto", "required")
@@ -27,6 +29,25 @@ class _Lenient(BaseModel):
 class TextPart(_Lenient):
     type: Literal["text", "input_text"]
     text: str
+
+
+class ImageURL(_Lenient):
+    url: str
+    detail: Optional[str] = None  # accepted; the model's processor decides the resolution
+
+
+class ImageURLPart(_Lenient):
+    """An image: ``image_url.url`` a base64 data: URI, or an http(s) URL (fetched only with --allow-image-urls)."""
+
+    type: Literal["image_url"]
+    image_url: Union[ImageURL, str]
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+ContentPart = Annotated[Union[TextPart, ImageURLPart], Field(discriminator="type")]
 
 
 class FunctionCall(_Lenient):
@@ -42,7 +63,7 @@ class ToolCall(_Lenient):
 
 class Message(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
@@ -58,7 +79,16 @@ class Message(_Lenient):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def template_content(self, index: int):
+        """The content as the chat template reads it: the text, or text and image parts when it holds images
+        (server.core.media.parts_content); ``index``: the message's place in ``messages`` (errors name it)."""
+        if not isinstance(self.content, list):
+            return self.text()
+        pieces = [p.text if isinstance(p, TextPart) else image_ref(p.url, f"messages.{index}.content.{j}.image_url")
+                  for j, p in enumerate(self.content)]
+        return parts_content(pieces)[0]
 
 
 class FunctionDef(_Lenient):

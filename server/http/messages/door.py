@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from server.core.generation import Done, Error, Generation, ReasoningOut, Result, TextOut
-from server.core.prompts import render_chat
+from server.core.prompts import chat_prompt
 from server.http.messages.format import PING, MessagesStream, message_object
 from server.http.messages.schemas import CountTokensRequest, MessagesRequest
 from server.http.messages.translate import messages_request, messages_session
@@ -84,7 +84,7 @@ async def count_tokens(request: Request):
     target = await resolve_target(state, req.model)
     try:
         req_ = messages_request(req, keep_billing_header=state.keep_billing_header)
-        prompt = await run_in_threadpool(render_chat, target.tokenizer, req_)
+        prompt = await run_in_threadpool(chat_prompt, target.slot, req_, state.core.image_limits)
     finally:
         target.release()
     return json_response({"input_tokens": len(prompt)})

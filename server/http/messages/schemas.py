@@ -4,10 +4,11 @@ A turn's role is user, assistant or system (a system turn mid-conversation, as C
 text blocks only). Content blocks are a tagged union on ``type``: ``text``, ``tool_use``, ``tool_result`` (content a string
 or text and ``tool_reference`` blocks: the tools a client-side tool search loaded, as Claude Code's ToolSearch
 answers), ``thinking`` / ``redacted_thinking`` (accepted from history, not rendered). A tool may be marked
-``defer_loading`` (kept out of the chat template's tool list, still callable). Image and
-document blocks are refused with a message saying why; an unknown block type, a wrong type, a missing
-``max_tokens`` or ``model`` is a 400 in Anthropic's error shape (mapped at the app boundary). ``thinking`` and
-``output_config.effort`` are validated (an unknown type or level is a 400) and mapped onto the chat template by
+``defer_loading`` (kept out of the chat template's tool list, still callable). ``image`` blocks (base64 or URL
+source; in a turn or a tool result) are read by a model that takes images (a text-only model answers a 400 naming
+the block: server.core.prompts.render_media); document blocks are refused with a message saying why; an unknown
+block type, a wrong type, a missing ``max_tokens`` or ``model`` is a 400 in Anthropic's error shape (mapped at the
+app boundary). ``thinking`` and ``output_config.effort`` are validated (an unknown type or level is a 400) and mapped onto the chat template by
 server.http.messages.translate. Unknown fields (``cache_control``, ``service_tier``, ``container`` ...) are ignored.
 """
 
@@ -17,13 +18,15 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from server.errors import InvalidRequest
+
 __all__ = [
-    "TextBlock", "ToolReferenceBlock", "ToolUseBlock", "ToolResultBlock", "ThinkingBlock", "RedactedThinkingBlock", "MessageParam",
+    "TextBlock", "ImageBlock", "ToolReferenceBlock", "ToolUseBlock", "ToolResultBlock", "ThinkingBlock", "RedactedThinkingBlock", "MessageParam",
     "AnthropicTool", "ToolChoice", "ThinkingConfig", "OutputConfig", "EFFORTS", "CountTokensRequest",
     "MessagesRequest",
 ]
 
-_MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
+_MEDIA_BLOCKS = ("document", "search_result", "container_upload")  # images: ImageBlock
 MAX_STOP_SEQUENCES = 16  # as for OpenAI's stop (server.http.chat.schemas)
 
 
@@ -40,9 +43,35 @@ def _refuse_media(blocks):
     if isinstance(blocks, list):
         for block in blocks:
             if isinstance(block, dict) and block.get("type") in _MEDIA_BLOCKS:
-                raise ValueError(f"content block type '{block['type']}' is not supported: this server serves "
-                                 "text-only models; send text blocks")
+                raise ValueError(f"content block type '{block['type']}' is not supported by this server; send "
+                                 "text (and image) blocks")
     return blocks
+
+
+class ImageSource(_Lenient):
+    type: Literal["base64", "url"]
+    media_type: Optional[str] = None
+    data: Optional[str] = None  # base64
+    url: Optional[str] = None  # fetched only with --allow-image-urls
+
+
+class ImageBlock(_Lenient):
+    """An image (``source`` base64 data or a URL): read by a model that takes images (server.core.media)."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+    def ref(self, param: str):
+        from server.core.media import base64_ref, image_ref
+
+        src = self.source
+        if src.type == "base64":
+            if src.data is None:
+                raise InvalidRequest("a base64 image source needs data", param=f"{param}.source.data")
+            return base64_ref(src.data, f"{param}.source.data")
+        if src.url is None:
+            raise InvalidRequest("a url image source needs url", param=f"{param}.source.url")
+        return image_ref(src.url, f"{param}.source.url")
 
 
 class ToolUseBlock(_Lenient):
@@ -61,7 +90,7 @@ class ToolReferenceBlock(_Lenient):
     tool_name: str = Field(min_length=1, max_length=128)
 
 
-ToolResultContent = Annotated[Union[TextBlock, ToolReferenceBlock], Field(discriminator="type")]
+ToolResultContent = Annotated[Union[TextBlock, ToolReferenceBlock, ImageBlock], Field(discriminator="type")]
 
 
 class ToolResultBlock(_Lenient):
@@ -88,7 +117,7 @@ class RedactedThinkingBlock(_Lenient):
 
 
 Block = Annotated[
-    Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+    Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
     Field(discriminator="type"),
 ]
 

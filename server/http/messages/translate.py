@@ -42,8 +42,9 @@ from typing import Optional
 
 from server.core.request import GenerationRequest, MaxTokens, function_tool, template_message
 from server.errors import InvalidRequest
+from server.core.media import parts_content
 from server.http.messages.schemas import (
-    AnthropicTool, CountTokensRequest, MessageParam, MessagesRequest, TextBlock, ToolReferenceBlock, ToolResultBlock,
+    AnthropicTool, CountTokensRequest, ImageBlock, MessageParam, MessagesRequest, TextBlock, ToolReferenceBlock, ToolResultBlock,
     ToolUseBlock,
 )
 from server.http.wire import session_of
@@ -139,27 +140,36 @@ def reference_text(names: list[str], tools: Mapping[str, AnthropicTool]) -> str:
     return "<functions>\n" + "\n".join(lines) + "\n</functions>"
 
 
-def tool_result_text(block: ToolResultBlock, tools: Mapping[str, AnthropicTool]) -> str:
+def tool_result_text(block: ToolResultBlock, tools: Mapping[str, AnthropicTool], param: str = "messages"):
     """A tool result's content as the tool message's text: text blocks join with a newline (one text block reads
     like a string); each run of ``tool_reference`` blocks is the referenced tools' definitions, in place
-    (``reference_text``)."""
+    (``reference_text``); with ``image`` blocks (a screenshot a tool took), text and image parts
+    (server.core.media.parts_content). ``param``: where the block is (errors name it)."""
     if isinstance(block.content, str):
         return block.content
-    parts: list[str] = []
-    for references, run in groupby(block.content, key=lambda b: isinstance(b, ToolReferenceBlock)):
+    parts: list = []
+    for references, run in groupby(enumerate(block.content), key=lambda b: isinstance(b[1], ToolReferenceBlock)):
         if references:
-            parts.append(reference_text([b.tool_name for b in run], tools))
+            parts.append(reference_text([b.tool_name for _, b in run], tools))
         else:
-            parts.extend(b.text for b in run)
-    return "\n".join(parts)
+            parts.extend(b.ref(f"{param}.content.{j}") if isinstance(b, ImageBlock) else b.text for j, b in run)
+    return parts_content(parts, sep="\n")[0]
 
 
-def turn_to_messages(turn: MessageParam, tools: Optional[Mapping[str, AnthropicTool]] = None) -> list[dict]:
+def turn_to_messages(turn: MessageParam, tools: Optional[Mapping[str, AnthropicTool]] = None,
+                     param: str = "messages") -> list[dict]:
     """One Anthropic turn -> chat messages as chat templates read them (server.core.request.template_message);
-    ``tools``: the request's tools by name (what a tool result's ``tool_reference`` blocks show)."""
+    ``tools``: the request's tools by name (what a tool result's ``tool_reference`` blocks show); ``param``: where
+    the turn is (``messages.N``: errors about its images name it)."""
     if isinstance(turn.content, str):
         return [template_message(turn.role, turn.content)]
     texts = [b.text for b in turn.content if isinstance(b, TextBlock)]
+    if turn.role != "system" and any(isinstance(b, ImageBlock) for b in turn.content):
+        # text and images in order (text blocks join with a newline, as without images)
+        texts = parts_content([b.ref(f"{param}.content.{j}") if isinstance(b, ImageBlock) else b.text
+                               for j, b in enumerate(turn.content) if isinstance(b, (TextBlock, ImageBlock))],
+                              sep="\n")[0]
+        texts = [texts] if isinstance(texts, str) else texts
     if turn.role == "system":
         if len(texts) != len(turn.content):
             raise InvalidRequest("a system turn holds text blocks only", param="messages")
@@ -167,15 +177,21 @@ def turn_to_messages(turn: MessageParam, tools: Optional[Mapping[str, AnthropicT
     if turn.role == "assistant":
         calls = [(b.id, b.name, json.dumps(b.input, ensure_ascii=False))
                  for b in turn.content if isinstance(b, ToolUseBlock)]
-        return [template_message("assistant", "\n".join(texts) if (texts or not calls) else None, tool_calls=calls)]
-    out = [template_message("tool", tool_result_text(b, tools or {}), tool_call_id=b.tool_use_id)
-           for b in turn.content if isinstance(b, ToolResultBlock)]
+        return [template_message("assistant", _joined(texts) if (texts or not calls) else None, tool_calls=calls)]
+    out = [template_message("tool", tool_result_text(b, tools or {}, f"{param}.content.{j}"),
+                            tool_call_id=b.tool_use_id)
+           for j, b in enumerate(turn.content) if isinstance(b, ToolResultBlock)]
     if texts or not out:
-        out.append(template_message("user", "\n".join(texts)))
+        out.append(template_message("user", _joined(texts)))
     if any(isinstance(b, ToolUseBlock) for b in turn.content):
         raise InvalidRequest("tool_use blocks belong to assistant turns; a user turn answers them with "
                              "tool_result blocks", param="messages")
     return out
+
+
+def _joined(texts: list):
+    """A turn's text blocks joined with a newline, or its text and image parts as they are."""
+    return texts if texts and isinstance(texts[0], dict) else "\n".join(texts)
 
 
 def _append(messages: list[dict], message: dict) -> None:
@@ -186,7 +202,10 @@ def _append(messages: list[dict], message: dict) -> None:
     an assistant turn stays a system message."""
     last = messages[-1] if messages else None
     if message["role"] == "system" and messages and last["role"] in ("user", "system") and not last.get("tool_call_id"):
-        last["content"] = (last["content"] or "") + "\n\n" + message["content"]
+        if isinstance(last["content"], list):  # text and image parts: the system text joins as a text part
+            last["content"] = last["content"] + [{"type": "text", "text": "\n\n" + message["content"]}]
+        else:
+            last["content"] = (last["content"] or "") + "\n\n" + message["content"]
     else:
         messages.append(message)
 
@@ -217,9 +236,9 @@ def messages_request(req: CountTokensRequest, *, session: Optional[str] = None,
         breakpoints.add(1)
     tools = list(req.tools or ())
     by_name = {t.name: t for t in tools}
-    for turn in req.messages:
+    for index, turn in enumerate(req.messages):
         before = len(messages)
-        for message in turn_to_messages(turn, by_name):
+        for message in turn_to_messages(turn, by_name, f"messages.{index}"):
             _append(messages, message)
         if isinstance(turn.content, list) and any(_marked(b) for b in turn.content):
             breakpoints.add(len(messages) if _marked(turn.content[-1]) else before)

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from server.core.generation import Done, Error, Generation, ReasoningOut, Result, TextOut
-from server.core.prompts import render_chat
+from server.core.prompts import chat_prompt
 from server.errors import NotFound
 from server.http.pipeline import Call, Door, Formatter, run
 from server.http.responses.format import ResponsesStream, response_base, response_object, status_of
@@ -129,7 +129,7 @@ async def input_tokens(request: Request):
     req = responses_request(body, history_of(state, body))
     target = await resolve_target(state, body.model)
     try:
-        prompt = await run_in_threadpool(render_chat, target.tokenizer, req)
+        prompt = await run_in_threadpool(chat_prompt, target.slot, req, state.core.image_limits)
     finally:
         target.release()
     return json_response({"object": "response.input_tokens", "input_tokens": len(prompt)})

@@ -1,10 +1,11 @@
 """Request types of OpenAI's Responses API (``POST /v1/responses``), the subset a text model can honour.
 
 Input items are a tagged union on ``type`` (a message may omit it when it has a ``role``, as the SDK's
-"easy input message" does): ``message`` (input_text / output_text / refusal parts), ``function_call``,
+"easy input message" does): ``message`` (input_text / output_text / refusal parts, and ``input_image`` parts for a
+model that takes images: server.core.media), ``function_call``,
 ``function_call_output``, ``custom_tool_call``, ``custom_tool_call_output``, ``tool_search_call``,
 ``tool_search_output`` and ``reasoning`` (accepted, not rendered: chat templates drop past thinking).
-An unknown item or part type, an image or file part, a malformed tool or a wrong type is a 400 naming the
+An unknown item or part type, a file or audio part (or an image in a tool's output), a malformed tool or a wrong type is a 400 naming the
 parameter. Tools: ``function`` tools, ``namespace`` groups of them, ``custom`` (freeform) tools whose input is
 free text or follows a Lark or regex grammar, and a client-executed ``tool_search`` (Codex CLI sends all of them
 for models it knows). Tools that only OpenAI's own servers can run (``web_search``, ``file_search``,
@@ -21,8 +22,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator
 
+from server.core.media import image_ref, parts_content
+from server.errors import InvalidRequest
+
 __all__ = [
-    "InputText", "OutputText", "Refusal", "MessageItem", "FunctionCallItem", "FunctionCallOutputItem",
+    "InputText", "OutputText", "Refusal", "InputImage", "MessageItem", "FunctionCallItem", "FunctionCallOutputItem",
     "ReasoningItem", "CustomToolCallItem", "CustomToolCallOutputItem", "ToolSearchCallItem", "ToolSearchOutputItem",
     "InputItem", "FunctionTool", "NamespaceTool", "CustomTool", "ToolSearchTool", "ToolChoiceFunction",
     "ToolChoiceCustom", "TextFormat", "TextConfig", "ResponsesRequest", "InputTokensRequest", "INPUT_ITEMS", "TOOLS",
@@ -30,7 +34,7 @@ __all__ = [
 
 log = logging.getLogger("mlx_lane.responses")
 
-_MEDIA_PARTS = ("input_image", "input_file", "input_audio", "image", "image_url")
+_MEDIA_PARTS = ("input_file", "input_audio", "image", "image_url")  # input_image: a message's image (InputImage)
 
 
 class _Lenient(BaseModel):
@@ -52,14 +56,26 @@ class Refusal(_Lenient):
     refusal: str
 
 
+class InputImage(_Lenient):
+    """An image in a message: ``image_url`` a base64 data: URI or an http(s) URL (fetched only with
+    --allow-image-urls); a ``file_id`` (OpenAI's Files API) is not served here."""
+
+    type: Literal["input_image"]
+    image_url: Optional[str] = None
+    file_id: Optional[str] = None
+    detail: Optional[str] = None  # accepted; the model's processor decides the resolution
+
+
 ContentPart = Annotated[Union[InputText, OutputText, Refusal], Field(discriminator="type")]
+MessagePart = Annotated[Union[InputText, OutputText, Refusal, InputImage], Field(discriminator="type")]
 
 
-def _refuse_media(parts):
-    """A clear 400 for image/file/audio parts (instead of pydantic's list of expected tags)."""
+def _refuse_media(parts, refused=_MEDIA_PARTS + ("input_image",)):
+    """A clear 400 for image/file/audio parts (instead of pydantic's list of expected tags); a message's own
+    ``input_image`` parts are read (``MessageItem``)."""
     if isinstance(parts, list):
         for part in parts:
-            if isinstance(part, dict) and part.get("type") in _MEDIA_PARTS:
+            if isinstance(part, dict) and part.get("type") in refused:
                 raise ValueError(f"content part type '{part['type']}' is not supported: this server serves "
                                  "text-only models; send input_text / output_text parts")
     return parts
@@ -72,17 +88,33 @@ def part_text(part) -> str:
 class MessageItem(_Lenient):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[ContentPart]]
+    content: Union[str, list[MessagePart]]
 
     @field_validator("content", mode="before")
     @classmethod
     def _media(cls, v):
-        return _refuse_media(v)
+        return _refuse_media(v, _MEDIA_PARTS)
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part_text(p) for p in self.content)
+        return "".join(part_text(p) for p in self.content if not isinstance(p, InputImage))
+
+    def template_content(self, param: str = "input"):
+        """The content as the chat template reads it: the text, or text and image parts when it holds images
+        (server.core.media.parts_content); ``param``: where the item is (errors name it)."""
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for j, p in enumerate(self.content):
+            if not isinstance(p, InputImage):
+                pieces.append(part_text(p))
+            elif p.image_url is None:
+                raise InvalidRequest("an input_image needs image_url (a base64 data: URI); file_id is not served "
+                                     "here", param=f"{param}.content.{j}")
+            else:
+                pieces.append(image_ref(p.image_url, f"{param}.content.{j}.image_url"))
+        return parts_content(pieces)[0]
 
 
 class FunctionCallItem(_Lenient):

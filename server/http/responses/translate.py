@@ -64,9 +64,9 @@ def items_to_messages(items) -> list[dict]:
         else:
             out.append(msg)
 
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, MessageItem):
-            out.append(template_message(item.role, item.text()))
+            out.append(template_message(item.role, item.template_content(f"input.{i}")))
         elif isinstance(item, FunctionCallItem):
             call((item.call_id, item.name, item.arguments))
         elif isinstance(item, CustomToolCallItem):
