@@ -225,3 +225,30 @@ def test_text_only_model_refuses_images_in_each_doors_shape(server):
     assert msg.status_code == 400 and msg.json() == {"type": "error", "error": {
         "type": "invalid_request_error", "message": msg.json()["error"]["message"]}}
     assert "does not take images" in msg.json()["error"]["message"]
+
+
+def test_an_image_row_decodes_batched_with_text_rows(vserver):
+    """Three requests at once (one with an image, two text-only) each give the text they give alone: the image
+    request's prefill feeds embeddings, then its row decodes in the batch with the others."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = oa(vserver)
+    requests = [[chat_user(image_png(81), "Count the colours.")],
+                [{"role": "user", "content": "Write a haiku about rivers."}],
+                [{"role": "user", "content": "List three prime numbers."}]]
+
+    def ask(messages):
+        r = client.chat.completions.create(model="tinyvision", messages=messages, max_tokens=24, temperature=0)
+        return r.choices[0].message.content
+
+    def batched_ticks() -> int:
+        hist = httpx.get(vserver.url + "/stats").json()["lane"]["batch_size"]["histogram"]
+        return sum(v for k, v in hist.items() if int(k) >= 2)
+
+    alone = [ask(m) for m in requests]
+    httpx.post(vserver.url + "/admin/cache/clear")
+    before = batched_ticks()
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(ask, requests))
+    assert together == alone
+    assert batched_ticks() > before  # they did share decode steps
