@@ -252,3 +252,26 @@ def test_an_image_row_decodes_batched_with_text_rows(vserver):
         together = list(pool.map(ask, requests))
     assert together == alone
     assert batched_ticks() > before  # they did share decode steps
+
+
+def test_a_vision_model_in_models_dir_loads_on_demand_with_its_images(vision_dir, oracle, tmp_path):
+    """The base model text-only, the vision model in ``--models-dir``: /v1/models says which takes images before the
+    vision model is loaded (from its config), an image request names it and gets mlx-vlm's own text, and the same
+    image sent to the base model is the 400 of a text-only model."""
+    models_dir = tmp_path / "models"
+    models_dir.mkdir()
+    (models_dir / "tinyvision").symlink_to(vision_dir, target_is_directory=True)
+    srv = ServerProc("--model", "default", "--models-dir", str(models_dir), "--keepalive", "1", *LIMITS)
+    try:
+        listed = {m["id"]: m for m in httpx.get(srv.url + "/v1/models", timeout=30).json()["data"]}
+        assert listed["tinyvision"]["vision"] is True and listed["default"]["vision"] is False, listed
+        png = image_png(91)
+        messages = [chat_user(png)]
+        r = oa(srv).chat.completions.create(model="tinyvision", messages=messages, max_tokens=MAX_TOKENS,
+                                            temperature=0)
+        assert same_text(r.choices[0].message.content, oracle([template_user()], [png]))
+        base = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": "default", "messages": messages, "max_tokens": 2})
+        assert base.status_code == 400 and base.json()["error"]["code"] == "image_input_unsupported", base.text
+    finally:
+        assert srv.stop() == 0, srv.log()
