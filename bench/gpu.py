@@ -57,6 +57,18 @@ SHAPES = {
                         rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                       "original_max_position_embeddings": 4096, "truncate": False}),
 }
+# Qwen3.5-9B's text config (Qwen/Qwen3.5-9B): 32 layers, 3 gated delta-net (linear attention) to 1 full attention,
+# 8.95e9 parameters with its 248,320-token vocabulary (~18 GB bf16): the hybrid of issue 35's agents row
+SHAPES["qwen3.5-9b"] = dict(model_type="qwen3_5", hidden_size=4096, num_hidden_layers=32, intermediate_size=12288,
+                            num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_value_heads=32,
+                            linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                            linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6,
+                            rope_parameters={"type": "default", "mrope_section": [11, 11, 10], "rope_theta": 1e7,
+                                             "partial_rotary_factor": 0.25}, vocab_size=248320)
+SHAPES["qwen3.5-tiny"] = {**SHAPES["qwen3.5-9b"], "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                          "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 64,
+                          "linear_value_head_dim": 64}
 # the same architecture at a size this CPU runs (logic checks, CPU comparisons of its batch path)
 SHAPES["gpt-oss-tiny"] = {**SHAPES["gpt-oss-20b"], "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
                           "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "num_local_experts": 8,

@@ -41,6 +41,9 @@ class ModelSlot:
         self.eos = frozenset(self.tokenizer.eos_token_ids or [])
         layers = make_prompt_cache(self.model)
         self.plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)  # the ragged/prefill layouts
+        # mlx-lm's batched prompt forward (PromptProcessingBatch) merges plain and sliding-window layers exactly;
+        # recurrent state is left out (left padding must never enter it), quantized KV does not merge
+        self.prefills_together = kv_bits is None and all(type(c) in (KVCache, RotatingKVCache) for c in layers)
         self.trimmable = can_rewind(layers)  # drafts can be verified (rejected ones taken back: spec.rewind)
         self.mergeable = can_batch(self.new_caches())  # its rows may join a decode batch
         recurrent = any(isinstance(c, ArraysCache) for c in layers)

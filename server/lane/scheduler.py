@@ -27,9 +27,12 @@ without a model (tests/unit/test_scheduler.py). The rules, in plan order:
    instead of computing it again. Prompts go into the cache at once (``store_now``) when requests wait or several
    prefill: they may share a prefix.
 4. Start: a sequence whose prefill completes decodes solo when it is its group's only plain decoding sequence
-   (plain ``generate_step`` beats a batch of one); otherwise it joins its group's batch, and the group's solo
-   sequences that may move migrate in with it. Speculative sequences and caches that cannot merge stay solo.
-5. Leave: a batch down to one row, with nothing else of its group prefilling or decoding, goes on solo.
+   (plain ``generate_step`` beats a batch of one) and could join the batch later (``strands_solo`` is False: not a
+   sliding window that a solo decoder running ahead would wrap); otherwise it joins its group's batch, and the
+   group's solo sequences that may move migrate in with it. Speculative sequences and caches that cannot merge stay
+   solo.
+5. Leave: a batch down to one row, with nothing else of its group prefilling or decoding, goes on solo (unless solo
+   decoding would strand it, rule 4).
 6. Decode: one step of every group's batch (each adapter has its own: no group waits for another) and of every
    solo sequence. Then one lane task, if one waits.
 """
@@ -126,7 +129,7 @@ class Scheduler:
         busy |= {st.group for st in starts if st.solo}
         leave = tuple(group_rows[0] for group, group_rows in rows.items()
                       if len(group_rows) == 1 and not joining.get(group) and group not in busy
-                      and group_rows[0].migratable)
+                      and group_rows[0].migratable and not group_rows[0].strands_solo)
         decode = tuple(g for g in dict.fromkeys([*rows, *joining])
                        if len(rows.get(g, ())) - sum(s.group == g for s in leave) + joining.get(g, 0) > 0)
         started_solo = {id(s) for st in starts for s in st.solo}
@@ -247,7 +250,7 @@ class Scheduler:
         for group in dict.fromkeys([*plain, *solo_only]):
             new = plain.get(group, [])
             others = [s for s in live if s.phase == Phase.SOLO and s.group == group and s.joinable]
-            alone = len(new) == 1 and not batch_rows.get(group) and not others
+            alone = len(new) == 1 and not batch_rows.get(group) and not others and not new[0].strands_solo
             batch = () if (alone or not new) else tuple(others + new)
             migrating.update(others if batch else ())
             solo = tuple(solo_only.get(group, [])) + (tuple(new) if alone else ())

@@ -163,6 +163,16 @@ class Sequence:
         return (self.facts.batchable and self.facts.moves and self.params.grammar is None
                 and not self.facts.solo_ahead)
 
+    @property
+    def strands_solo(self) -> bool:
+        """Would decoding on its own strand it there? A solo decoder that runs a forward ahead (``facts.solo_ahead``)
+        over a sliding window that its prompt and reply will wrap hands over caches that cannot take that token back,
+        so the sequence could never join its group's batch when others arrive (on a GPU, every agent's prompt
+        longer than gpt-oss's 128-token window): such a sequence starts in its group's batch, even alone."""
+        window = self.facts.window
+        return (self.facts.batchable and self.facts.solo_ahead and window is not None
+                and self.params.grammar is None and len(self.prompt) + self.params.max_tokens >= window)
+
     def start_output(self, detokenizer, eos: frozenset, logprob_of: Optional[Callable] = None) -> None:
         """Bind the text side (the engine does it at admission: the detokenizer is the model's)."""
         self.detokenizer, self.eos, self.logprob_of = detokenizer, eos, logprob_of

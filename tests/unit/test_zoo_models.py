@@ -43,7 +43,7 @@ def alone(model, prompt, n, caches=None):
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=caches)]
 
 
-def lane_of(model, cache=None, **config):
+def lane_of(model, cache=None, prefill_batch=1, **config):
     from cache.prompt_cache import NullPromptCache
     from server.engine.engine import Engine, EngineConfig
     from server.lane.lane import Lane
@@ -54,7 +54,7 @@ def lane_of(model, cache=None, **config):
     stats = ServingStats()
     engine = Engine(loaded, cache, stats, EngineConfig(prefill_chunk=16, **config))
     engine.bind_stream()
-    return Lane(engine, cache, stats, max_batch=8)
+    return Lane(engine, cache, stats, max_batch=8, prefill_batch=prefill_batch)
 
 
 def submit(lane, prompt, n, checkpoints=()):
@@ -140,6 +140,35 @@ def test_four_requests_arriving_at_different_ticks_make_their_alone_tokens_and_s
         assert list(seq.generated) == want[i], (name, i)
         # its whole run stored (all but the last token where nothing ran ahead to feed it)
         assert seq.stored >= len(PROMPTS[i]) + 10 - 1, (name, i, seq.stored)
+
+
+def test_the_gpu_layout_prefills_arrivals_together_and_batches_every_row(arch):
+    """The layout a GPU gets (decoders running a forward ahead, ``--prefill-batch`` 4), run on this CPU: four prompts
+    arriving together prefill in batched forwards where the caches allow (plain and sliding-window layers) and give
+    their alone tokens; a sliding-window row that wraps starts in the batch even when it is ready alone, so the later
+    arrivals decode with it (alone, pipelined, it could never have joined: every gpt-oss agent decoded by itself)."""
+    from cache.prompt_cache import PromptCache
+    from server.engine.batch.choose import Layout
+
+    name, model = arch
+    want = [alone(model, p, 10) for p in PROMPTS]
+    lane = lane_of(model, PromptCache(1 << 28), prefill_batch=4, layout=Layout(gpu=True))
+    seqs = {i: submit(lane, PROMPTS[i], 10) for i in (0, 1, 2)}
+    sizes = set()
+    for tick in range(300):
+        if tick == 6:
+            seqs[3] = submit(lane, PROMPTS[3], 10)  # a late arrival
+        if lane.idle() and len(seqs) == len(PROMPTS):
+            break
+        lane.tick()
+        sizes.add(sum(1 for s, _ in seqs.values() if s.phase.name == "BATCHED"))
+    for i, (seq, events) in seqs.items():
+        finished(events)
+        assert list(seq.generated) == want[i], (name, i)
+    together = lane.stats.prefill_batches
+    assert together >= (1 if lane.engine.base.prefills_together else 0), (name, together)
+    if zoo.FAMILY[name] == "window":
+        assert together >= 1 and max(sizes) >= 3, (name, together, sizes)
 
 
 def test_an_entry_through_the_ssd_file_format_serves_the_next_turn(arch, tmp_path):
