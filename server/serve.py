@@ -261,11 +261,12 @@ def _memory_budget(args, engine, prompt_cache, extra_weights=lambda: 0):
     else:
         budget, why = args.memory_budget, "--memory-budget"
     weights = engine.weights_nbytes()
-    per_token = engine.kv_bytes_per_token_estimate()
+    price = engine.kv_price_estimate()
     if budget:
-        log.info("memory budget %.2f GiB (%s): weights %.2f GiB, KV %.1f KiB per token; a request waits until its "
-                 "KV for prompt + max_tokens fits", budget / (1 << 30), why, weights / (1 << 30), per_token / 1024)
-    return MemoryBudget(budget, per_token, fixed_bytes=lambda: weights + extra_weights(),
+        log.info("memory budget %.2f GiB (%s): weights %.2f GiB, KV %.1f KiB per token + %.1f MiB per sequence; a "
+                 "request waits until its KV for prompt + max_tokens fits", budget / (1 << 30), why,
+                 weights / (1 << 30), price.per_token / 1024, price.per_sequence / (1 << 20))
+    return MemoryBudget(budget, price, fixed_bytes=lambda: weights + extra_weights(),
                         cache_bytes=lambda: int(prompt_cache.stats().get("bytes", 0) or 0),
                         make_room=prompt_cache.make_room)
 

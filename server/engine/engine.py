@@ -125,8 +125,9 @@ class Engine:
 
     def classify(self, seq, company: bool = False) -> SeqFacts:
         """Its batch group (one per model, per LoRA adapter, and a speculating one beside each), the kind of that
-        group's batch (``server.engine.batch.choose``), whether it may prefill in a batched forward (plain KV or
-        sliding-window layers, the base model, no adapter, no speculation, no images), the model's sliding window, and whether it drafts.
+        group's batch (``server.engine.batch.choose``), whether it may prefill in a batched forward (``slot.prefills_together``:
+        not quantized KV, nor an architecture whose recurrent layers let padding in; the base model, no adapter, no
+        speculation, no images; a hybrid's even after a long cache hit), the model's sliding window, and whether it drafts.
 
         A model whose caches a speculating batch cannot hold (recurrent state, sliding windows) speculates only on
         its own: a request that arrives with ``company`` (others running or waiting) decodes plainly instead, in
@@ -145,6 +146,7 @@ class Engine:
         return SeqFacts(group=group, batchable=kind != BatchKind.SOLO,
                         prefill_together=(not speculating and slot.prefills_together and slot.base and target.adapter is None
                                           and seq.media is None),  # images: embeddings, one forward each
+                        together_after_hits=slot.cache_facts.recurrent,
                         window=slot.window, batch_kind=str(kind), moves=moves(kind, slot.cache_facts),
                         drafting=speculating, solo_ahead=solo_pipelined(self.config.layout, slot.cache_facts))
 
@@ -280,8 +282,8 @@ class Engine:
     def weights_nbytes(self) -> int:
         return weights_nbytes(self.base.model)
 
-    def kv_bytes_per_token_estimate(self) -> float:
-        """KV bytes one cached token costs in the base model (all layers), measured on a one-token forward."""
+    def kv_price_estimate(self):
+        """What the base model's caches cost (server.lane.budget.KVPrice), measured on two short forwards."""
         return self.base.measure_kv()
 
     def kv_stats(self) -> dict:

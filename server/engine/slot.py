@@ -21,9 +21,15 @@ from models.attention.cpu import routes as routes_cpu_attention
 from server.engine.batch.choose import CacheFacts
 from server.engine.batch.mlx import can_batch
 from server.engine.kv_layout import quantize_fresh, state_nbytes
+from server.lane.budget import KVPrice
 from spec.rewind import can_rewind
 
 __all__ = ["ModelSlot"]
+
+# architectures whose mlx-lm recurrent layers let a batched prompt's right padding into their state (nemotron_h's
+# Mamba-2 mixer ignores the cache's lengths, mlx-lm 0.32): their prompts prefill one at a time
+_PADDED_STATE_WRONG = frozenset({"nemotron_h"})
+_PRICE_TOKENS = 8  # tokens of the second forward that prices one token (fewer than any sliding window)
 
 
 class ModelSlot:
@@ -41,9 +47,13 @@ class ModelSlot:
         self.eos = frozenset(self.tokenizer.eos_token_ids or [])
         layers = make_prompt_cache(self.model)
         self.plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)  # the ragged/prefill layouts
-        # mlx-lm's batched prompt forward (PromptProcessingBatch) merges plain and sliding-window layers exactly;
-        # recurrent state is left out (left padding must never enter it), quantized KV does not merge
-        self.prefills_together = kv_bits is None and all(type(c) in (KVCache, RotatingKVCache) for c in layers)
+        # mlx-lm's batched prompt forward (PromptProcessingBatch) merges plain, sliding-window and recurrent layers
+        # (its right padding masked out of the state) exactly: checked per architecture by the zoo
+        # (tests/unit/test_zoo_models.py); quantized KV does not merge
+        model_type = getattr(getattr(self.model, "args", None), "model_type", None)
+        self.prefills_together = (kv_bits is None and model_type not in _PADDED_STATE_WRONG
+                                  and all(type(c) in (KVCache, RotatingKVCache) or isinstance(c, ArraysCache)
+                                          for c in layers))
         self.trimmable = can_rewind(layers)  # drafts can be verified (rejected ones taken back: spec.rewind)
         self.mergeable = can_batch(self.new_caches())  # its rows may join a decode batch
         recurrent = any(isinstance(c, ArraysCache) for c in layers)
@@ -64,21 +74,26 @@ class ModelSlot:
         self.window = min(windows) if windows else None
         args = getattr(self.model, "args", None)
         self.vocab_size: int = getattr(args, "vocab_size", None) or len(getattr(self.tokenizer, "vocab", ()))
-        self.kv_bytes_per_token = 0.0  # measured by measure_kv (the memory budget's per-token price)
+        self.kv_price: Optional[KVPrice] = None  # measured by measure_kv (the memory budget's price)
         self.counters: Any = None  # server.catalog.AdapterCounters of an on-demand model (its pool entry's)
 
     def new_caches(self) -> list:
         caches = make_prompt_cache(self.model)
         return caches if self.kv_bits is None else quantize_fresh(caches, self.kv_bits, self.kv_group_size)
 
-    def measure_kv(self) -> float:
-        """KV bytes one cached token costs in this model (all layers), from a one-token forward."""
+    def measure_kv(self) -> KVPrice:
+        """What this model's caches cost (all layers), from the bytes they hold after a 1-token and a 9-token
+        forward: the difference is per token (attention layers' KV), the rest per sequence (recurrent state, which
+        does not grow with the prompt)."""
         import mlx.core as mx
 
         caches = self.new_caches()
         mx.eval(self.model(mx.array([[1]]), cache=caches))
-        self.kv_bytes_per_token = float(state_nbytes(caches))
-        return self.kv_bytes_per_token
+        one = float(state_nbytes(caches))
+        mx.eval(self.model(mx.array([[1] * _PRICE_TOKENS]), cache=caches))
+        per_token = (float(state_nbytes(caches)) - one) / _PRICE_TOKENS
+        self.kv_price = KVPrice(per_token, max(0.0, one - per_token))
+        return self.kv_price
 
     def detokenizer(self, keep_leading_space: bool = False):
         """A fresh streaming detokenizer (mlx-lm's). mlx-lm's BPE and SentencePiece detokenizers drop the first

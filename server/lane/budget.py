@@ -1,26 +1,42 @@
 """Admission by memory: a sequence joins only when its KV fits beside the running ones, the weights and the RAM tier.
 
 ``MemoryBudget`` is policy over numbers only: ``budget_bytes`` (``--memory-budget``; 0 turns the check off), the
-model's KV bytes per token (all layers), ``fixed_bytes`` (what is not ours to free: the weights; a callable when
+model's KV price (``KVPrice``: bytes per token, all layers, and bytes per sequence whatever its length: the
+recurrent state of a hybrid's linear-attention / SSM layers), ``fixed_bytes`` (what is not ours to free: the weights; a callable when
 models load and unload, server.pool), and two hooks of
 the RAM prefix cache: ``cache_bytes()`` (what it holds now) and ``make_room(n)`` (evict / spill n bytes; the lane
-calls it, never the budget). A sequence reserves the KV of its prompt + ``max_tokens``. The RAM tier yields first:
+calls it, never the budget). A sequence reserves the KV of its prompt + ``max_tokens``, plus its model's bytes per
+sequence. The RAM tier yields first:
 a sequence that fits once the cache shrinks is admitted, and the plan asks the cache to make that room.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
-__all__ = ["MemoryBudget"]
+__all__ = ["KVPrice", "MemoryBudget"]
+
+
+@dataclass(frozen=True)
+class KVPrice:
+    """What a model's caches cost in memory: ``per_token`` bytes for each token they hold (attention layers' KV) and
+    ``per_sequence`` bytes for a sequence whatever its length (recurrent state: a hybrid's gated delta-net / Mamba
+    layers keep one state per sequence; pricing it per token refused every long prompt on a Qwen3.5)."""
+
+    per_token: float
+    per_sequence: float = 0.0
+
+    def of(self, tokens: int) -> int:
+        return int(self.per_token * tokens + self.per_sequence)
 
 
 class MemoryBudget:
-    def __init__(self, budget_bytes: int, kv_bytes_per_token: float, *, fixed_bytes: int | Callable[[], int] = 0,
+    def __init__(self, budget_bytes: int, price: Union[KVPrice, float], *, fixed_bytes: int | Callable[[], int] = 0,
                  cache_bytes: Callable[[], int] = lambda: 0, make_room: Callable[[int], int] = lambda n: 0):
         self.budget_bytes = budget_bytes
-        self.kv_bytes_per_token = kv_bytes_per_token
+        self.price = price if isinstance(price, KVPrice) else KVPrice(float(price))
         self._fixed = fixed_bytes
         self.cache_bytes = cache_bytes
         self.make_room = make_room
@@ -29,16 +45,16 @@ class MemoryBudget:
     def fixed_bytes(self) -> int:
         return int(self._fixed()) if callable(self._fixed) else self._fixed
 
-    def need(self, prompt_tokens: int, max_tokens: int, per_token: Optional[float] = None) -> int:
-        """KV bytes of a sequence; ``per_token``: its model's price when not the base model's."""
-        return int((per_token or self.kv_bytes_per_token) * (prompt_tokens + max_tokens))
+    def need(self, prompt_tokens: int, max_tokens: int, price: Optional[KVPrice] = None) -> int:
+        """KV bytes of a sequence; ``price``: its model's when not the base model's."""
+        return (price or self.price).of(prompt_tokens + max_tokens)
 
-    def never_fits(self, prompt_tokens: int, max_tokens: int, per_token: Optional[float] = None) -> Optional[str]:
+    def never_fits(self, prompt_tokens: int, max_tokens: int, price: Optional[KVPrice] = None) -> Optional[str]:
         """Why a request can never be admitted (None when it can)."""
         if not self.budget_bytes:
             return None
         room = self.budget_bytes - self.fixed_bytes
-        need = self.need(prompt_tokens, max_tokens, per_token)
+        need = self.need(prompt_tokens, max_tokens, price)
         if need > room:
             return (f"this request needs about {need / 2**20:.0f} MiB of KV cache for {prompt_tokens} prompt + "
                     f"{max_tokens} completion tokens, more than the server's --memory-budget leaves beside the "

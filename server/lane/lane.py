@@ -116,10 +116,10 @@ class Lane:
             self._cond.notify_all()
         self._thread.join(timeout)
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int, per_token: Optional[float] = None) -> None:
+    def check_fits(self, prompt_tokens: int, max_tokens: int, price=None) -> None:
         """400 for a request that the memory budget can never admit (the handler asks before submitting);
-        ``per_token``: the KV price of the request's model when it is not the base model."""
-        why = self.scheduler.budget.never_fits(prompt_tokens, max_tokens, per_token)
+        ``price``: the KV price (server.lane.budget.KVPrice) of the request's model when it is not the base model."""
+        why = self.scheduler.budget.never_fits(prompt_tokens, max_tokens, price)
         if why:
             raise InvalidRequest(why, param="max_tokens", code="memory_budget_exceeded")
 

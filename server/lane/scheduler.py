@@ -27,12 +27,9 @@ without a model (tests/unit/test_scheduler.py). The rules, in plan order:
    instead of computing it again. Prompts go into the cache at once (``store_now``) when requests wait or several
    prefill: they may share a prefix.
 4. Start: a sequence whose prefill completes decodes solo when it is its group's only plain decoding sequence
-   (plain ``generate_step`` beats a batch of one) and could join the batch later (``strands_solo`` is False: not a
-   sliding window that a solo decoder running ahead would wrap); otherwise it joins its group's batch, and the
-   group's solo sequences that may move migrate in with it. Speculative sequences and caches that cannot merge stay
-   solo.
-5. Leave: a batch down to one row, with nothing else of its group prefilling or decoding, goes on solo (unless solo
-   decoding would strand it, rule 4).
+   (plain ``generate_step`` beats a batch of one); otherwise it joins its group's batch, and the group's solo
+   sequences that may move migrate in with it. Speculative sequences and caches that cannot merge stay solo.
+5. Leave: a batch down to one row, with nothing else of its group prefilling or decoding, goes on solo.
 6. Decode: one step of every group's batch (each adapter has its own: no group waits for another) and of every
    solo sequence. Then one lane task, if one waits.
 """
@@ -129,7 +126,7 @@ class Scheduler:
         busy |= {st.group for st in starts if st.solo}
         leave = tuple(group_rows[0] for group, group_rows in rows.items()
                       if len(group_rows) == 1 and not joining.get(group) and group not in busy
-                      and group_rows[0].migratable and not group_rows[0].strands_solo)
+                      and group_rows[0].migratable)
         decode = tuple(g for g in dict.fromkeys([*rows, *joining])
                        if len(rows.get(g, ())) - sum(s.group == g for s in leave) + joining.get(g, 0) > 0)
         started_solo = {id(s) for st in starts for s in st.solo}
@@ -216,14 +213,15 @@ class Scheduler:
     def _gather(self, chunks: list[Chunk], done) -> tuple[tuple[Chunk, ...], ...]:
         """Chunks into forwards, in order: with ``prefill_batch`` > 1, those that may prefill together join one
         group (at most ``prefill_batch``; a cached prefix no longer than a chunk: the batched forward copies each
-        row's prefix in and out, worth it for new prompts, not for a long cache hit); one sharing a prefix with a
+        row's prefix in and out, worth it for new prompts, not for a long cache hit, unless
+        ``facts.together_after_hits``: a hybrid's prompt costs far more per token than that copy); one sharing a prefix with a
         chunk already gathered starts a new group."""
         rows = self.limits.prefill_batch
         groups: list[list[Chunk]] = []
         open_: list[Chunk] = []
         for c in chunks:
             together = (rows > 1 and c.tokens > 0 and c.seq.facts.prefill_together
-                        and done(c.seq) <= self.limits.prefill_chunk)
+                        and (done(c.seq) <= self.limits.prefill_chunk or c.seq.facts.together_after_hits))
             if open_ and (not together or len(open_) >= rows
                           or any(_shares_prefix(g.seq, c.seq, done(c.seq)) for g in open_)):
                 groups.append(open_)
@@ -250,7 +248,7 @@ class Scheduler:
         for group in dict.fromkeys([*plain, *solo_only]):
             new = plain.get(group, [])
             others = [s for s in live if s.phase == Phase.SOLO and s.group == group and s.joinable]
-            alone = len(new) == 1 and not batch_rows.get(group) and not others and not new[0].strands_solo
+            alone = len(new) == 1 and not batch_rows.get(group) and not others
             batch = () if (alone or not new) else tuple(others + new)
             migrating.update(others if batch else ())
             solo = tuple(solo_only.get(group, [])) + (tuple(new) if alone else ())

@@ -47,6 +47,9 @@ class SeqFacts:
     group: Optional[GroupKey] = None  # its decode batch group: rows of one group share a forward
     batchable: bool = False  # it may decode in its group's batch (else it decodes on its own)
     prefill_together: bool = False  # its prefill chunks may join a batched prefill forward
+    # ... even after a long cache hit: its model's per-token prefill cost dwarfs the copy of a cached prefix in and
+    # out of the batched forward (recurrent state: mlx-lm's gated delta-net outside Metal steps token by token)
+    together_after_hits: bool = False
     window: Optional[int] = None  # the model's smallest sliding window (None: no sliding-window layer)
     batch_kind: str = "solo"  # the kind of its group's batch (server.engine.batch.choose), for /stats
     moves: bool = True  # it may move between decoding on its own and its group's batch (its caches allow it)

@@ -129,10 +129,9 @@ class Sequence:
         return self.facts.group
 
     @property
-    def kv_price(self) -> Optional[float]:
-        """KV bytes per token its model costs the memory budget (None: the server's default price)."""
-        price = self.target.slot.kv_bytes_per_token if self.target is not None else 0
-        return price or None
+    def kv_price(self):
+        """What its model's caches cost the memory budget (server.lane.budget.KVPrice; None: the server's price)."""
+        return self.target.slot.kv_price if self.target is not None else None
 
     def next_anchor(self, done: int) -> Optional[int]:
         """The first anchor or checkpoint past ``done`` (where a prefill chunk stops, so that prefix is stored or its
@@ -156,22 +155,12 @@ class Sequence:
     @property
     def joinable(self) -> bool:
         """May it move from solo decoding into its group's batch? As ``migratable``, but a solo decoder that ran
-        nothing ahead (``facts.solo_ahead`` False: recurrent state, or sliding windows on the CPU) hands over
+        nothing ahead (``facts.solo_ahead`` False: recurrent state, sliding windows) hands over
         caches that need no trim, so a wrapped window joins too."""
         if self.migratable:
             return True
         return (self.facts.batchable and self.facts.moves and self.params.grammar is None
                 and not self.facts.solo_ahead)
-
-    @property
-    def strands_solo(self) -> bool:
-        """Would decoding on its own strand it there? A solo decoder that runs a forward ahead (``facts.solo_ahead``)
-        over a sliding window that its prompt and reply will wrap hands over caches that cannot take that token back,
-        so the sequence could never join its group's batch when others arrive (on a GPU, every agent's prompt
-        longer than gpt-oss's 128-token window): such a sequence starts in its group's batch, even alone."""
-        window = self.facts.window
-        return (self.facts.batchable and self.facts.solo_ahead and window is not None
-                and self.params.grammar is None and len(self.prompt) + self.params.max_tokens >= window)
 
     def start_output(self, detokenizer, eos: frozenset, logprob_of: Optional[Callable] = None) -> None:
         """Bind the text side (the engine does it at admission: the detokenizer is the model's)."""

@@ -28,7 +28,7 @@ class Slot(Protocol):
     tokenizer: Any
     vocab_size: int
     context_length: int
-    kv_bytes_per_token: float  # the memory budget's price of one token of its KV (0: the server's default price)
+    kv_price: Any  # server.lane.budget.KVPrice: what its caches cost the memory budget (None: not measured yet)
     needs_checkpoints: bool  # its caches cannot be cut back (recurrent state, sliding windows): keep checkpoints
     vision: Any  # models.loading.vision.VisionTower of a model that takes images (None: text only)
 

@@ -268,29 +268,6 @@ def test_a_sequence_that_cannot_move_stays_where_it_is(kwargs):
     assert names(plan.solo) == ["s", "a"]
 
 
-def test_a_window_row_that_solo_decoding_would_strand_starts_in_the_batch_so_later_arrivals_join_it():
-    # on a GPU a solo decoder runs a forward ahead: once its window wraps it cannot hand its caches to the batch, so
-    # every later arrival would start alone too (gpt-oss agents, each prompt past its 128-token window)
-    def ready(name, prompt_len, max_tokens=4, solo_ahead=True):
-        s = seq(name, prompt_len=prompt_len, phase=Phase.PREFILL, done=prompt_len - 1, prefilled=True,
-                window=8, max_tokens=max_tokens)
-        s.facts = SeqFacts(group=None, batchable=True, prefill_together=True, window=8, solo_ahead=solo_ahead)
-        return s
-
-    first = ready("w1", 12)
-    assert first.strands_solo and starts(sched().schedule([], [first])) == [(None, ["w1"], [])]
-    first.phase = Phase.BATCHED
-    plan = sched().schedule([], [first, ready("w2", 12)])
-    assert starts(plan) == [(None, ["w2"], [])] and plan.decode == (None,)  # w2 joins w1's batch
-    plan = sched().schedule([], [first])
-    assert not plan.leave and plan.decode == (None,)  # a batch of one window row stays a batch
-
-    short = ready("s", 3, max_tokens=2)  # prompt and reply inside the window: solo, it can join later
-    assert not short.strands_solo and starts(sched().schedule([], [short])) == [(None, [], ["s"])]
-    behind = ready("c", 12, solo_ahead=False)  # nothing run ahead (the CPU): a wrapped window joins later
-    assert not behind.strands_solo and starts(sched().schedule([], [behind])) == [(None, [], ["c"])]
-
-
 def test_a_batch_down_to_one_row_goes_solo_unless_its_group_is_busy():
     alone = [seq("x", phase=Phase.BATCHED, prefilled=True, generated=5)]
     plan = sched().schedule([], alone)

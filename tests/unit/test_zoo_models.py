@@ -170,6 +170,37 @@ def test_the_gpu_layout_prefills_arrivals_together_and_batches_every_row(arch):
     if zoo.FAMILY[name] == "window":
         assert together >= 1 and max(sizes) >= 3, (name, together, sizes)
 
+    # the next turns of the three conversations, together: each hit is longer than a chunk (16); a hybrid's
+    # prompts still prefill in one forward (its per-token cost dwarfs the copy of the cached prefix)
+    nexts = [PROMPTS[i] + list(seqs[i][0].generated) + [60 + i, 61, 62, 63, 64, 65] for i in (0, 1, 2)]
+    want = [alone(model, p, 6) for p in nexts]
+    before = lane.stats.prefill_batches
+    turns = [submit(lane, p, 6) for p in nexts]
+    while not lane.idle():
+        lane.tick()
+    for i, (seq, events) in enumerate(turns):
+        assert finished(events).cached_tokens > 16, (name, i)
+        assert list(seq.generated) == want[i], (name, i)
+    if zoo.FAMILY[name] == "hybrid" and lane.engine.base.prefills_together:
+        assert lane.stats.prefill_batches > before, name
+
+
+def test_the_memory_budgets_price_is_per_token_for_attention_and_per_sequence_for_recurrent_state(arch):
+    """A hybrid's recurrent state does not grow with the prompt: priced per token (as the one-token forward did) a
+    Qwen3.5-9B asked 250 GiB for a 5,000-token prompt and every agent's request was a 400 on the H200."""
+    from server.engine.kv_layout import state_nbytes
+    from server.lane.budget import KVPrice
+
+    name, model = arch
+    slot = lane_of(model).engine.base
+    price = slot.measure_kv()
+    assert isinstance(price, KVPrice) and price.per_token > 0, (name, price)
+    caches = slot.new_caches()
+    n = zoo.WINDOW - 4  # within every window: every attention layer holds all of them
+    mx.eval(model(mx.array([list(range(3, 3 + n))]), cache=caches))
+    assert price.of(n) == pytest.approx(state_nbytes(caches), rel=1e-6), name
+    assert (price.per_sequence > 0) == (zoo.FAMILY[name] == "hybrid"), (name, price)
+
 
 def test_an_entry_through_the_ssd_file_format_serves_the_next_turn(arch, tmp_path):
     from cache.kvfile import load, save

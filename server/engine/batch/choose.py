@@ -91,9 +91,11 @@ def pipelined(layout: Layout, caches: CacheFacts) -> bool:
 
 def solo_pipelined(layout: Layout, caches: CacheFacts) -> bool:
     """Does a sequence decoding on its own run a forward ahead? Not over recurrent state (see ``moves``), nor over
-    sliding windows on the CPU: a wrapped window cannot take the token fed ahead back, so such a row could never
-    join its group's batch, and on the CPU the overlap saves little (it computes either way)."""
-    return not caches.recurrent and (layout.gpu or not caches.windowed)
+    sliding windows: a wrapped window cannot take the token fed ahead back, so such a row could never join its
+    group's batch when others arrive (on a GPU every gpt-oss agent, its prompt past the 128-token window, decoded by
+    itself: 0.52-0.65x raw BatchGenerator's tokens/s). The overlap is worth little there: one gpt-oss-20b request
+    alone on the H200 decoded at 59.1 tok/s ahead, 59.2 not (bench/gpu_window_solo.py, BENCHMARKS.md)."""
+    return not caches.recurrent and not caches.windowed
 
 
 def moves(kind: BatchKind, caches: CacheFacts) -> bool:
