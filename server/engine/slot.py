@@ -26,9 +26,11 @@ from spec.rewind import can_rewind
 
 __all__ = ["ModelSlot"]
 
-# architectures whose mlx-lm recurrent layers let a batched prompt's right padding into their state (nemotron_h's
-# Mamba-2 mixer ignores the cache's lengths, mlx-lm 0.32): their prompts prefill one at a time
-_PADDED_STATE_WRONG = frozenset({"nemotron_h"})
+# architectures with recurrent layers whose batched prompt forward keeps the right padding out of their state, as the
+# zoo checks (tests/unit/test_zoo_models.py: the GPU layout's prompts, prefilled together, give mlx-lm's alone
+# tokens). Any other hybrid prefills one prompt per forward: nemotron_h's Mamba-2 mixer lets the padding in (mlx-lm
+# 0.32 ignores the cache's lengths there), and an architecture the zoo has not checked is not trusted with it.
+_PADDED_STATE_EXACT = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid"})
 _PRICE_TOKENS = 8  # tokens of the second forward that prices one token (fewer than any sliding window)
 
 
@@ -47,13 +49,13 @@ class ModelSlot:
         self.eos = frozenset(self.tokenizer.eos_token_ids or [])
         layers = make_prompt_cache(self.model)
         self.plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)  # the ragged/prefill layouts
-        # mlx-lm's batched prompt forward (PromptProcessingBatch) merges plain, sliding-window and recurrent layers
-        # (its right padding masked out of the state) exactly: checked per architecture by the zoo
-        # (tests/unit/test_zoo_models.py); quantized KV does not merge
+        # mlx-lm's batched prompt forward (PromptProcessingBatch) merges plain and sliding-window layers exactly,
+        # and recurrent ones where the architecture keeps the padding out of its state (_PADDED_STATE_EXACT);
+        # quantized KV does not merge
         model_type = getattr(getattr(self.model, "args", None), "model_type", None)
-        self.prefills_together = (kv_bits is None and model_type not in _PADDED_STATE_WRONG
-                                  and all(type(c) in (KVCache, RotatingKVCache) or isinstance(c, ArraysCache)
-                                          for c in layers))
+        exact_state = model_type in _PADDED_STATE_EXACT
+        self.prefills_together = kv_bits is None and all(
+            type(c) in (KVCache, RotatingKVCache) or (isinstance(c, ArraysCache) and exact_state) for c in layers)
         self.trimmable = can_rewind(layers)  # drafts can be verified (rejected ones taken back: spec.rewind)
         self.mergeable = can_batch(self.new_caches())  # its rows may join a decode batch
         recurrent = any(isinstance(c, ArraysCache) for c in layers)

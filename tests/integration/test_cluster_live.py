@@ -139,8 +139,13 @@ def test_a_conversation_that_moves_restores_from_the_shared_folder(cluster):
     assert after["shared"]["synced_added"] > before["shared"]["synced_added"], after["shared"]
 
 
-def running(url: str) -> int:
-    return len(httpx.get(url + "/stats", timeout=30).json()["lane"]["running_requests"])
+def on_replica(url: str) -> int:
+    """Requests the replica holds: running, or waiting in its lane's queue."""
+    lane = httpx.get(url + "/stats", timeout=30).json()["lane"]
+    return len(lane["running_requests"]) + int(lane.get("queue_depth") or 0)
+
+
+NO_EOS = {"0": -100, "2": -100}  # the default model's end-of-text tokens: a stream that cannot end early
 
 
 def test_kill_9_of_a_replica_mid_request_fails_cleanly_and_the_retry_restores_elsewhere(cluster):
@@ -153,17 +158,19 @@ def test_kill_9_of_a_replica_mid_request_fails_cleanly_and_the_retry_restores_el
     messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
                  {"role": "user", "content": "Explain it step by step."}]
 
-    # a streamed turn and a plain one, both in flight on the victim when it dies (the stream asks for many tokens, so
-    # that it is still running when the plain one arrives on a loaded machine: the kill comes as soon as both run)
-    stream = start_stream(cluster.url, messages, 256, headers={"X-Session-Id": key})
+    # a streamed turn and a plain one, both in flight on the victim when it dies (the stream asks for many tokens and
+    # cannot end early, so that it is still running when the plain one arrives on a loaded machine: the kill comes as
+    # soon as the victim holds both)
+    stream = start_stream(cluster.url, messages, 256, headers={"X-Session-Id": key}, logit_bias=NO_EOS)
     plain: list[httpx.Response] = []
     t = threading.Thread(target=lambda: plain.append(chat(cluster.url, messages, headers={"X-Session-Id": key},
                                                           max_tokens=16)))
     t.start()
     assert stream.first_token.wait(120) and stream.text, (stream.status, stream.transport_error, stream.data)
     deadline = time.monotonic() + 60
-    while running(cluster.replica_url(0)) < 2:
-        assert time.monotonic() < deadline, "the plain request never reached the victim"
+    while on_replica(cluster.replica_url(0)) < 2:
+        assert time.monotonic() < deadline, ("the plain request never reached the victim", plain, stream.done,
+                                             len(stream.data), httpx.get(cluster.replica_url(0) + "/stats").json())
         time.sleep(0.02)
     cluster.kill(0)
     t.join(120)

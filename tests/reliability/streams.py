@@ -42,10 +42,12 @@ class StreamRecord:
         return bool(self.data) and self.data[-1] == "[DONE]"
 
 
-def start_stream(url: str, messages: list[dict], max_tokens: int, headers: dict | None = None) -> StreamRecord:
-    """POST a greedy streaming chat request on a daemon thread; the record fills in as chunks arrive."""
+def start_stream(url: str, messages: list[dict], max_tokens: int, headers: dict | None = None,
+                 **extra) -> StreamRecord:
+    """POST a greedy streaming chat request on a daemon thread; the record fills in as chunks arrive. ``extra``:
+    more body fields (e.g. a ``logit_bias`` that keeps the model from ending early)."""
     rec = StreamRecord()
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra}
 
     def run() -> None:
         try:
