@@ -138,7 +138,8 @@ class Generation:
         self.last_breakpoint = last_breakpoint  # the last one's, even at the prompt's end (0: none; Anthropic usage)
         self.t0 = time.monotonic()
         self.model_name = target.name  # what the response says served it
-        ctx.lane.check_fits(len(prompt), params.max_tokens, target.slot.kv_price)  # 400 when the memory budget can never admit it
+        # a 400 when the memory budget can never admit it
+        ctx.lane.check_fits(len(prompt), params.max_tokens, target.slot.kv_price)
         ns = ctx.namespace_for(target, params)  # the one place, once: the prefetch and the lane use it
         _prefetch(ctx, prompt, ns, session)  # starts SSD reads while the sequence waits for the lane
         self.run = JobRun(ctx.lane, request, prompt, params, target, session, ctx.keepalive_s, request_id=self.id,

@@ -125,9 +125,10 @@ class Engine:
 
     def classify(self, seq, company: bool = False) -> SeqFacts:
         """Its batch group (one per model, per LoRA adapter, and a speculating one beside each), the kind of that
-        group's batch (``server.engine.batch.choose``), whether it may prefill in a batched forward (``slot.prefills_together``:
-        not quantized KV, nor an architecture whose recurrent layers let padding in; the base model, no adapter, no
-        speculation, no images; a hybrid's even after a long cache hit), the model's sliding window, and whether it drafts.
+        group's batch (``server.engine.batch.choose``), whether it may prefill in a batched forward
+        (``slot.prefills_together``: not quantized KV, nor an architecture whose recurrent layers let padding in;
+        the base model, no adapter, no speculation, no images; a hybrid's even after a long cache hit), the model's
+        sliding window, and whether it drafts.
 
         A model whose caches a speculating batch cannot hold (recurrent state, sliding windows) speculates only on
         its own: a request that arrives with ``company`` (others running or waiting) decodes plainly instead, in
@@ -144,7 +145,8 @@ class Engine:
         # plans rank 0 broadcasts name groups
         group = GroupKey(slot.name, target.adapter_identity, kind == BatchKind.SPECULATING)
         return SeqFacts(group=group, batchable=kind != BatchKind.SOLO,
-                        prefill_together=(not speculating and slot.prefills_together and slot.base and target.adapter is None
+                        prefill_together=(not speculating and slot.prefills_together and slot.base
+                                          and target.adapter is None
                                           and seq.media is None),  # images: embeddings, one forward each
                         together_after_hits=slot.cache_facts.recurrent,
                         window=slot.window, batch_kind=str(kind), moves=moves(kind, slot.cache_facts),

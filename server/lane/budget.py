@@ -2,12 +2,12 @@
 
 ``MemoryBudget`` is policy over numbers only: ``budget_bytes`` (``--memory-budget``; 0 turns the check off), the
 model's KV price (``KVPrice``: bytes per token, all layers, and bytes per sequence whatever its length: the
-recurrent state of a hybrid's linear-attention / SSM layers), ``fixed_bytes`` (what is not ours to free: the weights; a callable when
-models load and unload, server.pool), and two hooks of
-the RAM prefix cache: ``cache_bytes()`` (what it holds now) and ``make_room(n)`` (evict / spill n bytes; the lane
-calls it, never the budget). A sequence reserves the KV of its prompt + ``max_tokens``, plus its model's bytes per
-sequence. The RAM tier yields first:
-a sequence that fits once the cache shrinks is admitted, and the plan asks the cache to make that room.
+recurrent state of a hybrid's linear-attention / SSM layers), ``fixed_bytes`` (what is not ours to free: the
+weights; a callable when models load and unload, server.pool), and two hooks of the RAM prefix cache:
+``cache_bytes()`` (what it holds now) and ``make_room(n)`` (evict / spill n bytes; the lane calls it, never the
+budget). A sequence reserves the KV of its prompt + ``max_tokens``, plus its model's bytes per sequence. The RAM
+tier yields first: a sequence that fits once the cache shrinks is admitted, and the plan asks the cache to make
+that room.
 """
 
 from __future__ import annotations

@@ -101,6 +101,17 @@ def test_running_sequences_reserve_their_kv():
     assert names(plan.admit) == ["a"]  # 200 + 100 = the whole room; b waits
 
 
+def test_a_hybrids_recurrent_state_is_priced_per_sequence_not_per_token():
+    from server.lane.budget import KVPrice
+
+    budget = MemoryBudget(400, KVPrice(per_token=1.0, per_sequence=100.0), fixed_bytes=100)
+    assert budget.need(2, 8) == 110  # 10 tokens of KV and one state
+    assert budget.never_fits(150, 40) is None  # 290: a long prompt still fits (priced per token it would not)
+    assert "MiB of KV cache" in budget.never_fits(150, 60)
+    queue = [seq(n, prompt_len=2, max_tokens=8) for n in "abc"]
+    assert names(sched(budget=budget).schedule(queue, []).admit) == ["a", "b"]  # 110 + 110; c's state does not fit
+
+
 @pytest.mark.parametrize("batch_bytes,admitted", [
     (0, "a"),  # the batch's buffers say nothing: its row reserves its own 100
     (100, "a"),  # exactly the row's need: nothing beside it
