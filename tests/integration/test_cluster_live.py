@@ -148,19 +148,17 @@ def on_replica(url: str) -> int:
 NO_EOS = {"0": -100, "2": -100}  # the default model's end-of-text tokens: a stream that cannot end early
 
 
-def test_kill_9_of_a_replica_mid_request_fails_cleanly_and_the_retry_restores_elsewhere(cluster):
-    key = next(k for k in KEYS if replica_of(KINDS["X-Session-Id"](cluster.url, k)) == cluster.names[0])
-    victim, survivor = cluster.names
-    messages = conv(key + "-failover")
+def _both_in_flight_on(cluster, victim: str, key: str, name: str):
+    """Turn 1 of a conversation on the victim (flushed to the shared folder), then turn 2 as a stream that cannot end
+    early and as a plain request, until the victim's lane holds both: ``(first, messages, stream, plain, thread)``,
+    or ``(None, None, None, diagnostics, None)`` when the plain one was answered elsewhere first."""
+    cluster.wait_state(victim, "UP")  # HAProxy routes the key to it (after a miss it may have taken it out)
+    messages = conv(name)
     first = chat(cluster.url, messages, headers={"X-Session-Id": key})
     assert replica_of(first) == victim
     flush(cluster.replica_url(0))  # turn 1's KV is on the shared folder
     messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
                  {"role": "user", "content": "Explain it step by step."}]
-
-    # a streamed turn and a plain one, both in flight on the victim when it dies (the stream asks for many tokens and
-    # cannot end early, so that it is still running when the plain one arrives on a loaded machine: the kill comes as
-    # soon as the victim holds both)
     stream = start_stream(cluster.url, messages, 256, headers={"X-Session-Id": key}, logit_bias=NO_EOS)
     plain: list[httpx.Response] = []
     t = threading.Thread(target=lambda: plain.append(chat(cluster.url, messages, headers={"X-Session-Id": key},
@@ -169,9 +167,30 @@ def test_kill_9_of_a_replica_mid_request_fails_cleanly_and_the_retry_restores_el
     assert stream.first_token.wait(120) and stream.text, (stream.status, stream.transport_error, stream.data)
     deadline = time.monotonic() + 60
     while on_replica(cluster.replica_url(0)) < 2:
-        assert time.monotonic() < deadline, ("the plain request never reached the victim", plain, stream.done,
-                                             len(stream.data), httpx.get(cluster.replica_url(0) + "/stats").json())
+        if plain or time.monotonic() > deadline:  # answered (elsewhere: the victim never held both) or lost
+            t.join(120)
+            diagnostics = ([(r.status_code, r.headers.get("x-lane-replica"), r.text[:200]) for r in plain],
+                           httpx.get(cluster.replica_url(0) + "/stats").json()["lane"]["running_requests"],
+                           cluster.server_states(), cluster.log("haproxy")[-2000:])
+            stream.ended.wait(120)
+            return None, None, None, diagnostics, None
         time.sleep(0.02)
+    return first, messages, stream, plain, t
+
+
+def test_kill_9_of_a_replica_mid_request_fails_cleanly_and_the_retry_restores_elsewhere(cluster):
+    key = next(k for k in KEYS if replica_of(KINDS["X-Session-Id"](cluster.url, k)) == cluster.names[0])
+    victim, survivor = cluster.names
+    misses = []
+    for attempt in range(3):
+        first, messages, stream, plain, t = _both_in_flight_on(cluster, victim, key, f"{key}-failover{attempt}")
+        if stream is not None:
+            break
+        # HAProxy sent the plain request elsewhere (seen in 2 of 3 fresh-clone runs of the whole suite, never alone:
+        # cause not found): the diagnostics say where it went and what HAProxy logged; try a new conversation
+        misses.append(plain)
+    else:
+        pytest.fail(f"the plain request never reached the victim in 3 attempts: {misses}")
     cluster.kill(0)
     t.join(120)
     assert stream.ended.wait(60)
