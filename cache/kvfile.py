@@ -1,7 +1,8 @@
 """The on-disk format of one prefix-cache entry: a safetensors file that cannot run code.
 
-(Just over 400 lines on purpose: the per-class codecs and the validation that must mirror them are one contract,
-and keeping them in one file keeps "what is written" and "what is accepted" reviewable side by side.)
+(About 460 lines on purpose, one job, the format: the per-class codecs (plain, rotating, quantized, recurrent state,
+and the checkpoints a hybrid or sliding-window entry carries) and the validation that must mirror them are one
+contract, and keeping them in one file keeps "what is written" and "what is accepted" reviewable side by side.)
 
 A file holds the KV state of one token sequence for every layer of a model:
 

@@ -22,10 +22,16 @@ Thread-safe: the lane observes prefill while I/O threads observe restores and th
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
-__all__ = ["CostModel"]
+__all__ = ["CostModel", "load_cost_model", "save_cost_model"]
+
+log = logging.getLogger("mlx_lane.cache")
 
 _MIN_SECONDS = 1e-6  # a sample timed below the clock's resolution says nothing about the rate
 
@@ -124,3 +130,28 @@ class CostModel:
 
     def _ema(self, old: float, sample: float, samples: int) -> float:
         return sample if samples == 0 else self._alpha * sample + (1 - self._alpha) * old
+
+
+def load_cost_model(path: Path, mode: str = "auto") -> CostModel:
+    """The restore-or-recompute model, seeded with the rates this model measured here last time (``path``, written
+    by ``save_cost_model``): right after a restart (when the SSD tier matters most) the priors could pick a restore
+    that a GPU recomputes faster. A missing or unreadable file: the priors."""
+    try:
+        return CostModel.from_snapshot(json.loads(Path(path).read_text()), mode=mode)
+    except (OSError, ValueError, AttributeError):
+        return CostModel(mode=mode)
+
+
+def save_cost_model(path: Path, cost: CostModel) -> None:
+    """Keep the measured rates for the next start (atomically; nothing measured: nothing written)."""
+    snap = cost.snapshot()
+    if not snap:
+        return
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(snap))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not save the measured cache rates to %s: %s", path, exc)

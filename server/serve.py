@@ -1,7 +1,9 @@
 """Assemble model, cache, lane and app from parsed CLI arguments, then run uvicorn.
 
-(About 490 lines, one job: assembly and process lifecycle. Each part it wires (adapters, embedder, web policy,
-distributed group, tiered cache, the on-demand models, graceful shutdown) is one small function; the parts themselves live elsewhere.)
+(About 465 lines, one job: assembly and process lifecycle. Each part it wires (kernels, adapters, embedder, web
+policy, distributed group, tiered cache, memory budget, speculation, the on-demand models, graceful shutdown) is one
+small function; the parts themselves live elsewhere: the cost model's file in cache.rates, the kernel cache's
+directory in models.loading.home.)
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import sys
 
 import uvicorn
+
+from cache.rates import save_cost_model
 
 log = logging.getLogger("mlx_lane")
 
@@ -33,19 +37,6 @@ def engine_config(args, speculation=None):
                         read_shared_prefix=not getattr(args, "debug_copy_hits", False))
 
 
-def _kernel_cache_dir(home):
-    """$MLX_LANE_HOME/ptx/<mlx version>/<device name>, the name made safe for a path."""
-    import re
-
-    import mlx.core as mx
-
-    try:
-        device = mx.device_info().get("device_name", "unknown")
-    except Exception:  # an MLX without device_info: one shared directory per version is still right for one machine
-        device = "unknown"
-    return home / "ptx" / mx.__version__ / (re.sub(r"[^A-Za-z0-9._-]+", "-", device).strip("-") or "unknown")
-
-
 def _configure_kernels(args) -> None:
     """--attention and the --debug-* kernel knobs, before any model is loaded (the kernels are installed at load);
     and where MLX's CUDA backend keeps the kernels it compiles: under $MLX_LANE_HOME (a restart then compiles
@@ -53,9 +44,10 @@ def _configure_kernels(args) -> None:
     (MLX's own default is a temporary directory). MLX reads it at its first compile, so setting it here is in time.
     One directory per MLX version and device: a kernel compiled for one GPU architecture must not load on another."""
     from models import attention, mlx_lane_home
+    from models.loading.home import kernel_cache_dir
     from server.engine import distributed
 
-    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(_kernel_cache_dir(mlx_lane_home())))
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(kernel_cache_dir(mlx_lane_home())))
 
     attention.configure(getattr(args, "attention", "auto") != "mlx",
                         gpu_split=getattr(args, "debug_gpu_attention_split", 256),
@@ -291,6 +283,7 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int, follower: bool = 
     RAM tier at all: --cache-bytes 0). ``follower``: a rank > 0 of a sharded model, which restores whatever
     prefix rank 0 chose (cache.sharded)."""
     from cache.durability import DurabilityCoordinator
+    from cache.rates import load_cost_model
     from cache.ssd_store import SSDStore
     from cache.tiered import TieredCache
     from models.loading.home import mlx_lane_home
@@ -312,7 +305,7 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int, follower: bool = 
         from cache.sharded import follower_restore_mode
 
         restore = follower_restore_mode
-    tiered = TieredCache.build(ram_bytes, store, durability, load_cost_model(fingerprint, restore),
+    tiered = TieredCache.build(ram_bytes, store, durability, load_cost_model(_rates_path(fingerprint), restore),
                                demote_idle_s=args.demote_idle)
     s = store.stats()
     log.info("ssd cache %s | %d entries, %.2f GiB of %.2f GiB | removed at scan %d | debounce %.1fs | "
@@ -322,38 +315,10 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int, follower: bool = 
 
 
 def _rates_path(fingerprint: str):
+    """Where a model's measured SSD-tier rates are kept across restarts (cache.rates)."""
     from models import mlx_lane_home
 
     return mlx_lane_home() / "rates" / f"{fingerprint}.json"
-
-
-def load_cost_model(fingerprint: str, mode: str = "auto"):
-    """The restore-or-recompute model, seeded with the rates this model measured here last time: right after
-    a restart (when the SSD tier matters most) the priors could pick a restore that a GPU recomputes faster."""
-    import json
-
-    from cache.rates import CostModel
-
-    try:
-        return CostModel.from_snapshot(json.loads(_rates_path(fingerprint).read_text()), mode=mode)
-    except (OSError, ValueError, AttributeError):
-        return CostModel(mode=mode)
-
-
-def save_cost_model(fingerprint: str, cost) -> None:
-    import json
-
-    snap = cost.snapshot()
-    if not snap:
-        return
-    path = _rates_path(fingerprint)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(snap))
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("could not save the measured cache rates to %s: %s", path, exc)
 
 
 def _speculation(args, loaded):
@@ -464,7 +429,7 @@ def serve(args) -> int:
     )
     GracefulServer(config, state.lane, args.shutdown_timeout).run()
     if state.ssd is not None:
-        save_cost_model(state.loaded.fingerprint, state.ssd.cost_model)
+        save_cost_model(_rates_path(state.loaded.fingerprint), state.ssd.cost_model)
     # Shutdown is complete: the lane has stopped and the SSD tier was flushed (fsynced) in the lifespan.
     # Exit now, skipping interpreter teardown: MLX's static destructors can abort ("terminate called
     # without an active exception", status -6) while daemon threads that own MLX streams still exist.
@@ -489,7 +454,7 @@ def follow(state) -> int:
     if state.ssd is not None:
         if not state.ssd.close(timeout=state.shutdown_timeout_s):
             log.warning("rank %d: SSD cache writes still pending at exit", rank)
-        save_cost_model(state.loaded.fingerprint, state.ssd.cost_model)
+        save_cost_model(_rates_path(state.loaded.fingerprint), state.ssd.cost_model)
     if state.lane.follow_failed:
         code = 1
     diverged = getattr(state.lane.replay, "diverged", 0)

@@ -85,6 +85,22 @@ def test_snapshot_carries_measured_rates_across_a_restart():
     assert CostModel.from_snapshot({"prefill_tok_s": "x", "read_bytes_s": -1}).snapshot() == {}
 
 
+def test_the_rates_file_round_trips_and_a_missing_or_broken_one_gives_the_priors(tmp_path):
+    from cache.rates import load_cost_model, save_cost_model
+
+    path = tmp_path / "rates" / "fp.json"
+    assert load_cost_model(path).snapshot() == {}  # no file yet: the priors
+    save_cost_model(path, CostModel())
+    assert not path.exists()  # nothing measured: nothing written
+    gpu = CostModel()
+    gpu.observe_prefill(32768, 2.0)
+    save_cost_model(path, gpu)
+    assert load_cost_model(path, mode="never").snapshot() == gpu.snapshot()
+    assert load_cost_model(path, mode="never").mode == "never"
+    path.write_text("{not json")
+    assert load_cost_model(path).snapshot() == {}
+
+
 def test_mode_overrides_the_rule_but_rates_are_still_measured():
     # a read this slow never wins under "auto"; "always" restores anyway, "never" recomputes a sure win
     slow = {"prefill_tok_s": 1e6, "read_bytes_s": 1.0}
