@@ -193,3 +193,29 @@ def test_a_lora_adapter_over_a_hybrid_model_gives_mlx_lm_text_and_is_cached(serv
     assert tuned == oracle("qwen3_5", TURN1, 12, adapter=str(adapter_dir))
     again, u2 = chat(url, TURN1, model="lora")
     assert again == tuned and u2["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gpt_oss"])
+def test_prompts_prefilled_together_as_on_a_gpu_give_mlx_lm_text(name, models, oracle):
+    """``--prefill-batch 4`` (a GPU's default) on this CPU: four chats sent at once prefill in batched forwards (a
+    hybrid's recurrent state and a sliding window's wrapped buffer merged and split back by mlx-lm's batch prefill),
+    and each reply is mlx-lm's own greedy text for it alone."""
+    prompts = [[SYSTEM, {"role": "user", "content": f"Task {i}: " + "list the steps of a merge sort. " * (i + 2)}]
+               for i in range(4)]
+    srv = ServerProc("--model", str(models[name]), "--cache-bytes", "64M", "--prefill-batch", "4")
+    try:
+        got = [None] * 4
+
+        def one(i):
+            got[i] = chat(srv.url, prompts[i], max_tokens=24)[0]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert got == [oracle(name, p, 24) for p in prompts], name
+        forwards = httpx.get(srv.url + "/stats").json()["lane"]["prefill_batches"]["forwards"]
+        assert forwards >= 1, name  # they did prefill together
+    finally:
+        assert srv.stop() == 0, srv.log()
