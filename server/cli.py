@@ -155,6 +155,12 @@ def _serve_parser(sub) -> None:
                         "place; on CUDA one fused kernel for a decode batch's rows of different lengths), 'mlx' "
                         "(MLX's own everywhere, to compare). /stats batch.attention says which runs "
                         "[MLX_LANE_ATTENTION]")
+    p.add_argument("--kernels", choices=["auto", "mlx"], default=_env("kernels", "auto"),
+                   help="what a hybrid's recurrent layers run off Metal: 'auto' (on CUDA mlx-lane's kernels for the "
+                        "gated delta rule of Qwen3.5 / Qwen3-Next / Kimi Linear, any number of tokens in one launch, "
+                        "and for Mamba-2's decode step; on the CPU the chunked gated delta rule for prompts), 'mlx' "
+                        "(mlx-lm's own: token by token in Python off Metal, to compare). On Metal mlx-lm's kernels "
+                        "always run. /stats batch.recurrent says which [MLX_LANE_KERNELS]")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=int(_env("kv_bits")) if _env("kv_bits") else None,
                    help="quantize the KV cache to 8 or 4 bits (mlx-lm QuantizedKVCache): less RAM and SSD per "
                         "cached token; a separate cache namespace (default: the model's dtype) [MLX_LANE_KV_BITS]")

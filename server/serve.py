@@ -38,12 +38,12 @@ def engine_config(args, speculation=None):
 
 
 def _configure_kernels(args) -> None:
-    """--attention and the --debug-* kernel knobs, before any model is loaded (the kernels are installed at load);
+    """--attention, --kernels and the --debug-* kernel knobs, before any model is loaded (the kernels are installed at load);
     and where MLX's CUDA backend keeps the kernels it compiles: under $MLX_LANE_HOME (a restart then compiles
     nothing: on the H200 a first start spent 36 of its 50 s compiling), unless MLX_PTX_CACHE_DIR says otherwise
     (MLX's own default is a temporary directory). MLX reads it at its first compile, so setting it here is in time.
     One directory per MLX version and device: a kernel compiled for one GPU architecture must not load on another."""
-    from models import attention, mlx_lane_home
+    from models import attention, kernels, mlx_lane_home
     from models.loading.home import kernel_cache_dir
     from server.engine import distributed
 
@@ -52,6 +52,7 @@ def _configure_kernels(args) -> None:
     attention.configure(getattr(args, "attention", "auto") != "mlx",
                         gpu_split=getattr(args, "debug_gpu_attention_split", 256),
                         gpu_unroll=getattr(args, "debug_gpu_attention_unroll", 4))
+    kernels.configure(getattr(args, "kernels", "auto") != "mlx")
     distributed.trace_collectives(getattr(args, "debug_trace_collectives", False))
 
 
@@ -123,9 +124,9 @@ def build_state(args):
     blas = blas_info()
     batches = engine.batch_stats()
     log.info(
-        "model %s (%s) | device %s | dtype %s | BLAS %s | attention %s | decode batch %s | prefix cache %.2f GiB | "
+        "model %s (%s) | device %s | dtype %s | BLAS %s | attention %s | recurrent %s | decode batch %s | prefix cache %.2f GiB | "
         "fingerprint %s",
-        loaded.model_id, loaded.architecture, device_name(), loaded.dtype, blas, batches["attention"],
+        loaded.model_id, loaded.architecture, device_name(), loaded.dtype, blas, batches["attention"], batches["recurrent"],
         batches["layout"], cache_bytes / (1 << 30), loaded.fingerprint[:16],
     )
     default_max_tokens = args.default_max_tokens if args.default_max_tokens is not None else 2048

@@ -1,6 +1,6 @@
 """mlx-lane's attention paths, and the layouts they read.
 
-mlx-lm's models call ``mlx_lm.models.base.scaled_dot_product_attention``; ``hook.switch`` puts mlx-lane's own in its
+mlx-lm's models call ``mlx_lm.models.base.scaled_dot_product_attention``; ``models.hook.switch`` puts mlx-lane's own in its
 place where one applies (``models.loading.load`` installs both at load; only one applies on a device):
 
     cpu.py            on the CPU: grouped-query attention without copying K/V per query head, and the segments of
@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 import mlx.core as mx
 
 from models.attention import cpu, gpu
-from models.attention.hook import attention_path
+from models.hook import attention_path
 
 __all__ = ["RowRanges", "configure", "attention_path", "fused_batch_attention"]
 

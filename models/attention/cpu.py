@@ -28,7 +28,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from models.attention.hook import switch, switched_functions
+from models.hook import switch, switched_functions
 from models.attention.shared_prefix import SharedPrefixKVCache
 
 __all__ = ["install", "routes", "grouped_attention", "segmented_attention"]

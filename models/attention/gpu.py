@@ -27,7 +27,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from models.attention.hook import switch
+from models.hook import switch
 
 __all__ = ["install", "row_ranges", "ranged_attention", "reference_attention", "MAX_WIDTH", "SPLIT"]
 

@@ -305,7 +305,8 @@ class Engine:
         """The ``batch`` block of /stats: the base model's plain batch kind, its attention path, and every group's
         batch now."""
         kind = choose(self.config.layout, self.base.cache_facts, speculating=False)
-        return {"layout": str(kind), "attention": self.base.attention, "groups": self.decoder.describe()}
+        return {"layout": str(kind), "attention": self.base.attention, "recurrent": self.base.recurrent_path,
+                "groups": self.decoder.describe()}
 
 
 def _repair_after_failure() -> None:

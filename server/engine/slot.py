@@ -18,6 +18,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from models.attention import attention_path
 from models.attention.cpu import routes as routes_cpu_attention
+from models.kernels import kernel_path
 from server.engine.batch.choose import CacheFacts
 from server.engine.batch.mlx import can_batch
 from server.engine.kv_layout import quantize_fresh, state_nbytes
@@ -72,6 +73,7 @@ class ModelSlot:
         # (--debug-copy-hits): every hit copies, to compare
         self.reads_shared_prefix = read_shared_prefix and self.plain_kv and routes_cpu_attention(self.model)
         self.attention = attention_path(self.model)  # which attention its layers run: cpu, cuda or mlx (/stats)
+        self.recurrent_path = kernel_path(self.model)  # what its recurrent layers run: cuda, chunked, mlx or none
         windows = [c.max_size for c in layers if isinstance(c, RotatingKVCache)]
         self.window = min(windows) if windows else None
         args = getattr(self.model, "args", None)

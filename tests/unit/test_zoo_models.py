@@ -21,6 +21,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from models import kernels
 from tests.fixtures import zoo
 from tests.fixtures.tiny_models import IdTokenizer
 
@@ -34,13 +35,20 @@ class NoEosTokenizer(IdTokenizer):
 
 @pytest.fixture(scope="module", params=NAMES)
 def arch(request):
-    return request.param, zoo.build(request.param, VOCAB)
+    """The model, switched to mlx-lane's kernels as the loader switches it (models.kernels: on this CPU the chunked
+    gated delta rule for prompts); switched back after the module."""
+    model = zoo.build(request.param, VOCAB)
+    kernels.install(model)
+    yield request.param, model
+    kernels.hook.restore(model, kernels.GATED_DELTA)
+    kernels.hook.restore(model, kernels.SSM)
 
 
 def alone(model, prompt, n, caches=None):
-    """mlx-lm's greedy tokens (the oracle)."""
+    """mlx-lm's greedy tokens (the oracle), with mlx-lm's own functions in every layer."""
     caches = make_prompt_cache(model) if caches is None else caches
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=caches)]
+    with kernels.mlx_lm_kernels(model):
+        return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=caches)]
 
 
 def lane_of(model, cache=None, prefill_batch=1, **config):
