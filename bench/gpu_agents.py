@@ -61,6 +61,7 @@ OURS_VARIANTS = {
     "ours_ragged": (("--batch-layout", "ragged"), {}),
     "ours_mlx_layout": (("--batch-layout", "mlx"), {}),
     "ours_unroll1": (("--debug-gpu-attention-unroll", "1"), {}),  # the kernel's first form (one key group a round)
+    "ours_mlx_kernels": (("--kernels", "mlx"), {}),  # mlx-lm's gated delta rule / Mamba-2 step, not models.kernels
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
                "--prompt-cache-bytes", "60000000000")

@@ -34,7 +34,8 @@ __all__ = ["recurrent", "chunked", "CHUNK"]
 CHUNK = 64  # tokens per chunk of the chunked form: its products are C x C and C x D
 
 # One warp per (row b, value head, value row dv); lane l holds state elements [l*NPT, (l+1)*NPT) of that row (Dk/32
-# each), as the Metal kernel does. Grid (32, Dv, B*Hv), blocks of (32, 4): four value rows a block.
+# each), as the Metal kernel does. Grid (32, Dv, B*Hv), blocks of (32, 4): four value rows a block. ON_TOKEN is the
+# mask's read, or true.
 _RECURRENT = r"""
   constexpr int NPT = Dk / 32;
   const int lane = threadIdx.x;
@@ -52,8 +53,8 @@ _RECURRENT = r"""
   const InT* k_ = k + ((long)b * T * Hk + hk) * Dk + lane * NPT;
   const InT* v_ = v + ((long)b * T * Hv + hv) * Dv + dv;
   InT* y_ = y + ((long)b * T * Hv + hv) * Dv + dv;
-  const GT* g_ = VEC ? g + ((long)b * T * Hv + hv) * Dk + lane * NPT : g + (long)b * T * Hv + hv;
-  const InT* beta_ = beta + (long)b * T * Hv + hv;
+  const auto* g_ = VEC ? g + ((long)b * T * Hv + hv) * Dk + lane * NPT : g + (long)b * T * Hv + hv;
+  const auto* beta_ = beta + (long)b * T * Hv + hv;
   const StT* i_state = state_in + ((long)n * Dv + dv) * Dk + lane * NPT;
   StT* o_state = state_out + ((long)n * Dv + dv) * Dk + lane * NPT;
 
@@ -165,12 +166,12 @@ def recurrent(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array
     Dk); mask: (B, T) bool or None. Returns y (B, T, Hv, Dv) in q's dtype and the new state in state's dtype."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
-    inputs = [q, k, v, g, beta.astype(q.dtype), state]
+    inputs = [q, k, v, g, beta, state]
     if mask is not None:
         inputs.append(mask.astype(mx.bool_))
     return _recurrent_kernel(mask is not None)(
         inputs=inputs,
-        template=[("InT", q.dtype), ("StT", state.dtype), ("GT", g.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk),
+        template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk),
                   ("Hv", Hv), ("VEC", g.ndim == 4)],
         grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
         output_shapes=[(B, T, Hv, Dv), state.shape], output_dtypes=[q.dtype, state.dtype])
