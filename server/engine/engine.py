@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from cache.prefix import namespace
 from models.attention.shared_prefix import share_prefix
-from server.engine.batch import BatchKind, GroupKey, Layout, LogitsRules, choose, moves, solo_pipelined
+from server.engine.batch import BatchKind, GroupKey, Layout, LogitsRules, choose, joins, moves, solo_pipelined
 from server.engine.decode import Decoder, Stepped
 from server.engine.kv_layout import kv_scheme
 from server.engine.prefill import Prefiller
@@ -149,7 +149,8 @@ class Engine:
                                           and target.adapter is None
                                           and seq.media is None),  # images: embeddings, one forward each
                         together_after_hits=slot.cache_facts.recurrent,
-                        window=slot.window, batch_kind=str(kind), moves=moves(kind, slot.cache_facts),
+                        window=slot.window, batch_kind=str(kind),
+                        moves=moves(kind, slot.cache_facts, self.config.layout), joins=joins(kind, slot.cache_facts),
                         drafting=speculating, solo_ahead=solo_pipelined(self.config.layout, slot.cache_facts))
 
     def _facts_in(self, seq, group: GroupKey) -> SeqFacts:
@@ -157,7 +158,8 @@ class Engine:
         cache_facts = self._work_of(seq).slot.cache_facts
         kind = choose(self.config.layout, cache_facts, group.speculating)
         return SeqFacts(group=group, batchable=kind != BatchKind.SOLO, prefill_together=False,
-                        window=seq.facts.window, batch_kind=str(kind), moves=moves(kind, cache_facts),
+                        window=seq.facts.window, batch_kind=str(kind),
+                        moves=moves(kind, cache_facts, self.config.layout), joins=joins(kind, cache_facts),
                         drafting=group.speculating, solo_ahead=seq.facts.solo_ahead)
 
     # -- admission and prefill ---------------------------------------------------------------------------------

@@ -52,7 +52,8 @@ class SeqFacts:
     together_after_hits: bool = False
     window: Optional[int] = None  # the model's smallest sliding window (None: no sliding-window layer)
     batch_kind: str = "solo"  # the kind of its group's batch (server.engine.batch.choose), for /stats
-    moves: bool = True  # it may move between decoding on its own and its group's batch (its caches allow it)
+    moves: bool = True  # it may leave its group's batch to decode on its own (its caches allow it)
+    joins: bool = True  # it may join its group's batch from decoding on its own
     drafting: bool = False  # it decodes speculatively (the server speculates, the request and its model allow it)
     solo_ahead: bool = True  # decoding on its own, it runs a forward ahead of the tokens it returned
 

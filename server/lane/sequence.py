@@ -159,7 +159,7 @@ class Sequence:
         caches that need no trim, so a wrapped window joins too."""
         if self.migratable:
             return True
-        return (self.facts.batchable and self.facts.moves and self.params.grammar is None
+        return (self.facts.batchable and self.facts.joins and self.params.grammar is None
                 and not self.facts.solo_ahead)
 
     def start_output(self, detokenizer, eos: frozenset, logprob_of: Optional[Callable] = None) -> None:

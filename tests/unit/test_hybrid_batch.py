@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
-from server.engine.batch import BatchKind, CacheFacts, Layout, Row, choose, moves
+from server.engine.batch import BatchKind, CacheFacts, Layout, Row, choose, joins, moves
 from server.engine.batch.ragged import RaggedBatch
 from server.engine.batch.solo import SoloBatch
 
@@ -67,10 +67,13 @@ PROMPTS = [list(range(3, 40)), list(range(50, 57)), [9, 8, 7, 6, 5, 4, 3, 2, 1] 
 HYBRID = CacheFacts(plain_kv=False, mergeable=True, recurrent=True, ragged=True)
 
 
-def test_a_hybrid_batches_in_the_ragged_layout_and_moves_only_where_nothing_runs_ahead():
+def test_a_hybrid_batches_in_the_ragged_layout_and_leaves_it_for_solo_only_where_nothing_runs_ahead():
     cpu, gpu = Layout(), Layout(gpu=True, fused_attention=True)
     assert choose(cpu, HYBRID, False) == choose(gpu, HYBRID, False) == BatchKind.RAGGED
-    assert moves(BatchKind.RAGGED, HYBRID) and not moves(BatchKind.MLX, HYBRID)
+    assert moves(BatchKind.RAGGED, HYBRID, cpu) and not moves(BatchKind.MLX, HYBRID, cpu)
+    # on a GPU the ragged batch pipelines: a hybrid row joins it from solo decoding but leaves only when it finishes
+    assert not moves(BatchKind.RAGGED, HYBRID, gpu) and joins(BatchKind.RAGGED, HYBRID)
+    assert not joins(BatchKind.MLX, HYBRID)
     assert choose(Layout(gpu=True), HYBRID, False) == BatchKind.MLX  # no fused kernel (Metal): mlx-lm's batch
 
 

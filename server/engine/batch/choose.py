@@ -13,9 +13,10 @@ ran in 0.57-0.62x of the wall of mlx-lm's layout; with MLX's masked attention th
 as mlx-lm's layout at 8-16 rows ("The decode batch's layout on the H200"): so ``auto`` is mlx on a GPU without the
 kernel (Metal, or ``--attention mlx``).
 
-A model with recurrent state never pipelines (a decoder that fed a token ahead could not take it back): its ragged
-batch and its solo decoder feed each token when the next is asked for, so a row moves between them exactly
-(``moves``). ``make(kind, model, layout, stream, caches)`` builds an empty batch of the kind. Only the lane thread
+Recurrent state cannot take a token back. Its solo decoder feeds each token when the next is asked for, so a row
+joins its ragged batch from there exactly (``joins``); the ragged batch pipelines on a GPU like any other (the lane's
+Python for 16 Qwen3.5-9B rows runs while the device computes), so a row leaves it only when it finishes: a pipelined
+batch has fed every token it returned, which a state cannot give back (``moves``). ``make(kind, model, layout, stream, caches)`` builds an empty batch of the kind. Only the lane thread
 touches a batch.
 """
 
@@ -31,7 +32,7 @@ from server.engine.batch.ragged import RaggedBatch
 from server.engine.batch.solo import SoloBatch
 from server.engine.batch.speculating import SpeculatingBatch
 
-__all__ = ["BatchKind", "CacheFacts", "Layout", "choose", "make", "moves", "pipelined", "solo_pipelined"]
+__all__ = ["BatchKind", "CacheFacts", "Layout", "choose", "joins", "make", "moves", "pipelined", "solo_pipelined"]
 
 
 class BatchKind(str, enum.Enum):
@@ -85,8 +86,9 @@ def choose(layout: Layout, caches: CacheFacts, speculating: bool) -> BatchKind:
 
 
 def pipelined(layout: Layout, caches: CacheFacts) -> bool:
-    """Does a decoder run a forward ahead of the tokens it returned (the GPU's overlap)? Never over recurrent state."""
-    return layout.gpu and not caches.recurrent
+    """Does a batch run a forward ahead of the tokens it returned (the GPU's overlap)? On a GPU, every cache kind:
+    a row over recurrent state then leaves only when it finishes (``moves``)."""
+    return layout.gpu
 
 
 def solo_pipelined(layout: Layout, caches: CacheFacts) -> bool:
@@ -98,10 +100,16 @@ def solo_pipelined(layout: Layout, caches: CacheFacts) -> bool:
     return not caches.recurrent and not caches.windowed
 
 
-def moves(kind: BatchKind, caches: CacheFacts) -> bool:
-    """May a row move between its solo decoder and its group's batch? A move hands over caches that cover the row's
-    history but its next input: caches that can take a token back always can; recurrent state only between the
-    non-pipelined ragged batch and solo decoder (mlx-lm's batch has fed its returned tokens already)."""
+def moves(kind: BatchKind, caches: CacheFacts, layout: Layout = Layout()) -> bool:
+    """May a row leave its group's batch for decoding on its own? The move hands over caches that cover the row's
+    history but its next input: caches that can take a token back always can; recurrent state only from a ragged
+    batch that is not pipelined (a pipelined one, like mlx-lm's batch, has fed every token it returned)."""
+    return not caches.recurrent or (kind == BatchKind.RAGGED and not pipelined(layout, caches))
+
+
+def joins(kind: BatchKind, caches: CacheFacts) -> bool:
+    """May a row join its group's batch from decoding on its own? Caches that can take a token back always can;
+    recurrent state into the ragged batch, from a solo decoder that ran nothing ahead (``solo_pipelined``)."""
     return not caches.recurrent or kind == BatchKind.RAGGED
 
 

@@ -11,9 +11,9 @@ and moves the last row into the hole, in the same order as ``RaggedKV.release``.
 
 ``HybridRagged`` puts the two side by side under the model's layer order and answers the ``RaggedKV`` interface the
 ragged batch uses (``from_rows``, ``extend``, ``reserve``, ``layers``, ``commit``, ``extract``, ``release``,
-``nbytes``, ``lengths``). A state cannot be rewound: a hybrid row never speculates in a batch, and a batch that holds
-hybrid rows is not pipelined (``server.engine.batch.choose``), so what leaves covers exactly its history but the next
-input. Only the lane thread touches one.
+``nbytes``, ``lengths``). A state cannot be rewound: a hybrid row never speculates in a batch; what leaves covers exactly
+the tokens its batch says (pipelined on a GPU, every token it returned: such a row leaves only when it finishes,
+``server.engine.batch.choose.moves``). Only the lane thread touches one.
 """
 
 from __future__ import annotations
