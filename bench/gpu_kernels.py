@@ -3,7 +3,8 @@ hybrid model's prefill and decode with them vs with mlx-lm's functions, in one p
 
 1. check: ``gated_delta.recurrent`` vs mlx-lm's ``gated_delta_ops`` (float32 inputs: max |diff| <= 1e-4; bf16
    inputs: <= 2e-2 on outputs of unit scale), scalar and vector gates, with and without a padding mask, T = 1, 3, 300;
-   ``gated_delta.chunked`` on the GPU the same way; ``ssm.step`` vs mlx-lm's ``ssm_attn`` for one token.
+   ``gated_delta.chunked`` the same way (on a CUDA GPU <= 2e-3: its float32 products run in TF32 there);
+   ``ssm.step`` vs mlx-lm's ``ssm_attn`` for one token (relative to the output's scale).
 2. speed of the gated delta rule at Qwen3.5-9B's head sizes (16 key / 32 value heads of 128): a decode step of 16
    rows (ops vs recurrent) and a prompt of --prompt-tokens (ops on a 256-token slice, recurrent, chunked).
 3. the --shape model (random bf16 weights): one prompt of --prompt-tokens prefilled, then --decode-tokens decode steps
@@ -86,11 +87,13 @@ def check(on_cuda: bool) -> dict:
                     if not vector:
                         paths["chunked"] = gated_delta.chunked(q, k, v, g, beta, state, mask)
                     for name, (y1, s1) in paths.items():
+                        # the chunked form's float32 products run in TF32 on a CUDA GPU (~1e-3 relative)
+                        limit = 2e-3 if name == "chunked" and on_cuda else tol
                         dy = mx.where(valid[:, :, None, None], mx.abs(y1.astype(mx.float32) - y0.astype(mx.float32)),
                                       0.0).max().item()
                         ds = mx.abs(s1 - s0).max().item()
                         rows.append({"kernel": name, "dtype": str(dtype), "vector": vector, "masked": masked, "T": T,
-                                     "y_diff": dy, "state_diff": ds, "ok": dy <= tol and ds <= tol})
+                                     "y_diff": dy, "state_diff": ds, "ok": dy <= limit and ds <= limit})
     if on_cuda:
         for dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
             mx.random.seed(3)
@@ -105,10 +108,12 @@ def check(on_cuda: bool) -> dict:
             state = mx.random.normal((n, h, d, ds_))
             y0, s0 = ssm_attn(x, A_log, Bm, Cm, D, dt, dt_bias, state, (0.001, 100.0))
             y1, s1 = ssm.step(x, A_log, Bm, Cm, D, compute_dt(dt, dt_bias, (0.001, 100.0)), state)
-            dy = mx.abs(y1.astype(mx.float32) - y0.astype(mx.float32)).max().item()
-            dst = mx.abs(s1 - s0).max().item()
-            rows.append({"kernel": "ssm.step", "dtype": str(dtype), "y_diff": dy, "state_diff": dst,
-                         "ok": dy <= tol * 10 and dst <= tol * 10})  # |y| ~ 10 here: the same relative tolerance
+            # relative to the output's scale: |y| reaches ~50 here, where one bf16 ulp is 0.25
+            scale = max(1.0, mx.abs(y0.astype(mx.float32)).max().item())
+            dy = mx.abs(y1.astype(mx.float32) - y0.astype(mx.float32)).max().item() / scale
+            dst = mx.abs(s1 - s0).max().item() / max(1.0, mx.abs(s0).max().item())
+            rows.append({"kernel": "ssm.step", "dtype": str(dtype), "y_rel_diff": dy, "state_rel_diff": dst,
+                         "ok": dy <= tol and dst <= tol})
     for r in rows:
         print(("ok  " if r["ok"] else "BAD ") + json.dumps(r), flush=True)
     return {"rows": rows, "all_ok": all(r["ok"] for r in rows)}
