@@ -133,7 +133,8 @@ def build_state(args):
     images = ImageLimits(max_images=args.max_images, max_bytes=args.max_image_bytes,
                          max_pixels=args.max_image_pixels, allow_urls=args.allow_image_urls)
     core = CoreContext(lane=lane, stats=stats, prompt_cache=prompt_cache, namespace_for=engine.namespace_for,
-                       keepalive_s=args.keepalive, default_max_tokens=default_max_tokens, image_limits=images)
+                       keepalive_s=args.keepalive, default_max_tokens=default_max_tokens, image_limits=images,
+                       model_defaults=not getattr(args, "ignore_model_defaults", False))
     return ServerState(
         loaded=loaded, engine=engine, lane=lane, core=core, stats=stats, prompt_cache=prompt_cache,
         device=device_name(), blas=blas, api_key=args.api_key, keepalive_s=args.keepalive,

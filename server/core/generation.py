@@ -235,8 +235,8 @@ async def open_generation(ctx: CoreContext, request: Request, req: GenerationReq
     else:
         prompt = await run_in_threadpool(render, tok, req, vocab_size)
     grammar = None if req.prompt is not None else await run_in_threadpool(chat_grammar, tok, req)
-    params = sampling_params(req, len(prompt), context_length,
-                             default_max_tokens=ctx.default_max_tokens, vocab_size=vocab_size, grammar=grammar)
+    params = sampling_params(req, len(prompt), context_length, default_max_tokens=ctx.default_max_tokens,
+                             vocab_size=vocab_size, grammar=grammar, defaults=ctx.sampling_defaults(slot))
     if media is not None:  # drafts would be proposed from (and fed as) the key's image tokens
         params = dataclasses.replace(params, num_draft_tokens=0)
     parser = None

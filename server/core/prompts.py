@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+from models.loading.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from server.core.grammar import (
     TOOL_CALL_CLOSE, TOOL_CALL_OPEN, CustomInput, GrammarSpec, check_custom_grammar, custom_call_header,
     json_schema_grammar, tool_call_grammar,
@@ -289,6 +290,13 @@ def _build(req: GenerationRequest, fn, *args, **kwargs) -> str:
         raise InvalidRequest(f"Invalid schema: {exc}", param=req.param("response_format")) from exc
 
 
+def _given(requested, declared, api_default):
+    """A sampling field: the request's, else the model's declared default, else the API's."""
+    if requested is not None:
+        return requested
+    return declared if declared is not None else api_default
+
+
 def tokenize_completion(tokenizer, req: GenerationRequest, vocab_size: int) -> list[int]:
     if isinstance(req.prompt, str):
         return list(tokenizer.encode(req.prompt))
@@ -300,12 +308,15 @@ def tokenize_completion(tokenizer, req: GenerationRequest, vocab_size: int) -> l
 
 
 def sampling_params(req: GenerationRequest, prompt_len: int, context_length: int, *, default_max_tokens: int,
-                    vocab_size: int, grammar: Optional[GrammarSpec] = None) -> SamplingParams:
+                    vocab_size: int, grammar: Optional[GrammarSpec] = None,
+                    defaults: SamplingDefaults = NO_DEFAULTS) -> SamplingParams:
     """Validate lengths against the context and build the lane's parameters.
 
     ``max_tokens``: the request's; past the room the prompt leaves, a 400 or the room (``max_tokens_over_room``);
     absent, the door's default or ``default_max_tokens`` (the server's), never past the room. A request with a
-    ``grammar`` does not speculate (drafts are not verified under the grammar's mask)."""
+    ``grammar`` does not speculate (drafts are not verified under the grammar's mask). A sampling field the request
+    leaves out (``None``) takes the model's declared default (``defaults``: its generation_config.json), else the
+    API's (temperature 1.0, no top-p / top-k / min-p cut, no repetition penalty)."""
     messages, max_param = req.param("messages"), req.param("max_tokens")
     if prompt_len == 0:
         raise InvalidRequest("the prompt is empty after tokenization", param=messages)
@@ -339,20 +350,23 @@ def sampling_params(req: GenerationRequest, prompt_len: int, context_length: int
             raise InvalidRequest(f"logit_bias token id {too_big[0]} is outside the vocabulary",
                                  param=req.param("logit_bias"))
 
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if req.top_p == 0.0:  # nucleus of zero mass: only the most likely token, i.e. greedy
-        temperature = 0.0
+    temperature = _given(req.temperature, defaults.temperature, 1.0)
+    top_p = _given(req.top_p, defaults.top_p, 1.0)
+    if top_p == 0.0:  # nucleus of zero mass: only the most likely token, i.e. greedy
+        temperature, top_p = 0.0, 1.0
+    top_k = _given(req.top_k, defaults.top_k, 0)
+    repetition_penalty = _given(req.repetition_penalty, defaults.repetition_penalty, None)
     return SamplingParams(
         max_tokens=requested,
         temperature=temperature,
-        top_p=1.0 if not req.top_p else req.top_p,
-        top_k=req.top_k if req.top_k and req.top_k < vocab_size else 0,  # K >= the vocabulary keeps every token
-        min_p=req.min_p or 0.0,
+        top_p=top_p,
+        top_k=top_k if top_k and top_k < vocab_size else 0,  # K >= the vocabulary keeps every token
+        min_p=_given(req.min_p, defaults.min_p, 0.0),
         seed=req.seed,
         stop=tuple(req.stop),
         presence_penalty=req.presence_penalty or None,
         frequency_penalty=req.frequency_penalty or None,
-        repetition_penalty=req.repetition_penalty if req.repetition_penalty not in (None, 1.0) else None,
+        repetition_penalty=repetition_penalty if repetition_penalty not in (None, 1.0) else None,
         logit_bias=logit_bias,
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs,

@@ -31,6 +31,7 @@ class Slot(Protocol):
     kv_price: Any  # server.lane.budget.KVPrice: what its caches cost the memory budget (None: not measured yet)
     needs_checkpoints: bool  # its caches cannot be cut back (recurrent state, sliding windows): keep checkpoints
     vision: Any  # models.loading.vision.VisionTower of a model that takes images (None: text only)
+    sampling_defaults: Any  # models.loading.generation_defaults.SamplingDefaults: what its generation_config declares
 
 
 class Lease(Protocol):
