@@ -30,8 +30,9 @@ from starlette.concurrency import run_in_threadpool
 from server.core.bridge import JobRun
 from server.core.context import CoreContext
 from server.core.output_parse import make_output_parser, prompt_opens_thinking
-from server.core.prompts import (NO_BREAKPOINTS, breakpoint_marks, chat_grammar, history_end, render,
+from server.core.prompts import (NO_BREAKPOINTS, breakpoint_marks, chat_grammar, effort_choice, history_end, render,
                                  render_media, sampling_params)
+from server.core.template_facts import template_facts
 from server.core.request import GenerationRequest
 from server.errors import APIError, ShuttingDown
 from server.lane.events import Delta, Failed, Finished, SamplingParams, TokenLogprob
@@ -127,7 +128,7 @@ class Generation:
 
     def __init__(self, ctx: CoreContext, request: Request, prompt: list[int], params: SamplingParams,
                  target: Target, *, session: Optional[str], request_id: str, parser=None, anchors: tuple = (),
-                 last_breakpoint: int = 0, checkpoints: tuple = (), media=None):
+                 last_breakpoint: int = 0, checkpoints: tuple = (), media=None, headers: Optional[dict] = None):
         self.ctx = ctx
         self.prompt = prompt
         self.params = params
@@ -138,6 +139,7 @@ class Generation:
         self.last_breakpoint = last_breakpoint  # the last one's, even at the prompt's end (0: none; Anthropic usage)
         self.t0 = time.monotonic()
         self.model_name = target.name  # what the response says served it
+        self.headers = dict(headers or {})  # response headers that say how the request was read (X-Reasoning-Effort)
         # a 400 when the memory budget can never admit it
         ctx.lane.check_fits(len(prompt), params.max_tokens, target.slot.kv_price)
         ns = ctx.namespace_for(target, params)  # the one place, once: the prefetch and the lane use it
@@ -252,7 +254,27 @@ async def open_generation(ctx: CoreContext, request: Request, req: GenerationReq
         checkpoints = (end,) if end is not None else ()
     return Generation(ctx, request, prompt, params, target, session=req.session, request_id=request_id,
                       parser=parser, anchors=marks.anchors, last_breakpoint=marks.last, checkpoints=checkpoints,
-                      media=media)
+                      media=media, headers=_effort_header(tok, req, target.name))
+
+
+EFFORT_HEADER = "X-Reasoning-Effort"
+_efforts_logged: set = set()
+
+
+def _effort_header(tokenizer, req: GenerationRequest, model: str) -> dict:
+    """``X-Reasoning-Effort``: the level the chat template got for the request's effort (absent when the request asked
+    none, or the template reads none); a level other than the one asked is logged once per model and pair."""
+    if req.reasoning_effort is None or req.prompt is not None:
+        return {}
+    choice = effort_choice(tokenizer, req)
+    if choice.level is None:
+        return {}
+    if choice.changed and (model, choice.asked) not in _efforts_logged:
+        _efforts_logged.add((model, choice.asked))
+        levels = ", ".join(template_facts(tokenizer).effort_levels)
+        log.info("reasoning effort '%s' -> '%s' for %s: its chat template takes %s (logged once)", choice.asked,
+                 choice.level, model, levels)
+    return {EFFORT_HEADER: choice.level}
 
 
 def _internal(ev: Failed) -> APIError:

@@ -18,6 +18,7 @@ from server.core.grammar import (
 )
 from server.core.media import ImageLimits, PromptMedia, cache_key, decode, image_spans
 from server.core.request import ROOM, GenerationRequest, MaxTokens
+from server.core.template_facts import EffortChoice, effort_level, template_facts
 from server.errors import ContextLengthExceeded, InvalidRequest
 from server.lane.events import SamplingParams
 
@@ -85,21 +86,35 @@ def render_chat_text(tokenizer, req: GenerationRequest, *, add_generation_prompt
     return _apply_template(tokenizer, req, {"tokenize": False}, add_generation_prompt, continue_final_message)
 
 
-def template_variables(req: GenerationRequest) -> dict:
-    """The chat template variables a request sets besides its messages and tools: the reasoning switch
-    (``enable_thinking``, which mlx-lm's tokenizer renames to the template's own when it differs) and
-    ``reasoning_effort``. A field the request leaves None is not passed, so the template's default holds."""
-    out: dict = {}
-    if req.enable_thinking is not None:
-        out["enable_thinking"] = req.enable_thinking
+def template_variables(req: GenerationRequest, tokenizer=None) -> dict:
+    """The chat template variables a request sets besides its messages and tools: the client's own
+    (``template_kwargs``), the reasoning switch (``enable_thinking``, which mlx-lm's tokenizer renames to the
+    template's own when it differs) and ``reasoning_effort``, the level of the template's own the request's effort
+    becomes (server.core.template_facts; not passed to a template that reads none; without a ``tokenizer``, as
+    asked). An effort of ``"none"`` on a template without that level also turns thinking off, unless the request
+    set the switch. A field the request leaves None is not passed, so the template's default holds."""
+    out: dict = dict(req.template_kwargs)
+    thinking = req.enable_thinking
     if req.reasoning_effort is not None:
-        out["reasoning_effort"] = req.reasoning_effort
+        choice = effort_choice(tokenizer, req) if tokenizer is not None else EffortChoice(req.reasoning_effort,
+                                                                                          req.reasoning_effort)
+        if choice.level is not None:
+            out["reasoning_effort"] = choice.level
+        if req.reasoning_effort == "none" and choice.level != "none" and thinking is None:
+            thinking = False
+    if thinking is not None:
+        out["enable_thinking"] = thinking
     return out
+
+
+def effort_choice(tokenizer, req: GenerationRequest) -> EffortChoice:
+    """The level of its own ``tokenizer``'s template gets for the request's effort (server.core.template_facts)."""
+    return effort_level(template_facts(tokenizer), req.reasoning_effort)
 
 
 def _apply_template(tokenizer, req: GenerationRequest, extra: dict, add_generation_prompt: bool,
                     continue_final_message: bool):
-    kwargs = {"add_generation_prompt": add_generation_prompt, **template_variables(req), **extra}
+    kwargs = {"add_generation_prompt": add_generation_prompt, **template_variables(req, tokenizer), **extra}
     if continue_final_message:
         kwargs["continue_final_message"] = True
     if tools := req.template_tools:
@@ -135,7 +150,7 @@ def breakpoint_marks(tokenizer, req: GenerationRequest, prompt: list[int]) -> Br
     calls cache creation ends); a breakpoint after the last message counts there but is no anchor, nor is a
     position that leaves nothing to compute or covers nothing. A cut the template refuses marks nothing."""
     positions: dict[int, int] = {}  # message count -> token position
-    kwargs = {"add_generation_prompt": False, **template_variables(req)}
+    kwargs = {"add_generation_prompt": False, **template_variables(req, tokenizer)}
     if tools := req.template_tools:
         kwargs["tools"] = tools
     hermes = _hermes(tokenizer)
@@ -166,7 +181,7 @@ def history_end(tokenizer, req: GenerationRequest, prompt: list[int]) -> Optiona
     template whose text does not split there. A model whose caches cannot be cut back keeps a checkpoint here."""
     if req.prompt is not None or not req.messages:
         return None
-    kwargs = {"add_generation_prompt": False, **template_variables(req)}
+    kwargs = {"add_generation_prompt": False, **template_variables(req, tokenizer)}
     if tools := req.template_tools:
         kwargs["tools"] = tools
     messages = _custom_calls(list(req.messages), hermes=_hermes(tokenizer))

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, fiel
 from pydantic_core import PydanticCustomError
 
 from server.core.media import image_ref, parts_content
+from server.core.template_facts import EFFORT_SCALE
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -213,6 +214,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[ResponseFormat] = None
+    # reasoning: OpenAI's effort, and vLLM's template variables (server.core.request.template_wishes)
+    reasoning_effort: Optional[Literal[EFFORT_SCALE]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     @field_validator("tool_choice")
     @classmethod

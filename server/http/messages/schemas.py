@@ -185,6 +185,7 @@ class CountTokensRequest(_Lenient):
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[ThinkingConfig] = None
     output_config: Optional[OutputConfig] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's template variables (server.core.request)
 
     @field_validator("system", mode="before")
     @classmethod

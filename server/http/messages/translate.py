@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from itertools import groupby
 from typing import Optional
 
-from server.core.request import GenerationRequest, MaxTokens, function_tool, template_message
+from server.core.request import GenerationRequest, MaxTokens, function_tool, template_message, template_wishes
 from server.errors import InvalidRequest
 from server.core.media import parts_content
 from server.http.messages.schemas import (
@@ -51,7 +51,7 @@ from server.http.wire import session_of
 
 __all__ = ["messages_request", "turn_to_messages", "system_text", "system_blocks", "session_of_user_id",
            "messages_session", "tool_result_text", "reference_text", "reasoning_wish", "MESSAGES_NAMES",
-           "BILLING_HEADER", "THINKING_SWITCH", "EFFORT_LEVELS", "CLAUDE_CODE_SESSION_HEADER",
+           "BILLING_HEADER", "THINKING_SWITCH", "CLAUDE_CODE_SESSION_HEADER",
            "CLAUDE_CODE_AGENT_HEADER"]
 
 # the internal request's fields under their Messages names (server.core.request.GenerationRequest.param)
@@ -64,15 +64,13 @@ CLAUDE_CODE_AGENT_HEADER = "x-claude-code-agent-id"  # set by a subagent (the Ag
 
 # thinking.type -> the template's reasoning switch (None: not passed, the template's default holds)
 THINKING_SWITCH = {"enabled": True, "disabled": False, "adaptive": None}
-# output_config.effort -> the template variable reasoning_effort, in the levels templates know (OpenAI's three)
-EFFORT_LEVELS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 
 
 def reasoning_wish(req: CountTokensRequest) -> tuple[Optional[bool], Optional[str]]:
-    """(enable_thinking, reasoning_effort) of the internal request: see the module docstring."""
+    """(enable_thinking, the effort asked) of the internal request: see the module docstring."""
     switch = THINKING_SWITCH[req.thinking.type] if req.thinking is not None else None
     effort = req.output_config.effort if req.output_config is not None else None
-    return switch, EFFORT_LEVELS[effort] if effort is not None else None
+    return switch, effort
 
 
 def system_blocks(system, *, keep_billing_header: bool = False) -> list:
@@ -250,10 +248,12 @@ def messages_request(req: CountTokensRequest, *, session: Optional[str] = None,
     parallel = None if req.tool_choice is None or req.tool_choice.disable_parallel_tool_use is None else (
         not req.tool_choice.disable_parallel_tool_use)
     thinking, effort = reasoning_wish(req)
+    wishes = template_wishes(req.chat_template_kwargs, enable_thinking=thinking, effort=effort)
     return GenerationRequest(
         messages=tuple(messages),
         tools=tuple(function_tool(t.name, t.description, t.input_schema) for t in tools),
         deferred_tools=tuple(t.name for t in tools if t.defer_loading),
         tool_choice=choice, forced_tool=forced, parallel_tool_calls=parallel, session=session,
-        breakpoints=tuple(sorted(b for b in breakpoints if b > 0)), enable_thinking=thinking, reasoning_effort=effort,
-        names=MESSAGES_NAMES, **fields)
+        breakpoints=tuple(sorted(b for b in breakpoints if b > 0)), enable_thinking=wishes.enable_thinking,
+        reasoning_effort=wishes.reasoning_effort, template_kwargs=wishes.template_kwargs, names=MESSAGES_NAMES,
+        **fields)

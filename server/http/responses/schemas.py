@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator
 
 from server.core.media import image_ref, parts_content
+from server.core.template_facts import EFFORT_SCALE
 from server.errors import InvalidRequest
 
 __all__ = [
@@ -319,7 +320,8 @@ class ResponsesRequest(_Lenient):
     background: bool = False
     previous_response_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
     text: Optional[TextConfig] = None
-    reasoning: Optional[dict[str, Any]] = None
+    reasoning: Optional[dict[str, Any]] = None  # ``effort`` is read (server.core.template_facts), the rest ignored
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's template variables (server.core.request)
     metadata: Optional[dict[str, Any]] = None
     user: Optional[str] = Field(default=None, max_length=1024)
     prompt_cache_key: Optional[str] = Field(default=None, max_length=1024)
@@ -332,6 +334,18 @@ class ResponsesRequest(_Lenient):
         if isinstance(v, list):
             return [t for t in v if _offered(t)]
         return v
+
+    @field_validator("reasoning")
+    @classmethod
+    def _effort(cls, v):
+        effort = v.get("effort") if isinstance(v, dict) else None
+        if effort is not None and effort not in EFFORT_SCALE:
+            raise ValueError(f"reasoning.effort must be one of {', '.join(EFFORT_SCALE)} (or null), got {effort!r}")
+        return v
+
+    def effort(self) -> Optional[str]:
+        """The reasoning effort asked (``reasoning.effort``), or None."""
+        return self.reasoning.get("effort") if self.reasoning else None
 
     @field_validator("background")
     @classmethod

@@ -22,6 +22,7 @@ from typing import Optional
 
 from server.core.request import (
     ROOM, CustomTool, GenerationRequest, custom_call, function_tool, system_breakpoint, template_message,
+    template_wishes,
 )
 from server.errors import InvalidRequest
 from server.http.responses.schemas import TOOLS
@@ -176,6 +177,7 @@ def responses_request(req: ResponsesRequest, history=(), *, session: Optional[st
         raise InvalidRequest("Invalid value for 'input': the conversation is empty (send a message, or instructions)",
                              param="input")
     choice = req.tool_choice
+    wishes = template_wishes(req.chat_template_kwargs, effort=req.effort())
     return GenerationRequest(
         messages=tuple(messages),
         tools=tuple(function_tool(t.name, t.description, t.parameters) for t in function_tools(req, items)),
@@ -187,6 +189,8 @@ def responses_request(req: ResponsesRequest, history=(), *, session: Optional[st
         max_tokens=req.max_output_tokens, default_max_tokens=max_tokens_cap if max_tokens_cap is not None else ROOM,
         temperature=req.temperature, top_p=req.top_p,
         session=session, breakpoints=system_breakpoint(messages), names=RESPONSES_NAMES,
+        enable_thinking=wishes.enable_thinking, reasoning_effort=wishes.reasoning_effort,
+        template_kwargs=wishes.template_kwargs,
     )
 
 
