@@ -17,8 +17,8 @@ from server.core.grammar import (
     json_schema_grammar, tool_call_grammar,
 )
 from server.core.media import ImageLimits, PromptMedia, cache_key, decode, image_spans
-from server.core.request import ROOM, GenerationRequest, MaxTokens
-from server.core.template_facts import EffortChoice, effort_level, template_facts
+from server.core.request import REASONING_KEY, ROOM, GenerationRequest, MaxTokens
+from server.core.template_facts import REASONING_FIELDS, EffortChoice, effort_level, template_facts
 from server.errors import ContextLengthExceeded, InvalidRequest
 from server.lane.events import SamplingParams
 
@@ -119,7 +119,7 @@ def _apply_template(tokenizer, req: GenerationRequest, extra: dict, add_generati
         kwargs["continue_final_message"] = True
     if tools := req.template_tools:
         kwargs["tools"] = tools
-    messages = _custom_calls(list(req.messages), hermes=_hermes(tokenizer))
+    messages = template_messages(tokenizer, req.messages)
     try:
         return tokenizer.apply_chat_template(messages, **kwargs)
     except Exception as exc:  # jinja raises for roles/orders a template refuses
@@ -153,11 +153,10 @@ def breakpoint_marks(tokenizer, req: GenerationRequest, prompt: list[int]) -> Br
     kwargs = {"add_generation_prompt": False, **template_variables(req, tokenizer)}
     if tools := req.template_tools:
         kwargs["tools"] = tools
-    hermes = _hermes(tokenizer)
     for n in sorted(set(req.breakpoints)):
         if not 0 < n <= len(req.messages):
             continue
-        messages = _custom_calls(list(req.messages[:n]), hermes=hermes)
+        messages = template_messages(tokenizer, req.messages[:n])
         end = _end_of_messages(tokenizer, messages, kwargs, prompt) if n == len(req.messages) else None
         if end is not None:
             positions[n] = end
@@ -184,7 +183,7 @@ def history_end(tokenizer, req: GenerationRequest, prompt: list[int]) -> Optiona
     kwargs = {"add_generation_prompt": False, **template_variables(req, tokenizer)}
     if tools := req.template_tools:
         kwargs["tools"] = tools
-    messages = _custom_calls(list(req.messages), hermes=_hermes(tokenizer))
+    messages = template_messages(tokenizer, req.messages)
     end = _end_of_messages(tokenizer, messages, kwargs, prompt)
     return end if end is not None and 0 < end < len(prompt) - 1 else None
 
@@ -205,6 +204,43 @@ def _end_of_messages(tokenizer, messages: list[dict], kwargs: dict, prompt: list
     if len(tail) > len(prompt) or prompt[len(prompt) - len(tail):] != tail:
         return None
     return len(prompt) - len(tail)
+
+
+def template_messages(tokenizer, messages) -> list[dict]:
+    """The request's messages as this model's chat template is given them: calls to custom tools written the way the
+    model writes them (``_custom_calls``), and past reasoning the way the template reads it (``_past_reasoning``)."""
+    return _past_reasoning(tokenizer, _custom_calls(list(messages), hermes=_hermes(tokenizer)))
+
+
+def _past_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
+    """Assistant turns whose thinking the client sent back (``REASONING_KEY``), rendered as the model produced it,
+    so the next turn's prompt repeats the tokens of the reply and the prefix cache hits past them:
+
+    - a template that renders past reasoning from a message field (Qwen3, GLM, gpt-oss: ``template_facts``) gets it
+      in every field templates read it from (its own rules decide which turns keep it);
+    - otherwise, for a model with thinking tags, the reasoning goes back into the turn's text in its tags
+      (``<think>\nreasoning\n</think>\n\nanswer``), which a template that drops past thinking drops (it splits the
+      text at the closing tag, as DeepSeek-R1's does) and any other renders as the model wrote it;
+    - a model without thinking tags never produced it: it is left out.
+    """
+    if not any(REASONING_KEY in m for m in messages):
+        return messages
+    fields = template_facts(tokenizer).renders_reasoning
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    tagged = bool(getattr(tokenizer, "has_thinking", False) and start and end)
+    out = []
+    for m in messages:
+        if REASONING_KEY not in m:
+            out.append(m)
+            continue
+        m = dict(m)
+        reasoning = m.pop(REASONING_KEY)
+        if fields:
+            m.update({name: reasoning for name in REASONING_FIELDS})
+        elif tagged and reasoning and isinstance(m.get("content"), str):
+            m["content"] = f"{start}\n{reasoning}\n{end}\n\n{m['content']}"
+        out.append(m)
+    return out
 
 
 def _custom_calls(messages: list[dict], *, hermes: bool) -> list[dict]:

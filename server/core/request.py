@@ -23,10 +23,12 @@ from server.core.media import IMAGE_KEY
 from server.errors import InvalidRequest
 from server.lane.target import Target
 
-__all__ = ["GenerationRequest", "MaxTokens", "ROOM", "CustomTool", "template_message", "function_tool", "custom_call",
-           "system_breakpoint", "TemplateWishes", "template_wishes", "RESERVED_TEMPLATE_KWARGS"]
+__all__ = ["GenerationRequest", "MaxTokens", "ROOM", "REASONING_KEY", "CustomTool", "template_message",
+           "function_tool", "custom_call", "system_breakpoint", "TemplateWishes", "template_wishes",
+           "RESERVED_TEMPLATE_KWARGS"]
 
 
+REASONING_KEY = "reasoning_content"  # an assistant message's past thinking (what Qwen3-style templates read)
 ROOM = "room"  # a default max_tokens: the whole room the prompt leaves in the context (OpenAI's Responses API)
 
 
@@ -136,13 +138,17 @@ class GenerationRequest:
 
 
 def template_message(role: str, content, *, name: Optional[str] = None, tool_calls=(),
-                     tool_call_id: Optional[str] = None) -> dict:
+                     tool_call_id: Optional[str] = None, reasoning: Optional[str] = None) -> dict:
     """One chat message in the shape chat templates read: ``developer`` is ``system``, no content is ""; a content
     with images is a list of parts (server.core.media.parts_content);
     ``tool_calls`` given as ``(id, name, arguments JSON text)`` become ``{"id", "type", "function": {"name",
     "arguments"}}`` with the arguments parsed back into a JSON value when they are JSON (templates render objects,
-    not quoted strings); a call given as a dict (``custom_call``) is kept as it is."""
+    not quoted strings); a call given as a dict (``custom_call``) is kept as it is. ``reasoning``: an assistant
+    turn's thinking as the model produced it (``REASONING_KEY``; server.core.prompts renders it the way this model's
+    template reads it)."""
     d: dict = {"role": "system" if role == "developer" else role, "content": content or ""}
+    if reasoning is not None and d["role"] == "assistant":
+        d[REASONING_KEY] = reasoning
     if name:
         d["name"] = name
     if tool_calls:

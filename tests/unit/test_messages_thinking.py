@@ -86,7 +86,7 @@ def test_bad_thinking_or_effort_is_a_400_naming_it(field, value, param):
     assert got == param
 
 
-def test_thinking_blocks_in_history_are_dropped():
+def test_thinking_blocks_in_history_go_back_with_their_turn():
     history = [
         {"role": "user", "content": "why"},
         {"role": "assistant", "content": [
@@ -95,13 +95,11 @@ def test_thinking_blocks_in_history_are_dropped():
             {"type": "text", "text": "ok"}]},
         {"role": "user", "content": "hello"},
     ]
-    plain = [history[0], {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}, history[2]]
     with_thinking = translate(messages=history)
-    assert with_thinking.messages == translate(messages=plain).messages
-    assert with_thinking.messages[1] == {"role": "assistant", "content": "ok"}
+    assert with_thinking.messages[1] == {"role": "assistant", "content": "ok", "reasoning_content": "let me think"}
     only = translate(messages=[history[0], {"role": "assistant", "content": [history[1]["content"][1]]},
                                history[2]])
-    assert only.messages[1] == {"role": "assistant", "content": ""}  # a turn of thinking only: an empty reply
+    assert only.messages[1] == {"role": "assistant", "content": ""}  # redacted thinking only: an empty reply
 
 
 # -- through a real template --------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.core.prompts import render_chat, template_variables
+from server.core.prompts import render_chat, render_chat_text, template_variables
 from server.core.request import GenerationRequest, template_wishes
 from server.core.template_facts import EFFORT_SCALE, TemplateFacts, effort_level, template_facts
 from server.errors import InvalidRequest
@@ -90,3 +90,50 @@ def test_template_kwargs_the_server_sets_itself_are_a_400(kwargs, param):
     with pytest.raises(InvalidRequest) as exc:
         template_wishes(kwargs)
     assert exc.value.param == param
+
+
+# -- past reasoning sent back (issue 47 item 1) --------------------------------------------------------------------
+
+TURNS = ({"role": "user", "content": "why"}, {"role": "assistant", "content": "ok", "reasoning_content": "brief"},
+         {"role": "user", "content": "hello"})
+
+
+def rendered(tok, messages) -> str:
+    return render_chat_text(tok, GenerationRequest(messages=tuple(messages)))
+
+
+def test_a_template_that_reads_past_reasoning_gets_it(toks):
+    assert "assistant <think> brief </think> ok" in rendered(toks["only_three"], TURNS)
+    assert "assistant brief ok" in rendered(toks["any_string"], TURNS)  # gpt-oss's `thinking` field
+
+
+def test_otherwise_it_goes_back_in_the_models_think_tags(toks):
+    """The toy template renders the text as it is: the reply reads as the model wrote it, tags and all."""
+    assert "assistant <think>\nbrief\n</think>\n\nok" in rendered(toks["thinking"], TURNS)
+
+
+def test_a_model_without_think_tags_never_produced_it(tmp_path):
+    plain = template_tokenizer(tmp_path, PLAIN, think=False)
+    assert rendered(plain, TURNS) == rendered(plain, [TURNS[0], {"role": "assistant", "content": "ok"}, TURNS[2]])
+
+
+def test_the_three_doors_carry_it_the_same_way():
+    from server.http.chat.door import chat_request
+    from server.http.chat.schemas import ChatCompletionRequest
+    from server.http.messages.schemas import MessagesRequest
+    from server.http.messages.translate import messages_request
+    from server.http.responses.schemas import ResponsesRequest
+    from server.http.responses.translate import responses_request
+
+    chat = chat_request(ChatCompletionRequest.model_validate({"messages": list(TURNS)}), {})
+    responses = responses_request(ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "why"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "brief"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+        {"role": "user", "content": "hello"}]}))
+    messages = messages_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "why"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "brief", "signature": "s"},
+                                          {"type": "text", "text": "ok"}]},
+        {"role": "user", "content": "hello"}]}))
+    assert chat.messages == responses.messages == messages.messages == TURNS

@@ -39,7 +39,8 @@ def chat_request(body: ChatCompletionRequest, headers) -> GenerationRequest:
     """A chat completions body as the internal request."""
     messages = tuple(
         template_message(m.role, m.template_content(i), name=m.name, tool_call_id=m.tool_call_id,
-                         tool_calls=[(tc.id, tc.function.name, tc.function.arguments) for tc in m.tool_calls or ()])
+                         tool_calls=[(tc.id, tc.function.name, tc.function.arguments) for tc in m.tool_calls or ()],
+                         reasoning=m.past_reasoning())
         for i, m in enumerate(body.messages))
     choice = body.tool_choice if isinstance(body.tool_choice, str) else "auto"
     wishes = template_wishes(body.chat_template_kwargs, effort=body.reasoning_effort)

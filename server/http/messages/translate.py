@@ -2,9 +2,10 @@
 
 ``messages_request(req)`` maps ``system`` (string or text blocks) to the first system message; a user
 turn's ``tool_result`` blocks to ``tool`` messages (before the turn's text, the order Anthropic requires);
-an assistant turn's ``tool_use`` blocks to ``tool_calls`` (input as JSON text); ``thinking`` and
-``redacted_thinking`` blocks are dropped (chat templates drop past thinking; the other doors drop it too, so a
-conversation renders the same whichever API carries it). Text blocks of one turn join with a newline. The same
+an assistant turn's ``tool_use`` blocks to ``tool_calls`` (input as JSON text); its ``thinking`` blocks' text is the
+turn's reasoning, rendered back as the model produced it (server.core.prompts; the other doors carry it the same
+way, so a conversation renders the same whichever API carries it), ``redacted_thinking`` blocks are dropped (they hold
+no text). Text blocks of one turn join with a newline. The same
 conversation therefore renders the same tokens every turn, so the prefix cache hits across turns.
 A system turn mid-conversation stays where it is: it joins the user message before it, or stays a system message
 after a tool or assistant turn (see ``_append``); it is never hoisted into the system prompt, which would move it in
@@ -44,8 +45,8 @@ from server.core.request import GenerationRequest, MaxTokens, function_tool, tem
 from server.errors import InvalidRequest
 from server.core.media import parts_content
 from server.http.messages.schemas import (
-    AnthropicTool, CountTokensRequest, ImageBlock, MessageParam, MessagesRequest, TextBlock, ToolReferenceBlock, ToolResultBlock,
-    ToolUseBlock,
+    AnthropicTool, CountTokensRequest, ImageBlock, MessageParam, MessagesRequest, TextBlock, ThinkingBlock,
+    ToolReferenceBlock, ToolResultBlock, ToolUseBlock,
 )
 from server.http.wire import session_of
 
@@ -175,7 +176,9 @@ def turn_to_messages(turn: MessageParam, tools: Optional[Mapping[str, AnthropicT
     if turn.role == "assistant":
         calls = [(b.id, b.name, json.dumps(b.input, ensure_ascii=False))
                  for b in turn.content if isinstance(b, ToolUseBlock)]
-        return [template_message("assistant", _joined(texts) if (texts or not calls) else None, tool_calls=calls)]
+        thinking = "\n".join(b.thinking for b in turn.content if isinstance(b, ThinkingBlock)) or None
+        return [template_message("assistant", _joined(texts) if (texts or not calls) else None, tool_calls=calls,
+                                 reasoning=thinking)]
     out = [template_message("tool", tool_result_text(b, tools or {}, f"{param}.content.{j}"),
                             tool_call_id=b.tool_use_id)
            for j, b in enumerate(turn.content) if isinstance(b, ToolResultBlock)]

@@ -4,7 +4,7 @@ Input items are a tagged union on ``type`` (a message may omit it when it has a 
 "easy input message" does): ``message`` (input_text / output_text / refusal parts, and ``input_image`` parts for a
 model that takes images: server.core.media), ``function_call``,
 ``function_call_output``, ``custom_tool_call``, ``custom_tool_call_output``, ``tool_search_call``,
-``tool_search_output`` and ``reasoning`` (accepted, not rendered: chat templates drop past thinking).
+``tool_search_output`` and ``reasoning`` (its ``reasoning_text`` content goes back with the assistant turn after it).
 An unknown item or part type, a file or audio part (or an image in a tool's output), a malformed tool or a wrong type is a 400 naming the
 parameter. Tools: ``function`` tools, ``namespace`` groups of them, ``custom`` (freeform) tools whose input is
 free text or follows a Lark or regex grammar, and a client-executed ``tool_search`` (Codex CLI sends all of them
@@ -180,6 +180,11 @@ class ReasoningItem(_Lenient):
     summary: list[dict[str, Any]] = Field(default_factory=list)
     content: Optional[list[dict[str, Any]]] = None
     encrypted_content: Optional[str] = None
+
+    def reasoning_text(self) -> str:
+        """The model's thinking as it produced it: the ``reasoning_text`` parts (a summary is not what it wrote)."""
+        return "".join(part.get("text") or "" for part in self.content or ()
+                       if isinstance(part, dict) and part.get("type") == "reasoning_text")
 
 
 def _item_tag(value) -> Optional[str]:

@@ -4,8 +4,8 @@
 continues ``history`` (the input items of a stored conversation, ``previous_response_id``): ``instructions`` become
 the first system message, input items chat messages (``items_to_messages``: a message item its text, a
 ``function_call`` an assistant tool call (calls of one turn join the assistant message before them), a
-``function_call_output`` a tool message, ``reasoning`` dropped: chat templates drop past thinking, and rendering it
-would break the prefix match), ``text.format`` the answer schema, function tools (and the members of ``namespace``
+``function_call_output`` a tool message, a ``reasoning`` item's text the thinking of the assistant turn after it,
+rendered back as the model produced it: server.core.prompts), ``text.format`` the answer schema, function tools (and the members of ``namespace``
 groups) the offered functions. The same conversation sent whole or continued from a stored response renders the
 same tokens, so the prefix cache hits either way. ``output_to_items`` goes back: what the model produced as output
 items.
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from server.core.request import (
-    ROOM, CustomTool, GenerationRequest, custom_call, function_tool, system_breakpoint, template_message,
+    REASONING_KEY, ROOM, CustomTool, GenerationRequest, custom_call, function_tool, system_breakpoint, template_message,
     template_wishes,
 )
 from server.errors import InvalidRequest
@@ -56,18 +56,27 @@ def items_to_messages(items) -> list[dict]:
     (one turn's text and calls: one message); their outputs are tool messages. A tool search's output is shown as
     the tools it found (name and description; the tools themselves are offered from then on: ``offered_tools``)."""
     out: list[dict] = []
+    thinking: list[str] = []  # a reasoning item's text, for the assistant turn that follows it
+
+    def reasoning() -> Optional[str]:
+        text = "".join(thinking)
+        thinking.clear()
+        return text or None  # an item without its text (only OpenAI's encrypted_content): nothing to render
 
     def call(entry) -> None:
-        msg = template_message("assistant", "", tool_calls=[entry])
         last = out[-1] if out else None
-        if last is not None and last["role"] == "assistant":
+        if last is not None and last["role"] == "assistant" and not (thinking and REASONING_KEY in last):
+            msg = template_message("assistant", "", tool_calls=[entry])
             last.setdefault("tool_calls", []).extend(msg["tool_calls"])
+            if thinking:
+                last[REASONING_KEY] = reasoning()
         else:
-            out.append(msg)
+            out.append(template_message("assistant", "", tool_calls=[entry], reasoning=reasoning()))
 
     for i, item in enumerate(items):
         if isinstance(item, MessageItem):
-            out.append(template_message(item.role, item.template_content(f"input.{i}")))
+            out.append(template_message(item.role, item.template_content(f"input.{i}"),
+                                        reasoning=reasoning() if item.role == "assistant" else None))
         elif isinstance(item, FunctionCallItem):
             call((item.call_id, item.name, item.arguments))
         elif isinstance(item, CustomToolCallItem):
@@ -81,7 +90,7 @@ def items_to_messages(items) -> list[dict]:
             out.append(template_message("tool", json.dumps(found, ensure_ascii=False),
                                         tool_call_id=item.call_id or "tool_search"))
         elif isinstance(item, ReasoningItem):
-            continue  # chat templates drop past thinking; rendering it would also break the prefix match
+            thinking.append(item.reasoning_text())  # the model's own thinking goes back with its turn
         else:  # the schema admits no other item; a new one must be rendered on purpose, not dropped
             raise InvalidRequest(f"input item type '{getattr(item, 'type', '?')}' is not supported", param="input")
     return out
