@@ -30,9 +30,10 @@ from starlette.concurrency import run_in_threadpool
 from server.core.bridge import JobRun
 from server.core.context import CoreContext
 from server.core.output_parse import make_output_parser, prompt_opens_thinking
-from server.core.prompts import (NO_BREAKPOINTS, breakpoint_marks, chat_grammar, effort_choice, history_end, render,
-                                 render_media, sampling_params)
+from server.core.prompts import (NO_BREAKPOINTS, breakpoint_marks, chat_grammar, history_end, render, render_media,
+                                 sampling_params)
 from server.core.template_facts import template_facts
+from server.core.template_input import effort_choice
 from server.core.request import GenerationRequest
 from server.errors import APIError, ShuttingDown
 from server.lane.events import Delta, Failed, Finished, SamplingParams, TokenLogprob

@@ -13,12 +13,15 @@ from typing import Optional
 
 from models.loading.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from server.core.grammar import (
-    TOOL_CALL_CLOSE, TOOL_CALL_OPEN, CustomInput, GrammarSpec, check_custom_grammar, custom_call_header,
-    json_schema_grammar, tool_call_grammar,
+    CustomInput, GrammarSpec, check_custom_grammar, json_schema_grammar, tool_call_grammar,
 )
 from server.core.media import ImageLimits, PromptMedia, cache_key, decode, image_spans
-from server.core.request import REASONING_KEY, ROOM, GenerationRequest, MaxTokens
-from server.core.template_facts import REASONING_FIELDS, EffortChoice, effort_level, template_facts
+from server.core.request import ROOM, GenerationRequest, MaxTokens
+from server.core.template_input import template_messages, template_variables, writes_hermes
+
+__all__ = ["render", "render_media", "chat_prompt", "render_chat", "render_chat_text", "template_variables",
+           "breakpoint_positions", "breakpoint_marks", "BreakpointMarks", "NO_BREAKPOINTS", "history_end",
+           "chat_grammar", "tokenize_completion", "sampling_params"]
 from server.errors import ContextLengthExceeded, InvalidRequest
 from server.lane.events import SamplingParams
 
@@ -72,7 +75,7 @@ def render_chat(tokenizer, req: GenerationRequest, *, add_generation_prompt: boo
     """Apply the model's chat template (tools included: custom tools as functions of one ``input`` string, deferred
     tools left out: ``GenerationRequest.template_tools``; the request's template variables: ``template_variables``)
     and tokenize. Calls to custom tools in the history are written the way this model writes them
-    (``_custom_calls``). A generation always adds the generation prompt; /tokenize may ask for the conversation
+    (server.core.template_input). A generation always adds the generation prompt; /tokenize may ask for the conversation
     alone, or for its last message left open (``continue_final_message``)."""
     ids = _apply_template(tokenizer, req, {}, add_generation_prompt, continue_final_message)
     if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
@@ -84,32 +87,6 @@ def render_chat_text(tokenizer, req: GenerationRequest, *, add_generation_prompt
                      continue_final_message: bool = False) -> str:
     """``render_chat``'s rendering as text, before tokenization."""
     return _apply_template(tokenizer, req, {"tokenize": False}, add_generation_prompt, continue_final_message)
-
-
-def template_variables(req: GenerationRequest, tokenizer=None) -> dict:
-    """The chat template variables a request sets besides its messages and tools: the client's own
-    (``template_kwargs``), the reasoning switch (``enable_thinking``, which mlx-lm's tokenizer renames to the
-    template's own when it differs) and ``reasoning_effort``, the level of the template's own the request's effort
-    becomes (server.core.template_facts; not passed to a template that reads none; without a ``tokenizer``, as
-    asked). An effort of ``"none"`` on a template without that level also turns thinking off, unless the request
-    set the switch. A field the request leaves None is not passed, so the template's default holds."""
-    out: dict = dict(req.template_kwargs)
-    thinking = req.enable_thinking
-    if req.reasoning_effort is not None:
-        choice = effort_choice(tokenizer, req) if tokenizer is not None else EffortChoice(req.reasoning_effort,
-                                                                                          req.reasoning_effort)
-        if choice.level is not None:
-            out["reasoning_effort"] = choice.level
-        if req.reasoning_effort == "none" and choice.level != "none" and thinking is None:
-            thinking = False
-    if thinking is not None:
-        out["enable_thinking"] = thinking
-    return out
-
-
-def effort_choice(tokenizer, req: GenerationRequest) -> EffortChoice:
-    """The level of its own ``tokenizer``'s template gets for the request's effort (server.core.template_facts)."""
-    return effort_level(template_facts(tokenizer), req.reasoning_effort)
 
 
 def _apply_template(tokenizer, req: GenerationRequest, extra: dict, add_generation_prompt: bool,
@@ -206,71 +183,6 @@ def _end_of_messages(tokenizer, messages: list[dict], kwargs: dict, prompt: list
     return len(prompt) - len(tail)
 
 
-def template_messages(tokenizer, messages) -> list[dict]:
-    """The request's messages as this model's chat template is given them: calls to custom tools written the way the
-    model writes them (``_custom_calls``), and past reasoning the way the template reads it (``_past_reasoning``)."""
-    return _past_reasoning(tokenizer, _custom_calls(list(messages), hermes=_hermes(tokenizer)))
-
-
-def _past_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
-    """Assistant turns whose thinking the client sent back (``REASONING_KEY``), rendered as the model produced it,
-    so the next turn's prompt repeats the tokens of the reply and the prefix cache hits past them:
-
-    - a template that renders past reasoning from a message field (Qwen3, GLM, gpt-oss: ``template_facts``) gets it
-      in every field templates read it from (its own rules decide which turns keep it);
-    - otherwise, for a model with thinking tags, the reasoning goes back into the turn's text in its tags
-      (``<think>\nreasoning\n</think>\n\nanswer``), which a template that drops past thinking drops (it splits the
-      text at the closing tag, as DeepSeek-R1's does) and any other renders as the model wrote it;
-    - a model without thinking tags never produced it: it is left out.
-    """
-    if not any(REASONING_KEY in m for m in messages):
-        return messages
-    fields = template_facts(tokenizer).renders_reasoning
-    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
-    tagged = bool(getattr(tokenizer, "has_thinking", False) and start and end)
-    out = []
-    for m in messages:
-        if REASONING_KEY not in m:
-            out.append(m)
-            continue
-        m = dict(m)
-        reasoning = m.pop(REASONING_KEY)
-        if fields:
-            m.update({name: reasoning for name in REASONING_FIELDS})
-        elif tagged and reasoning and isinstance(m.get("content"), str):
-            m["content"] = f"{start}\n{reasoning}\n{end}\n\n{m['content']}"
-        out.append(m)
-    return out
-
-
-def _custom_calls(messages: list[dict], *, hermes: bool) -> list[dict]:
-    """Assistant turns with calls to custom tools, in the form this model reads and writes them. A Hermes model
-    writes them itself as ``<tool_call>\\n{"name": NAME}\\n<input>\\n</tool_call>`` (server.core.grammar), so
-    the history shows them the same way, as the turn's own text (the next turn's prompt then repeats the tokens the
-    model produced and the prefix cache hits past them); for a model with another tool-call format they become
-    calls of a function whose one argument is ``input``."""
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls") or ()
-        if not any(c.get("type") == "custom" for c in calls):
-            out.append(m)
-            continue
-        m = dict(m)
-        plain = [c for c in calls if c.get("type") != "custom"]
-        custom = [c for c in calls if c.get("type") == "custom"]
-        if hermes:
-            text = "".join(f"{TOOL_CALL_OPEN}\n{custom_call_header(c['custom']['name'])}{c['custom']['input']}\n"
-                           f"{TOOL_CALL_CLOSE}" for c in custom)
-            m["content"] = (m.get("content") or "") + ("\n" if m.get("content") else "") + text
-            custom = []
-        m["tool_calls"] = plain + [{"id": c["id"], "type": "function", "function": {
-            "name": c["custom"]["name"], "arguments": {"input": c["custom"]["input"]}}} for c in custom]
-        if not m["tool_calls"]:
-            del m["tool_calls"]
-        out.append(m)
-    return out
-
-
 def chat_grammar(tokenizer, req: GenerationRequest) -> Optional[GrammarSpec]:
     """The grammar a chat request's output must follow, or None for free text (compiled here, off the lane).
 
@@ -303,7 +215,7 @@ def chat_grammar(tokenizer, req: GenerationRequest) -> Optional[GrammarSpec]:
     required = forced is not None or choice == "required"
     functions = [t["function"] for t in req.tools]
     strict = req.tools_enabled and (any(f.get("strict") for f in functions) or any(c.syntax for c in custom))
-    if (required or strict) and not _hermes(tokenizer):
+    if (required or strict) and not writes_hermes(tokenizer):
         if required:
             raise InvalidRequest(
                 f"this model's chat template writes tool calls as '{tokenizer.tool_call_start}...', which mlx-lane "
@@ -325,13 +237,6 @@ def chat_grammar(tokenizer, req: GenerationRequest) -> Optional[GrammarSpec]:
         fmt_param = req.param("response_format")
         return GrammarSpec.compile(tokenizer, _build(req, json_schema_grammar, answer), param=fmt_param)
     return None
-
-
-def _hermes(tokenizer) -> bool:
-    """True when the model's tool calls (as mlx-lm detected them from the chat template) are Hermes ones, or
-    unknown (then server/core/output_parse.py parses the Hermes format)."""
-    start = getattr(tokenizer, "tool_call_start", None)
-    return start is None or start == TOOL_CALL_OPEN
 
 
 def _build(req: GenerationRequest, fn, *args, **kwargs) -> str:
