@@ -61,6 +61,7 @@ def build_state(args):
     from cache.prompt_cache import make_prompt_cache
     from models import blas_info, device_name, load_model
     from server.core.context import CoreContext
+    from server.core.next_turn import NextTurns
     from server.core.media import ImageLimits
     from server.engine.engine import Engine, weights_nbytes
     from server.http.app import ServerState
@@ -134,7 +135,8 @@ def build_state(args):
                          max_pixels=args.max_image_pixels, allow_urls=args.allow_image_urls)
     core = CoreContext(lane=lane, stats=stats, prompt_cache=prompt_cache, namespace_for=engine.namespace_for,
                        keepalive_s=args.keepalive, default_max_tokens=default_max_tokens, image_limits=images,
-                       model_defaults=not getattr(args, "ignore_model_defaults", False))
+                       model_defaults=not getattr(args, "ignore_model_defaults", False),
+                       next_turns=None if getattr(args, "no_next_turn_cache", False) else NextTurns())
     return ServerState(
         loaded=loaded, engine=engine, lane=lane, core=core, stats=stats, prompt_cache=prompt_cache,
         device=device_name(), blas=blas, api_key=args.api_key, keepalive_s=args.keepalive,

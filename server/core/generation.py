@@ -129,7 +129,8 @@ class Generation:
 
     def __init__(self, ctx: CoreContext, request: Request, prompt: list[int], params: SamplingParams,
                  target: Target, *, session: Optional[str], request_id: str, parser=None, anchors: tuple = (),
-                 last_breakpoint: int = 0, checkpoints: tuple = (), media=None, headers: Optional[dict] = None):
+                 last_breakpoint: int = 0, checkpoints: tuple = (), media=None, headers: Optional[dict] = None,
+                 ns: Optional[str] = None, next_turn: Optional[GenerationRequest] = None):
         self.ctx = ctx
         self.prompt = prompt
         self.params = params
@@ -143,7 +144,11 @@ class Generation:
         self.headers = dict(headers or {})  # response headers that say how the request was read (X-Reasoning-Effort)
         # a 400 when the memory budget can never admit it
         ctx.lane.check_fits(len(prompt), params.max_tokens, target.slot.kv_price)
-        ns = ctx.namespace_for(target, params)  # the one place, once: the prefetch and the lane use it
+        if ns is None:
+            ns = ctx.namespace_for(target, params)  # the one place, once: the prefetch and the lane use it
+        self.next_turn = next_turn  # a chat request whose reply gets its next turn's entry (server.core.next_turn)
+        self._text: list[str] = []  # the reply as the client reads it, for that entry
+        self._reasoning: list[str] = []
         _prefetch(ctx, prompt, ns, session)  # starts SSD reads while the sequence waits for the lane
         self.run = JobRun(ctx.lane, request, prompt, params, target, session, ctx.keepalive_s, request_id=self.id,
                           ns=ns, anchors=anchors, checkpoints=checkpoints, media=media)
@@ -164,6 +169,7 @@ class Generation:
                 if ev.first_token:
                     stats.observe_ttft(time.monotonic() - self.t0)
                 for out in self._pieces(self.parser.feed(ev.text) if self.parser else None, ev):
+                    self._keep(out)
                     yield out
             elif isinstance(ev, Failed):
                 yield Error(_internal(ev))
@@ -177,11 +183,19 @@ class Generation:
                 if self.parser is not None:
                     rest, calls = self.parser.finish()
                     for out in self._pieces(rest, None):
+                        self._keep(out)
                         yield out
+                if self.next_turn is not None and self.ctx.next_turns is not None:  # before the client hears the end
+                    self.ctx.next_turns.finished(self.ctx, self, self.next_turn, "".join(self._text),
+                                                 "".join(self._reasoning), calls)
                 reason = "tool_calls" if calls else ev.finish_reason
                 yield Done(ev, reason, tuple(calls), ev.stop_sequence if reason == "stop" else None)
                 return
             # Progress events carry nothing a client is sent
+
+    def _keep(self, out) -> None:
+        if self.next_turn is not None:
+            (self._reasoning if isinstance(out, ReasoningOut) else self._text).append(out.text)
 
     @staticmethod
     def _pieces(pieces, delta: Optional[Delta]):
@@ -253,9 +267,15 @@ async def open_generation(ctx: CoreContext, request: Request, req: GenerationReq
     if slot.needs_checkpoints:  # its caches cannot be cut back: keep their state where the next turn parts
         end = await run_in_threadpool(history_end, tok, req, prompt)
         checkpoints = (end,) if end is not None else ()
+    ns = ctx.namespace_for(target, params)
+    next_turn = None
+    if ctx.next_turns is not None and req.prompt is None:
+        await ctx.next_turns.ready(prompt, ns)  # the entry a pending next-turn job is computing, when this extends it
+        if media is None and target.lease is None:
+            next_turn = req
     return Generation(ctx, request, prompt, params, target, session=req.session, request_id=request_id,
                       parser=parser, anchors=marks.anchors, last_breakpoint=marks.last, checkpoints=checkpoints,
-                      media=media, headers=_effort_header(tok, req, target.name))
+                      media=media, headers=_effort_header(tok, req, target.name), ns=ns, next_turn=next_turn)
 
 
 EFFORT_HEADER = "X-Reasoning-Effort"

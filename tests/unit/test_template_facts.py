@@ -137,3 +137,19 @@ def test_the_three_doors_carry_it_the_same_way():
                                           {"type": "text", "text": "ok"}]},
         {"role": "user", "content": "hello"}]}))
     assert chat.messages == responses.messages == messages.messages == TURNS
+
+
+def test_a_turn_of_thinking_alone_is_an_assistant_message_of_its_own():
+    """A reply cut while thinking has one reasoning item and no message: it still goes back as the assistant's turn
+    (the chat door's {"content": "", "reasoning_content": ...})."""
+    from server.http.responses.schemas import ResponsesRequest
+    from server.http.responses.translate import responses_request
+
+    thought = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "brief"}]}
+    req = responses_request(ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "why"}, thought,
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}, thought]}))
+    assert req.messages == ({"role": "user", "content": "why"},
+                            {"role": "assistant", "content": "", "reasoning_content": "brief"},
+                            {"role": "tool", "content": "ok", "tool_call_id": "c1"},
+                            {"role": "assistant", "content": "", "reasoning_content": "brief"})

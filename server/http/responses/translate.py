@@ -61,7 +61,7 @@ def items_to_messages(items) -> list[dict]:
     def reasoning() -> Optional[str]:
         text = "".join(thinking)
         thinking.clear()
-        return text or None  # an item without its text (only OpenAI's encrypted_content): nothing to render
+        return text or None
 
     def call(entry) -> None:
         last = out[-1] if out else None
@@ -73,7 +73,14 @@ def items_to_messages(items) -> list[dict]:
         else:
             out.append(template_message("assistant", "", tool_calls=[entry], reasoning=reasoning()))
 
+    def thought_only() -> None:  # a turn of thinking alone (no text, no call): an assistant message of its own
+        if thinking:
+            out.append(template_message("assistant", "", reasoning=reasoning()))
+
     for i, item in enumerate(items):
+        if not isinstance(item, (ReasoningItem, FunctionCallItem, CustomToolCallItem, ToolSearchCallItem)) and not (
+                isinstance(item, MessageItem) and item.role == "assistant"):
+            thought_only()
         if isinstance(item, MessageItem):
             out.append(template_message(item.role, item.template_content(f"input.{i}"),
                                         reasoning=reasoning() if item.role == "assistant" else None))
@@ -90,9 +97,11 @@ def items_to_messages(items) -> list[dict]:
             out.append(template_message("tool", json.dumps(found, ensure_ascii=False),
                                         tool_call_id=item.call_id or "tool_search"))
         elif isinstance(item, ReasoningItem):
-            thinking.append(item.reasoning_text())  # the model's own thinking goes back with its turn
+            if item.reasoning_text():  # the model's own thinking goes back with its turn (a summary alone: no)
+                thinking.append(item.reasoning_text())
         else:  # the schema admits no other item; a new one must be rendered on purpose, not dropped
             raise InvalidRequest(f"input item type '{getattr(item, 'type', '?')}' is not supported", param="input")
+    thought_only()
     return out
 
 

@@ -1,0 +1,159 @@
+"""The next turn's cache entry: when a chat reply ends, the conversation as the next request will render it is put in
+the prefix cache, so the next turn extends a stored entry instead of parting from one.
+
+Why: a finished request stores its prompt and the tokens it generated. The next turn renders the reply back through
+the chat template, and a template that drops past thinking (Qwen3 before the last user turn, DeepSeek-R1, the zoo's
+thinking template) or writes the reply otherwise than the model did (whitespace around the think tags, a generation
+prompt that opened a think block the history does not show) parts from that entry where the reply began: everything
+after it (the answer, a tool call) was prefilled again on the next turn, while the client waited (a peer measured
+2,018 tokens re-prefilled for 48 tokens of dropped reasoning). The cache still serves the prompt up to where it
+parts; this module makes the entry the next turn will extend.
+
+``NextTurns.finished(...)`` (called by the generation core when a chat reply ends, before its last event reaches the
+client) renders the conversation with the reply as every door carries it back (``next_turn_tokens``: its thinking
+included, server.core.template_input) up to the opening of the message that follows (the user's, or a tool result's
+after calls). When that does not extend the stored entry (it parts from it before the entry's end), it is computed
+as a job of its own on the lane (the rest of the rendering prefilled over the cached part, one greedy
+decode step, its own entry under the request's namespace and session), in the time the client spends reading the
+reply or running its tools. A request of the same namespace whose prompt extends such a pending rendering past
+where it parted waits for it (``NextTurns.ready``), so the tokens it finds cached never depend on timing.
+
+Not for raw completions, prompts with images, or on-demand models (their lease ends with the response).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from starlette.concurrency import run_in_threadpool
+
+from server.core.prompts import render_chat
+from server.core.request import GenerationRequest, custom_call, template_message
+from server.errors import APIError
+from server.lane.events import Failed, Finished, SamplingParams
+from server.lane.sequence import Sequence
+
+__all__ = ["NextTurns", "next_turn_tokens"]
+
+log = logging.getLogger("mlx_lane.next_turn")
+
+WAIT_S = 120.0  # the longest a request waits for a pending rendering (a job stuck behind a long queue is skipped)
+_FOLLOW = ("Go on.", "Next?")  # two follow-up texts that differ from their first character
+
+
+@dataclass(eq=False)
+class _Pending:
+    base: int  # where the rendering parts from what the finished request stored
+    tokens: Optional[list[int]] = None  # the rendering (None until computed)
+    rendered: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def next_turn_tokens(tokenizer, req: GenerationRequest, text: str, reasoning: str, calls) -> Optional[list[int]]:
+    """The tokens of ``req``'s conversation followed by the reply (``text``, ``reasoning``, ``calls`` in OpenAI's
+    shape) as the next request renders it, through the opening of the message after it: the common part of two
+    renderings that differ only in that message's text. None when the template refuses the conversation."""
+    reply = template_message("assistant", text, reasoning=reasoning or None,
+                             tool_calls=[_as_history(c) for c in calls])
+    renders = []
+    for follow in _FOLLOW:
+        nxt = ([template_message("tool", follow, tool_call_id=c["id"]) for c in calls] if calls
+               else [template_message("user", follow)])
+        try:
+            renders.append(render_chat(tokenizer, dataclasses.replace(req, messages=(*req.messages, reply, *nxt))))
+        except Exception:  # noqa: BLE001 - a template that refuses the cut: no entry, nothing else changes
+            return None
+    a, b = renders
+    return a[:_common(a, b)]
+
+
+def _as_history(call: dict):
+    """A call the model made, as a door's history carries it back."""
+    if call.get("type") == "custom":
+        return custom_call(call["id"], call["custom"]["name"], call["custom"]["input"])
+    return call["id"], call["function"]["name"], call["function"]["arguments"]
+
+
+def _common(a, b) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class NextTurns:
+    """Pending next-turn renderings per cache namespace (event-loop side; the jobs run on the lane)."""
+
+    def __init__(self):
+        self._pending: dict[str, list[_Pending]] = {}
+        self.jobs = 0  # next-turn entries computed (for tests and /stats-style checks)
+
+    def finished(self, ctx, gen, req: GenerationRequest, text: str, reasoning: str, calls) -> None:
+        """A chat reply of ``gen`` ended: render and, when it pays, compute its next turn's entry (in the
+        background; the rendering is pending for ``ready`` from now on)."""
+        stored = list(gen.prompt) + list(gen.run.seq.generated[:-1])  # what the finished request put in the cache
+        pending = _Pending(base=len(stored))
+        self._pending.setdefault(gen.run.seq.ns, []).append(pending)
+        asyncio.ensure_future(self._compute(ctx, gen, req, text, reasoning, list(calls), stored, pending))
+
+    async def ready(self, prompt: list[int], ns: str) -> None:
+        """Wait until no pending rendering of ``ns`` that ``prompt`` extends past its parting point is still being
+        computed (at most ``WAIT_S``)."""
+        for pending in list(self._pending.get(ns, ())):
+            try:
+                await asyncio.wait_for(pending.rendered.wait(), WAIT_S)
+                if pending.tokens is not None and _common(prompt, pending.tokens) > pending.base:
+                    await asyncio.wait_for(pending.done.wait(), WAIT_S)
+            except asyncio.TimeoutError:
+                log.warning("a request went on without the next-turn entry it extends (still computing)")
+
+    async def _compute(self, ctx, gen, req, text, reasoning, calls, stored, pending: _Pending) -> None:
+        try:
+            tokens = await run_in_threadpool(next_turn_tokens, gen.target.tokenizer, req, text, reasoning, calls)
+            parts = _common(tokens, stored) if tokens is not None else len(stored)
+            # only a rendering that parts inside the stored entry: one that extends it is served by it already (a
+            # template that renders the reply as the model wrote it: nothing to do, the common case)
+            if tokens is not None and parts < len(stored) and len(tokens) < gen.target.slot.context_length:
+                pending.tokens, pending.base = tokens, parts
+                pending.rendered.set()
+                await self._run(ctx, gen, tokens)
+        except APIError as exc:  # the lane refused it (a full queue, a shutdown): the next turn computes it
+            log.info("no next-turn cache entry: %s", exc)
+        except Exception:  # an optimisation: never fail anything for it
+            log.exception("the next turn's cache entry failed")
+        finally:
+            pending.rendered.set()
+            pending.done.set()
+            waiting = self._pending.get(gen.run.seq.ns, [])
+            if pending in waiting:
+                waiting.remove(pending)
+            if not waiting:
+                self._pending.pop(gen.run.seq.ns, None)
+
+    async def _run(self, ctx, gen, tokens: list[int]) -> None:
+        """Compute ``tokens`` on the lane as a job of its own (one greedy step past them), and wait for its end."""
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+
+        def sink(event) -> None:  # the lane's thread
+            if isinstance(event, (Finished, Failed)):
+                loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(event))
+
+        seq = Sequence(prompt=tokens, params=SamplingParams(max_tokens=1, temperature=0.0, num_draft_tokens=0),
+                       sink=sink, target=gen.target, session=gen.run.seq.session, ns=gen.run.seq.ns,
+                       id="next-turn-" + uuid.uuid4().hex[:12])
+        try:
+            ctx.prompt_cache.prefetch(tokens, seq.ns, seq.session)  # an SSD-cached part starts loading now
+        except Exception:  # noqa: BLE001 - an optimisation
+            log.exception("prefetch failed")
+        ctx.lane.submit(seq)
+        self.jobs += 1
+        event = await ended
+        if isinstance(event, Failed):
+            log.warning("the next turn's cache entry failed: %s", event.error)
