@@ -92,7 +92,9 @@ class NextTurns:
 
     def __init__(self):
         self._pending: dict[str, list[_Pending]] = {}
-        self.jobs = 0  # next-turn entries computed (for tests and /stats-style checks)
+        self.replies = 0  # chat replies whose next turn was rendered
+        self.jobs = 0  # of them, those whose rendering was computed as a job of its own
+        self.tokens = 0  # tokens of those renderings past where they parted from the stored entry
 
     def finished(self, ctx, gen, req: GenerationRequest, text: str, reasoning: str, calls) -> None:
         """A chat reply of ``gen`` ended: render and, when it pays, compute its next turn's entry (in the
@@ -101,6 +103,11 @@ class NextTurns:
         pending = _Pending(base=len(stored))
         self._pending.setdefault(gen.run.seq.ns, []).append(pending)
         asyncio.ensure_future(self._compute(ctx, gen, req, text, reasoning, list(calls), stored, pending))
+
+    def stats(self) -> dict:
+        """The ``next_turn`` block of /stats."""
+        return {"enabled": True, "replies": self.replies, "jobs": self.jobs, "tokens": self.tokens,
+                "pending": sum(len(v) for v in self._pending.values())}
 
     async def ready(self, prompt: list[int], ns: str) -> None:
         """Wait until no pending rendering of ``ns`` that ``prompt`` extends past its parting point is still being
@@ -117,11 +124,13 @@ class NextTurns:
         try:
             tokens = await run_in_threadpool(next_turn_tokens, gen.target.tokenizer, req, text, reasoning, calls)
             parts = _common(tokens, stored) if tokens is not None else len(stored)
+            self.replies += 1
             # only a rendering that parts inside the stored entry: one that extends it is served by it already (a
             # template that renders the reply as the model wrote it: nothing to do, the common case)
             if tokens is not None and parts < len(stored) and len(tokens) < gen.target.slot.context_length:
                 pending.tokens, pending.base = tokens, parts
                 pending.rendered.set()
+                self.tokens += len(tokens) - parts
                 await self._run(ctx, gen, tokens)
         except APIError as exc:  # the lane refused it (a full queue, a shutdown): the next turn computes it
             log.info("no next-turn cache entry: %s", exc)

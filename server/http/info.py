@@ -168,6 +168,8 @@ def stats_body(state) -> dict:
         "models": _models_block(state),  # the on-demand models
         "embeddings": state.stats.embeddings.as_dict(state.embedder),
         "http": state.stats.http_block(),
+        # the next turn's cache entries computed ahead (server.core.next_turn)
+        "next_turn": state.core.next_turns.stats() if state.core.next_turns is not None else {"enabled": False},
         "startup": TIMELINE.as_dict(),  # where the seconds before ready went (server.startup)
     }
 
