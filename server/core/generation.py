@@ -234,13 +234,14 @@ class Generation:
 
 
 async def open_generation(ctx: CoreContext, request: Request, req: GenerationRequest,
-                          request_id: str) -> Generation:
+                          request_id: str, *, next_turn: bool = True) -> Generation:
     """Render, size and open a generation for an internal request (not yet submitted): the prompt's token ids
     (chat template or raw prompt), its grammar (response_format, forced or strict tool calls) and the lane's
     parameters, all computed off the event loop. Chat-shaped requests get the model family's output parser (tool
     calls, reasoning); a raw text completion's output is passed through as it is. ``request_id``: the id the
     lane, the logs and the ``X-Request-Id`` header know the request by. Everything model-specific comes from the
-    request's target: its tokenizer and template, vocabulary and context length."""
+    request's target: its tokenizer and template, vocabulary and context length. ``next_turn``: a chat reply gets
+    its next turn's cache entry (server.core.next_turn); False for a conversation that will not go on (a summary)."""
     target = req.target
     if target is None:
         raise ValueError("a request reaches the core with its target resolved (server.http.target)")
@@ -268,14 +269,14 @@ async def open_generation(ctx: CoreContext, request: Request, req: GenerationReq
         end = await run_in_threadpool(history_end, tok, req, prompt)
         checkpoints = (end,) if end is not None else ()
     ns = ctx.namespace_for(target, params)
-    next_turn = None
+    continues = None  # the request whose reply gets its next turn's entry
     if ctx.next_turns is not None and req.prompt is None:
         await ctx.next_turns.ready(prompt, ns)  # the entry a pending next-turn job is computing, when this extends it
-        if media is None and target.lease is None:
-            next_turn = req
+        if media is None and target.lease is None and next_turn:
+            continues = req
     return Generation(ctx, request, prompt, params, target, session=req.session, request_id=request_id,
                       parser=parser, anchors=marks.anchors, last_breakpoint=marks.last, checkpoints=checkpoints,
-                      media=media, headers=_effort_header(tok, req, target.name), ns=ns, next_turn=next_turn)
+                      media=media, headers=_effort_header(tok, req, target.name), ns=ns, next_turn=continues)
 
 
 EFFORT_HEADER = "X-Reasoning-Effort"

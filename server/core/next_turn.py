@@ -18,6 +18,9 @@ decode step, its own entry under the request's namespace and session), in the ti
 reply or running its tools. A request of the same namespace whose prompt extends such a pending rendering past
 where it parted waits for it (``NextTurns.ready``), so the tokens it finds cached never depend on timing.
 
+``NextTurns.prefill(...)`` does the same for a conversation without a reply: a compacted one
+(server.http.responses.compact), whose next turn then finds its opening cached.
+
 Not for raw completions, prompts with images, or on-demand models (their lease ends with the response).
 """
 
@@ -38,7 +41,7 @@ from server.errors import APIError
 from server.lane.events import Failed, Finished, SamplingParams
 from server.lane.sequence import Sequence
 
-__all__ = ["NextTurns", "next_turn_tokens"]
+__all__ = ["NextTurns", "next_turn_tokens", "continuation_tokens"]
 
 log = logging.getLogger("mlx_lane.next_turn")
 
@@ -56,16 +59,24 @@ class _Pending:
 
 def next_turn_tokens(tokenizer, req: GenerationRequest, text: str, reasoning: str, calls) -> Optional[list[int]]:
     """The tokens of ``req``'s conversation followed by the reply (``text``, ``reasoning``, ``calls`` in OpenAI's
-    shape) as the next request renders it, through the opening of the message after it: the common part of two
-    renderings that differ only in that message's text. None when the template refuses the conversation."""
+    shape) as the next request renders it, through the opening of the message after it (a tool result's after calls,
+    else the user's). None when the template refuses the conversation."""
     reply = template_message("assistant", text, reasoning=reasoning or None,
                              tool_calls=[_as_history(c) for c in calls])
+    follow = ((lambda t: [template_message("tool", t, tool_call_id=c["id"]) for c in calls]) if calls
+              else (lambda t: [template_message("user", t)]))
+    return continuation_tokens(tokenizer, dataclasses.replace(req, messages=(*req.messages, reply)), follow)
+
+
+def continuation_tokens(tokenizer, req: GenerationRequest, follow=None) -> Optional[list[int]]:
+    """The tokens every next request that continues ``req``'s conversation begins with: the common part of two
+    renderings that differ only in the text of the message after it (``follow(text)``: the messages; default a user
+    message). None when the template refuses the conversation."""
+    follow = follow or (lambda t: [template_message("user", t)])
     renders = []
-    for follow in _FOLLOW:
-        nxt = ([template_message("tool", follow, tool_call_id=c["id"]) for c in calls] if calls
-               else [template_message("user", follow)])
+    for text in _FOLLOW:
         try:
-            renders.append(render_chat(tokenizer, dataclasses.replace(req, messages=(*req.messages, reply, *nxt))))
+            renders.append(render_chat(tokenizer, dataclasses.replace(req, messages=(*req.messages, *follow(text)))))
         except Exception:  # noqa: BLE001 - a template that refuses the cut: no entry, nothing else changes
             return None
     a, b = renders
@@ -99,10 +110,23 @@ class NextTurns:
     def finished(self, ctx, gen, req: GenerationRequest, text: str, reasoning: str, calls) -> None:
         """A chat reply of ``gen`` ended: render and, when it pays, compute its next turn's entry (in the
         background; the rendering is pending for ``ready`` from now on)."""
-        stored = list(gen.prompt) + list(gen.run.seq.generated[:-1])  # what the finished request put in the cache
+        seq = gen.run.seq
+        stored = list(gen.prompt) + list(seq.generated[:-1])  # what the finished request put in the cache
+
+        def render():
+            return next_turn_tokens(gen.target.tokenizer, req, text, reasoning, list(calls))
+
+        self._start(ctx, gen.target, seq.ns, seq.session, render, stored)
+
+    def prefill(self, ctx, target, req: GenerationRequest, ns: str, session: Optional[str]) -> None:
+        """Compute the opening every continuation of ``req``'s conversation shares (``continuation_tokens``) as an
+        entry of its own (a compacted conversation's: its next turn finds it cached)."""
+        self._start(ctx, target, ns, session, lambda: continuation_tokens(target.tokenizer, req), [])
+
+    def _start(self, ctx, target, ns: str, session, render, stored: list[int]) -> None:
         pending = _Pending(base=len(stored))
-        self._pending.setdefault(gen.run.seq.ns, []).append(pending)
-        asyncio.ensure_future(self._compute(ctx, gen, req, text, reasoning, list(calls), stored, pending))
+        self._pending.setdefault(ns, []).append(pending)
+        asyncio.ensure_future(self._compute(ctx, target, ns, session, render, stored, pending))
 
     def stats(self) -> dict:
         """The ``next_turn`` block of /stats."""
@@ -120,18 +144,18 @@ class NextTurns:
             except asyncio.TimeoutError:
                 log.warning("a request went on without the next-turn entry it extends (still computing)")
 
-    async def _compute(self, ctx, gen, req, text, reasoning, calls, stored, pending: _Pending) -> None:
+    async def _compute(self, ctx, target, ns: str, session, render, stored: list[int], pending: _Pending) -> None:
         try:
-            tokens = await run_in_threadpool(next_turn_tokens, gen.target.tokenizer, req, text, reasoning, calls)
+            tokens = await run_in_threadpool(render)
             parts = _common(tokens, stored) if tokens is not None else len(stored)
             self.replies += 1
-            # only a rendering that parts inside the stored entry: one that extends it is served by it already (a
-            # template that renders the reply as the model wrote it: nothing to do, the common case)
-            if tokens is not None and parts < len(stored) and len(tokens) < gen.target.slot.context_length:
+            # only a rendering that parts inside the stored entry (or has none): one that extends it is served by it
+            # already (a template that renders the reply as the model wrote it: nothing to do, the common case)
+            if tokens and (parts < len(stored) or not stored) and len(tokens) < target.slot.context_length:
                 pending.tokens, pending.base = tokens, parts
                 pending.rendered.set()
                 self.tokens += len(tokens) - parts
-                await self._run(ctx, gen, tokens)
+                await self._run(ctx, target, ns, session, tokens)
         except APIError as exc:  # the lane refused it (a full queue, a shutdown): the next turn computes it
             log.info("no next-turn cache entry: %s", exc)
         except Exception:  # an optimisation: never fail anything for it
@@ -139,13 +163,13 @@ class NextTurns:
         finally:
             pending.rendered.set()
             pending.done.set()
-            waiting = self._pending.get(gen.run.seq.ns, [])
+            waiting = self._pending.get(ns, [])
             if pending in waiting:
                 waiting.remove(pending)
             if not waiting:
-                self._pending.pop(gen.run.seq.ns, None)
+                self._pending.pop(ns, None)
 
-    async def _run(self, ctx, gen, tokens: list[int]) -> None:
+    async def _run(self, ctx, target, ns: str, session, tokens: list[int]) -> None:
         """Compute ``tokens`` on the lane as a job of its own (one greedy step past them), and wait for its end."""
         loop = asyncio.get_running_loop()
         ended = loop.create_future()
@@ -155,10 +179,9 @@ class NextTurns:
                 loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(event))
 
         seq = Sequence(prompt=tokens, params=SamplingParams(max_tokens=1, temperature=0.0, num_draft_tokens=0),
-                       sink=sink, target=gen.target, session=gen.run.seq.session, ns=gen.run.seq.ns,
-                       id="next-turn-" + uuid.uuid4().hex[:12])
+                       sink=sink, target=target, session=session, ns=ns, id="next-turn-" + uuid.uuid4().hex[:12])
         try:
-            ctx.prompt_cache.prefetch(tokens, seq.ns, seq.session)  # an SSD-cached part starts loading now
+            ctx.prompt_cache.prefetch(tokens, ns, session)  # an SSD-cached part starts loading now
         except Exception:  # noqa: BLE001 - an optimisation
             log.exception("prefetch failed")
         ctx.lane.submit(seq)

@@ -4,7 +4,8 @@ Input items are a tagged union on ``type`` (a message may omit it when it has a 
 "easy input message" does): ``message`` (input_text / output_text / refusal parts, and ``input_image`` parts for a
 model that takes images: server.core.media), ``function_call``,
 ``function_call_output``, ``custom_tool_call``, ``custom_tool_call_output``, ``tool_search_call``,
-``tool_search_output`` and ``reasoning`` (its ``reasoning_text`` content goes back with the assistant turn after it).
+``tool_search_output``, ``reasoning`` (its ``reasoning_text`` content goes back with the assistant turn after it) and
+``compaction`` (what ``/v1/responses/compact`` returned: its summary).
 An unknown item or part type, a file or audio part (or an image in a tool's output), a malformed tool or a wrong type is a 400 naming the
 parameter. Tools: ``function`` tools, ``namespace`` groups of them, ``custom`` (freeform) tools whose input is
 free text or follows a Lark or regex grammar, and a client-executed ``tool_search`` (Codex CLI sends all of them
@@ -28,7 +29,7 @@ from server.errors import InvalidRequest
 
 __all__ = [
     "InputText", "OutputText", "Refusal", "InputImage", "MessageItem", "FunctionCallItem", "FunctionCallOutputItem",
-    "ReasoningItem", "CustomToolCallItem", "CustomToolCallOutputItem", "ToolSearchCallItem", "ToolSearchOutputItem",
+    "ReasoningItem", "CompactionItem", "CustomToolCallItem", "CustomToolCallOutputItem", "ToolSearchCallItem", "ToolSearchOutputItem",
     "InputItem", "FunctionTool", "NamespaceTool", "CustomTool", "ToolSearchTool", "ToolChoiceFunction",
     "ToolChoiceCustom", "TextFormat", "TextConfig", "ResponsesRequest", "InputTokensRequest", "INPUT_ITEMS", "TOOLS",
 ]
@@ -187,6 +188,15 @@ class ReasoningItem(_Lenient):
                        if isinstance(part, dict) and part.get("type") == "reasoning_text")
 
 
+class CompactionItem(_Lenient):
+    """A compacted conversation (what ``/v1/responses/compact`` returned): expanded into its summary
+    (server.http.responses.capsule)."""
+
+    type: Literal["compaction"]
+    id: Optional[str] = None
+    encrypted_content: str
+
+
 def _item_tag(value) -> Optional[str]:
     if isinstance(value, dict):
         return value.get("type") or ("message" if "role" in value else None)
@@ -203,13 +213,14 @@ InputItem = Annotated[
         Annotated[ToolSearchCallItem, Tag("tool_search_call")],
         Annotated[ToolSearchOutputItem, Tag("tool_search_output")],
         Annotated[ReasoningItem, Tag("reasoning")],
+        Annotated[CompactionItem, Tag("compaction")],
     ],
     Discriminator(
         _item_tag,
         custom_error_type="invalid_input_item",
         custom_error_message="each input item needs a known 'type' (message, function_call, function_call_output, "
                              "custom_tool_call, custom_tool_call_output, tool_search_call, tool_search_output, "
-                             "reasoning) or a 'role'",
+                             "reasoning, compaction) or a 'role'",
     ),
 ]
 

@@ -5,7 +5,8 @@ continues ``history`` (the input items of a stored conversation, ``previous_resp
 the first system message, input items chat messages (``items_to_messages``: a message item its text, a
 ``function_call`` an assistant tool call (calls of one turn join the assistant message before them), a
 ``function_call_output`` a tool message, a ``reasoning`` item's text the thinking of the assistant turn after it,
-rendered back as the model produced it: server.core.prompts), ``text.format`` the answer schema, function tools (and the members of ``namespace``
+rendered back as the model produced it: server.core.prompts), a ``compaction`` item the summary it holds (an assistant
+message: server.http.responses.capsule), ``text.format`` the answer schema, function tools (and the members of ``namespace``
 groups) the offered functions. The same conversation sent whole or continued from a stored response renders the
 same tokens, so the prefix cache hits either way. ``output_to_items`` goes back: what the model produced as output
 items.
@@ -25,10 +26,12 @@ from server.core.request import (
     template_wishes,
 )
 from server.errors import InvalidRequest
+from server.http.responses.capsule import expand, summary_message_text
 from server.http.responses.schemas import TOOLS
 from server.http.responses.schemas import CustomTool as CustomToolSpec
 from server.http.responses.schemas import (
-    INPUT_ITEMS, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem, FunctionCallOutputItem, FunctionTool,
+    INPUT_ITEMS, CompactionItem, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem,
+    FunctionCallOutputItem, FunctionTool,
     MessageItem, NamespaceTool, ReasoningItem, ResponsesRequest, ToolSearchCallItem, ToolSearchOutputItem,
     ToolSearchTool,
 )
@@ -96,6 +99,9 @@ def items_to_messages(items) -> list[dict]:
             found = [{"name": t.get("name"), "description": t.get("description")} for t in item.tools]
             out.append(template_message("tool", json.dumps(found, ensure_ascii=False),
                                         tool_call_id=item.call_id or "tool_search"))
+        elif isinstance(item, CompactionItem):  # the turns it replaced, as their summary
+            out.append(template_message("assistant", summary_message_text(
+                expand(item.encrypted_content, f"input.{i}.encrypted_content"))))
         elif isinstance(item, ReasoningItem):
             if item.reasoning_text():  # the model's own thinking goes back with its turn (a summary alone: no)
                 thinking.append(item.reasoning_text())
