@@ -153,3 +153,18 @@ def test_sampling_defaults_come_from_generation_config(served):
     greedy = httpx.post(served.url + "/v1/chat/completions", json={**body, "temperature": 0}, timeout=120).json()
     same = unsaid["choices"][0]["message"] == greedy["choices"][0]["message"]
     assert same is applied  # the model's greedy default, or (--ignore-model-defaults) the API's temperature 1.0
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": TASK, "reasoning_effort": "xhigh",
+                              "chat_template_kwargs": {"enable_thinking": True}}),
+    ("/v1/responses", {"input": "Hi", "reasoning": {"effort": "none"}, "chat_template_kwargs": {"x": 1}}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "output_config": {"effort": "max"},
+                      "thinking": {"type": "disabled"}}),
+])
+def test_a_template_without_effort_takes_every_form_unchanged(server, path, body):
+    """The default model's ChatML template reads no reasoning variables: each form is accepted, none is passed."""
+    size = {"/v1/responses": "max_output_tokens"}.get(path, "max_tokens")
+    r = httpx.post(server.url + path, json={"model": "default", size: 1, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert "x-reasoning-effort" not in r.headers
