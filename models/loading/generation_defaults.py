@@ -60,6 +60,8 @@ def read_sampling_defaults(model_dir) -> SamplingDefaults:
     """The defaults ``model_dir/generation_config.json`` declares (``NO_DEFAULTS`` when there is no such file or it
     does not parse)."""
     path = Path(model_dir) / FILE
+    if not path.parent.is_dir():  # a GGUF file not converted yet, a hub name: nothing to read here
+        return NO_DEFAULTS
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:

@@ -49,6 +49,17 @@ WAIT_S = 120.0  # the longest a request waits for a pending rendering (a job stu
 _FOLLOW = ("Go on.", "Next?")  # two follow-up texts that differ from their first character
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What a next-turn job computes with: the request's model, its (greedy, one-token) parameters, namespace and
+    session."""
+
+    target: object
+    params: SamplingParams
+    ns: str
+    session: Optional[str]
+
+
 @dataclass(eq=False)
 class _Pending:
     base: int  # where the rendering parts from what the finished request stored
@@ -116,17 +127,26 @@ class NextTurns:
         def render():
             return next_turn_tokens(gen.target.tokenizer, req, text, reasoning, list(calls))
 
-        self._start(ctx, gen.target, seq.ns, seq.session, render, stored)
+        self._start(ctx, gen, render, stored)
 
-    def prefill(self, ctx, target, req: GenerationRequest, ns: str, session: Optional[str]) -> None:
+    def prefill(self, ctx, gen, req: GenerationRequest) -> None:
         """Compute the opening every continuation of ``req``'s conversation shares (``continuation_tokens``) as an
-        entry of its own (a compacted conversation's: its next turn finds it cached)."""
-        self._start(ctx, target, ns, session, lambda: continuation_tokens(target.tokenizer, req), [])
+        entry of its own, under ``gen``'s model, namespace and session (a compacted conversation's, after the
+        generation of its summary: its next turn finds it cached)."""
+        self._start(ctx, gen, lambda: continuation_tokens(gen.target.tokenizer, req), [])
 
-    def _start(self, ctx, target, ns: str, session, render, stored: list[int]) -> None:
+    def _start(self, ctx, gen, render, stored: list[int]) -> None:
+        # the job decodes as the request did (speculating or not: a speculating request's namespace holds its draft's
+        # layers too), one greedy token
+        params = dataclasses.replace(gen.params, max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                                     seed=None, stop=(), presence_penalty=None, frequency_penalty=None,
+                                     repetition_penalty=None, logit_bias=None, logprobs=False, top_logprobs=0,
+                                     grammar=None)
+        seq = gen.run.seq
         pending = _Pending(base=len(stored))
-        self._pending.setdefault(ns, []).append(pending)
-        asyncio.ensure_future(self._compute(ctx, target, ns, session, render, stored, pending))
+        self._pending.setdefault(seq.ns, []).append(pending)
+        job = _Job(gen.target, params, seq.ns, seq.session)
+        asyncio.ensure_future(self._compute(ctx, job, render, stored, pending))
 
     def stats(self) -> dict:
         """The ``next_turn`` block of /stats."""
@@ -144,18 +164,18 @@ class NextTurns:
             except asyncio.TimeoutError:
                 log.warning("a request went on without the next-turn entry it extends (still computing)")
 
-    async def _compute(self, ctx, target, ns: str, session, render, stored: list[int], pending: _Pending) -> None:
+    async def _compute(self, ctx, job: "_Job", render, stored: list[int], pending: _Pending) -> None:
         try:
             tokens = await run_in_threadpool(render)
             parts = _common(tokens, stored) if tokens is not None else len(stored)
             self.replies += 1
             # only a rendering that parts inside the stored entry (or has none): one that extends it is served by it
             # already (a template that renders the reply as the model wrote it: nothing to do, the common case)
-            if tokens and (parts < len(stored) or not stored) and len(tokens) < target.slot.context_length:
+            if tokens and (parts < len(stored) or not stored) and len(tokens) < job.target.slot.context_length:
                 pending.tokens, pending.base = tokens, parts
                 pending.rendered.set()
                 self.tokens += len(tokens) - parts
-                await self._run(ctx, target, ns, session, tokens)
+                await self._run(ctx, job, tokens)
         except APIError as exc:  # the lane refused it (a full queue, a shutdown): the next turn computes it
             log.info("no next-turn cache entry: %s", exc)
         except Exception:  # an optimisation: never fail anything for it
@@ -163,13 +183,13 @@ class NextTurns:
         finally:
             pending.rendered.set()
             pending.done.set()
-            waiting = self._pending.get(ns, [])
+            waiting = self._pending.get(job.ns, [])
             if pending in waiting:
                 waiting.remove(pending)
             if not waiting:
-                self._pending.pop(ns, None)
+                self._pending.pop(job.ns, None)
 
-    async def _run(self, ctx, target, ns: str, session, tokens: list[int]) -> None:
+    async def _run(self, ctx, job: "_Job", tokens: list[int]) -> None:
         """Compute ``tokens`` on the lane as a job of its own (one greedy step past them), and wait for its end."""
         loop = asyncio.get_running_loop()
         ended = loop.create_future()
@@ -178,10 +198,10 @@ class NextTurns:
             if isinstance(event, (Finished, Failed)):
                 loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(event))
 
-        seq = Sequence(prompt=tokens, params=SamplingParams(max_tokens=1, temperature=0.0, num_draft_tokens=0),
-                       sink=sink, target=target, session=session, ns=ns, id="next-turn-" + uuid.uuid4().hex[:12])
+        seq = Sequence(prompt=tokens, params=job.params, sink=sink, target=job.target, session=job.session,
+                       ns=job.ns, id="next-turn-" + uuid.uuid4().hex[:12])
         try:
-            ctx.prompt_cache.prefetch(tokens, ns, session)  # an SSD-cached part starts loading now
+            ctx.prompt_cache.prefetch(tokens, job.ns, job.session)  # an SSD-cached part starts loading now
         except Exception:  # noqa: BLE001 - an optimisation
             log.exception("prefetch failed")
         ctx.lane.submit(seq)

@@ -115,9 +115,7 @@ async def compact(request: Request):
         state.responses.put(obj["id"], StoredResponse(response=obj, history=compacted))
         if state.core.next_turns is not None and target.lease is None:  # the next turn's opening, cached now
             after = body.model_copy(update={"input": list(compacted), "previous_response_id": None})
-            state.core.next_turns.prefill(state.core, target,
-                                          dataclasses.replace(responses_request(after, session=session), target=target),
-                                          gen.run.seq.ns, session)
+            state.core.next_turns.prefill(state.core, gen, responses_request(after, session=session))
     finally:
         target.release()
     return json_response(obj, headers={"X-Request-Id": gen.id})
