@@ -12,8 +12,9 @@ parts; this module makes the entry the next turn will extend.
 ``NextTurns.finished(...)`` (called by the generation core when a chat reply ends, before its last event reaches the
 client) renders the conversation with the reply as every door carries it back (``next_turn_tokens``: its thinking
 included, server.core.template_input) up to the opening of the message that follows (the user's, or a tool result's
-after calls). When that does not extend the stored entry (it parts from it before the entry's end), it is computed
-as a job of its own on the lane (the rest of the rendering prefilled over the cached part, one greedy
+after calls). When that does not extend the stored entry (it parts from it before the entry's end) and the next turn
+would compute at least ``MIN_GAIN`` tokens of it again, it is computed as a job of its own on the lane (an internal
+sequence: not counted among the requests served) (the rest of the rendering prefilled over the cached part, one greedy
 decode step, its own entry under the request's namespace and session), in the time the client spends reading the
 reply or running its tools. A request of the same namespace whose prompt extends such a pending rendering past
 where it parted waits for it (``NextTurns.ready``), so the tokens it finds cached never depend on timing.
@@ -45,6 +46,8 @@ __all__ = ["NextTurns", "next_turn_tokens", "continuation_tokens"]
 
 log = logging.getLogger("mlx_lane.next_turn")
 
+MIN_GAIN = 8  # fewer tokens than this saved on the next turn: a job of its own costs more (a stop string the reply
+# leaves out, a tool call a template does not render: the next turn recomputes a few tokens of its own anyway)
 WAIT_S = 120.0  # the longest a request waits for a pending rendering (a job stuck behind a long queue is skipped)
 _FOLLOW = ("Go on.", "Next?")  # two follow-up texts that differ from their first character
 
@@ -146,7 +149,17 @@ class NextTurns:
         pending = _Pending(base=len(stored))
         self._pending.setdefault(seq.ns, []).append(pending)
         job = _Job(gen.target, params, seq.ns, seq.session)
-        asyncio.ensure_future(self._compute(ctx, job, render, stored, pending))
+        asyncio.ensure_future(self._compute(ctx, job, render, stored, pending, len(gen.prompt) if stored else 0))
+
+    async def settle(self, timeout: float = WAIT_S) -> None:
+        """Wait until no rendering or job is pending (at most ``timeout``): what ``/admin/cache/clear`` does first, so
+        that no job's entry lands after the clear."""
+        pending = [p.done.wait() for waiting in self._pending.values() for p in waiting]
+        if pending:
+            try:
+                await asyncio.wait_for(asyncio.gather(*pending), timeout)
+            except asyncio.TimeoutError:
+                log.warning("next-turn jobs still running after %.0fs", timeout)
 
     def stats(self) -> dict:
         """The ``next_turn`` block of /stats."""
@@ -164,14 +177,22 @@ class NextTurns:
             except asyncio.TimeoutError:
                 log.warning("a request went on without the next-turn entry it extends (still computing)")
 
-    async def _compute(self, ctx, job: "_Job", render, stored: list[int], pending: _Pending) -> None:
+    @staticmethod
+    def _reuse(job: "_Job", parts: int, prompt_len: int) -> int:
+        """What the next turn would find cached without the job: up to where it parts from the stored entry, or for a
+        model whose caches cannot be cut back, from a checkpoint at most at the prompt's end."""
+        return min(parts, max(prompt_len - 1, 0)) if job.target.slot.needs_checkpoints else parts
+
+    async def _compute(self, ctx, job: "_Job", render, stored: list[int], pending: _Pending,
+                       prompt_len: int = 0) -> None:
         try:
             tokens = await run_in_threadpool(render)
             parts = _common(tokens, stored) if tokens is not None else len(stored)
             self.replies += 1
             # only a rendering that parts inside the stored entry (or has none): one that extends it is served by it
             # already (a template that renders the reply as the model wrote it: nothing to do, the common case)
-            if tokens and (parts < len(stored) or not stored) and len(tokens) < job.target.slot.context_length:
+            if tokens and (parts < len(stored) or not stored) and len(tokens) < job.target.slot.context_length \
+                    and len(tokens) - self._reuse(job, parts, prompt_len) >= MIN_GAIN:
                 pending.tokens, pending.base = tokens, parts
                 pending.rendered.set()
                 self.tokens += len(tokens) - parts
@@ -199,7 +220,7 @@ class NextTurns:
                 loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(event))
 
         seq = Sequence(prompt=tokens, params=job.params, sink=sink, target=job.target, session=job.session,
-                       ns=job.ns, id="next-turn-" + uuid.uuid4().hex[:12])
+                       ns=job.ns, id="next-turn-" + uuid.uuid4().hex[:12], internal=True)
         try:
             ctx.prompt_cache.prefetch(tokens, job.ns, job.session)  # an SSD-cached part starts loading now
         except Exception:  # noqa: BLE001 - an optimisation

@@ -55,7 +55,10 @@ async def responses_socket(ws: WebSocket):
     state = ws.app.state.lane_state
     refused = connection_refusal(state, ws)
     if refused is not None:
-        await ws.send_denial_response(error_response(ws, refused))
+        try:
+            await ws.send_denial_response(error_response(ws, refused))  # the HTTP error, in OpenAI's shape
+        except RuntimeError:  # a server without the ASGI denial-response extension: a bare 403
+            await ws.close(code=1008)
         return
     await ws.accept()
     await _Connection(state, ws).serve()
@@ -104,8 +107,8 @@ class _Connection:
         try:
             while (text := await self.inbox.get()) is not None:
                 await self._one(text)
-        except WebSocketDisconnect:
-            pass
+        except (WebSocketDisconnect, RuntimeError) as exc:  # sending to a client that left
+            log.debug("websocket closed while sending: %s", exc)
         finally:
             reader.cancel()
             if self.ws.application_state == WebSocketState.CONNECTED and not self.closed.is_set():
