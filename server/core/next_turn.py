@@ -13,10 +13,10 @@ parts; this module makes the entry the next turn will extend.
 client) renders the conversation with the reply as every door carries it back (``next_turn_tokens``: its thinking
 included, server.core.template_input) up to the opening of the message that follows (the user's, or a tool result's
 after calls). When that does not extend the stored entry (it parts from it before the entry's end) and the next turn
-would compute at least ``MIN_GAIN`` tokens of it again, it is computed as a job of its own on the lane (an internal
-sequence: not counted among the requests served) (the rest of the rendering prefilled over the cached part, one greedy
-decode step, its own entry under the request's namespace and session), in the time the client spends reading the
-reply or running its tools. A request of the same namespace whose prompt extends such a pending rendering past
+would compute at least ``MIN_GAIN`` tokens of it again, it is computed as a job of its own on the lane: an internal
+sequence (not counted among the requests served) that prefills the rest of the rendering over the cached part and
+decodes one greedy token, its entry put under the request's namespace and session, in the time the client spends
+reading the reply or running its tools. A request of the same namespace whose prompt extends such a pending rendering past
 where it parted waits for it (``NextTurns.ready``), so the tokens it finds cached never depend on timing.
 
 ``NextTurns.prefill(...)`` does the same for a conversation without a reply: a compacted one
