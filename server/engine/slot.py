@@ -21,6 +21,7 @@ from models.attention.cpu import routes as routes_cpu_attention
 from models.kernels import kernel_path
 from server.engine.batch.choose import CacheFacts
 from server.engine.batch.mlx import can_batch
+from server.engine.batch.ragged_kv import is_window
 from server.engine.kv_layout import quantize_fresh, state_nbytes
 from server.lane.budget import KVPrice
 from spec.rewind import can_rewind
@@ -60,8 +61,10 @@ class ModelSlot:
         self.trimmable = can_rewind(layers)  # drafts can be verified (rejected ones taken back: spec.rewind)
         self.mergeable = can_batch(self.new_caches())  # its rows may join a decode batch
         recurrent = any(isinstance(c, ArraysCache) for c in layers)
-        ragged = kv_bits is None and any(type(c) is KVCache for c in layers) and all(
-            type(c) is KVCache or isinstance(c, ArraysCache) for c in layers)
+        # the ragged layout holds plain and sliding-window attention layers (and recurrent state beside them)
+        attends = [type(c) is KVCache or is_window(c) for c in layers]
+        ragged = kv_bits is None and any(attends) and all(
+            a or isinstance(c, ArraysCache) for a, c in zip(attends, layers))
         self.cache_facts = CacheFacts(plain_kv=self.plain_kv, mergeable=self.mergeable, recurrent=recurrent,
                                       windowed=any(isinstance(c, RotatingKVCache) for c in layers), ragged=ragged)
         # layers whose state the prefix cache keeps at checkpoints (cache.checkpoints): they cannot be cut back
