@@ -18,7 +18,7 @@ the model built says (``tests/unit/test_gpu_attention.py`` holds both layouts' r
 CPU) for one that takes this path only where it applies (a CUDA device, 16-bit q/k/v, head size 64 or 128, grouped
 or plain heads, a batch cache whose ranges are known, a step of at most ``MAX_WIDTH`` tokens) and hands everything
 else to mlx-lm's own: prefill chunks (cuDNN takes those), single sequences (MLX's own vector kernel), quantized KV,
-sinks. ``MLX_LANE_GPU_ATTENTION=mlx`` leaves mlx-lm's path in place (to compare).
+sinks. `--attention mlx` (``configure(on=False)``) leaves mlx-lm's path in place (to compare).
 """
 
 from __future__ import annotations

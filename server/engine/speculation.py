@@ -74,7 +74,7 @@ class SpecTotals:
         self.max_draft = max_draft
         self.requests = 0
         self.total = SpecStats()
-        # verify steps of speculating batches (server.engine.spec_batch): steps, rows over them, tokens
+        # verify steps of speculating batches (server.engine.batch.speculating): steps, rows over them, tokens
         self.batch = dict(steps=0, row_steps=0, drafted=0, accepted=0, emitted=0, handed_to_plain=0)
         self.plain_cannot_rewind = 0  # requests that asked to speculate on a model whose caches cannot rewind
 

@@ -8,7 +8,7 @@ With agents' long conversations that is the KV of the whole batch copied on ever
 extra forward per join on the lane's clock (issue 22's profile: a join cost 1.7-2.4x a step on the H200, 2x on the
 CPU).
 
-Here the rows live in ``server.engine.ragged_kv.RaggedKV``: each row left-aligned in a slot of preallocated
+Here the rows live in ``server.engine.batch.ragged_kv.RaggedKV``: each row left-aligned in a slot of preallocated
 buffers (slots grown by half again, positions by a quarter again), writing at its own end, so rows of different
 lengths need no padding. A join writes the row's KV into a free slot; its next input (the last prompt token, or the
 last generated token of a row that migrates from solo decoding) rides the batch's next forward, which returns its
@@ -16,7 +16,7 @@ first token. A leave copies the leaving row out (the prefix cache keeps it) and 
 
 A step is what ``GenerationBatch._step`` computes, in its order (so the tokens are the same for the same logits):
 one forward, the rows' logits rules (bias, penalties over each row's own token history, grammar masks: in a few
-operations for all rows that have them, ``server.engine.batch_logits``), log-softmax, one sampler call for the batch
+operations for all rows that have them, ``server.engine.batch.rules``), log-softmax, one sampler call for the batch
 when every row shares one (greedy, or requests with the same unseeded settings), otherwise one per sampler
 (``server.engine.sampling.sample_rows``).
 

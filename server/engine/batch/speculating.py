@@ -14,7 +14,7 @@ distribution given the accepted prefix, drafts are kept while they equal those t
 token (or the one after the last draft) is the row's new pending token. Greedy rows therefore emit what greedy decoding emits; sampled rows follow the
 target distribution exactly (for a deterministic draft, "draw and compare" is the standard acceptance rule:
 the draft survives with probability p(draft), and a rejection yields a draw from p without it). Rows without
-drafts decode one token in the same forward. The KV layout (``server.engine.ragged_kv``) keeps each row's
+drafts decode one token in the same forward. The KV layout (``server.engine.batch.ragged_kv``) keeps each row's
 accepted positions and drops the rest per row, with no copy.
 
 A batch whose drafts stop paying for this layout is dissolved by the engine (``not_paying``): its rows go on in their
@@ -96,7 +96,7 @@ class _Row:
     policy: Any  # spec.adaptive.AdaptiveDraftLength
     max_draft: int
     sampler: Any = None  # None: greedy
-    penalties: Optional[Penalties] = None  # bias and penalties (server.engine.batch_logits)
+    penalties: Optional[Penalties] = None  # bias and penalties (server.engine.batch.rules)
     stats: Optional[SpecStats] = None
     feed: list = field(default_factory=list)  # tokens the source has not heard of yet
     base_stop: Optional[float] = None  # the policy's own break-even (raised to the batch's measured one)
