@@ -49,7 +49,7 @@ class Prefiller:
             self._one(*computing[0])
         for seq, _ in computing:  # a model whose caches cannot be cut back keeps their state at each chunk's end
             work = self._work_of(seq)
-            if work.slot.needs_checkpoints:
+            if work.slot.facts.needs_checkpoints:
                 take_checkpoint(seq, work, work.covered)
         for seq, _ in chunks:
             work = self._work_of(seq)

@@ -29,9 +29,9 @@ def warm_up(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -> None
             mx.eval(model(mx.array([[(i % 1000) + 1 + part for i in range(n)]]), cache=caches))
         for _ in range(4 if gpu else 1):
             mx.eval(model(mx.array([[1]]), cache=caches))
-        kind = choose(layout, slot.cache_facts, speculating=False)
+        kind = choose(layout, slot.facts.caches, speculating=False)
         if kind != BatchKind.SOLO:
-            batch = make(kind, model, layout, stream, slot.cache_facts)
+            batch = make(kind, model, layout, stream, slot.facts.caches)
             rows = []
             for n in (3, 5):
                 c = slot.new_caches()

@@ -20,7 +20,7 @@ Only the lane thread touches a batch.
 
 from __future__ import annotations
 
-from typing import ClassVar, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, StopSequences, _merge_caches
@@ -58,6 +58,10 @@ class MlxBatch:
     def sequences(self) -> list:
         return list(self._rows)
 
+    @property
+    def paying(self) -> bool:
+        return True
+
     def kv_nbytes(self) -> int:
         """Bytes of the batch's KV (``BatchKVCache`` left-pads every row to the longest and grows in steps)."""
         return sum(_cache_nbytes(c) for c in (self._gen.prompt_cache or []))
@@ -94,8 +98,9 @@ class MlxBatch:
         self.row_steps += len(self._rows)
         return [Emitted(seq, r.token, r.logprobs) for seq, r in zip(self._rows, responses)]
 
-    def remove(self, seqs: Sequence) -> list[Covered]:
-        """Take these rows out, in the order given."""
+    def remove(self, seqs: Sequence, kept: Optional[Sequence[int]] = None) -> list[Covered]:
+        """Take these rows out, in the order given (``kept`` changes nothing: a row makes one token per step, and a
+        stop ends it before the next)."""
         index = {id(s): i for i, s in enumerate(self._rows)}
         out = []
         for seq in seqs:
