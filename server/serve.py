@@ -76,6 +76,7 @@ def build_state(cfg: ServerConfig):
     from server.startup import TIMELINE
 
     _configure_kernels(cfg)
+    _check_mlx_lm()
     flags = parse_model_flags(cfg.model)
     group = _group(cfg, flags)
     TIMELINE.mark("mlx and the process group")
@@ -153,6 +154,19 @@ def build_state(cfg: ServerConfig):
         keep_billing_header=cfg.keep_billing_header,
         distributed=group.describe() if group is not None else None,
     )
+
+
+def _check_mlx_lm() -> None:
+    """Warn when the installed mlx-lm lacks a private name mlx-lane relies on (models.mlx_compat)."""
+    import mlx_lm
+
+    from models.mlx_compat import missing
+
+    gone = missing()
+    if gone:
+        log.warning("mlx-lm %s lacks %s, which mlx-lane relies on (tested with mlx-lm 0.32): the requests that need "
+                    "them will fail; install mlx-lm 0.32 (pip install 'mlx-lm==0.32.*') or a newer mlx-lane",
+                    getattr(mlx_lm, "__version__", "?"), ", ".join(gone))
 
 
 def _adapters(cfg: ServerConfig, loaded):

@@ -28,6 +28,7 @@ from typing import Optional
 import mlx.core as mx
 
 from models.hook import switch
+from models.mlx_compat import batch_index, right_padding
 
 __all__ = ["install", "row_ranges", "ranged_attention", "reference_attention", "MAX_WIDTH", "SPLIT"]
 
@@ -335,9 +336,9 @@ def row_ranges(cache, width: int) -> Optional[tuple[mx.array, mx.array]]:
         return ranges(width)
     from mlx_lm.models.cache import BatchKVCache
 
-    if type(cache) is BatchKVCache and getattr(cache, "_right_padding", None) is None:
+    if type(cache) is BatchKVCache and right_padding(cache) is None:
         B = cache.left_padding.shape[0]
-        last = mx.full((B,), cache._idx - width, dtype=mx.int32)
+        last = mx.full((B,), batch_index(cache) - width, dtype=mx.int32)
         return cache.left_padding.astype(mx.int32), last
     return None
 

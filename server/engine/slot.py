@@ -20,6 +20,7 @@ from models.attention import attention_path
 from models.attention.cpu import routes as routes_cpu_attention
 from models.facts import CacheFacts, ModelFacts
 from models.kernels import kernel_path
+from models.mlx_compat import keep_leading_space as keep_leading_space_of
 from server.engine.batch.mlx import can_batch
 from server.engine.kv_layout import quantize_fresh, state_nbytes
 from server.lane.budget import KVPrice
@@ -117,10 +118,7 @@ class ModelSlot:
         prompt + text reads as the model wrote it."""
         detokenizer = self.tokenizer.detokenizer
         if keep_leading_space:
-            if hasattr(detokenizer, "trim_space"):  # SPMStreamingDetokenizer
-                detokenizer.trim_space = False
-            elif hasattr(detokenizer, "_maybe_trim_space"):  # BPEStreamingDetokenizer trims when no text came yet
-                detokenizer._maybe_trim_space = _untrimmed
+            keep_leading_space_of(detokenizer)
         return detokenizer
 
     def decode_one(self, token: int) -> str:
@@ -130,7 +128,3 @@ class ModelSlot:
         """Forget the weights (unloaded); running sequences keep their own reference."""
         self.model = None
         self.loaded = None
-
-
-def _untrimmed(text: str) -> str:
-    return text
