@@ -20,11 +20,12 @@ PYTEST_ARGS ?=
 TORCH_SPEC ?= torch==2.13.0
 ACCELERATE_SPEC ?= accelerate==1.15.0
 
-.PHONY: serve test venv blas browser haproxy model test-deps cluster bench soak clean help docker docker-test
+.PHONY: serve test typecheck venv blas browser haproxy model test-deps cluster bench soak clean help docker docker-test
 
 help:
 	@echo "make serve       - create .venv, install, get + convert the default model, serve on $(HOST):$(PORT)"
-	@echo "make test        - run the whole test suite (installs what it needs)"
+	@echo "make test        - the type checker, then the whole test suite (installs what it needs)"
+	@echo "make typecheck   - the type checker alone (mypy over server/, cache/, models/, spec/)"
 	@echo "make cluster     - REPLICAS (default 2) replicas behind HAProxy on $(HOST):$(PORT), sharing one SSD cache"
 	@echo "make bench       - run the CPU benchmarks and rewrite BENCHMARKS.md"
 	@echo "make browser     - install Chromium (apt, as root) for the dashboard's browser tests (make test does it)"
@@ -115,7 +116,11 @@ cluster: venv blas model haproxy
 	$(BIN)/python deploy/cluster.py --replicas $(REPLICAS) --host $(HOST) --port $(PORT) --base-port $$(($(PORT) + 1)) \
 		$(if $(SSD_CACHE),--ssd-cache $(SSD_CACHE)) -- $(ARGS)
 
-test: venv blas browser haproxy model test-deps
+# The type checker first (mypy, [tool.mypy] in pyproject.toml: its cache in .mypy_cache), then the suite.
+typecheck: venv
+	$(BIN)/python -m mypy
+
+test: venv blas browser haproxy model test-deps typecheck
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # CPU benchmarks, each alternated against its peers in one run; each script writes its JSON (with a preflight of

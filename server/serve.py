@@ -360,7 +360,7 @@ def _speculation(cfg: ServerConfig, loaded):
             raise ModelLoadError(f"draft model {cfg.draft_model!r} cannot serve {loaded.model_id}: {exc}") from exc
         default_n = 4
     else:
-        provider = NgramProvider()
+        provider = NgramProvider()  # type: ignore[assignment]  # either kind of spec.source.DraftProvider
         default_n = 8
     n = cfg.num_draft_tokens if cfg.num_draft_tokens is not None else default_n
     if n < 1:
@@ -445,7 +445,7 @@ def serve(args: argparse.Namespace) -> int:
         log.info("dashboard: http://%s:%d/", "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host, cfg.port)
     config = uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-        timeout_graceful_shutdown=cfg.shutdown_timeout + _CUT_GRACE_S, access_log=cfg.log_level == "debug",
+        timeout_graceful_shutdown=cfg.shutdown_timeout + _CUT_GRACE_S,  # type: ignore[arg-type]  # uvicorn takes s access_log=cfg.log_level == "debug",
     )
     GracefulServer(config, state.lane, cfg.shutdown_timeout).run()
     if state.ssd is not None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from models.facts import ModelFacts
 from spec import SpecStats, speculative_decode
+from spec.adaptive import DraftPolicy
 
 __all__ = ["Speculation", "SpecPlan", "SpecTotals", "speculative_decode"]
 
@@ -23,10 +24,10 @@ __all__ = ["Speculation", "SpecPlan", "SpecTotals", "speculative_decode"]
 class SpecPlan:
     """One request's speculative setup; ``source`` is None when it decodes plainly."""
 
-    source: object = None
+    source: Any = None  # spec.source.DraftSource
     num_draft_tokens: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
-    policy: object = None  # the draft-length policy of its batch rows (kept across batch joins)
+    policy: Optional[DraftPolicy] = None  # the draft-length policy of its batch rows (kept across batch joins)
 
 
 class Speculation:
@@ -108,7 +109,7 @@ class SpecTotals:
             d.update({"enabled": self.kind is not None, "kind": self.kind, "num_draft_tokens": self.max_draft,
                       "requests": self.requests,
                       "plain_cannot_rewind": self.plain_cannot_rewind + d.get("cannot_rewind", 0)})
-            b = dict(self.batch)
+            b: dict[str, Any] = dict(self.batch)
             b["mean_rows"] = round(b["row_steps"] / b["steps"], 3) if b["steps"] else None
             b["acceptance_rate"] = round(b["accepted"] / b["drafted"], 4) if b["drafted"] else None
             b["tokens_per_row_step"] = round(b["emitted"] / b["row_steps"], 3) if b["row_steps"] else None

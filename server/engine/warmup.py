@@ -67,6 +67,7 @@ def check_kv_quantization(slot: ModelSlot) -> None:
         # model whose attention cannot read mlx-lm's quantized cache (MLA: AttributeError on its (data, scales) tuple)
         first = (str(exc).splitlines() or [""])[0][:200].rstrip(".")
         raise ModelLoadError(
-            f"--kv-bits {slot.kv_bits} is not supported for this model by mlx {mx.__version__} / mlx-lm on this "
+            f"--kv-bits {slot.kv_bits} is not supported for this model by mlx {getattr(mx, '__version__', '?')} / "
+            f"mlx-lm on this "
             f"device ({mx.default_device()}): {type(exc).__name__}: {first}. Start without --kv-bits "
             "(the KV cache then stays in the model's dtype).") from exc

@@ -45,7 +45,7 @@ class GroupKey:
         return [self.model, self.adapter, self.speculating]
 
     @classmethod
-    def from_wire(cls, value) -> "GroupKey":
+    def from_wire(cls, value: Sequence[Any]) -> "GroupKey":
         model, adapter, speculating = value
         return cls(model, adapter, bool(speculating))
 

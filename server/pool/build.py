@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+from typing import Optional
+
 from server.config import ServerConfig
 
 log = logging.getLogger("mlx_lane")
@@ -56,7 +58,7 @@ def model_alias_rules(cfg: ServerConfig, pool, flags) -> tuple:
     order given: the first pattern that matches a request's model name wins."""
     from models import ModelLoadError
 
-    rules = []
+    rules: list[tuple[str, Optional[str]]] = []
     for value in cfg.model_alias or ():
         pattern, sep, target = value.partition("=")
         pattern, target = pattern.strip(), target.strip()

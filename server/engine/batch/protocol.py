@@ -29,7 +29,7 @@ kind against this shape (tests/unit/test_batch_protocol.py). Only the lane threa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Hashable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 from typing import Sequence as Seq
 
 from server.engine.batch.rules import LogitsRules
@@ -59,7 +59,7 @@ class RowDraft:
 class Row:
     """One request as a batch takes it in (see the module docstring). ``sampler`` None: greedy."""
 
-    seq: Hashable  # the lane's key of the row: handed back in Emitted, asked for in remove, never read
+    seq: object  # the lane's key of the row: handed back in Emitted, asked for in remove, never read
     caches: list
     history: Seq[int]
     rules: LogitsRules = LogitsRules()
@@ -80,7 +80,7 @@ class RowState:
     generated for it as the engine counts them (at the join what its history holds, then every token a step
     emitted). While it decodes that is what the lane kept: a row that stopped inside a step leaves before the next."""
 
-    key: Hashable
+    key: object
     max_tokens: int
     generated: int
     prompt: int  # its prompt's length (the history at the join, less what was generated)
@@ -103,7 +103,7 @@ class RowList:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def __contains__(self, seq) -> bool:
+    def __contains__(self, seq: object) -> bool:
         return any(r.seq is seq for r in self._rows)
 
     @property

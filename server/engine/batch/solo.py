@@ -20,7 +20,7 @@ request ended on its first token (feeding it would cost a forward nobody needs).
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
+from typing import Any, Callable, ClassVar, Generator, Iterator, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -49,7 +49,7 @@ class PlainDecode:
         self.stream = stream
         self.pipelined = pipelined
         self.fed_generated = 0
-        self._rest = None
+        self._rest: Optional[Generator[tuple[Any, mx.array], None, None]] = None
         self._yielded = 0
 
     def __iter__(self) -> Iterator[tuple[int, mx.array]]:
@@ -71,7 +71,7 @@ class PlainDecode:
         for token, lp in self._rest:
             self._yielded += 1
             self.fed_generated = self._yielded  # generate_step feeds each token before yielding it
-            yield token, lp
+            yield int(token), lp
         self.fed_generated = self._yielded
 
     def _one_at_a_time(self, first: int) -> Iterator[tuple[int, mx.array]]:
@@ -92,7 +92,7 @@ class PlainDecode:
             yield generated[-1], logprobs.squeeze(0)
 
     def _first_token(self) -> tuple[int, mx.array]:
-        last = mx.array(self.prompt[-1:])
+        last = mx.array(list(self.prompt[-1:]))
         logits = self.model(last[None], cache=self.caches)[:, -1, :]
         for proc in self.processors_for(list(self.prompt[:-1])):
             logits = proc(last, logits)
@@ -123,7 +123,7 @@ class SoloBatch:
         self._state: Optional[RowState] = None  # the row's account (its limit, what it generated)
         self._emitted: list[int] = []  # the tokens its steps emitted since the join
         self._decoder: Any = None  # PlainDecode, or the speculative generator
-        self._steps: Optional[Iterator] = None
+        self._steps: Optional[Generator] = None  # the decoder's iteration
 
     def __len__(self) -> int:
         return int(self._row is not None)
@@ -161,6 +161,8 @@ class SoloBatch:
             if self._decoder is None:
                 self._decoder = self._open(row, state)
                 self._steps = iter(self._decoder)
+            if self._steps is None:
+                return []
             try:
                 token, logprobs, *_ = next(self._steps)  # speculative steps also say whether it was drafted
             except StopIteration:

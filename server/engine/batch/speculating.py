@@ -207,7 +207,7 @@ class SpeculatingBatch(RowList):
             return []
         t0 = time.perf_counter()
         if self.cost.probe():  # a plain step now and then: what a drafted token costs is measured against it
-            drafts = [[] for _ in self._rows]
+            drafts: list[list[int]] = [[] for _ in self._rows]
         else:
             pays = self.cost.break_even()
             for r in self._rows:  # a row whose recent acceptance is below what a drafted token costs pauses
@@ -227,7 +227,9 @@ class SpeculatingBatch(RowList):
         mx.eval(token_rows, lp_rows)
         picked = [t.tolist() for t in token_rows]
         self.cost.observe(len(self._rows), len(self._rows) * (width - 1), time.perf_counter() - t0)
-        rows_out, kept, batched_commits = [], [], []
+        rows_out: list[Emitted] = []
+        kept: list[int] = []
+        batched_commits: list[tuple[Any, list[int], int]] = []
         for i, (row, d) in enumerate(zip(self._rows, drafts)):
             tokens = picked[i]
             a = accept(d, tokens)
@@ -317,7 +319,7 @@ class SpeculatingBatch(RowList):
     def _drafts(self, ns: list) -> list:
         """Each row's draft of up to ns[i] tokens: the two-model rows' in batched forwards of the draft model (every
         such row hears its feed, drafting or not), the others from their own source."""
-        drafts = [[] for _ in self._rows]
+        drafts: list[list[int]] = [[] for _ in self._rows]
         together = [i for i, r in enumerate(self._rows) if self._drafter is not None and r.source in self._drafter]
         if together:
             got = self._drafter.draft([(self._rows[i].source, self._rows[i].feed, ns[i]) for i in together])
