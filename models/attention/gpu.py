@@ -21,7 +21,7 @@ the merge's softmax.
 CPU) for one that takes this path only where it applies (a CUDA device, 16-bit q/k/v, head size 64 or 128, grouped
 or plain heads, a batch cache whose ranges are known, a step of at most ``MAX_WIDTH`` tokens) and hands everything
 else to mlx-lm's own: prefill chunks (cuDNN takes those), single sequences (MLX's own vector kernel), quantized KV,
-mlx-lm's rotating batch caches. `--attention mlx` leaves mlx-lm's path in place (to compare).
+mlx-lm's rotating batch caches. `--attention mlx` (``configure(on=False)``) leaves mlx-lm's path in place (to compare).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Optional
 import mlx.core as mx
 
 from models.hook import switch
+from models.mlx_compat import batch_index, right_padding
 
 __all__ = ["install", "row_ranges", "ranged_attention", "reference_attention", "MAX_WIDTH", "SPLIT"]
 
@@ -365,9 +366,9 @@ def row_ranges(cache, width: int) -> Optional[tuple[mx.array, mx.array]]:
         return ranges(width)
     from mlx_lm.models.cache import BatchKVCache
 
-    if type(cache) is BatchKVCache and getattr(cache, "_right_padding", None) is None:
+    if type(cache) is BatchKVCache and right_padding(cache) is None:
         B = cache.left_padding.shape[0]
-        last = mx.full((B,), cache._idx - width, dtype=mx.int32)
+        last = mx.full((B,), batch_index(cache) - width, dtype=mx.int32)
         return cache.left_padding.astype(mx.int32), last
     return None
 

@@ -244,7 +244,8 @@ class Scheduler:
         solo_only: dict = {}
         for s in ready_now:
             (plain if s.facts.batchable else solo_only).setdefault(s.group, []).append(s)
-        starts, migrating = [], set()
+        starts: list = []
+        migrating: set = set()
         for group in dict.fromkeys([*plain, *solo_only]):
             new = plain.get(group, [])
             others = [s for s in live if s.phase == Phase.SOLO and s.group == group and s.joinable]

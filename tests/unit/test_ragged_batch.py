@@ -219,6 +219,7 @@ def test_window_rows_decode_their_alone_tokens_and_leave_as_mlx_lms_rotating_cac
     ``RotatingKVCache`` holds after the same tokens (its positions in order), so the prefix cache stores it as is."""
     from mlx_lm.generate import generate_step
 
+    from models.mlx_compat import temporal_order
     from tests.fixtures import zoo
 
     model = zoo.build("gpt_oss", 256)
@@ -239,7 +240,7 @@ def test_window_rows_decode_their_alone_tokens_and_leave_as_mlx_lms_rotating_cac
     for ours, theirs in zip(covered.caches, reference):
         assert type(ours) is type(theirs) and ours.offset == theirs.offset
         if hasattr(theirs, "max_size"):  # a window: the same positions, in order
-            k_ours, k_theirs = ours._temporal_order(ours.keys), theirs._temporal_order(theirs.keys)
+            k_ours, k_theirs = temporal_order(ours, ours.keys), temporal_order(theirs, theirs.keys)
             k_theirs = k_theirs[..., -k_ours.shape[2]:, :]
             assert k_ours.shape[2] == min(ours.offset, ours.max_size)
             assert mx.allclose(k_ours, k_theirs, atol=1e-4)

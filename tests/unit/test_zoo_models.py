@@ -178,8 +178,8 @@ def test_the_gpu_layout_prefills_arrivals_together_and_batches_every_row(arch):
         assert list(seq.generated) == want[i], (name, i)
     together = lane.stats.prefill_batches
     # every architecture of the zoo but nemotron_h (its Mamba-2 mixer lets padding into its state) prefills together
-    assert lane.engine.base.prefills_together == (name != "nemotron_h"), name
-    assert together >= (1 if lane.engine.base.prefills_together else 0), (name, together)
+    assert lane.engine.base.facts.prefills_together == (name != "nemotron_h"), name
+    assert together >= (1 if lane.engine.base.facts.prefills_together else 0), (name, together)
     if zoo.FAMILY[name] == "window":
         assert together >= 1 and max(sizes) >= 3, (name, together, sizes)
     assert max(sizes) >= 3, (name, sizes)  # every kind decoded together, in the pipelined ragged batch
@@ -196,7 +196,7 @@ def test_the_gpu_layout_prefills_arrivals_together_and_batches_every_row(arch):
     for i, (seq, events) in enumerate(turns):
         assert finished(events).cached_tokens > 16, (name, i)
         assert list(seq.generated) == want[i], (name, i)
-    if zoo.FAMILY[name] == "hybrid" and lane.engine.base.prefills_together:
+    if zoo.FAMILY[name] == "hybrid" and lane.engine.base.facts.prefills_together:
         assert lane.stats.prefill_batches > before, name
 
 
@@ -250,9 +250,9 @@ def test_speculation_gives_plain_greedy_tokens_and_verifies_drafts(arch, kind):
         provider = NgramProvider()
     else:  # a smaller draft of the same vocabulary: a tiny llama
         provider = TwoModelProvider(model, zoo.build("llama", VOCAB, seed=7), identity="draft:llama")
-    speculation = Speculation(provider, model, num_draft_tokens=4, kind=kind)
-    assert speculation.supported, name  # every zoo architecture can take back a rejected draft
+    speculation = Speculation(provider, num_draft_tokens=4, kind=kind)
     lane = lane_of(model, speculation=speculation)
+    assert speculation.supports(lane.engine.base.facts), name  # every zoo architecture can take back a rejected draft
     drafted = 0
     for prompt in (REPEATING, TURN1):
         got, done = run(lane, prompt, n=16)

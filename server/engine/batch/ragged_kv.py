@@ -44,12 +44,13 @@ a RaggedKV.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from models.attention.shared_prefix import SharedPrefixKVCache
+from models.mlx_compat import set_ring_index, temporal_order
 
 __all__ = ["RaggedKV", "holds_kv"]
 
@@ -76,7 +77,7 @@ def window_of(cache) -> int:
 def _ordered(cache) -> tuple[mx.array, mx.array]:
     """A layer's keys and values in the order of their positions (a wrapped window's buffer is rotated)."""
     if is_window(cache):
-        return cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+        return temporal_order(cache, cache.keys), temporal_order(cache, cache.values)
     return cache.keys, cache.values
 
 
@@ -166,10 +167,11 @@ class RaggedKV:
         n = self.lengths[i]
         out = []
         for layer, window in enumerate(self.windows):
+            c: Any
             if window:  # its last `window` positions, in order: mlx-lm's own state after the same tokens
                 lo = max(0, n - window)
                 c = RotatingKVCache(max_size=window, keep=0)
-                c._idx = n - lo
+                set_ring_index(c, n - lo)
             else:
                 lo, c = 0, KVCache()
             c.keys = mx.contiguous(self._keys[layer][i: i + 1, :, lo:n, :])
