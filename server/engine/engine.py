@@ -134,7 +134,10 @@ class Engine:
                         prefill_together=(not placed.drafting and facts.prefills_together and slot.base
                                           and target.adapter is None
                                           and seq.media is None),  # images: embeddings, one forward each
-                        together_after_hits=facts.caches.recurrent,
+                        # a GPU copies a cached prefix in and out of a batched forward in a few ms (the H200's
+                        # gpt-oss cold prompts gathered only their first chunks and lost to mlx_lm.server 1.17x, the
+                        # hybrid's gathered every chunk and won 3x); on the CPU only a hybrid's per-token cost pays
+                        together_after_hits=facts.caches.recurrent or layout.gpu,
                         window=facts.window, batch_kind=str(kind),
                         moves=moves(kind, facts.caches, layout), joins=joins(kind, facts.caches),
                         drafting=placed.drafting, solo_ahead=solo_pipelined(layout, facts.caches))
