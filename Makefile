@@ -20,11 +20,12 @@ PYTEST_ARGS ?=
 TORCH_SPEC ?= torch==2.13.0
 ACCELERATE_SPEC ?= accelerate==1.15.0
 
-.PHONY: serve test venv blas browser haproxy model test-deps cluster bench soak clean help docker docker-test
+.PHONY: serve test test-suite typecheck venv blas browser haproxy model test-deps cluster bench soak clean help docker docker-test
 
 help:
 	@echo "make serve       - create .venv, install, get + convert the default model, serve on $(HOST):$(PORT)"
-	@echo "make test        - run the whole test suite (installs what it needs)"
+	@echo "make test        - the type checker, then the whole test suite (installs what it needs; TEST_WORKERS=2 processes)"
+	@echo "make typecheck   - the type checker alone (mypy over server/, cache/, models/, spec/)"
 	@echo "make cluster     - REPLICAS (default 2) replicas behind HAProxy on $(HOST):$(PORT), sharing one SSD cache"
 	@echo "make bench       - run the CPU benchmarks and rewrite BENCHMARKS.md"
 	@echo "make browser     - install Chromium (apt, as root) for the dashboard's browser tests (make test does it)"
@@ -115,8 +116,20 @@ cluster: venv blas model haproxy
 	$(BIN)/python deploy/cluster.py --replicas $(REPLICAS) --host $(HOST) --port $(PORT) --base-port $$(($(PORT) + 1)) \
 		$(if $(SSD_CACHE),--ssd-cache $(SSD_CACHE)) -- $(ARGS)
 
-test: venv blas browser haproxy model test-deps
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+# The type checker first (mypy, [tool.mypy] in pyproject.toml: its cache in .mypy_cache), then the suite in
+# TEST_WORKERS pytest-xdist processes (0: one process), a test file per worker at a time: the module-scoped live
+# servers start once, and each test server takes its own free port and temporary folders. The last line says how long
+# the whole of `make test` took, the setup included.
+TEST_WORKERS ?= 2
+test:
+	@start=$$(date +%s); $(MAKE) --no-print-directory test-suite; rc=$$?; \
+		echo "make test: exit $$rc after $$(( $$(date +%s) - start )) s (setup included)"; exit $$rc
+
+typecheck: venv
+	$(BIN)/python -m mypy
+
+test-suite: venv blas browser haproxy model test-deps typecheck
+	$(BIN)/python -m pytest -q -ra $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # CPU benchmarks, each alternated against its peers in one run; each script writes its JSON (with a preflight of
 # the machine's load, memory and busiest processes) into bench/results/, then report.py regenerates the

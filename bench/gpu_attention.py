@@ -5,8 +5,9 @@ decode time, so it runs the unfused fallback).
 Three parts, in-process, random data / a random Llama-3-8B-shaped bf16 model (bench/gpu_write_cost.build):
 
   check    the kernel against a float32 masked reference (``models.attention.gpu.reference_attention``) for several
-           shapes: grouped heads (32 over 8, 9 over 3), head sizes 128 and 64, widths 1 and 5 (a verify step),
-           rows of very different lengths, left-padded rows; max |difference| per shape (bf16 output: <= 0.02)
+           shapes: grouped heads (32 over 8, 9 over 3, 64 over 8), head sizes 128 and 64, widths 1 and 5 (a verify
+           step), rows of very different lengths, left-padded rows, gpt-oss's 128-token windows and attention sinks;
+           max |difference| per shape (bf16 output: <= 0.02)
   attention  one layer's attention alone, median ms: the kernel vs ``mx.fast.scaled_dot_product_attention`` with
            the batch's bool mask (what every layer runs now) vs the same without a mask over rows of one length
            (MLX's own fused vector kernel: what a batch could cost if MLX had a ragged kernel)
@@ -71,24 +72,30 @@ def qkv(B, H, KV, S, D, W, seed=0):
 
 
 def part_check() -> dict:
-    cases = [  # (B, H, KV, D, W, starts, lasts-or-None (None: S - W for every row))
-        (4, 32, 8, 128, 1, [0, 0, 0, 0], [4999, 17, 2047, 300]),
-        (3, 32, 8, 128, 5, [0, 0, 0], [1000, 1995, 5]),
-        (5, 9, 3, 64, 1, [0, 3, 100, 255, 0], None),
-        (2, 8, 8, 128, 3, [10, 0], None),
-        (16, 32, 8, 128, 1, [0] * 16, [5400 - 37 * r for r in range(16)]),
+    cases = [  # (B, H, KV, D, W, starts, lasts-or-None (None: S - W for every row), window, sinks)
+        (4, 32, 8, 128, 1, [0, 0, 0, 0], [4999, 17, 2047, 300], 0, False),
+        (3, 32, 8, 128, 5, [0, 0, 0], [1000, 1995, 5], 0, False),
+        (5, 9, 3, 64, 1, [0, 3, 100, 255, 0], None, 0, False),
+        (2, 8, 8, 128, 3, [10, 0], None, 0, False),
+        (16, 32, 8, 128, 1, [0] * 16, [5400 - 37 * r for r in range(16)], 0, False),
+        # gpt-oss: 64 heads over 8 of size 64, 128-token windows, sinks; a verify step; rows shorter than the window
+        (16, 64, 8, 64, 1, [0] * 16, [5400 - 37 * r for r in range(16)], 128, True),
+        (4, 64, 8, 64, 5, [0, 0, 0, 0], [4000, 100, 17, 129], 128, True),
+        (4, 64, 8, 64, 1, [0, 0, 0, 0], [4000, 100, 17, 129], 0, True),  # full layers with sinks
     ]
     out = []
-    for B, H, KV, D, W, starts, lasts in cases:
+    for B, H, KV, D, W, starts, lasts, window, with_sinks in cases:
         S = (max(lasts) if lasts else 2048 - W) + W
         if lasts is None:
             lasts = [S - W] * B
         q, k, v = qkv(B, H, KV, S, D, W)
+        sinks = mx.random.normal((H,)).astype(mx.bfloat16) if with_sinks else None
         start, last = mx.array(starts, dtype=mx.int32), mx.array(lasts, dtype=mx.int32)
-        got = ga.ranged_attention(q, k, v, D ** -0.5, start, last).astype(mx.float32)
-        ref = ga.reference_attention(q, k, v, D ** -0.5, start, last).astype(mx.float32)
+        got = ga.ranged_attention(q, k, v, D ** -0.5, start, last, window=window, sinks=sinks).astype(mx.float32)
+        ref = ga.reference_attention(q, k, v, D ** -0.5, start, last, window=window, sinks=sinks).astype(mx.float32)
         err = float(mx.max(mx.abs(got - ref)).item())
-        out.append({"B": B, "H": H, "KV": KV, "D": D, "W": W, "S": S, "max_abs_diff": err, "ok": err <= 0.02})
+        out.append({"B": B, "H": H, "KV": KV, "D": D, "W": W, "S": S, "window": window, "sinks": with_sinks,
+                    "max_abs_diff": err, "ok": err <= 0.02})
         print("check", out[-1], flush=True)
     return {"cases": out, "ok": all(c["ok"] for c in out)}
 

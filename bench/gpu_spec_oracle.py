@@ -167,7 +167,8 @@ def main() -> int:
 
         def spec(sources):
             b, ss = SpeculatingBatch(model), seqs()
-            b.add([Row(s, c, h, draft=RowDraft(src, provider.policy(args.k), args.k, None))
+            b.add([Row(s, c, h, draft=RowDraft(src, provider.policy(args.k), args.k, None),
+                       max_tokens=s.params.max_tokens)
                    for s, c, h, src in zip(ss, row_views(cache, lengths), histories, sources)])
             dt, toks = run(b, ss, args.gen)
             return dt, toks, b

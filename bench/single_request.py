@@ -10,7 +10,13 @@ Every round sends to every server, the order rotating each round:
 Prompt tokens are counted with the default model's tokenizer and chat template (llama.cpp applies the same
 template from the GGUF). Peak RSS (VmHWM) of each server is read when it stops.
 
+First, --startup-rounds rounds of launch to the first answer (issue 45): each server started afresh (the order
+rotating), the seconds until it answers its readiness probe, then a tiny request's time to its first token; the
+sum is what a user waits after launching it. Each runs as installed here (mlx_lm.server with whatever this venv
+holds: `make test` installs torch, which transformers imports when present; ours hides it).
+
     python bench/single_request.py --servers ours,mlx_lm,llama_cpp --rounds 3
+    python bench/single_request.py --servers ours,mlx_lm --rounds 0 --startup-rounds 5   # start-up alone
 """
 
 from __future__ import annotations
@@ -46,12 +52,26 @@ def stream(client, url: str, messages: list[dict], max_tokens: int, logit_bias: 
     return {"ttft_s": first, "decode_tok_s": rate, "completion_tokens": n, "usage": usage}
 
 
+def launch_to_first_answer(server, client) -> dict:
+    """Start ``server`` afresh, wait for its readiness, send a tiny request; stop it. Seconds of each part."""
+    t0 = time.perf_counter()
+    server.start()
+    healthy = time.perf_counter() - t0
+    try:
+        first = stream(client, server.url, [{"role": "user", "content": "Say hi."}], 4)
+    finally:
+        server.stop()
+    return {"healthy_s": round(healthy, 3), "first_ttft_s": round(first["ttft_s"], 3),
+            "first_answer_s": round(healthy + first["ttft_s"], 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default="ours,mlx_lm,llama_cpp")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--startup-rounds", type=int, default=3, help="rounds of launch to the first answer (0: none)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "single_request.json"))
     args = ap.parse_args()
     ensure_blas_here()
@@ -66,10 +86,15 @@ def main() -> None:
     eos = sorted(int(e) for e in (tokenizer.eos_token_ids or []))
     filler = FILLER * (args.prompt_tokens // 30 + 2)
     rows: list[dict] = []
-    for s in servers:
-        s.start()
     pf = preflight()
     client = httpx.Client()
+    startup: dict = {s.name: [] for s in servers}
+    for i in range(args.startup_rounds):
+        for s in servers[i % len(servers):] + servers[:i % len(servers)]:
+            startup[s.name].append(launch_to_first_answer(s, client))
+            print(f"start {i} {s.name:9s} {startup[s.name][-1]}", flush=True)
+    for s in servers:
+        s.start()
     try:
         for s in servers:  # warm-up: kernels, allocator, the server's own first-request costs
             stream(client, s.url, [{"role": "user", "content": "Say hi."}], 4)
@@ -105,16 +130,25 @@ def main() -> None:
         dec = [r["decode_tok_s"] for r in rs if r["decode_tok_s"]]
         summary[s.name] = {
             "label": s.label,
-            "prefill_tok_s": spread(pre),
+            "prefill_tok_s": spread(pre) if pre else None,
             "decode_tok_s": spread(dec) if dec else None,
             "peak_rss_mib": round(s.peak_rss_mib, 1) if s.peak_rss_mib else None,
         }
+    for s in servers:
+        if startup[s.name]:
+            summary[s.name]["first_answer_s"] = spread([r["first_answer_s"] for r in startup[s.name]])
+            summary[s.name]["healthy_s"] = spread([r["healthy_s"] for r in startup[s.name]])
     ratios = {}
     if "ours" in summary:
         for n, v in summary.items():
             if n != "ours":
                 o = summary["ours"]
-                ratios[n] = {"prefill_ours_over_peer": round(o["prefill_tok_s"]["median"] / v["prefill_tok_s"]["median"], 3),
+                if "first_answer_s" in o and "first_answer_s" in v:
+                    ratios.setdefault(n, {})["first_answer_ours_over_peer"] = round(
+                        o["first_answer_s"]["median"] / v["first_answer_s"]["median"], 3)
+                if not rows:
+                    continue
+                ratios[n] = {**ratios.get(n, {}), "prefill_ours_over_peer": round(o["prefill_tok_s"]["median"] / v["prefill_tok_s"]["median"], 3),
                              "decode_ours_over_peer": round(o["decode_tok_s"]["median"] / v["decode_tok_s"]["median"], 3)
                              if o["decode_tok_s"] and v["decode_tok_s"] else None,
                              "peak_rss_ours_over_peer": round(o["peak_rss_mib"] / v["peak_rss_mib"], 3)
@@ -123,7 +157,7 @@ def main() -> None:
               "config": {"servers": {s.name: s.label for s in servers}, "rounds": args.rounds,
                          "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
                          "alternation": "every round sends to every server, order rotated each round"},
-              "summary": summary, "ratios": ratios, "rows": rows}
+              "summary": summary, "ratios": ratios, "rows": rows, "startup": startup}
     write_result(result, args.out)
     import json
 

@@ -10,9 +10,9 @@ keep the recurrent state at some positions instead; so does this module.
 ``Checkpointed(inner, snapshots)`` is one layer of a stored entry: ``inner`` the layer at the entry's end, and
 ``snapshots`` the same layer's state at earlier positions (cache objects of the inner's class, each covering exactly
 that many tokens). ``points`` are the positions it can be cut back to. The entry's reach (cache.prefix) is the
-positions every layer reaches: trimmable layers (a KVCache) any, checkpointed ones their points. ``at(position)``
-hands a taker plain cache objects of the inner's class (fresh handles over the immutable arrays: nothing is
-copied), so a model never sees this class. Snapshots are counted in ``nbytes`` (they live in RAM as long as the
+positions every layer reaches: trimmable layers (a KVCache) any, checkpointed ones their points. A taker gets plain
+cache objects of the inner's class at one of them (``cache.copying.fork(..., unwrap=True)``: fresh handles over the
+immutable arrays, nothing copied), so a model never sees this class. Snapshots are counted in ``nbytes`` (they live in RAM as long as the
 entry) and written to SSD with it (cache.kvfile's ``ckpt`` codec).
 
 Only the prefix cache holds ``Checkpointed`` layers: the engine wraps a sequence's untrimmable layers with the
@@ -45,13 +45,8 @@ class Checkpointed:
         return False  # in mlx-lm's sense (any number of tokens): only to its points
 
     def trim(self, n: int) -> int:
-        raise ValueError("a checkpointed layer is cut back with at(position), to one of its points")
-
-    def at(self, position: int) -> Any:
-        """A plain cache object of the inner's class covering exactly ``position`` tokens (one of ``points``)."""
-        from cache.copying import fork
-
-        return fork([self], trim=self.offset - position, unwrap=True)[0]
+        raise ValueError("a checkpointed layer is cut back for a taker, to one of its points: "
+                         "cache.copying.fork(caches, trim=n, unwrap=True)")
 
     @property
     def nbytes(self) -> int:

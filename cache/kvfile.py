@@ -140,7 +140,8 @@ def _dec_kv(meta: dict, get: Get, depth: int) -> KVCache:
 
 
 def _enc_rot(c: RotatingKVCache, put: Put) -> dict:
-    meta = {"offset": c.offset, "keep": c.keep, "max_size": c.max_size, "idx": c._idx}
+    idx = c.state[-1]  # mlx-lm's public state ends with the ring's write index (no private name: cache stands alone)
+    meta = {"offset": c.offset, "keep": c.keep, "max_size": c.max_size, "idx": idx}
     if c.keys is None:
         return {**meta, "len": 0}
     n = min(c.offset, c.keys.shape[2])  # before the window wraps, only [:offset] is live
@@ -157,7 +158,7 @@ def _dec_rot(meta: dict, get: Get, depth: int) -> RotatingKVCache:
         if n > offset or idx > n:
             raise KVFileError(f"rotating cache len {n}, offset {offset}, idx {idx} are inconsistent")
         c.keys, c.values = _kv_pair(get, n)
-    c.offset, c._idx = offset, idx
+    c.state = (c.keys, c.values, offset, c.keep, c.max_size, idx)  # the public state sets the write index too
     return c
 
 

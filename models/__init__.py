@@ -7,27 +7,40 @@ Public API (everything else is internal)::
     ensure_default_model(progress=True) -> Path;  list_models();  mlx_lane_home()
     ensure_blas(argv=None);  blas_info();  device_name();  default_dtype()
     ModelLoadError (ValueError)
+
+The names are imported when first used (PEP 562), not with this package: ``models.runtime`` must run before mlx-lm
+is imported (it re-executes the process with OpenBLAS preloaded and hides torch from transformers), and a process
+that only converts or lists models never pays for mlx-lm's imports.
 """
 
-from models.loading.default import ensure_default_model, list_models, mlx_lane_home
-from models.errors import ModelLoadError
-from models.loading.gguf import convert_gguf
-from models.loading.load import LoadedModel, load_model
-from models.loading.packaged import PACKAGED_MODELS, ensure_packaged
-from models.runtime import blas_info, default_dtype, device_name, ensure_blas
+from __future__ import annotations
 
-__all__ = [
-    "ModelLoadError",
-    "LoadedModel",
-    "load_model",
-    "convert_gguf",
-    "ensure_default_model",
-    "ensure_packaged",
-    "PACKAGED_MODELS",
-    "list_models",
-    "mlx_lane_home",
-    "ensure_blas",
-    "blas_info",
-    "device_name",
-    "default_dtype",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "ModelLoadError": "models.errors",
+    "LoadedModel": "models.loading.load",
+    "load_model": "models.loading.load",
+    "convert_gguf": "models.loading.gguf",
+    "ensure_default_model": "models.loading.default",
+    "list_models": "models.loading.default",
+    "mlx_lane_home": "models.loading.default",
+    "ensure_packaged": "models.loading.packaged",
+    "PACKAGED_MODELS": "models.loading.packaged",
+    "ensure_blas": "models.runtime",
+    "blas_info": "models.runtime",
+    "device_name": "models.runtime",
+    "default_dtype": "models.runtime",
+}
+
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value  # once
+    return value

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["ensure_blas", "blas_info", "device_name", "default_dtype", "OPENBLAS_CANDIDATES"]
+__all__ = ["ensure_blas", "blas_info", "device_name", "default_dtype", "hide_torch", "OPENBLAS_CANDIDATES"]
 
 OPENBLAS_CANDIDATES: tuple[str, ...] = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -108,3 +108,44 @@ def default_dtype() -> str:
     On the CPU, 16-bit matmuls have no BLAS path and run ~40x slower than float32.
     """
     return "float32" if device_name() == "cpu" else "bfloat16"
+
+
+class _PathFinderWithoutTorch:
+    """Python's path finder, except that the ``torch`` package is not found."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        from importlib.machinery import PathFinder
+
+        if name == "torch" or name.startswith("torch."):
+            return None
+        return PathFinder.find_spec(name, path, target)
+
+    @staticmethod
+    def invalidate_caches():
+        from importlib.machinery import PathFinder
+
+        PathFinder.invalidate_caches()
+
+    @staticmethod
+    def find_distributions(*args, **kwargs):
+        from importlib.machinery import PathFinder
+
+        return PathFinder.find_distributions(*args, **kwargs)
+
+
+def hide_torch() -> bool:
+    """Make ``torch`` unimportable in this process, before anything imports it; returns whether it was hidden now.
+
+    The server never uses torch, but transformers imports it whenever it is installed, while mlx-lm loads a
+    tokenizer: 2.6 s of a 4.2 s import on this 2-core CPU (torch 2.13, CPU build), and most of the 24-36 s that a
+    start spent importing on the H200's image, whose torch is a CUDA build. Machines that run an MLX server often
+    have torch for other work (a GPU image, a dev venv: `make test` installs it for one oracle test). Call it first
+    thing in a server process (server.cli does, unless MLX_LANE_IMPORT_TORCH=1); nothing changes for a process that
+    imported torch already."""
+    from importlib.machinery import PathFinder
+
+    if "torch" in sys.modules or os.environ.get("MLX_LANE_IMPORT_TORCH") == "1":
+        return False
+    sys.meta_path[:] = [_PathFinderWithoutTorch if f is PathFinder else f for f in sys.meta_path]
+    return any(f is _PathFinderWithoutTorch for f in sys.meta_path)

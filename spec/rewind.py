@@ -26,6 +26,8 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
+from models.mlx_compat import ring_index, set_ring_index
+
 __all__ = ["can_rewind", "rewind", "VerifyRewind"]
 
 
@@ -52,13 +54,14 @@ def rewind(caches: Sequence, n: int, fed: int) -> None:
         if c.is_trimmable():
             if c.trim(n) != n:
                 raise ValueError(f"{type(c).__name__} took back fewer than {n} positions")
-        elif isinstance(c, RotatingKVCache) and fed > 1 and c._idx == c.keys.shape[2]:
+        elif isinstance(c, RotatingKVCache) and fed > 1 and ring_index(c) == c.keys.shape[2]:
             # wrapped, in temporal order after the multi-token update: the window before the kept positions is
             # whole (the update kept max_size - 1 older ones); cut the buffer so no stale position survives
-            c.keys = c.keys[..., : c._idx - n, :]
-            c.values = c.values[..., : c._idx - n, :]
+            end = ring_index(c) - n
+            c.keys = c.keys[..., :end, :]
+            c.values = c.values[..., :end, :]
             c.offset -= n
-            c._idx -= n
+            set_ring_index(c, end)
         else:
             raise ValueError(f"{type(c).__name__} cannot take back drafted positions")
 

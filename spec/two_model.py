@@ -178,7 +178,7 @@ class TwoModelSource:
         if n <= 0 or not self._unfed:
             return []
         y = mx.array(self._unfed, mx.uint32)
-        ys = []
+        ys: list[mx.array] = []
         for i in range(n):
             if i:
                 y = ys[-1]

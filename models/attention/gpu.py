@@ -12,13 +12,16 @@ kernel instead: each block takes one row, one KV head, a slice of ``SPLIT`` key 
 head's queries (its query heads x the step's width), reads each key and value once for all of them, and keeps an
 online softmax in float32; a second small kernel merges the slices. Which columns a query sees comes from the cache,
 not from a mask: row b's query i sees columns ``start[b] .. last[b] + i`` (``row_ranges``), exactly what the mask
-the model built says (``tests/unit/test_gpu_attention.py`` holds both layouts' ranges against their masks).
+the model built says (``tests/unit/test_gpu_attention.py`` holds both layouts' ranges against their masks); a
+sliding-window layer of the ragged batch (``attention_window``) narrows that to the last ``window`` columns (no
+slice below the first query's window is read), and gpt-oss's attention sinks (one more logit per head, no value) enter
+the merge's softmax.
 
 ``install(model)`` swaps the attention function in the model's modules (as ``models.attention.cpu`` does on the
 CPU) for one that takes this path only where it applies (a CUDA device, 16-bit q/k/v, head size 64 or 128, grouped
 or plain heads, a batch cache whose ranges are known, a step of at most ``MAX_WIDTH`` tokens) and hands everything
 else to mlx-lm's own: prefill chunks (cuDNN takes those), single sequences (MLX's own vector kernel), quantized KV,
-sinks. ``MLX_LANE_GPU_ATTENTION=mlx`` leaves mlx-lm's path in place (to compare).
+mlx-lm's rotating batch caches. `--attention mlx` (``configure(on=False)``) leaves mlx-lm's path in place (to compare).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Optional
 import mlx.core as mx
 
 from models.hook import switch
+from models.mlx_compat import batch_index, right_padding
 
 __all__ = ["install", "row_ranges", "ranged_attention", "reference_attention", "MAX_WIDTH", "SPLIT"]
 
@@ -61,7 +65,10 @@ _PARTIAL = r"""
   const int row_last = last[b];
   int s0 = split * SPLIT;
   const int s1 = min(s0 + SPLIT, row_last + W);
-  s0 = max(s0, start[b]);
+  // a sliding window of WINDOW keys (0: none): query i sees row_last + i - WINDOW + 1 .. row_last + i, so nothing
+  // below the first query's window is read
+  const int row_start = WINDOW > 0 ? max(start[b], row_last - WINDOW + 1) : start[b];
+  s0 = max(s0, row_start);
   const float scale_log2 = scale[0] * 1.4426950408889634f;
 
   float qv[GC][EPL];
@@ -69,12 +76,14 @@ _PARTIAL = r"""
   float m[GC];
   float l[GC];
   int lim[GC];
+  int low[GC];
 #pragma unroll
   for (int g = 0; g < GC; ++g) {
     const int gg = chunk * GC + g;
     m[g] = -INFINITY;
     l[g] = 0.f;
     lim[g] = -1;
+    low[g] = row_start;
 #pragma unroll
     for (int e = 0; e < EPL; ++e) {
       o[g][e] = 0.f;
@@ -84,6 +93,7 @@ _PARTIAL = r"""
       const int r = gg / W;
       const int qi = gg % W;
       lim[g] = row_last + qi;
+      low[g] = WINDOW > 0 ? max(start[b], row_last + qi - WINDOW + 1) : start[b];
       const T* qp = q + b * q_strides[0] + (hk * REP + r) * q_strides[1] + qi * q_strides[2] + sl * EPL;
 #pragma unroll
       for (int e = 0; e < EPL; ++e) {
@@ -135,7 +145,7 @@ _PARTIAL = r"""
       float mc = m[g];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (tt[u] >= s1 || tt[u] > lim[g]) {
+        if (tt[u] >= s1 || tt[u] > lim[g] || tt[u] < low[g]) {
           s[u][g] = -INFINITY;
         }
         mc = fmaxf(mc, s[u][g]);
@@ -262,7 +272,20 @@ _MERGE = r"""
     acc += os[(long)s * D + d] * f;
     L += ls[s] * f;
   }
+  SINK_TERM
   out[(long)idx * D + d] = static_cast<T>(L > 0.f ? acc / L : 0.f);
+"""
+# gpt-oss's attention sinks: one more logit per query head (natural-log units, like the scaled scores) that takes
+# part of the softmax's mass and adds no value; ``idx / W % Hq`` is the block's query head
+_SINK_TERM = r"""
+  {
+    const int h = (idx / W) % HQ;
+    const float sink2 = static_cast<float>(sinks[h]) * 1.4426950408889634f;
+    const float M2 = fmaxf(M, sink2);
+    const float f = (M == -INFINITY) ? 0.f : exp2f(M - M2);
+    acc *= f;
+    L = L * f + exp2f(sink2 - M2);
+  }
 """
 
 _kernels: dict = {}
@@ -274,19 +297,24 @@ def _kernel(name: str):
             _kernels[name] = mx.fast.cuda_kernel(
                 name="mlx_lane_ranged_attention_partial", input_names=["q", "k", "v", "start", "last", "scale"],
                 output_names=["po", "pm", "pl"], source=_PARTIAL, ensure_row_contiguous=False)
-        else:
+        elif name == "merge":
             _kernels[name] = mx.fast.cuda_kernel(
                 name="mlx_lane_ranged_attention_merge", input_names=["po", "pm", "pl"], output_names=["out"],
-                source=_MERGE, ensure_row_contiguous=True)
+                source=_MERGE.replace("SINK_TERM", ""), ensure_row_contiguous=True)
+        else:  # "merge_sinks"
+            _kernels[name] = mx.fast.cuda_kernel(
+                name="mlx_lane_ranged_attention_merge_sinks", input_names=["po", "pm", "pl", "sinks"],
+                output_names=["out"], source=_MERGE.replace("SINK_TERM", _SINK_TERM), ensure_row_contiguous=True)
     return _kernels[name]
 
 
 def ranged_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, start: mx.array,
-                     last: mx.array) -> mx.array:
+                     last: mx.array, window: int = 0, sinks: Optional[mx.array] = None) -> mx.array:
     """``softmax(q k^T * scale) v`` where row b's query i sees key columns ``start[b] .. last[b] + i`` (both int32,
-    shape (B,)). ``queries`` (B, H, W, D), ``keys``/``values`` (B, KV, S, D) with H a multiple of KV, any strides
-    with the head dimension contiguous (views into a cache's buffers are not copied). The fused CUDA kernel: call it
-    only where ``_applies`` says so."""
+    shape (B,)), and within a sliding ``window`` (> 0) only the last ``window`` of them (``last[b] + i - window + 1``
+    on); ``sinks`` (H,): one more logit per query head in the softmax, with no value (gpt-oss). ``queries`` (B, H,
+    W, D), ``keys``/``values`` (B, KV, S, D) with H a multiple of KV, any strides with the head dimension contiguous
+    (views into a cache's buffers are not copied). The fused CUDA kernel: call it only where ``_applies`` says so."""
     B, H, W, D = queries.shape
     kv, S = keys.shape[1], keys.shape[2]
     rep = H // kv
@@ -296,19 +324,20 @@ def ranged_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     po, pm, pl = _kernel("partial")(
         inputs=[queries, keys, values, start, last, mx.array([scale], dtype=mx.float32)],
         template=[("T", queries.dtype), ("D", D), ("GC", gc), ("W", W), ("REP", rep), ("NCHUNK", chunks),
-                  ("SPLIT", SPLIT), ("U", UNROLL)],
+                  ("SPLIT", SPLIT), ("U", UNROLL), ("WINDOW", int(window))],
         grid=(splits * 128, kv * chunks, B), threadgroup=(128, 1, 1),
         output_shapes=[(B, H, W, splits, D), (B, H, W, splits), (B, H, W, splits)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])
-    (out,) = _kernel("merge")(
-        inputs=[po, pm, pl], template=[("T", queries.dtype), ("D", D)],
+    merge, inputs = ("merge", [po, pm, pl]) if sinks is None else ("merge_sinks", [po, pm, pl, sinks])
+    (out,) = _kernel(merge)(
+        inputs=inputs, template=[("T", queries.dtype), ("D", D), ("W", W), ("HQ", H)],
         grid=(B * H * W * D, 1, 1), threadgroup=(D, 1, 1),
         output_shapes=[(B, H, W, D)], output_dtypes=[queries.dtype])
     return out
 
 
 def reference_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, start: mx.array,
-                        last: mx.array) -> mx.array:
+                        last: mx.array, window: int = 0, sinks: Optional[mx.array] = None) -> mx.array:
     """What ``ranged_attention`` computes, with MLX ops and a mask (float32): the oracle of the tests and of
     ``bench/gpu_attention.py``."""
     B, H, W, D = queries.shape
@@ -316,10 +345,12 @@ def reference_attention(queries: mx.array, keys: mx.array, values: mx.array, sca
     cols = mx.arange(S)[None, None, :]
     lo = start[:, None, None]
     hi = last[:, None, None] + mx.arange(W)[None, :, None]
+    if window > 0:
+        lo = mx.maximum(lo, hi - window + 1)
     mask = ((cols >= lo) & (cols <= hi))[:, None]  # (B, 1, W, S)
     return mx.fast.scaled_dot_product_attention(
         queries.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32), scale=scale,
-        mask=mask).astype(queries.dtype)
+        mask=mask, sinks=None if sinks is None else sinks.astype(mx.float32)).astype(queries.dtype)
 
 
 def row_ranges(cache, width: int) -> Optional[tuple[mx.array, mx.array]]:
@@ -335,15 +366,15 @@ def row_ranges(cache, width: int) -> Optional[tuple[mx.array, mx.array]]:
         return ranges(width)
     from mlx_lm.models.cache import BatchKVCache
 
-    if type(cache) is BatchKVCache and getattr(cache, "_right_padding", None) is None:
+    if type(cache) is BatchKVCache and right_padding(cache) is None:
         B = cache.left_padding.shape[0]
-        last = mx.full((B,), cache._idx - width, dtype=mx.int32)
+        last = mx.full((B,), batch_index(cache) - width, dtype=mx.int32)
         return cache.left_padding.astype(mx.int32), last
     return None
 
 
-def _applies(queries: mx.array, keys: mx.array, values: mx.array, cache, sinks) -> bool:
-    if sinks is not None or hasattr(cache, "bits") or queries.ndim != 4 or keys.ndim != 4:
+def _applies(queries: mx.array, keys: mx.array, values: mx.array, cache) -> bool:
+    if hasattr(cache, "bits") or queries.ndim != 4 or keys.ndim != 4:
         return False
     B, H, W, D = queries.shape
     return (1 <= W <= MAX_WIDTH and B > 1 and D in _HEAD_SIZES and values.shape[-1] == D and keys.shape[-1] == D
@@ -353,10 +384,11 @@ def _applies(queries: mx.array, keys: mx.array, values: mx.array, cache, sinks) 
 
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if _applies(queries, keys, values, cache, sinks):
+        if _applies(queries, keys, values, cache):
             ranges = row_ranges(cache, queries.shape[2])
-            if ranges is not None:
-                return ranged_attention(queries, keys, values, scale, *ranges)
+            if ranges is not None:  # a window layer of the ragged batch says its window (0: none)
+                return ranged_attention(queries, keys, values, scale, *ranges,
+                                        window=getattr(cache, "attention_window", 0), sinks=sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.mlx_lane_original = original

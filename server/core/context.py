@@ -5,7 +5,7 @@ The process wiring (server.serve) builds one; the core never sees the whole ``Se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from models.loading.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from server.core.media import ImageLimits
@@ -22,7 +22,7 @@ __all__ = ["CoreContext"]
 class CoreContext:
     lane: Lane
     stats: ServingStats
-    prompt_cache: object  # a cache.protocol.PrefixCache: ``prefetch`` starts SSD reads while a request waits
+    prompt_cache: Any  # a cache.protocol.PrefixCache: ``prefetch`` starts SSD reads while a request waits
     namespace_for: Callable[[Target, SamplingParams], str]  # the engine's rule (server.engine.engine.Engine)
     keepalive_s: float = 10.0  # --keepalive: a stream that waits this long gets a keep-alive
     default_max_tokens: int = 2048  # when a chat / completions / Messages request gives no max_tokens

@@ -265,7 +265,7 @@ async def open_generation(ctx: CoreContext, request: Request, req: GenerationReq
             tool_specs=list(req.tools) if tools else None, custom_tools=req.custom_names if tools else ())
     marks = await run_in_threadpool(breakpoint_marks, tok, req, prompt) if req.breakpoints else NO_BREAKPOINTS
     checkpoints = ()
-    if slot.needs_checkpoints:  # its caches cannot be cut back: keep their state where the next turn parts
+    if slot.facts.needs_checkpoints:  # its caches cannot be cut back: keep their state where the next turn parts
         end = await run_in_threadpool(history_end, tok, req, prompt)
         checkpoints = (end,) if end is not None else ()
     ns = ctx.namespace_for(target, params)

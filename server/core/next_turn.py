@@ -41,6 +41,7 @@ from server.core.request import GenerationRequest, custom_call, template_message
 from server.errors import APIError
 from server.lane.events import Failed, Finished, SamplingParams
 from server.lane.sequence import Sequence
+from server.lane.target import Target
 
 __all__ = ["NextTurns", "next_turn_tokens", "continuation_tokens"]
 
@@ -57,7 +58,7 @@ class _Job:
     """What a next-turn job computes with: the request's model, its (greedy, one-token) parameters, namespace and
     session."""
 
-    target: object
+    target: Target
     params: SamplingParams
     ns: str
     session: Optional[str]
@@ -181,7 +182,7 @@ class NextTurns:
     def _reuse(job: "_Job", parts: int, prompt_len: int) -> int:
         """What the next turn would find cached without the job: up to where it parts from the stored entry, or for a
         model whose caches cannot be cut back, from a checkpoint at most at the prompt's end."""
-        return min(parts, max(prompt_len - 1, 0)) if job.target.slot.needs_checkpoints else parts
+        return min(parts, max(prompt_len - 1, 0)) if job.target.slot.facts.needs_checkpoints else parts
 
     async def _compute(self, ctx, job: "_Job", render, stored: list[int], pending: _Pending,
                        prompt_len: int = 0) -> None:
@@ -213,11 +214,15 @@ class NextTurns:
     async def _run(self, ctx, job: "_Job", tokens: list[int]) -> None:
         """Compute ``tokens`` on the lane as a job of its own (one greedy step past them), and wait for its end."""
         loop = asyncio.get_running_loop()
-        ended = loop.create_future()
+        ended: asyncio.Future = loop.create_future()
+
+        def end(event) -> None:  # the loop's thread
+            if not ended.done():
+                ended.set_result(event)
 
         def sink(event) -> None:  # the lane's thread
             if isinstance(event, (Finished, Failed)):
-                loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(event))
+                loop.call_soon_threadsafe(end, event)
 
         seq = Sequence(prompt=tokens, params=job.params, sink=sink, target=job.target, session=job.session,
                        ns=job.ns, id="next-turn-" + uuid.uuid4().hex[:12], internal=True)

@@ -23,8 +23,8 @@ import mlx.core as mx
 
 from cache.prefix import namespace
 from models.attention.shared_prefix import share_prefix
-from server.engine.batch import BatchKind, GroupKey, Layout, LogitsRules, choose, joins, moves, solo_pipelined
-from server.engine.decode import Decoder, Stepped
+from server.engine.batch import BatchKind, GroupKey, Layout, LogitsRules, choose, joins, moves, place, solo_pipelined
+from server.engine.decode import Decoder
 from server.engine.kv_layout import kv_scheme
 from server.engine.prefill import Prefiller
 from server.engine.sampling import build_sampler, repair_random_state, token_logprobs
@@ -33,8 +33,8 @@ from server.engine.speculation import Speculation
 from server.engine.store import CacheWriter, take_checkpoint
 from server.engine.warmup import check_kv_quantization, warm_up
 from server.engine.work import SeqWork
-from server.lane.seam import Admitted, Emitted, Ended, Prefilled, SeqFacts
-from server.lane.target import Target
+from server.lane.seam import Admitted, BatchStep, Emitted, Ended, Prefilled, SeqFacts, SeqView
+from server.lane.target import Slot, Target
 
 __all__ = ["Engine", "EngineConfig", "weights_nbytes"]
 
@@ -99,21 +99,13 @@ class Engine:
 
     # -- what a request is, before it runs -------------------------------------------------------------------
     def draft_tokens(self, target: Target, params) -> int:
-        """Draft tokens per step for a request. n-gram drafting (no draft model) applies to every model of the
-        server whose caches can be rewound; a draft model drafts for the base model only (it shares its vocabulary)."""
+        """Draft tokens per step for a request on ``target`` (``Speculation.wanted``, from its model's facts)."""
         spec = self.speculation
-        if spec is None:
-            return 0
-        slot = target.slot
-        if slot.base:
-            return spec.wanted(params.num_draft_tokens)
-        if spec.provider.identity is not None or not slot.trimmable:
-            return 0
-        return spec.wanted(params.num_draft_tokens, supported=True)
+        return spec.wanted(params.num_draft_tokens, target.slot.facts) if spec is not None else 0
 
-    def _cannot_rewind(self, slot: ModelSlot, params) -> bool:
+    def _cannot_rewind(self, slot: Slot, params) -> bool:
         """The server speculates and the request did not turn it off, but its model's caches cannot rewind."""
-        return self.speculation is not None and params.num_draft_tokens != 0 and not slot.trimmable
+        return self.speculation is not None and params.num_draft_tokens != 0 and not slot.facts.rewinds
 
     def namespace_for(self, target: Target, params) -> str:
         """The cache namespace of a request (``cache.prefix.namespace``): the model fingerprint (KV scheme included),
@@ -123,39 +115,36 @@ class Engine:
         draft = self.speculation.provider.identity if self.draft_tokens(target, params) else None
         return namespace(target.slot.namespace, adapter=target.adapter_identity, draft=draft)
 
-    def classify(self, seq, company: bool = False) -> SeqFacts:
+    def classify(self, seq: SeqView, company: bool = False) -> SeqFacts:
         """Its batch group (one per model, per LoRA adapter, and a speculating one beside each), the kind of that
-        group's batch (``server.engine.batch.choose``), whether it may prefill in a batched forward
-        (``slot.prefills_together``: not quantized KV, nor an architecture whose recurrent layers let padding in;
-        the base model, no adapter, no speculation, no images; a hybrid's even after a long cache hit), the model's
-        sliding window, and whether it drafts.
-
-        A model whose caches a speculating batch cannot hold (recurrent state, sliding windows) speculates only on
-        its own: a request that arrives with ``company`` (others running or waiting) decodes plainly instead, in
-        its group's plain batch, since every speculating request of such a model decoding alone made 4 concurrent
-        requests on a tiny qwen3.5 take 4x the wall of the plain batch."""
-        target = seq.target
-        slot = target.slot
-        speculating = bool(self.draft_tokens(target, seq.params))
-        kind = choose(self.config.layout, slot.cache_facts, speculating)
-        if speculating and kind == BatchKind.SOLO and company and self.config.layout.spec_in_batch:
-            speculating = False
-            kind = choose(self.config.layout, slot.cache_facts, False)
+        group's batch and whether it drafts (``server.engine.batch.choose.place``: with ``company``, a model that
+        speculates only alone decodes plainly), whether it may prefill in a batched forward
+        (``facts.prefills_together``: not quantized KV, nor an architecture whose recurrent layers let padding in;
+        the base model, no adapter, no speculation, no images; a hybrid's even after a long cache hit), and the
+        model's sliding window. Everything of the model comes from its ``ModelFacts``."""
+        target = _target_of(seq)
+        slot, layout = target.slot, self.config.layout
+        facts = slot.facts
+        placed = place(layout, facts.caches, bool(self.draft_tokens(target, seq.params)), company)
+        kind = placed.kind
         # the model by name, not by namespace: every rank of a sharded model has its own shard's namespace, and the
         # plans rank 0 broadcasts name groups
         group = GroupKey(slot.name, target.adapter_identity, kind == BatchKind.SPECULATING)
         return SeqFacts(group=group, batchable=kind != BatchKind.SOLO,
-                        prefill_together=(not speculating and slot.prefills_together and slot.base
+                        prefill_together=(not placed.drafting and facts.prefills_together and slot.base
                                           and target.adapter is None
                                           and seq.media is None),  # images: embeddings, one forward each
-                        together_after_hits=slot.cache_facts.recurrent,
-                        window=slot.window, batch_kind=str(kind),
-                        moves=moves(kind, slot.cache_facts, self.config.layout), joins=joins(kind, slot.cache_facts),
-                        drafting=speculating, solo_ahead=solo_pipelined(self.config.layout, slot.cache_facts))
+                        # a GPU copies a cached prefix in and out of a batched forward in a few ms (the H200's
+                        # gpt-oss cold prompts gathered only their first chunks and lost to mlx_lm.server 1.17x, the
+                        # hybrid's gathered every chunk and won 3x); on the CPU only a hybrid's per-token cost pays
+                        together_after_hits=facts.caches.recurrent or layout.gpu,
+                        window=facts.window, batch_kind=str(kind),
+                        moves=moves(kind, facts.caches, layout), joins=joins(kind, facts.caches),
+                        drafting=placed.drafting, solo_ahead=solo_pipelined(layout, facts.caches))
 
-    def _facts_in(self, seq, group: GroupKey) -> SeqFacts:
+    def _facts_in(self, seq: SeqView, group: GroupKey) -> SeqFacts:
         """A sequence's facts once it decodes in ``group`` (a speculating batch dissolved into the plain one)."""
-        cache_facts = self._work_of(seq).slot.cache_facts
+        cache_facts = self._work_of(seq).slot.facts.caches
         kind = choose(self.config.layout, cache_facts, group.speculating)
         return SeqFacts(group=group, batchable=kind != BatchKind.SOLO, prefill_together=False,
                         window=seq.facts.window, batch_kind=str(kind),
@@ -163,8 +152,8 @@ class Engine:
                         drafting=group.speculating, solo_ahead=seq.facts.solo_ahead)
 
     # -- admission and prefill ---------------------------------------------------------------------------------
-    def admit(self, seq) -> Admitted:
-        target, params = seq.target, seq.params
+    def admit(self, seq: SeqView) -> Admitted:
+        target, params = _target_of(seq), seq.params
         slot = target.slot
         n_draft = self.draft_tokens(target, params) if seq.facts.drafting else 0
         if not n_draft and self._cannot_rewind(slot, params) and self.stats.spec is not None:
@@ -173,7 +162,7 @@ class Engine:
         cached = hit.length if hit is not None else 0
         spec = None
         if n_draft:  # an entry holds the target's layers, then the draft's
-            target_caches, draft_caches = self.speculation.split(hit.caches if hit is not None else None)
+            target_caches, draft_caches = self.speculation.split(hit.caches if hit is not None else None, slot.facts)
             caches = target_caches if target_caches is not None else slot.new_caches()
             spec = self.speculation.open(draft_caches, seq.prompt[:cached], n_draft)
         else:
@@ -183,7 +172,7 @@ class Engine:
             slot=slot, model=target.adapter.model if target.adapter is not None else slot.model, caches=caches,
             sampler=build_sampler(params), greedy=params.temperature == 0, rules=LogitsRules.of(params, grammar),
             spec=spec, covered=cached, cached=cached)
-        if cached and slot.needs_checkpoints:
+        if cached and slot.facts.needs_checkpoints:
             work.snapshots.update(hit.checkpoints)  # the entry's own, so the one it stores reaches them too
             take_checkpoint(seq, work, cached)  # where its hit ends is a checkpoint too
         logprob_of = None
@@ -208,16 +197,16 @@ class Engine:
             return None
         work.caches = self._taken(work.slot, hit) if work.spec is None else hit.caches
         work.covered = work.cached = hit.length
-        if work.slot.needs_checkpoints:
+        if work.slot.facts.needs_checkpoints:
             work.snapshots.update(hit.checkpoints)
             take_checkpoint(seq, work, hit.length)
         return hit.length
 
-    def _taken(self, slot: ModelSlot, hit) -> list:
+    def _taken(self, slot: Slot, hit) -> list:
         """A hit's caches for a plain sequence: on the CPU path of ``models.attention.cpu`` they read the entry's
         KV where it lies (``SharedPrefixKVCache``: the first new token does not copy the whole prefix); they become
         plain ``KVCache`` again where they are stored or join mlx-lm's batch."""
-        if not slot.reads_shared_prefix:
+        if not slot.facts.reads_shared_prefix:
             return hit.caches
         caches = share_prefix(hit.caches)
         if caches is not hit.caches and self.stats is not None:
@@ -234,7 +223,7 @@ class Engine:
     def leave_batch(self, seq) -> None:
         self.decoder.go_solo(seq)
 
-    def step_batch(self, group: GroupKey) -> Stepped:
+    def step_batch(self, group: GroupKey) -> BatchStep:
         return self.decoder.step(group)
 
     def step_solo(self, seq) -> Optional[Emitted]:
@@ -306,9 +295,17 @@ class Engine:
     def batch_stats(self) -> dict:
         """The ``batch`` block of /stats: the base model's plain batch kind, its attention path, and every group's
         batch now."""
-        kind = choose(self.config.layout, self.base.cache_facts, speculating=False)
-        return {"layout": str(kind), "attention": self.base.attention, "recurrent": self.base.recurrent_path,
+        facts = self.base.facts
+        kind = choose(self.config.layout, facts.caches, speculating=False)
+        return {"layout": str(kind), "attention": facts.attention, "recurrent": facts.recurrent_path,
                 "groups": self.decoder.describe()}
+
+
+def _target_of(seq: SeqView) -> Target:
+    target = seq.target
+    if target is None:
+        raise ValueError(f"sequence {seq.id} has no target model: the door resolves one for every request")
+    return target
 
 
 def _repair_after_failure() -> None:

@@ -17,21 +17,21 @@ images the prefix cache did not serve), the rest as tokens. Such a prompt prefil
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
 
 from server.engine.store import CacheWriter, take_checkpoint
 from server.engine.work import SeqWork
-from server.lane.seam import Prefilled
+from server.lane.seam import Prefilled, SeqView
 
 __all__ = ["Prefiller"]
 
 
 class Prefiller:
-    def __init__(self, work_of: Callable[[object], SeqWork], writer: CacheWriter, prompt_cache, *, gpu: bool,
-                 stream_of: Callable[[], object]):
+    def __init__(self, work_of: Callable[[SeqView], SeqWork], writer: CacheWriter, prompt_cache: Any, *, gpu: bool,
+                 stream_of: Callable[[], Any]):
         self._work_of = work_of
         self._writer = writer
         self._prompt_cache = prompt_cache
@@ -40,7 +40,7 @@ class Prefiller:
         self.encode_s = 0.0  # seconds the vision encoder ran (images' embeddings), for /stats
         self.images_encoded = 0
 
-    def run(self, chunks: Sequence[tuple[object, int]], store_now: bool) -> list[Prefilled]:
+    def run(self, chunks: Sequence[tuple[SeqView, int]], store_now: bool) -> list[Prefilled]:
         computing = [(s, n) for s, n in chunks if n > 0 and self._left(s) > 0]
         out = {}
         if len(computing) > 1:
@@ -49,7 +49,7 @@ class Prefiller:
             self._one(*computing[0])
         for seq, _ in computing:  # a model whose caches cannot be cut back keeps their state at each chunk's end
             work = self._work_of(seq)
-            if work.slot.needs_checkpoints:
+            if work.slot.facts.needs_checkpoints:
                 take_checkpoint(seq, work, work.covered)
         for seq, _ in chunks:
             work = self._work_of(seq)
@@ -79,7 +79,7 @@ class Prefiller:
                     work.embeds = None  # past every image: the embeddings are done with
             if start < end:  # text: past the last image, the cache key's tokens are the prompt's own
                 work.model(mx.array(seq.prompt[start:end])[None], cache=work.caches)
-            mx.eval([c.state for c in work.caches])
+            mx.eval([c.state for c in _caches(work)])
             if self._gpu:  # as mlx-lm's batch prefill does: freed activations go back to the device (on the
                 mx.clear_cache()  # CPU that only costs page faults on the next chunk's buffers)
         work.covered += n
@@ -113,7 +113,7 @@ class Prefiller:
         items = [(s, min(n, self._left(s))) for s, n in items]
         t0 = time.monotonic()
         with mx.stream(self._stream()):
-            batch = PromptProcessingBatch(works[0].model, list(range(len(items))), [w.caches for w in works],
+            batch = PromptProcessingBatch(works[0].model, list(range(len(items))), [_caches(w) for w in works],
                                           tokens=[[] for _ in items], prefill_step_size=max(n for _, n in items))
             batch.prompt([list(s.prompt[w.covered: w.covered + n]) for (s, n), w in zip(items, works)])
             caches = [batch.extract_cache(i) for i in range(len(items))]
@@ -139,7 +139,7 @@ class Prefiller:
                 work.spec.source.prefill(prompt[: work.covered])
         if work.covered in seq.anchors:
             self._store(prompt[:-1], seq, work, anchor=True)
-        elif not all(c.is_trimmable() for c in work.caches) or (work.covered > work.cached and store_now):
+        elif not all(c.is_trimmable() for c in _caches(work)) or (work.covered > work.cached and store_now):
             # a prompt-boundary entry: the next turn of a sliding-window model needs it (its caches cannot be
             # trimmed back to the prompt later), and requests beside this one may share its prefix now; for
             # trimmable caches the final put supersedes it
@@ -148,4 +148,11 @@ class Prefiller:
 
     def _store(self, tokens, seq, work: SeqWork, anchor: bool = False) -> None:
         with mx.stream(self._stream()):
-            self._writer.store(tokens, work.caches, seq, work, anchor=anchor)
+            self._writer.store(tokens, _caches(work), seq, work, anchor=anchor)
+
+
+def _caches(work: SeqWork) -> list:
+    """A prefilling sequence's own caches (it holds them from admission until it joins a batch)."""
+    if work.caches is None:
+        raise RuntimeError("a sequence prefills on caches of its own: it has none (it decodes already)")
+    return work.caches

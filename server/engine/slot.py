@@ -5,9 +5,9 @@ through its own slot, and every other model of the server (``--model NAME=PATH``
 demand by server.pool) through one slot each; a request carries its slot in its ``server.lane.target.Target`` (a
 ``ModelSlot`` is the lane's ``Slot``). A sequence takes everything model-specific from its slot: the forward, the
 fresh KV caches, the detokenizer and EOS ids, the namespace its KV is cached under (the model's fingerprint, KV
-scheme included), and the facts of its caches that choose its batch kind (``cache_facts``). ``release()`` drops
-the references to the weights (the pool's unload): sequences still running keep the model through the engine's own
-reference (``server.engine.work.SeqWork.model``) and finish with it.
+scheme included), and its facts (``facts``: models.facts.ModelFacts, measured once here by ``measure``).
+``release()`` drops the references to the weights (the pool's unload): sequences still running keep the model through
+the engine's own reference (``server.engine.work.SeqWork.model``) and finish with it.
 """
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from models.attention import attention_path
 from models.attention.cpu import routes as routes_cpu_attention
+from models.facts import CacheFacts, ModelFacts
 from models.kernels import kernel_path
 from models.loading.generation_defaults import NO_DEFAULTS, SamplingDefaults
-from server.engine.batch.choose import CacheFacts
+from models.mlx_compat import keep_leading_space as keep_leading_space_of
 from server.engine.batch.mlx import can_batch
+from server.engine.batch.ragged_kv import is_window
 from server.engine.kv_layout import quantize_fresh, state_nbytes
 from server.lane.budget import KVPrice
 from spec.rewind import can_rewind
 
-__all__ = ["ModelSlot"]
+__all__ = ["ModelSlot", "measure"]
 
 # architectures with recurrent layers whose batched prompt forward keeps the right padding out of their state, as the
 # zoo checks (tests/unit/test_zoo_models.py: the GPU layout's prompts, prefilled together, give mlx-lm's alone
@@ -36,7 +38,46 @@ _PADDED_STATE_EXACT = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2",
 _PRICE_TOKENS = 8  # tokens of the second forward that prices one token (fewer than any sliding window)
 
 
+def measure(model, *, base: bool, kv_bits: Optional[int] = None, kv_group_size: int = 64,
+            read_shared_prefix: bool = True) -> ModelFacts:
+    """A model's facts (models.facts), from its fresh caches and its modules: the one place they are measured.
+    ``base``: the server's base model (the draft model drafts for it); ``kv_bits``: its KV is quantized (nothing then
+    merges, nor takes the ragged layout); ``read_shared_prefix`` False (--debug-copy-hits): every hit copies."""
+    layers = make_prompt_cache(model)
+    plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)  # the ragged/prefill layouts
+    # mlx-lm's batched prompt forward (PromptProcessingBatch) merges plain and sliding-window layers exactly, and
+    # recurrent ones where the architecture keeps the padding out of its state (_PADDED_STATE_EXACT); quantized KV
+    # does not merge
+    model_type = getattr(getattr(model, "args", None), "model_type", None)
+    exact_state = model_type in _PADDED_STATE_EXACT
+    fresh = layers if kv_bits is None else quantize_fresh(make_prompt_cache(model), kv_bits, kv_group_size)
+    # the ragged layout holds plain and sliding-window attention layers (and recurrent state beside them)
+    attends = [type(c) is KVCache or is_window(c) for c in layers]
+    ragged = kv_bits is None and any(attends) and all(a or isinstance(c, ArraysCache) for a, c in zip(attends, layers))
+    caches = CacheFacts(plain_kv=plain_kv, mergeable=can_batch(fresh),  # its rows may join a decode batch
+                        recurrent=any(isinstance(c, ArraysCache) for c in layers),
+                        windowed=any(isinstance(c, RotatingKVCache) for c in layers), ragged=ragged)
+    windows = [c.max_size for c in layers if isinstance(c, RotatingKVCache)]
+    return ModelFacts(
+        caches=caches, layers=len(layers),
+        # the layers whose state the prefix cache keeps at checkpoints (cache.checkpoints): they cannot be cut back
+        checkpointed_layers=tuple(i for i, c in enumerate(layers) if isinstance(c, (ArraysCache, RotatingKVCache))),
+        window=min(windows) if windows else None,
+        rewinds=can_rewind(layers),  # drafts can be verified (rejected ones taken back: spec.rewind)
+        draft_model=base,
+        prefills_together=kv_bits is None and all(
+            type(c) in (KVCache, RotatingKVCache) or (isinstance(c, ArraysCache) and exact_state) for c in layers),
+        # a hit's caches may read the cached entry where it lies (models.attention.shared_prefix): plain KV layers,
+        # and every attention of the model through models.attention.cpu (which reads segments)
+        reads_shared_prefix=read_shared_prefix and plain_kv and routes_cpu_attention(model),
+        attention=attention_path(model),
+        recurrent_path=kernel_path(model),
+    )
+
+
 class ModelSlot:
+    """One model of the server (see the module docstring); ``facts`` (models.facts.ModelFacts) measured once here."""
+
     def __init__(self, loaded, *, name: Optional[str] = None, base: bool = True, kv_bits: Optional[int] = None,
                  kv_group_size: int = 64, read_shared_prefix: bool = True):
         self.loaded = loaded  # models.loading.load.LoadedModel
@@ -51,34 +92,8 @@ class ModelSlot:
         self.context_length: int = getattr(loaded, "context_length", 0)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.eos = frozenset(self.tokenizer.eos_token_ids or [])
-        layers = make_prompt_cache(self.model)
-        self.plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)  # the ragged/prefill layouts
-        # mlx-lm's batched prompt forward (PromptProcessingBatch) merges plain and sliding-window layers exactly,
-        # and recurrent ones where the architecture keeps the padding out of its state (_PADDED_STATE_EXACT);
-        # quantized KV does not merge
-        model_type = getattr(getattr(self.model, "args", None), "model_type", None)
-        exact_state = model_type in _PADDED_STATE_EXACT
-        self.prefills_together = kv_bits is None and all(
-            type(c) in (KVCache, RotatingKVCache) or (isinstance(c, ArraysCache) and exact_state) for c in layers)
-        self.trimmable = can_rewind(layers)  # drafts can be verified (rejected ones taken back: spec.rewind)
-        self.mergeable = can_batch(self.new_caches())  # its rows may join a decode batch
-        recurrent = any(isinstance(c, ArraysCache) for c in layers)
-        ragged = kv_bits is None and any(type(c) is KVCache for c in layers) and all(
-            type(c) is KVCache or isinstance(c, ArraysCache) for c in layers)
-        self.cache_facts = CacheFacts(plain_kv=self.plain_kv, mergeable=self.mergeable, recurrent=recurrent,
-                                      windowed=any(isinstance(c, RotatingKVCache) for c in layers), ragged=ragged)
-        # layers whose state the prefix cache keeps at checkpoints (cache.checkpoints): they cannot be cut back
-        self.checkpointed_layers = tuple(i for i, c in enumerate(layers)
-                                         if isinstance(c, (ArraysCache, RotatingKVCache)))
-        self.needs_checkpoints = bool(self.checkpointed_layers)
-        # a hit's caches may read the cached entry where it lies (models.attention.shared_prefix): plain KV layers, and every
-        # attention of the model through models.attention.cpu (which reads segments); read_shared_prefix False
-        # (--debug-copy-hits): every hit copies, to compare
-        self.reads_shared_prefix = read_shared_prefix and self.plain_kv and routes_cpu_attention(self.model)
-        self.attention = attention_path(self.model)  # which attention its layers run: cpu, cuda or mlx (/stats)
-        self.recurrent_path = kernel_path(self.model)  # what its recurrent layers run: cuda, chunked, mlx or none
-        windows = [c.max_size for c in layers if isinstance(c, RotatingKVCache)]
-        self.window = min(windows) if windows else None
+        self.facts: ModelFacts = measure(self.model, base=base, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                                         read_shared_prefix=read_shared_prefix)
         args = getattr(self.model, "args", None)
         self.vocab_size: int = getattr(args, "vocab_size", None) or len(getattr(self.tokenizer, "vocab", ()))
         self.kv_price: Optional[KVPrice] = None  # measured by measure_kv (the memory budget's price)
@@ -108,10 +123,7 @@ class ModelSlot:
         prompt + text reads as the model wrote it."""
         detokenizer = self.tokenizer.detokenizer
         if keep_leading_space:
-            if hasattr(detokenizer, "trim_space"):  # SPMStreamingDetokenizer
-                detokenizer.trim_space = False
-            elif hasattr(detokenizer, "_maybe_trim_space"):  # BPEStreamingDetokenizer trims when no text came yet
-                detokenizer._maybe_trim_space = _untrimmed
+            keep_leading_space_of(detokenizer)
         return detokenizer
 
     def decode_one(self, token: int) -> str:
@@ -121,7 +133,3 @@ class ModelSlot:
         """Forget the weights (unloaded); running sequences keep their own reference."""
         self.model = None
         self.loaded = None
-
-
-def _untrimmed(text: str) -> str:
-    return text

@@ -1,22 +1,21 @@
 """Speculative decoding as the lane sees it: which requests speculate, how caches split, what is counted.
 
-``Speculation`` wraps a ``spec.DraftProvider`` built once at start-up. For a request it
-decides whether to speculate (the server has a draft and the request did not set
-``num_draft_tokens: 0``), splits a cache hit into the target's and the draft's layers (the draft's
-identity joins the namespace when the draft keeps KV of its own: ``cache.prefix.namespace``), and
-opens the per-request ``DraftSource``.
+``Speculation`` wraps a ``spec.DraftProvider`` built once at start-up. For a request it decides whether to
+speculate, from its model's facts alone (models.facts.ModelFacts: its caches can take a rejected draft back; a draft
+model drafts only for the base model, whose vocabulary it shares) and the request (``num_draft_tokens: 0`` turns it
+off); it splits a cache hit into the target's and the draft's layers (the draft's identity joins the namespace when
+the draft keeps KV of its own: ``cache.prefix.namespace``), and opens the per-request ``DraftSource``.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from mlx_lm.models.cache import make_prompt_cache
-
+from models.facts import ModelFacts
 from spec import SpecStats, speculative_decode
-from spec.rewind import can_rewind
+from spec.adaptive import DraftPolicy
 
 __all__ = ["Speculation", "SpecPlan", "SpecTotals", "speculative_decode"]
 
@@ -25,36 +24,38 @@ __all__ = ["Speculation", "SpecPlan", "SpecTotals", "speculative_decode"]
 class SpecPlan:
     """One request's speculative setup; ``source`` is None when it decodes plainly."""
 
-    source: object = None
+    source: Any = None  # spec.source.DraftSource
     num_draft_tokens: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
-    policy: object = None  # the draft-length policy of its batch rows (kept across batch joins)
+    policy: Optional[DraftPolicy] = None  # the draft-length policy of its batch rows (kept across batch joins)
 
 
 class Speculation:
-    def __init__(self, provider, model, *, num_draft_tokens: int, kind: str):
+    def __init__(self, provider, *, num_draft_tokens: int, kind: str):
         self.provider = provider
         self.kind = kind
         self.num_draft_tokens = num_draft_tokens
-        self.n_target_layers = len(make_prompt_cache(model))
-        # a target whose caches cannot take back a rejected draft (recurrent layers) decodes plainly; sliding windows
-        # can, also once they have wrapped (spec.rewind)
-        self.supported = can_rewind(make_prompt_cache(model))
 
-    def wanted(self, requested: Optional[int], supported: Optional[bool] = None) -> int:
-        """Draft length cap for a request (0 = decode plainly); ``supported``: whether its model's caches can be
-        rewound, when it is not the base model."""
-        if not (self.supported if supported is None else supported) or requested == 0:
+    def supports(self, facts: ModelFacts) -> bool:
+        """May requests on a model of these facts speculate? Its caches must take back a rejected draft (recurrent
+        layers beside untrimmable ones cannot; sliding windows can, also once wrapped: spec.rewind); a draft model
+        drafts only for the base model (n-gram drafting for every model)."""
+        return facts.rewinds and (self.provider.identity is None or facts.draft_model)
+
+    def wanted(self, requested: Optional[int], facts: ModelFacts) -> int:
+        """Draft length cap for a request on a model of these facts (0 = decode plainly)."""
+        if not self.supports(facts) or requested == 0:
             return 0
         return self.num_draft_tokens if requested is None else min(requested, self.num_draft_tokens)
 
-    def split(self, caches: Optional[list]) -> tuple[Optional[list], Optional[list]]:
-        """(target caches, draft caches) of a cache-hit entry; draft part None when absent."""
+    def split(self, caches: Optional[list], facts: ModelFacts) -> tuple[Optional[list], Optional[list]]:
+        """(target caches, draft caches) of a cache-hit entry of a model of these facts; draft part None when
+        absent."""
         if caches is None:
             return None, None
         if self.provider.identity is None:  # n-gram: entries hold the target's layers only (of whichever model)
             return caches, None
-        n = self.n_target_layers
+        n = facts.layers
         return caches[:n], (caches[n:] if len(caches) > n else None)
 
     def open(self, draft_caches: Optional[list], covered: Sequence[int], n: int) -> SpecPlan:
@@ -74,7 +75,7 @@ class SpecTotals:
         self.max_draft = max_draft
         self.requests = 0
         self.total = SpecStats()
-        # verify steps of speculating batches (server.engine.spec_batch): steps, rows over them, tokens
+        # verify steps of speculating batches (server.engine.batch.speculating): steps, rows over them, tokens
         self.batch = dict(steps=0, row_steps=0, drafted=0, accepted=0, emitted=0, handed_to_plain=0)
         self.plain_cannot_rewind = 0  # requests that asked to speculate on a model whose caches cannot rewind
 
@@ -108,7 +109,7 @@ class SpecTotals:
             d.update({"enabled": self.kind is not None, "kind": self.kind, "num_draft_tokens": self.max_draft,
                       "requests": self.requests,
                       "plain_cannot_rewind": self.plain_cannot_rewind + d.get("cannot_rewind", 0)})
-            b = dict(self.batch)
+            b: dict[str, Any] = dict(self.batch)
             b["mean_rows"] = round(b["row_steps"] / b["steps"], 3) if b["steps"] else None
             b["acceptance_rate"] = round(b["accepted"] / b["drafted"], 4) if b["drafted"] else None
             b["tokens_per_row_step"] = round(b["emitted"] / b["row_steps"], 3) if b["row_steps"] else None

@@ -65,7 +65,7 @@ class CacheWriter:
 
 def take_checkpoint(seq, work: SeqWork, position: int) -> None:
     """Keep the state of the sequence's layers that cannot be cut back at ``position`` (what its caches cover now)."""
-    layers = work.slot.checkpointed_layers
+    layers = work.slot.facts.checkpointed_layers
     if not layers or work.caches is None or position <= 0:
         return
     work.snapshots[position] = {i: fork([work.caches[i]])[0] for i in layers}
@@ -78,7 +78,7 @@ def take_checkpoint(seq, work: SeqWork, position: int) -> None:
 def _with_checkpoints(caches: list, end: int, work: SeqWork) -> list:
     """The caches with each layer that cannot be cut back wrapped with its checkpoints below ``end``."""
     out = list(caches)
-    for i in work.slot.checkpointed_layers:
+    for i in work.slot.facts.checkpointed_layers:
         if i < len(out) and not out[i].is_trimmable():
             kept = {p: snaps[i] for p, snaps in work.snapshots.items() if p < end and i in snaps}
             if kept:

@@ -29,9 +29,9 @@ def warm_up(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -> None
             mx.eval(model(mx.array([[(i % 1000) + 1 + part for i in range(n)]]), cache=caches))
         for _ in range(4 if gpu else 1):
             mx.eval(model(mx.array([[1]]), cache=caches))
-        kind = choose(layout, slot.cache_facts, speculating=False)
+        kind = choose(layout, slot.facts.caches, speculating=False)
         if kind != BatchKind.SOLO:
-            batch = make(kind, model, layout, stream, slot.cache_facts)
+            batch = make(kind, model, layout, stream, slot.facts.caches)
             rows = []
             for n in (3, 5):
                 c = slot.new_caches()
@@ -67,6 +67,7 @@ def check_kv_quantization(slot: ModelSlot) -> None:
         # model whose attention cannot read mlx-lm's quantized cache (MLA: AttributeError on its (data, scales) tuple)
         first = (str(exc).splitlines() or [""])[0][:200].rstrip(".")
         raise ModelLoadError(
-            f"--kv-bits {slot.kv_bits} is not supported for this model by mlx {mx.__version__} / mlx-lm on this "
+            f"--kv-bits {slot.kv_bits} is not supported for this model by mlx {getattr(mx, '__version__', '?')} / "
+            f"mlx-lm on this "
             f"device ({mx.default_device()}): {type(exc).__name__}: {first}. Start without --kv-bits "
             "(the KV cache then stays in the model's dtype).") from exc

@@ -12,17 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from server.engine.batch.protocol import LogitsRules
-from server.engine.batch.solo import SoloBatch
-from server.engine.slot import ModelSlot
+from server.engine.batch.protocol import Batch, LogitsRules
 from server.engine.speculation import SpecPlan
+from server.lane.target import Slot
 
 __all__ = ["SeqWork"]
 
 
 @dataclass(eq=False)
 class SeqWork:
-    slot: ModelSlot  # the model it runs on
+    slot: Slot  # the model it runs on (its facts: models.facts.ModelFacts)
     model: Any  # what computes it: the slot's weights, or its adapter's model over them
     caches: Optional[list]  # its own caches while prefilling; None while a batch (or its solo batch) holds them
     sampler: Callable  # mlx-lm's sampler for its settings (greedy: ``greedy_sampler`` itself)
@@ -34,7 +33,7 @@ class SeqWork:
     prefill_cost_s: float = 0.0  # its share of the prefill forwards it was in (the SSD tier's rate, base model)
     stored: int = 0  # prompt tokens covered by what it has put in the prefix cache
     batched: bool = False  # a row of its group's batch
-    solo: Optional[SoloBatch] = None  # decoding on its own
+    solo: Optional[Batch] = None  # decoding on its own: a solo batch (server.engine.batch.choose.make)
     embeds: Optional[tuple] = None  # (start, stop, array) of a prompt with images: its input embeddings from
     # ``start`` (the first prefill chunk that holds image tokens computes them, server.engine.prefill)
     snapshots: dict = field(default_factory=dict)  # position -> {layer index: that layer's state there}: the

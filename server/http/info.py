@@ -147,7 +147,8 @@ def stats_body(state) -> dict:
     lane.update({"queue_depth": state.lane.queue_depth, "active_request": state.lane.active_job_id,
                  "running_requests": list(state.lane.running_ids), "max_batch": state.lane.scheduler.limits.max_batch,
                  "prefill_batch": state.lane.scheduler.limits.prefill_batch,
-                 "batch_layout": batches["layout"], "attention": batches["attention"], "batches": batches["groups"],
+                 "batch_layout": batches["layout"], "attention": batches["attention"],
+                 "recurrent": batches["recurrent"], "batches": batches["groups"],
                  "state": state.lane.state.value})
     return {
         "version": server_version(),

@@ -168,12 +168,12 @@ class Executor:
                 self._fail(seq, exc)
             self.engine.reset_batch(group)
             return 0
-        for seq, facts in getattr(stepped, "regrouped", ()):  # its rows decode in another group from now on
+        for seq, facts in stepped.regrouped:  # its rows decode in another group from now on
             seq.facts = facts
         t1 = time.perf_counter()
         phases["batch_step"] = phases.get("batch_step", 0.0) + t1 - t0
         ending, ended = [], set()
-        for out in stepped:  # a speculating row may bring several tokens; none after its end
+        for out in stepped.emitted:  # a speculating row may bring several tokens; none after its end
             seq = out.seq
             if id(seq) in ended:
                 continue
@@ -188,7 +188,7 @@ class Executor:
         phases["batch_rows"] = phases.get("batch_rows", 0.0) + t2 - t1
         if ending:
             phases["batch_leave"] = phases.get("batch_leave", 0.0) + t3 - t2
-        return len(stepped)
+        return len(stepped.emitted)
 
     # -- the end of a sequence ---------------------------------------------------------------------------------
     def _end(self, ending: list) -> None:

@@ -62,10 +62,10 @@ def seq_from_spec(spec: dict, compile_grammar=None, engine=None) -> Sequence:
         if compile_grammar is None:
             raise ValueError("a sequence with a grammar needs compile_grammar to rebuild it")
         grammar = compile_grammar(spec["grammar"])
-    params = SamplingParams(**params, grammar=grammar)
+    sampling = SamplingParams(**params, grammar=grammar)
     target = engine.base_target() if engine is not None else None
-    seq = Sequence(prompt=list(spec["prompt"]), params=params, sink=_discard, session=spec.get("session"),
-                   id=spec["id"], target=target, ns=engine.namespace_for(target, params) if engine is not None else "",
+    seq = Sequence(prompt=list(spec["prompt"]), params=sampling, sink=_discard, session=spec.get("session"),
+                   id=spec["id"], target=target, ns=engine.namespace_for(target, sampling) if engine is not None else "",
                    anchors=tuple(spec.get("anchors") or ()), checkpoints=tuple(spec.get("checkpoints") or ()))
     if engine is not None:
         seq.facts = engine.classify(seq)

@@ -2,11 +2,17 @@
 
 The lane (server.lane.lane) owns the sequences (their phase, their output, their place in the queue); the engine
 (server.engine) owns the model work (caches, samplers, decode batches) and keeps its per-sequence state in a record
-of its own. The lane reaches the engine only through ``LaneEngine``; what the engine learns of a sequence comes back
-as data (``SeqFacts``, ``Admitted``, ``Prefilled``, ``Emitted``, ``Ended``), never by the engine writing into the
-lane's objects. So the executor is tested against a small fake of this protocol (tests/unit/test_lane_executor.py)
-as well as against the real engine on a tiny model (tests/unit/test_lane.py), as vLLM's scheduler and model runner
-meet in ``SchedulerOutput`` / ``ModelRunnerOutput``.
+of its own. Everything that crosses is declared here:
+
+    lane -> engine   the verbs of ``LaneEngine``, each given sequences; the engine reads of a sequence only what
+                     ``SeqView`` declares (the request; the tokens it generated and kept, at a join, a leave, an end)
+                     and never writes one
+    engine -> lane   records: ``SeqFacts`` (how to plan it), ``Admitted``, ``Prefilled``, ``Emitted`` (a token),
+                     ``BatchStep`` (a batch step's tokens, and rows that now decode in another group), ``Ended``
+
+A sequence is the engine's key for its own state, never a place to write to. So the executor is tested against a
+small fake of this protocol (tests/unit/test_lane_executor.py) as well as against the real engine on a tiny model
+(tests/unit/test_lane.py), as vLLM's scheduler and model runner meet in ``SchedulerOutput`` / ``ModelRunnerOutput``.
 """
 
 from __future__ import annotations
@@ -14,7 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence
 
-__all__ = ["GroupKey", "SeqFacts", "Admitted", "Prefilled", "Emitted", "Covered", "Ended", "LaneEngine"]
+from server.lane.events import SamplingParams
+from server.lane.target import Target
+
+__all__ = ["GroupKey", "SeqFacts", "SeqView", "Admitted", "Prefilled", "Emitted", "BatchStep", "Covered", "Ended",
+           "LaneEngine"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +45,7 @@ class GroupKey:
         return [self.model, self.adapter, self.speculating]
 
     @classmethod
-    def from_wire(cls, value) -> "GroupKey":
+    def from_wire(cls, value: Sequence[Any]) -> "GroupKey":
         model, adapter, speculating = value
         return cls(model, adapter, bool(speculating))
 
@@ -47,8 +57,8 @@ class SeqFacts:
     group: Optional[GroupKey] = None  # its decode batch group: rows of one group share a forward
     batchable: bool = False  # it may decode in its group's batch (else it decodes on its own)
     prefill_together: bool = False  # its prefill chunks may join a batched prefill forward
-    # ... even after a long cache hit: its model's per-token prefill cost dwarfs the copy of a cached prefix in and
-    # out of the batched forward (recurrent state: mlx-lm's gated delta-net outside Metal steps token by token)
+    # ... even after a long cache hit (or past its own first chunks): on a GPU, or where its model's per-token prefill
+    # cost dwarfs the copy of a cached prefix in and out of the batched forward (a hybrid's recurrent state)
     together_after_hits: bool = False
     window: Optional[int] = None  # the model's smallest sliding window (None: no sliding-window layer)
     batch_kind: str = "solo"  # the kind of its group's batch (server.engine.batch.choose), for /stats
@@ -56,6 +66,48 @@ class SeqFacts:
     joins: bool = True  # it may join its group's batch from decoding on its own
     drafting: bool = False  # it decodes speculatively (the server speculates, the request and its model allow it)
     solo_ahead: bool = True  # decoding on its own, it runs a forward ahead of the tokens it returned
+
+
+class SeqView(Protocol):
+    """What the engine reads of a lane sequence (server.lane.sequence.Sequence), at the verbs that pass it; it writes
+    none of it. ``generated`` is read only where the lane has taken every token it kept (a join, a leave, an end):
+    a batch keeps its own count in between (server.engine.batch.protocol.RowState)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def prompt(self) -> Sequence[int]: ...  # its token ids (a prompt with images: its cache key)
+
+    @property
+    def generated(self) -> Sequence[int]: ...  # the tokens it kept so far
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def target(self) -> Optional[Target]: ...  # the model that computes it (None only in plan-only tests)
+
+    @property
+    def ns(self) -> str: ...  # its prefix-cache namespace
+
+    @property
+    def session(self) -> Optional[str]: ...
+
+    @property
+    def media(self) -> Any: ...  # server.core.media.PromptMedia of a prompt with images (None: text only)
+
+    @property
+    def anchors(self) -> tuple: ...  # prompt positions stored as entries of their own (cache breakpoints)
+
+    @property
+    def checkpoints(self) -> tuple: ...  # prompt positions where untrimmable layers keep their state
+
+    @property
+    def facts(self) -> SeqFacts: ...  # what ``classify`` said (the engine's own answer, kept by the lane)
+
+    @property
+    def group(self) -> Optional[GroupKey]: ...  # its decode batch group (``facts.group``)
 
 
 @dataclass(frozen=True)
@@ -87,6 +139,16 @@ class Emitted:
     logprobs: Any = None
 
 
+@dataclass(frozen=True)
+class BatchStep:
+    """One decode step of a group's batch: its tokens (in row order, a speculating row's several in sequence order),
+    and ``regrouped``: (sequence, its new facts) for rows that decode in another group from now on (a speculating
+    batch whose drafts stopped paying went on as its group's plain batch; such a step made no tokens)."""
+
+    emitted: Sequence[Emitted] = ()
+    regrouped: Sequence[tuple[Any, SeqFacts]] = ()
+
+
 @dataclass(frozen=True, eq=False)
 class Covered:
     """A row taken out of a batch: its own caches and exactly the tokens they cover."""
@@ -111,10 +173,10 @@ class LaneEngine(Protocol):
     prefill_chunk: int
     stream: Any  # the lane thread's MLX stream, once bound (a sharded model's collectives run on it)
 
-    def base_target(self):
+    def base_target(self) -> Target:
         """The server's base model with its own weights (a sharded model's followers serve it alone)."""
 
-    def namespace_for(self, target, params) -> str:
+    def namespace_for(self, target: Target, params: SamplingParams) -> str:
         """The prefix-cache namespace of a request on ``target``."""
 
     def bind_stream(self, as_default: bool = False) -> None:
@@ -126,41 +188,40 @@ class LaneEngine(Protocol):
     def task_context(self) -> ContextManager:
         """What a lane task (model work other than a sequence's) runs under."""
 
-    def classify(self, seq, company: bool = False) -> SeqFacts:
+    def classify(self, seq: SeqView, company: bool = False) -> SeqFacts:
         """The facts the scheduler plans with (once, when the sequence arrives); ``company``: other sequences are
         running or waiting in the lane."""
 
-    def admit(self, seq) -> Admitted:
+    def admit(self, seq: SeqView) -> Admitted:
         """Take the prefix cache for the sequence's prompt and prepare its model state."""
 
-    def take_longer_prefix(self, seq) -> Optional[int]:
+    def take_longer_prefix(self, seq: SeqView) -> Optional[int]:
         """Before a prefill chunk: when the prefix cache now holds more of the prompt than the sequence covers,
         take it; the new coverage, or None when nothing changed."""
 
-    def prefill(self, chunks: Sequence[tuple[Any, int]], store_now: bool) -> list[Prefilled]:
+    def prefill(self, chunks: Sequence[tuple[SeqView, int]], store_now: bool) -> list[Prefilled]:
         """Compute these prompt chunks ((sequence, tokens), one forward for all of them); ``store_now``: store a
         completed prompt at once, for requests that may share its prefix."""
 
-    def join_batch(self, group, seqs: Sequence[Any]) -> None:
+    def join_batch(self, group: GroupKey, seqs: Sequence[SeqView]) -> None:
         """These sequences (ready, or decoding on their own) join their group's batch in one step."""
 
-    def leave_batch(self, seq) -> None:
+    def leave_batch(self, seq: SeqView) -> None:
         """A batch row goes on decoding on its own."""
 
-    def step_batch(self, group) -> list[Emitted]:
-        """One decode step of a group's batch. The list may carry ``regrouped``: ``(seq, SeqFacts)`` of rows that
-        decode in another group from now on (a speculating batch whose drafts stopped paying)."""
+    def step_batch(self, group: GroupKey) -> BatchStep:
+        """One decode step of a group's batch (see ``BatchStep``)."""
 
-    def step_solo(self, seq) -> Optional[Emitted]:
+    def step_solo(self, seq: SeqView) -> Optional[Emitted]:
         """One decode step of a sequence decoding on its own; None when it can make no more tokens."""
 
-    def end(self, seqs: Sequence[Any]) -> list[Ended]:
+    def end(self, seqs: Sequence[SeqView]) -> list[Ended]:
         """These sequences end (finished, or cancelled): out of their batch, what they computed stored."""
 
-    def abandon(self, seq) -> None:
+    def abandon(self, seq: SeqView) -> None:
         """A sequence whose model work raised: release what the engine holds for it (nothing is stored)."""
 
-    def reset_batch(self, group) -> None:
+    def reset_batch(self, group: GroupKey) -> None:
         """A batch whose step raised (its rows were abandoned): start the group afresh."""
 
     def batch_rows(self) -> int:

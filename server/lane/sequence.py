@@ -183,9 +183,9 @@ class Sequence:
                 self.sink(Delta(tail, first_token=first))
             return FinishReason.STOP
         self.detokenizer.add_token(token)
-        text = self._stops.feed(self.detokenizer.last_segment)
+        text = self._matcher.feed(self.detokenizer.last_segment)
         lp = (self.logprob_of(logprobs, token),) if self.logprob_of is not None and logprobs is not None else ()
-        if self._stops.stopped:
+        if self._matcher.stopped:
             self.sink(Delta(text, lp, first_token=first))
             return FinishReason.STOP
         if len(self.generated) >= self.params.max_tokens:
@@ -196,7 +196,13 @@ class Sequence:
 
     def _release_tail(self) -> str:
         self.detokenizer.finalize()
-        return self._stops.feed(self.detokenizer.last_segment) + self._stops.flush()
+        return self._matcher.feed(self.detokenizer.last_segment) + self._matcher.flush()
+
+    @property
+    def _matcher(self) -> StopMatcher:
+        if self._stops is None:
+            raise RuntimeError(f"sequence {self.id} takes tokens before start_output bound its text side")
+        return self._stops
 
     def finished(self, reason: FinishReason, now: Optional[float] = None) -> Finished:
         """End the sequence (phase FINISHED) and build its one ``Finished`` event."""

@@ -14,13 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
+from models.facts import ModelFacts
 from models.loading.adapters import Adapter
 
 __all__ = ["Slot", "Lease", "Counters", "Target"]
 
 
 class Slot(Protocol):
-    """A loaded model as the server computes with it (server.engine.slot.ModelSlot is the implementation)."""
+    """A loaded model as the server computes with it: what the doors, the lane and the engine read of it
+    (server.engine.slot.ModelSlot is the implementation)."""
 
     name: str  # what requests call it (and responses echo)
     base: bool  # the server's base model: adapters and the draft model apply to it
@@ -29,9 +31,22 @@ class Slot(Protocol):
     vocab_size: int
     context_length: int
     kv_price: Any  # server.lane.budget.KVPrice: what its caches cost the memory budget (None: not measured yet)
-    needs_checkpoints: bool  # its caches cannot be cut back (recurrent state, sliding windows): keep checkpoints
     vision: Any  # models.loading.vision.VisionTower of a model that takes images (None: text only)
     sampling_defaults: Any  # models.loading.generation_defaults.SamplingDefaults: what its generation_config declares
+    facts: ModelFacts  # what its caches and architecture allow, measured once at load (models.facts)
+    model: Any  # its weights' forward: model(tokens, cache=caches) -> logits (None once released)
+    eos: frozenset[int]  # its end-of-sequence ids
+    kv_bits: Optional[int]  # --kv-bits: its KV cache is quantized
+
+    def new_caches(self) -> list[Any]:
+        """Fresh per-layer caches for one sequence (quantized when ``kv_bits``)."""
+        ...
+
+    def detokenizer(self, keep_leading_space: bool = False) -> Any:
+        """A fresh streaming detokenizer."""
+        ...
+
+    def decode_one(self, token: int) -> str: ...
 
 
 class Lease(Protocol):

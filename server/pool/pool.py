@@ -264,6 +264,7 @@ class ModelPool:
                 future, entry.loading = entry.loading, None
                 self._notify_locked()  # loads that waited for this one's room plan again
             log.error("loading model %s failed: %s", entry.name, entry.error)
+            assert future is not None, "a load in progress has its future"
             future.set_exception(ModelLoadFailed(f"model '{entry.name}' could not be loaded: {exc}"))
             return
         with self._lock:
@@ -276,6 +277,7 @@ class ModelPool:
             future, entry.loading = entry.loading, None
             self._notify_locked()
         log.info("model %s loaded in %.1f s (%.2f GiB)", entry.name, entry.load_s, nbytes / (1 << 30))
+        assert future is not None, "a load in progress has its future"
         future.set_result(None)
 
     def _release(self, entry: PoolEntry) -> None:

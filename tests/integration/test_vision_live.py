@@ -41,7 +41,8 @@ def vision_dir(tmp_path_factory, default_model_dir):
 def vserver(vision_dir, tmp_path_factory):
     ssd = tmp_path_factory.mktemp("vision-ssd")
     srv = ServerProc("--model", str(vision_dir), "--cache-bytes", "64M", "--keepalive", "1",
-                     "--ssd-cache", str(ssd), "--write-behind-debounce", "0.05", *LIMITS)
+                     "--ssd-cache", str(ssd), "--write-behind-debounce", "0.05", *LIMITS,
+                     "--ssd-restore", "always")  # every entry written: the cost model may decline a tiny model's under load
     srv.ssd = ssd
     yield srv
     assert srv.stop() == 0, srv.log()

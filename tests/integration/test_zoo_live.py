@@ -121,6 +121,9 @@ def test_thinking_turns_reuse_the_conversation_and_give_mlx_lm_text(served, orac
     assert warm == oracle(served.name, turn2, 12), served.name  # the cold text: the computed entry is exact
     stats = httpx.get(url + "/stats").json()
     assert stats["prompt_cache"]["checkpoint_hits"] >= 1
+    # the hybrid's gated delta rule ran the chunked form of models.kernels (this CPU), the window model has none
+    assert stats["lane"]["recurrent"] == ("chunked" if zoo.FAMILY[served.name] == "hybrid" else "none"), stats["lane"]
+    assert stats["lane"]["batch_layout"] == "ragged"  # windows and hybrids decode in the ragged layout
 
 
 def test_ngram_speculation_over_the_models_caches_never_fails_and_verifies_drafts(served):

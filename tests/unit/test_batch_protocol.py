@@ -156,12 +156,15 @@ def test_make_builds_the_kind_chosen(kind, model):
 
 
 def test_a_hit_and_a_sliding_window_row_go_where_their_caches_can_be_held(model):
-    """The facts choose reads are the caches' own: plain KVCache layers (a hit's shared-prefix layers too) for the
-    ragged layout, a RotatingKVCache only through mlx-lm's batch caches."""
+    """The facts choose reads are the caches' own: plain KVCache layers (a hit's shared-prefix layers too) and
+    sliding windows that keep nothing at their front for the ragged layout (mlx-lm's batch caches take both); a
+    window that keeps its first tokens only through mlx-lm's."""
     from models.attention.shared_prefix import share_prefix
 
     hit = share_prefix(own_caches(model, PROMPTS[0][:-1]))
     assert RaggedBatch(model).accepts(Row(Seq(PROMPTS[0]), hit, PROMPTS[0]))
     windowed = [RotatingKVCache(max_size=8) if i == 0 else KVCache() for i in range(len(model.layers))]
     r = Row(Seq(PROMPTS[1]), windowed, PROMPTS[1])
-    assert not RaggedBatch(model).accepts(r) and MlxBatch(model).accepts(r)
+    assert RaggedBatch(model).accepts(r) and MlxBatch(model).accepts(r)
+    kept = [RotatingKVCache(max_size=8, keep=4) if i == 0 else KVCache() for i in range(len(model.layers))]
+    assert not RaggedBatch(model).accepts(Row(Seq(PROMPTS[1]), kept, PROMPTS[1]))

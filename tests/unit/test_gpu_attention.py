@@ -74,17 +74,48 @@ def test_caches_without_known_ranges_keep_their_mask():
 def test_only_decode_shaped_16_bit_steps_qualify():
     q = mx.zeros((4, 32, 1, 128), dtype=mx.bfloat16)
     k = mx.zeros((4, 8, 300, 128), dtype=mx.bfloat16)
-    assert gpu_attention._applies(q, k, k, object(), None)
-    assert not gpu_attention._applies(q.astype(mx.float32), k.astype(mx.float32), k.astype(mx.float32), object(), None)
+    assert gpu_attention._applies(q, k, k, object())
+    assert not gpu_attention._applies(q.astype(mx.float32), k.astype(mx.float32), k.astype(mx.float32), object())
     wide = mx.zeros((4, 32, gpu_attention.MAX_WIDTH + 1, 128), dtype=mx.bfloat16)  # a prefill chunk: cuDNN's
-    assert not gpu_attention._applies(wide, k, k, object(), None)
-    assert not gpu_attention._applies(q[..., :80], k[..., :80], k[..., :80], object(), None)  # head size 80
-    assert not gpu_attention._applies(q, k, k, object(), mx.zeros((32,)))  # attention sinks
+    assert not gpu_attention._applies(wide, k, k, object())
+    assert not gpu_attention._applies(q[..., :80], k[..., :80], k[..., :80], object())  # head size 80
 
     class Quantized:
         bits = 8
 
-    assert not gpu_attention._applies(q, k, k, Quantized(), None)
+    assert not gpu_attention._applies(q, k, k, Quantized())
+
+
+def test_a_window_layers_ranges_and_sinks_are_what_its_mask_and_mlx_say():
+    """A sliding-window layer of the ragged batch: the reference the kernel is checked against (window + sinks)
+    equals MLX's attention over the mask the layer gives the model, sinks included."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    def window_row(n, seed, window=6):
+        mx.random.seed(seed)
+        c = RotatingKVCache(max_size=window, keep=0)
+        for i in range(n):  # token by token: the buffer wraps and rotates as a decode's would
+            c.update_and_fetch(mx.random.normal((1, 2, 1, D)), mx.random.normal((1, 2, 1, D)))
+        return [c]
+
+    lengths = [3, 9, 14]
+    kv = RaggedKV.from_rows([window_row(n, i) for i, n in enumerate(lengths)])
+    layer = kv.layers[0]
+    assert layer.attention_window == 6
+    W = 2
+    mx.random.seed(9)
+    q = mx.random.normal((3, 4, W, D))
+    kv.reserve(W)
+    keys, values = layer.update_and_fetch(mx.random.normal((3, 2, W, D)), mx.random.normal((3, 2, W, D)))
+    mask = layer.make_mask(W)
+    start, last = gpu_attention.row_ranges(layer, W)
+    sinks = mx.random.normal((4,))
+    ours = gpu_attention.reference_attention(q, keys, values, D ** -0.5, start, last, window=6, sinks=sinks)
+    theirs = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D ** -0.5, mask=mask, sinks=sinks)
+    assert mx.allclose(ours, theirs, atol=1e-5)
+    # the window really narrows what is seen: without it the answer differs
+    assert not mx.allclose(ours, gpu_attention.reference_attention(q, keys, values, D ** -0.5, start, last,
+                                                                   sinks=sinks), atol=1e-3)
 
 
 def test_not_installed_off_cuda():

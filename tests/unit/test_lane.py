@@ -337,7 +337,7 @@ def spec_lane(models, *, in_batch: bool, max_batch=8):
     from server.engine.speculation import Speculation
     from spec import NgramProvider
 
-    speculation = Speculation(NgramProvider(), models[None], num_draft_tokens=4, kind="ngram")
+    speculation = Speculation(NgramProvider(), num_draft_tokens=4, kind="ngram")
     return make_lane(models, max_batch=max_batch, chunk=64, speculation=speculation, spec_in_batch=in_batch)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from server.lane.events import Delta, Failed, Finished, Progress, SamplingParams
 from server.lane.lane import Lane
-from server.lane.seam import Admitted, Emitted, Ended, GroupKey, LaneEngine, Prefilled, SeqFacts
+from server.lane.seam import Admitted, BatchStep, Emitted, Ended, GroupKey, LaneEngine, Prefilled, SeqFacts
 from server.lane.sequence import Phase, Sequence
 from server.stats import ServingStats
 from tests.fixtures.tiny_models import TextOfIds
@@ -89,10 +89,10 @@ class FakeEngine:
         if self.regroup_to is not None:  # the rows now decode in another group
             moved = self.batches.pop(group, [])
             self.batches.setdefault(self.regroup_to, []).extend(moved)
-            out = type("Stepped", (list,), {})(out)
-            out.regrouped = tuple((s, SeqFacts(group=self.regroup_to, batchable=True)) for s in moved)
+            regrouped = tuple((s, SeqFacts(group=self.regroup_to, batchable=True)) for s in moved)
             self.regroup_to = None
-        return out
+            return BatchStep(out, regrouped)
+        return BatchStep(out)
 
     def step_solo(self, seq) -> Optional[Emitted]:
         self.calls.append(("solo", seq.id))

@@ -211,3 +211,36 @@ def test_both_batch_kinds_say_how_many_bytes_their_kv_holds(model, kind):
     assert batch.kv_nbytes() >= own > 0
     batch.remove(seqs)
     assert batch.kv_nbytes() == 0 or kind is MlxBatch  # mlx-lm's empty batch may keep its arrays until a join
+
+
+def test_window_rows_decode_their_alone_tokens_and_leave_as_mlx_lms_rotating_cache():
+    """Sliding-window layers in the ragged layout (issue 43): rows whose windows have wrapped (and one that has
+    not) decode with their alone greedy tokens, and a row's extracted window layer holds exactly what mlx-lm's
+    ``RotatingKVCache`` holds after the same tokens (its positions in order), so the prefix cache stores it as is."""
+    from mlx_lm.generate import generate_step
+
+    from models.mlx_compat import temporal_order
+    from tests.fixtures import zoo
+
+    model = zoo.build("gpt_oss", 256)
+    prompts = [[(5 * i + 3) % 200 + 20 for i in range(n)] for n in (40, 9, 23)]  # windows of 16: two wrap
+    n = 6
+    want = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=n, prompt_cache=make_prompt_cache(model))]
+            for p in prompts]
+    batch = RaggedBatch(model)
+    seqs = [SimpleNamespace(id=i) for i in range(len(prompts))]
+    batch.add([Row(s, own_caches(model, p[:-1]), p) for s, p in zip(seqs, prompts)])
+    got = {i: [] for i in range(len(prompts))}
+    while min(len(v) for v in got.values()) < n:
+        for e in batch.step():
+            got[e.seq.id].append(e.token)
+    assert [got[i][:n] for i in range(len(prompts))] == want
+    covered = batch.remove([seqs[0]])[0]
+    reference = own_caches(model, covered.tokens)
+    for ours, theirs in zip(covered.caches, reference):
+        assert type(ours) is type(theirs) and ours.offset == theirs.offset
+        if hasattr(theirs, "max_size"):  # a window: the same positions, in order
+            k_ours, k_theirs = temporal_order(ours, ours.keys), temporal_order(theirs, theirs.keys)
+            k_theirs = k_theirs[..., -k_ours.shape[2]:, :]
+            assert k_ours.shape[2] == min(ours.offset, ours.max_size)
+            assert mx.allclose(k_ours, k_theirs, atol=1e-4)

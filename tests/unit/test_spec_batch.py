@@ -119,7 +119,7 @@ def seq(prompt, max_tokens=50):
 
 def add(batch, s, source, *, policy=None, sampler=None, stats=None):
     batch.add([Row(s, empty_row_caches(len(s.prompt) - 1), list(s.prompt), sampler=sampler,
-                   draft=RowDraft(source, policy or FixedDraftLength(4), 4, stats))])
+                   draft=RowDraft(source, policy or FixedDraftLength(4), 4, stats), max_tokens=s.params.max_tokens)])
 
 
 def test_each_row_keeps_its_own_accepted_prefix_and_is_rewound_by_its_own_rejections():
@@ -158,7 +158,7 @@ def test_a_row_stopped_inside_a_step_stores_only_what_it_kept():
     out = batch.step()
     assert [t for _, t, _ in triples(out)] == [3, 4, 5, 6, 7]
     a.generated = [3, 4]  # a stop string ended it at its second token
-    (tokens, caches), = pairs(batch.remove([a]))
+    (tokens, caches), = pairs(batch.remove([a], [len(a.generated)]))
     assert tokens == [1, 2, 3, 4] and caches[0].offset == 4  # prompt + what it kept (both were fed)
 
 

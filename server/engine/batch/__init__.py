@@ -1,10 +1,13 @@
 """The decode batches: one ``Batch`` protocol (protocol.py), its kinds (solo, mlx, ragged, speculating), the one
-place a kind is chosen (choose.py), the groups that hold them (groups.py), the logits rules every kind applies
-(rules.py), the ragged KV layout (ragged_kv.py) and the batched draft model (drafts.py)."""
+place a kind is chosen and built (choose.py), the groups that hold them (groups.py), the logits rules every kind
+applies (rules.py), the ragged layouts' storage (ragged_store.py over ragged_kv.py and ragged_states.py) and the
+batched draft model (drafts.py)."""
 
-from server.engine.batch.choose import BatchKind, CacheFacts, Layout, choose, joins, make, moves, solo_pipelined
+from server.engine.batch.choose import (BatchKind, CacheFacts, Layout, Placement, choose, joins, make, moves, place,
+                                        solo_pipelined)
 from server.engine.batch.groups import BatchGroups
-from server.engine.batch.protocol import Batch, Covered, Emitted, GroupKey, LogitsRules, Row, RowDraft
+from server.engine.batch.protocol import Batch, Covered, Emitted, GroupKey, LogitsRules, Row, RowDraft, RowState
 
 __all__ = ["Batch", "BatchGroups", "BatchKind", "CacheFacts", "Covered", "Emitted", "GroupKey", "Layout",
-           "LogitsRules", "Row", "RowDraft", "choose", "joins", "make", "moves", "solo_pipelined"]
+           "LogitsRules", "Placement", "Row", "RowDraft", "RowState", "choose", "joins", "make", "moves", "place",
+           "solo_pipelined"]

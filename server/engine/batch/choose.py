@@ -16,23 +16,29 @@ kernel (Metal, or ``--attention mlx``).
 Recurrent state cannot take a token back. Its solo decoder feeds each token when the next is asked for, so a row
 joins its ragged batch from there exactly (``joins``); the ragged batch pipelines on a GPU like any other (the lane's
 Python for 16 Qwen3.5-9B rows runs while the device computes), so a row leaves it only when it finishes: a pipelined
-batch has fed every token it returned, which a state cannot give back (``moves``). ``make(kind, model, layout, stream, caches)`` builds an empty batch of the kind. Only the lane thread
-touches a batch.
+batch has fed every token it returned, which a state cannot give back (``moves``).
+
+``place(layout, caches, drafting, company)`` is a request's kind and whether it drafts (a model whose caches a
+speculating batch cannot hold speculates only alone). ``make(kind, model, layout, stream, caches)`` builds an empty
+batch of the kind: the one builder of batches, so no other module names a kind's class. Only the lane thread touches
+a batch.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
+from models.facts import CacheFacts
 from server.engine.batch.mlx import MlxBatch
 from server.engine.batch.protocol import Batch
 from server.engine.batch.ragged import RaggedBatch
 from server.engine.batch.solo import SoloBatch
-from server.engine.batch.speculating import SpeculatingBatch
+from server.engine.batch.speculating import PlainStepClock, SpeculatingBatch, VerifyStep
 
-__all__ = ["BatchKind", "CacheFacts", "Layout", "choose", "joins", "make", "moves", "pipelined", "solo_pipelined"]
+__all__ = ["BatchKind", "CacheFacts", "Layout", "Placement", "choose", "joins", "make", "moves", "pipelined", "place",
+           "solo_pipelined"]
 
 
 class BatchKind(str, enum.Enum):
@@ -43,21 +49,6 @@ class BatchKind(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-@dataclass(frozen=True)
-class CacheFacts:
-    """A model's cache layers, as the choice needs them (server.engine.slot.ModelSlot measures them once)."""
-
-    plain_kv: bool  # every layer a plain KVCache, not quantized
-    mergeable: bool  # every layer's class merges into mlx-lm's batch caches
-    recurrent: bool = False  # some layers hold recurrent state (linear attention, SSM): nothing can be taken back
-    windowed: bool = False  # some layers are sliding windows (RotatingKVCache): once wrapped, nothing can be taken back
-    ragged: Optional[bool] = None  # the ragged layout holds its layers (None: plain_kv)
-
-    @property
-    def holds_ragged(self) -> bool:
-        return self.plain_kv if self.ragged is None else self.ragged
 
 
 @dataclass(frozen=True)
@@ -83,6 +74,25 @@ def choose(layout: Layout, caches: CacheFacts, speculating: bool) -> BatchKind:
     if caches.holds_ragged and layout.wants_ragged():
         return BatchKind.RAGGED
     return BatchKind.MLX if caches.mergeable else BatchKind.SOLO
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request decodes: its group's batch kind, and whether it drafts."""
+
+    kind: BatchKind
+    drafting: bool
+
+
+def place(layout: Layout, caches: CacheFacts, drafting: bool, company: bool) -> Placement:
+    """A request's kind (``choose``) and whether it drafts. A model whose caches a speculating batch cannot hold
+    (recurrent state, sliding windows) speculates only on its own: a request that arrives with ``company`` (others
+    running or waiting) decodes plainly instead, in its group's plain batch, since every speculating request of such
+    a model decoding alone made 4 concurrent requests on a tiny qwen3.5 take 4x the wall of the plain batch."""
+    kind = choose(layout, caches, drafting)
+    if drafting and kind == BatchKind.SOLO and company and layout.spec_in_batch:
+        return Placement(choose(layout, caches, False), False)
+    return Placement(kind, drafting)
 
 
 def pipelined(layout: Layout, caches: CacheFacts) -> bool:
@@ -113,11 +123,15 @@ def joins(kind: BatchKind, caches: CacheFacts) -> bool:
     return not caches.recurrent or kind == BatchKind.RAGGED
 
 
-def make(kind: BatchKind, model, layout: Layout, stream: Optional[object] = None,
-         caches: CacheFacts = CacheFacts(plain_kv=True, mergeable=True)) -> Batch:
-    """An empty batch of ``kind`` for ``model`` (whose caches are ``caches``)."""
+def make(kind: BatchKind, model: Any, layout: Layout, stream: Optional[Any] = None,
+         caches: CacheFacts = CacheFacts(plain_kv=True, mergeable=True), *,
+         plain_steps: Optional[PlainStepClock] = None,
+         on_verify: Optional[Callable[[VerifyStep], None]] = None) -> Batch:
+    """An empty batch of ``kind`` for ``model`` (whose caches are ``caches``). A speculating batch judges whether its
+    drafts pay against ``plain_steps`` (the plain batches' measured steps) and reports each verify step to
+    ``on_verify`` (/stats)."""
     if kind == BatchKind.SPECULATING:
-        return SpeculatingBatch(model, draft_batch=layout.draft_batch)
+        return SpeculatingBatch(model, draft_batch=layout.draft_batch, plain_steps=plain_steps, on_verify=on_verify)
     if kind == BatchKind.RAGGED:  # on a GPU the lane's Python runs during the forward
         return RaggedBatch(model, pipelined=pipelined(layout, caches))
     if kind == BatchKind.MLX:

@@ -81,7 +81,8 @@ class DraftBatch:
         given. A source with nothing unfed or ``n`` <= 0 drafts nothing (but keeps the feed for later)."""
         index = {id(s): i for i, s in enumerate(self._sources)}
         rows = len(self._sources)
-        n_of, unfed = [0] * rows, [[] for _ in range(rows)]  # per batch row: tokens to draft, tokens to feed first
+        n_of = [0] * rows
+        unfed: list[list[int]] = [[] for _ in range(rows)]  # per batch row: tokens to draft, tokens to feed first
         for source, feed, n in wanted:
             heard, i = source.queue_feed(feed), index[id(source)]
             if heard and n > 0:

@@ -46,10 +46,10 @@ class BatchGroups:
         batch = self._batches.get(group)
         return batch.step() if batch is not None else []
 
-    def remove(self, group: GroupKey, seqs: Sequence) -> list[Covered]:
-        """Take these rows out of the group's batch; a batch with no rows left goes."""
+    def remove(self, group: GroupKey, seqs: Sequence, kept: Optional[Sequence[int]] = None) -> list[Covered]:
+        """Take these rows out of the group's batch (``kept``: as ``Batch.remove``); a batch with no rows left goes."""
         batch = self._batches[group]
-        out = batch.remove(seqs)
+        out = batch.remove(seqs, kept)
         if not len(batch):
             del self._batches[group]
         return out

@@ -1,10 +1,11 @@
 """The ``mlx`` batch kind: mlx-lm's ``GenerationBatch`` (continuous batching), wrapped in the ``Batch`` protocol.
 
-mlx-lm does the work: ``_merge_caches`` turns a sequence's own per-layer caches into batch caches
-(``BatchKVCache`` / ``BatchRotatingKVCache`` / ``ArraysCache``, left-padded), ``GenerationBatch`` runs one forward for
-all rows per step with per-row samplers and logits processors (pipelined: the step that returns token k has already
-fed k and started computing k+1), ``extend`` merges a new row in, ``extract_cache(i)`` / ``filter`` take a finished
-row out. The kind for caches the ragged layout cannot hold (sliding windows, recurrent state) and for Metal.
+mlx-lm does the work: its ``_merge_caches`` (models.mlx_compat) turns a sequence's own per-layer caches into batch
+caches (``BatchKVCache`` / ``BatchRotatingKVCache`` / ``ArraysCache``, left-padded), ``GenerationBatch`` runs one
+forward for all rows per step with per-row samplers and logits processors (pipelined: the step that returns token k
+has already fed k and started computing k+1), ``extend`` merges a new row in, ``extract_cache(i)`` / ``filter`` take
+a finished row out. The kind for caches the ragged layout cannot hold (sliding windows, recurrent state) and for
+Metal.
 
 What this wrapper adds, and why:
 - rows are keyed by our sequences, not uids; stopping is ours (stop strings, cancellation, max_tokens live in
@@ -20,13 +21,14 @@ Only the lane thread touches a batch.
 
 from __future__ import annotations
 
-from typing import ClassVar, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch, StopSequences, _merge_caches
+from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm.sample_utils import greedy_sampler
 
 from models.attention.shared_prefix import flatten
+from models.mlx_compat import merge_caches
 from server.engine.batch.protocol import Covered, Emitted, Row
 
 _NO_LIMIT = 1 << 62
@@ -58,6 +60,10 @@ class MlxBatch:
     def sequences(self) -> list:
         return list(self._rows)
 
+    @property
+    def paying(self) -> bool:
+        return True
+
     def kv_nbytes(self) -> int:
         """Bytes of the batch's KV (``BatchKVCache`` left-pads every row to the longest and grows in steps)."""
         return sum(_cache_nbytes(c) for c in (self._gen.prompt_cache or []))
@@ -77,7 +83,7 @@ class MlxBatch:
                 raise ValueError(f"an mlx batch cannot hold this row ({_describe(row)})")
         group = GenerationBatch(
             self.model, [id(r.seq) for r in rows], mx.array([r.history[-1] for r in rows]),
-            _merge_caches([flatten(r.caches) for r in rows]), [list(r.history[:-1]) for r in rows],
+            merge_caches([flatten(r.caches) for r in rows]), [list(r.history[:-1]) for r in rows],
             [r.sampler for r in rows], greedy_sampler,
             [tuple(r.rules.processors()) for r in rows], [StopSequences() for _ in rows],
             [_NO_LIMIT] * len(rows),
@@ -94,8 +100,9 @@ class MlxBatch:
         self.row_steps += len(self._rows)
         return [Emitted(seq, r.token, r.logprobs) for seq, r in zip(self._rows, responses)]
 
-    def remove(self, seqs: Sequence) -> list[Covered]:
-        """Take these rows out, in the order given."""
+    def remove(self, seqs: Sequence, kept: Optional[Sequence[int]] = None) -> list[Covered]:
+        """Take these rows out, in the order given (``kept`` changes nothing: a row makes one token per step, and a
+        stop ends it before the next)."""
         index = {id(s): i for i, s in enumerate(self._rows)}
         out = []
         for seq in seqs:

@@ -8,7 +8,8 @@ With agents' long conversations that is the KV of the whole batch copied on ever
 extra forward per join on the lane's clock (issue 22's profile: a join cost 1.7-2.4x a step on the H200, 2x on the
 CPU).
 
-Here the rows live in ``server.engine.ragged_kv.RaggedKV``: each row left-aligned in a slot of preallocated
+Here the rows live in a ``server.engine.batch.ragged_store.RaggedStore`` (``RaggedKV``; a hybrid's recurrent states
+beside it in ``HybridRagged``): each row left-aligned in a slot of preallocated
 buffers (slots grown by half again, positions by a quarter again), writing at its own end, so rows of different
 lengths need no padding. A join writes the row's KV into a free slot; its next input (the last prompt token, or the
 last generated token of a row that migrates from solo decoding) rides the batch's next forward, which returns its
@@ -16,7 +17,7 @@ first token. A leave copies the leaving row out (the prefix cache keeps it) and 
 
 A step is what ``GenerationBatch._step`` computes, in its order (so the tokens are the same for the same logits):
 one forward, the rows' logits rules (bias, penalties over each row's own token history, grammar masks: in a few
-operations for all rows that have them, ``server.engine.batch_logits``), log-softmax, one sampler call for the batch
+operations for all rows that have them, ``server.engine.batch.rules``), log-softmax, one sampler call for the batch
 when every row shares one (greedy, or requests with the same unseeded settings), otherwise one per sampler
 (``server.engine.sampling.sample_rows``).
 
@@ -44,8 +45,9 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
 from server.engine.batch.protocol import Covered, Emitted, Row, RowList
-from server.engine.batch.ragged_kv import RaggedKV, holds_kv
-from server.engine.batch.ragged_states import HybridRagged, is_state
+from server.engine.batch.ragged_kv import holds_kv
+from server.engine.batch.ragged_states import is_state
+from server.engine.batch.ragged_store import RaggedStore, store_for
 from server.engine.batch.rules import LogitsRules, apply_rules
 from server.engine.sampling import sample_rows
 
@@ -76,7 +78,8 @@ class RaggedBatch(RowList):
         self.model = model
         self.pipelined = pipelined
         self._rows: list[_Row] = []
-        self._kv: Optional[RaggedKV] = None
+        self._kv: Optional[RaggedStore] = None
+        self._hybrid = False  # its store holds recurrent states beside the KV (every row has the same layers)
         self._next: Optional[mx.array] = None  # (rows,) each row's next input; lazy while a forward is in flight
         self.steps = 0
         self.row_steps = 0
@@ -84,6 +87,10 @@ class RaggedBatch(RowList):
     def kv_nbytes(self) -> int:
         """Bytes of the batch's KV buffers, free slots and unused positions included."""
         return self._kv.nbytes if self._kv is not None else 0
+
+    @property
+    def paying(self) -> bool:
+        return True
 
     def accepts(self, row: Row) -> bool:
         """Rows that do not speculate, whose layers are plain KVCache layers (``RaggedKV``) and, for a hybrid model,
@@ -94,7 +101,7 @@ class RaggedBatch(RowList):
         if not kv or not holds_kv(kv):
             return False
         hybrid = len(kv) < len(row.caches)
-        return self._kv is None or isinstance(self._kv, HybridRagged) == hybrid
+        return self._kv is None or self._hybrid == hybrid
 
     def add(self, rows: Sequence[Row]) -> None:
         """These rows join: their KV goes into free slots (no forward, no copy of the running rows); their last
@@ -106,8 +113,8 @@ class RaggedBatch(RowList):
                 raise ValueError("a ragged batch holds rows of plain KVCache layers that do not speculate")
         caches = [r.caches for r in rows]
         if self._kv is None:
-            hybrid = any(is_state(c) for c in caches[0])
-            self._kv = (HybridRagged if hybrid else RaggedKV).from_rows(caches)
+            self._kv = store_for(caches)
+            self._hybrid = any(is_state(c) for c in caches[0])
         else:
             self._kv.extend(caches)
         for r in rows:
@@ -118,12 +125,12 @@ class RaggedBatch(RowList):
     def step(self) -> list[Emitted]:
         """One decode step for every row, in row order, at most one token per row
         (pipelined, a row that returned its first token in the step it joined returns none in the next)."""
-        if not self._rows:
+        kv, inputs = self._kv, self._next
+        if not self._rows or kv is None or inputs is None:
             return []
-        inputs = self._next
-        self._kv.reserve(1)
-        logits = self.model(inputs[:, None], cache=self._kv.layers)[:, -1, :]
-        self._kv.commit([1] * len(self._rows))
+        kv.reserve(1)
+        logits = self.model(inputs[:, None], cache=kv.layers)[:, -1, :]
+        kv.commit([1] * len(self._rows))
         ruled = [e for e, r in enumerate(self._rows) if not r.rules.empty]
         if ruled:  # each row's history so far is its tokens; its newest token is this step's input
             rows = [self._rows[e] for e in ruled]
@@ -154,17 +161,24 @@ class RaggedBatch(RowList):
         self.row_steps += len(self._rows)
         return out
 
-    def remove(self, seqs: Sequence) -> list[Covered]:
-        """Take these rows out, in the order given: each row's own caches and exactly the tokens they cover: its history and every token fed so far (not pipelined: all it returned but the
-        last, its next input; pipelined: all it returned, or all but the last if it returned that one early)."""
+    def remove(self, seqs: Sequence, kept: Optional[Sequence[int]] = None) -> list[Covered]:
+        """Take these rows out, in the order given: each row's own caches and exactly the tokens they cover: its
+        history and every token fed so far (not pipelined: all it returned but the last, its next input; pipelined:
+        all it returned, or all but the last if it returned that one early). ``kept`` changes nothing: a row makes
+        one token per step, and a stop ends it before the next."""
+        kv, nxt = self._kv, self._next
+        if not seqs:
+            return []
+        if kv is None or nxt is None:
+            raise KeyError("not rows of this batch: it is empty")
         index = {id(r.seq): i for i, r in enumerate(self._rows)}
         idx = [index[id(seq)] for seq in seqs]
-        mx.eval(self._next)  # a forward in flight writes every row's KV: let it finish before copying
-        out = [Covered(list(self._rows[i].tokens), self._kv.extract(i)) for i in idx]
-        order = self._kv.release(idx)  # the last rows fill the holes; no other row moves
+        mx.eval(nxt)  # a forward in flight writes every row's KV: let it finish before copying
+        out = [Covered(list(self._rows[i].tokens), kv.extract(i)) for i in idx]
+        order = kv.release(idx)  # the last rows fill the holes; no other row moves
         self._rows = [self._rows[i] for i in order]
         if self._rows:
-            self._next = self._next[mx.array(order, dtype=mx.int32)]
+            self._next = nxt[mx.array(order, dtype=mx.int32)]
         else:
             self._kv, self._next = None, None
         return out

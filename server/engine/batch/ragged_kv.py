@@ -31,18 +31,26 @@ its own end, stale or another row's longer history, are masked), ``attention_ran
 ``models.attention.gpu``'s fused kernel on CUDA, which then reads only each row's own columns; elsewhere the mask
 costs an attention over the longest row for every row, as left-padding does).
 
-Only plain ``KVCache`` layers (no sliding window, no quantized KV, no recurrent state): the engine sends only such
-models here. Only the lane thread touches a RaggedKV.
+Sliding-window layers (mlx-lm's ``RotatingKVCache`` with nothing kept at the front: gpt-oss, gemma3) live here too,
+as plain positions: such a layer's buffer holds a row's whole history like the others' (what a wrapped window
+brought at the join lies at its last ``window`` columns; the columns below are never read), and its queries see only
+the last ``window`` columns up to their own (``attention_window``: the fused kernel skips what lies below; the mask
+says the same). Nothing of a window is rotated, so joins and leaves copy no more than for full attention, a rewind is
+free, and ``extract`` hands back a ``RotatingKVCache`` holding the row's last ``window`` positions in order, as
+mlx-lm's own cache would after the same tokens (``tests/unit/test_ragged_batch.py``). No quantized KV, no recurrent
+state (that is ``HybridRagged``'s, beside this): the engine sends only such models here. Only the lane thread touches
+a RaggedKV.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from models.attention.shared_prefix import SharedPrefixKVCache
+from models.mlx_compat import set_ring_index, temporal_order
 
 __all__ = ["RaggedKV", "holds_kv"]
 
@@ -50,14 +58,36 @@ _STEP = 256  # buffer growth, in positions (as mlx-lm's caches)
 
 
 def holds_kv(caches: list) -> bool:
-    """Can a RaggedKV hold this row: every layer a plain KVCache (a hit's SharedPrefixKVCache is read in place)?"""
-    return bool(caches) and all(type(c) is KVCache or isinstance(c, SharedPrefixKVCache) for c in caches)
+    """Can a RaggedKV hold this row: every layer a plain KVCache (a hit's SharedPrefixKVCache is read in place) or a
+    sliding window that keeps nothing at its front?"""
+    return bool(caches) and all(type(c) is KVCache or isinstance(c, SharedPrefixKVCache) or is_window(c)
+                                for c in caches)
+
+
+def is_window(cache) -> bool:
+    """A sliding-window layer the ragged layout holds (mlx-lm's RotatingKVCache, nothing kept at its front)."""
+    return type(cache) is RotatingKVCache and cache.keep == 0
+
+
+def window_of(cache) -> int:
+    """The layer's window in positions (0: it sees its whole row)."""
+    return int(cache.max_size) if is_window(cache) else 0
+
+
+def _ordered(cache) -> tuple[mx.array, mx.array]:
+    """A layer's keys and values in the order of their positions (a wrapped window's buffer is rotated)."""
+    if is_window(cache):
+        return temporal_order(cache, cache.keys), temporal_order(cache, cache.values)
+    return cache.keys, cache.values
 
 
 class RaggedKV:
-    def __init__(self, n_layers: int):
+    def __init__(self, windows: list[int]):
+        """``windows``: each layer's sliding window (0: full attention)."""
         self.lengths: list[int] = []  # per live row: positions its KV holds (rows 0..len-1 are the live ones)
-        self.layers = [_Layer(self, i) for i in range(n_layers)]
+        self.windows = list(windows)
+        self.layers = [_Layer(self, i) for i in range(len(windows))]
+        n_layers = len(windows)
         self._keys: list[Optional[mx.array]] = [None] * n_layers  # (slots, H, capacity, D); slots >= live rows
         self._values: list[Optional[mx.array]] = [None] * n_layers
         self._offset = mx.array([], dtype=mx.int32)
@@ -67,7 +97,7 @@ class RaggedKV:
     @classmethod
     def from_rows(cls, rows: list[list]) -> "RaggedKV":
         """A batch of the given rows (each a per-layer list of KVCache covering its own tokens)."""
-        kv = cls(len(rows[0]))
+        kv = cls([window_of(c) for c in rows[0]])
         kv.extend(rows)
         return kv
 
@@ -101,9 +131,9 @@ class RaggedKV:
             return
         lengths = [int(r[0].offset) for r in rows]
         for row in rows:
-            if not holds_kv(row):
+            if not holds_kv(row) or [window_of(c) for c in row] != self.windows:
                 kinds = ", ".join(sorted({type(c).__name__ for c in row}))
-                raise TypeError(f"RaggedKV holds plain KVCache layers, got {kinds}")
+                raise TypeError(f"RaggedKV holds plain KVCache layers and the windows {self.windows}, got {kinds}")
         first = len(self.lengths)
         need = first + len(rows)
         if self._keys[0] is None:
@@ -116,6 +146,12 @@ class RaggedKV:
             for j, (row, n) in enumerate(zip(rows, lengths)):
                 if n:
                     c, s = row[layer], first + j
+                    if is_window(c):  # the positions it holds are the row's last ones
+                        k, v = _ordered(c)
+                        m = min(n, k.shape[2])
+                        self._keys[layer][s: s + 1, :, n - m: n, :] = k[..., k.shape[2] - m:, :]
+                        self._values[layer][s: s + 1, :, n - m: n, :] = v[..., v.shape[2] - m:, :]
+                        continue
                     col = 0  # a hit's SharedPrefixKVCache: its segments, each written where it goes (one copy)
                     for k, v in (c.segments() if isinstance(c, SharedPrefixKVCache) else [(c.keys, c.values)]):
                         w = min(k.shape[2], n - col)
@@ -130,10 +166,16 @@ class RaggedKV:
         """Row i's own caches (new KVCache objects over a copy of its live KV)."""
         n = self.lengths[i]
         out = []
-        for layer in range(len(self.layers)):
-            c = KVCache()
-            c.keys = mx.contiguous(self._keys[layer][i: i + 1, :, :n, :])
-            c.values = mx.contiguous(self._values[layer][i: i + 1, :, :n, :])
+        for layer, window in enumerate(self.windows):
+            c: Any
+            if window:  # its last `window` positions, in order: mlx-lm's own state after the same tokens
+                lo = max(0, n - window)
+                c = RotatingKVCache(max_size=window, keep=0)
+                set_ring_index(c, n - lo)
+            else:
+                lo, c = 0, KVCache()
+            c.keys = mx.contiguous(self._keys[layer][i: i + 1, :, lo:n, :])
+            c.values = mx.contiguous(self._values[layer][i: i + 1, :, lo:n, :])
             c.offset = n
             out.append(c)
         mx.eval([x for c in out for x in (c.keys, c.values)])
@@ -208,11 +250,15 @@ class RaggedKV:
             self._start = mx.zeros((len(self.lengths),), dtype=mx.int32)
         return self._start, self._offset
 
-    def mask(self, width: int) -> mx.array:
-        """(B, 1, width, end) bool: row i's query q sees columns 0..len_i + q."""
+    def mask(self, width: int, window: int = 0) -> mx.array:
+        """(B, 1, width, end) bool: row i's query q sees columns 0..len_i + q (the last ``window`` of them)."""
         end = max(self.lengths) + width
         last = self._offset[:, None] + mx.arange(width)[None, :]  # (B, W): the last column each query sees
-        return (mx.arange(end)[None, None, :] <= last[:, :, None])[:, None]
+        cols = mx.arange(end)[None, None, :]
+        seen = cols <= last[:, :, None]
+        if window:
+            seen = seen & (cols > last[:, :, None] - window)
+        return seen[:, None]
 
     def _write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         B, width = keys.shape[0], keys.shape[2]
@@ -292,10 +338,15 @@ class _Layer:
         return self._owner._write(self._index, keys, values)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **_) -> mx.array:
-        return self._owner.mask(N)
+        return self._owner.mask(N, window_size or self._owner.windows[self._index])
 
     def attention_ranges(self, width: int) -> tuple[mx.array, mx.array]:
         return self._owner.ranges(width)
+
+    @property
+    def attention_window(self) -> int:
+        """Its sliding window (0: none): the fused kernel's queries see only that many columns up to their own."""
+        return self._owner.windows[self._index]
 
     def is_trimmable(self) -> bool:
         return False  # rewinds go through RaggedKV.commit, per row

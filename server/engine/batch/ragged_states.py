@@ -23,7 +23,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from server.engine.batch.ragged_kv import RaggedKV, holds_kv
+from server.engine.batch.ragged_kv import RaggedKV, holds_kv, window_of
 
 __all__ = ["HybridRagged", "RaggedStates", "is_state"]
 
@@ -145,7 +145,7 @@ class HybridRagged:
     @classmethod
     def from_rows(cls, rows: list[list]) -> "HybridRagged":
         kinds = [is_state(c) for c in rows[0]]
-        kv = RaggedKV(kinds.count(False))
+        kv = RaggedKV([window_of(c) for c in rows[0] if not is_state(c)])
         states = RaggedStates([len(c.cache) for c in rows[0] if is_state(c)])
         out = cls(kinds, kv, states)
         out.extend(rows)

@@ -20,13 +20,13 @@ request ended on its first token (feeding it would cost a forward nobody needs).
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Iterator, Optional, Sequence
+from typing import Any, Callable, ClassVar, Generator, Iterator, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import greedy_sampler
 
-from server.engine.batch.protocol import Covered, Emitted, Row
+from server.engine.batch.protocol import Covered, Emitted, Row, RowState
 from spec import speculative_decode
 from spec.rewind import can_rewind
 
@@ -49,7 +49,7 @@ class PlainDecode:
         self.stream = stream
         self.pipelined = pipelined
         self.fed_generated = 0
-        self._rest = None
+        self._rest: Optional[Generator[tuple[Any, mx.array], None, None]] = None
         self._yielded = 0
 
     def __iter__(self) -> Iterator[tuple[int, mx.array]]:
@@ -71,7 +71,7 @@ class PlainDecode:
         for token, lp in self._rest:
             self._yielded += 1
             self.fed_generated = self._yielded  # generate_step feeds each token before yielding it
-            yield token, lp
+            yield int(token), lp
         self.fed_generated = self._yielded
 
     def _one_at_a_time(self, first: int) -> Iterator[tuple[int, mx.array]]:
@@ -92,7 +92,7 @@ class PlainDecode:
             yield generated[-1], logprobs.squeeze(0)
 
     def _first_token(self) -> tuple[int, mx.array]:
-        last = mx.array(self.prompt[-1:])
+        last = mx.array(list(self.prompt[-1:]))
         logits = self.model(last[None], cache=self.caches)[:, -1, :]
         for proc in self.processors_for(list(self.prompt[:-1])):
             logits = proc(last, logits)
@@ -120,9 +120,10 @@ class SoloBatch:
         self.steps = 0
         self.row_steps = 0
         self._row: Optional[Row] = None
-        self._generated0 = 0  # tokens the sequence had generated when the row joined (they are in its history)
-        self._decoder = None  # PlainDecode, or the speculative generator
-        self._steps: Optional[Iterator] = None
+        self._state: Optional[RowState] = None  # the row's account (its limit, what it generated)
+        self._emitted: list[int] = []  # the tokens its steps emitted since the join
+        self._decoder: Any = None  # PlainDecode, or the speculative generator
+        self._steps: Optional[Generator] = None  # the decoder's iteration
 
     def __len__(self) -> int:
         return int(self._row is not None)
@@ -130,6 +131,10 @@ class SoloBatch:
     @property
     def sequences(self) -> list:
         return [self._row.seq] if self._row is not None else []
+
+    @property
+    def paying(self) -> bool:
+        return True
 
     def kv_nbytes(self) -> int:
         return 0  # the row's own caches: counted as its sequence's need, not as a batch's buffers
@@ -144,48 +149,52 @@ class SoloBatch:
         if len(rows) != 1 or not self.accepts(rows[0]):
             raise ValueError("a solo batch holds one row (a speculating one over caches that can be rewound)")
         self._row = rows[0]
-        self._generated0 = len(self._row.seq.generated)
+        self._state = self._row.state()
+        self._emitted = []
 
     def step(self) -> list[Emitted]:
         """The row's next token (a speculative step may have drafted it), or nothing when its decoder is done."""
-        row = self._row
-        if row is None:
+        row, state = self._row, self._state
+        if row is None or state is None:
             return []
         with mx.stream(self.stream):
             if self._decoder is None:
-                self._decoder = self._open(row)
+                self._decoder = self._open(row, state)
                 self._steps = iter(self._decoder)
+            if self._steps is None:
+                return []
             try:
                 token, logprobs, *_ = next(self._steps)  # speculative steps also say whether it was drafted
             except StopIteration:
                 return []
         self.steps += 1
         self.row_steps += 1
+        self._emitted.append(token)
+        state.generated += 1
         return [Emitted(row.seq, token, logprobs)]
 
-    def remove(self, seqs: Sequence) -> list[Covered]:
+    def remove(self, seqs: Sequence, kept: Optional[Sequence[int]] = None) -> list[Covered]:
         """Close the decoder; the caches cover the history plus what the decoder fed of what it yielded
-        (``PlainDecode.fed_generated``; a speculative decoder feeds every token it yields)."""
-        row = self._row
-        if row is None or len(seqs) != 1 or seqs[0] is not row.seq:
+        (``PlainDecode.fed_generated``; a speculative decoder feeds every token it yields that was kept)."""
+        row, state = self._row, self._state
+        if row is None or state is None or len(seqs) != 1 or seqs[0] is not row.seq:
             raise KeyError("not this solo batch's row")
         history = list(row.history)
         tokens = history[:-1]  # never stepped: the caches cover all but the next input
         if self._decoder is not None:
-            if self._steps is not self._decoder:
+            if self._steps is not None and self._steps is not self._decoder:
                 self._steps.close()
             self._decoder.close()
-            g0 = self._generated0
-            generated = row.seq.generated
-            fed = self._decoder.fed_generated if isinstance(self._decoder, PlainDecode) else len(generated) - g0
-            tokens = history + list(generated[g0: g0 + fed])
-        self._row = self._decoder = self._steps = None
+            since_join = state.covered(None if kept is None else kept[0]) - len(history)
+            fed = self._decoder.fed_generated if isinstance(self._decoder, PlainDecode) else since_join
+            tokens = history + self._emitted[:fed]
+        self._row = self._state = self._decoder = self._steps = None
+        self._emitted = []
         return [Covered(tokens, row.caches)]
 
-    def _open(self, row: Row):
-        params = row.seq.params
+    def _open(self, row: Row, state: RowState):
         history = list(row.history)
-        left = params.max_tokens - self._generated0
+        left = state.left()
         sampler = row.sampler or greedy_sampler
         if row.draft is not None:  # the caches cover history[:-1] (fresh, or back from a speculating batch)
             d = row.draft

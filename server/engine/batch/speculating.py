@@ -14,17 +14,20 @@ distribution given the accepted prefix, drafts are kept while they equal those t
 token (or the one after the last draft) is the row's new pending token. Greedy rows therefore emit what greedy decoding emits; sampled rows follow the
 target distribution exactly (for a deterministic draft, "draw and compare" is the standard acceptance rule:
 the draft survives with probability p(draft), and a rejection yields a draw from p without it). Rows without
-drafts decode one token in the same forward. The KV layout (``server.engine.ragged_kv``) keeps each row's
+drafts decode one token in the same forward. The KV layout (``server.engine.batch.ragged_kv``) keeps each row's
 accepted positions and drops the rest per row, with no copy.
 
-A batch whose drafts stop paying for this layout is dissolved by the engine (``not_paying``): its rows go on in their
-plain batch. "Paying" is measured where it can be: over its last ``JUDGE_STEPS`` steps the batch made fewer tokens
-per second than the plain batch makes with as many rows (``PlainStepClock``, the plain batches' own steps on the
-lane's clock); before any plain step of that size was seen, fewer than ``PAYS_YIELD`` tokens per row per step.
+A batch whose drafts stop paying for this layout says so (``paying`` False, from ``not_paying``) and the engine
+dissolves it: its rows go on in their plain batch. "Paying" is measured where it can be: over its last
+``JUDGE_STEPS`` steps the batch made fewer tokens per second than the plain batch makes with as many rows
+(``PlainStepClock``, the plain batches' own steps on the lane's clock, given at ``make``); before any plain step of
+that size was seen, fewer than ``PAYS_YIELD`` tokens per row per step. Each verify step is reported to ``on_verify``
+(a ``VerifyStep``: /stats speculation.in_batch).
 
 A ``Batch`` (server.engine.batch.protocol): ``step`` may yield several tokens per row (in row order, each row's in
-sequence order); ``remove`` hands back the row's caches and exactly the tokens they cover, cut back to what the
-sequence kept when a stop ended it inside a step.
+sequence order; each row's drafts capped by what its own ``RowState`` says is left of its ``max_tokens``);
+``remove`` hands back the row's caches and exactly the tokens they cover, cut back to what the request kept
+(``kept``) when a stop ended it inside a step.
 
 Rows whose source is a ``spec.source.BatchableDraftSource`` (the draft model's) draft together
 (``server.engine.batch.drafts``): while such a row is in the batch its draft caches live in the drafter's own ragged
@@ -40,19 +43,19 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
 from server.engine.batch.drafts import DraftBatch
-from server.engine.batch.protocol import Covered, Emitted, Row, RowList
+from server.engine.batch.protocol import Covered, Emitted, Row, RowList, RowState
 from server.engine.batch.ragged_kv import RaggedKV, holds_kv
 from server.engine.batch.rules import Penalties, penalise, penalty_windows
 from server.engine.sampling import PENALTY_CONTEXT
 from spec import BatchVerifyCost, SpecStats
 from spec.accept import accept
 
-__all__ = ["SpeculatingBatch", "PlainStepClock"]
+__all__ = ["SpeculatingBatch", "PlainStepClock", "VerifyStep"]
 
 
 EXPLORE = 8  # of the steps whose drafts do not look worth it, one in this many drafts anyway (acceptance stays known)
@@ -87,33 +90,49 @@ class PlainStepClock:
         return self._by_rows[min(near, key=lambda n: abs(n - rows))]
 
 
+class VerifyStep(NamedTuple):
+    """One verify step of a speculating batch (/stats speculation.in_batch)."""
+
+    rows: int
+    drafted: int
+    accepted: int
+    emitted: int
+
+
 @dataclass
 class _Row:
-    seq: Any
+    state: RowState  # its key, limit and tokens generated (the batch's own account)
     tokens: list  # what the row's KV covers
     pending: int  # the next input (sampled, not yet fed)
     source: Any  # spec.ngram.NgramSource or spec.two_model.TwoModelSource
     policy: Any  # spec.adaptive.AdaptiveDraftLength
     max_draft: int
     sampler: Any = None  # None: greedy
-    penalties: Optional[Penalties] = None  # bias and penalties (server.engine.batch_logits)
+    penalties: Optional[Penalties] = None  # bias and penalties (server.engine.batch.rules)
     stats: Optional[SpecStats] = None
     feed: list = field(default_factory=list)  # tokens the source has not heard of yet
     base_stop: Optional[float] = None  # the policy's own break-even (raised to the batch's measured one)
+
+    @property
+    def seq(self) -> Any:
+        return self.state.key
 
 
 class SpeculatingBatch(RowList):
     kind: ClassVar[str] = "speculating"
 
-    def __init__(self, model, draft_batch: bool = True):
+    def __init__(self, model, draft_batch: bool = True, plain_steps: Optional[PlainStepClock] = None,
+                 on_verify: Optional[Callable[[VerifyStep], None]] = None):
         self.model = model
+        self.plain_steps = plain_steps  # what the plain batch's steps take: what this one must beat (``paying``)
+        self._on_verify = on_verify
         self._rows: list[_Row] = []
         self._kv: Optional[RaggedKV] = None
         self.steps = 0
         self.row_steps = 0
         self.drafted = 0
         self.accepted = 0
-        self.last_step = (0, 0, 0, 0)  # rows, drafted, accepted, emitted of the latest step (for /stats)
+        self.last_step = VerifyStep(0, 0, 0, 0)  # the latest step (for /stats)
         self.cost = BatchVerifyCost()  # what a drafted token costs this batch: the rows' break-even acceptance
         self._skipped = 0  # steps whose drafts were not worth their positions
         self._recent: deque = deque(maxlen=JUDGE_STEPS)  # (rows, tokens emitted, seconds) of the latest steps
@@ -121,6 +140,11 @@ class SpeculatingBatch(RowList):
         # each row drafts on its own caches, to compare)
         self._drafter: Optional[DraftBatch] = None
         self._batch_drafts = draft_batch
+
+    @property
+    def paying(self) -> bool:
+        """Do its drafts still pay for this layout (against ``plain_steps``: see ``not_paying``)?"""
+        return not self.not_paying(self.plain_steps)
 
     def not_paying(self, plain: Optional[PlainStepClock] = None) -> bool:
         """Over its last JUDGE_STEPS steps the batch made fewer tokens per second than ``plain`` says the plain batch
@@ -157,9 +181,9 @@ class SpeculatingBatch(RowList):
         for r in rows:
             d = r.draft
             d.source.prefill(list(r.history[:-1]))  # n-gram lookup over everything the row has seen
-            new.append(_Row(r.seq, list(r.history[:-1]), int(r.history[-1]), d.source, d.policy, int(d.max_draft),
+            new.append(_Row(r.state(), list(r.history[:-1]), int(r.history[-1]), d.source, d.policy, int(d.max_draft),
                             r.sampler, r.rules.penalties, d.stats, [int(r.history[-1])],
-                            getattr(d.policy, "stop_below", None)))
+                            d.policy.stop_below))
         caches = [r.caches for r in rows]
         if self._kv is None:
             self._kv = RaggedKV.from_rows(caches)
@@ -183,7 +207,7 @@ class SpeculatingBatch(RowList):
             return []
         t0 = time.perf_counter()
         if self.cost.probe():  # a plain step now and then: what a drafted token costs is measured against it
-            drafts = [[] for _ in self._rows]
+            drafts: list[list[int]] = [[] for _ in self._rows]
         else:
             pays = self.cost.break_even()
             for r in self._rows:  # a row whose recent acceptance is below what a drafted token costs pauses
@@ -203,7 +227,9 @@ class SpeculatingBatch(RowList):
         mx.eval(token_rows, lp_rows)
         picked = [t.tolist() for t in token_rows]
         self.cost.observe(len(self._rows), len(self._rows) * (width - 1), time.perf_counter() - t0)
-        rows_out, kept, batched_commits = [], [], []
+        rows_out: list[Emitted] = []
+        kept: list[int] = []
+        batched_commits: list[tuple[Any, list[int], int]] = []
         for i, (row, d) in enumerate(zip(self._rows, drafts)):
             tokens = picked[i]
             a = accept(d, tokens)
@@ -226,6 +252,7 @@ class SpeculatingBatch(RowList):
                     row.stats.accepted += a
             if row.stats is not None:
                 row.stats.emitted += len(emitted)
+            row.state.generated += len(emitted)
             row.feed.append(row.pending)
             rows_out.extend(Emitted(row.seq, t, lp_rows[i][j]) for j, t in enumerate(emitted))
         self._kv.commit(kept)
@@ -233,29 +260,37 @@ class SpeculatingBatch(RowList):
             self._drafter.commit(batched_commits)
         self.steps += 1
         self.row_steps += len(self._rows)
-        self.last_step = (len(self._rows), sum(len(d) for d in drafts), sum(k - 1 for k in kept), len(rows_out))
+        self.last_step = VerifyStep(len(self._rows), sum(len(d) for d in drafts), sum(k - 1 for k in kept),
+                                    len(rows_out))
         self._recent.append((len(self._rows), len(rows_out), time.perf_counter() - t0))
+        if self._on_verify is not None:
+            self._on_verify(self.last_step)
         return rows_out
 
-    def remove(self, seqs: Sequence) -> list[Covered]:
-        """Take these rows out, in the order given. The caches cover exactly the tokens:
-        what the row fed, cut back to the sequence's own prompt + generated tokens when it stopped inside a step."""
+    def remove(self, seqs: Sequence, kept: Optional[Sequence[int]] = None) -> list[Covered]:
+        """Take these rows out, in the order given. The caches cover exactly the tokens: what the row fed, cut back
+        to its prompt and the tokens its request kept (``kept``) when a stop ended it inside a step."""
+        if not seqs:
+            return []
+        kv = self._kv
+        if kv is None:
+            raise KeyError("not rows of this batch: it is empty")
         index = {id(r.seq): i for i, r in enumerate(self._rows)}
         if self._drafter is not None:  # draft caches back to their sources first: prefill() below uses them
             self._drafter.leave([s for s in (self._rows[index[id(q)]].source for q in seqs) if s in self._drafter])
         out = []
-        for seq in seqs:
+        for n, seq in enumerate(seqs):
             i = index[id(seq)]
             row = self._rows[i]
-            caches = self._kv.extract(i)
-            keep = min(len(row.tokens), len(seq.prompt) + len(seq.generated))
+            caches = kv.extract(i)
+            keep = min(len(row.tokens), row.state.covered(None if kept is None else kept[n]))
             cut = len(row.tokens) - keep
             if cut:
                 for c in caches:
                     c.trim(cut)
             row.source.prefill(row.tokens[:keep])  # the source hears what it has not yet (a solo decoder goes on)
             out.append(Covered(row.tokens[:keep], caches))
-        order = self._kv.release([index[id(s)] for s in seqs])  # the last rows fill the holes; no other row moves
+        order = kv.release([index[id(s)] for s in seqs])  # the last rows fill the holes; no other row moves
         self._rows = [self._rows[i] for i in order]
         if not self._rows:
             self._kv = None
@@ -267,7 +302,7 @@ class SpeculatingBatch(RowList):
         """Every row computes the longest draft's positions, so drafting pays for the batch only when the rows' recent
         acceptance, averaged over all rows (a row not drafting counts 0), beats the measured break-even. Every
         ``EXPLORE``-th step that is not drafts anyway, so the rows' acceptance stays measured."""
-        expected = sum(getattr(r.policy, "recent_rate", 1.0) for r, n in zip(self._rows, wanted) if n) / len(wanted)
+        expected = sum(r.policy.recent_rate for r, n in zip(self._rows, wanted) if n) / len(wanted)
         if expected >= pays:
             return True
         self._skipped += 1
@@ -275,7 +310,7 @@ class SpeculatingBatch(RowList):
 
     @staticmethod
     def _left(row: _Row) -> int:
-        return row.seq.params.max_tokens - len(row.seq.generated) - 1  # a step emits one token beyond its drafts
+        return row.state.left() - 1  # a step emits one token beyond its drafts
 
     def _wanted(self, row: _Row) -> int:
         """The row's draft length this step by its policy (asked once per step: a pause counts down there)."""
@@ -284,7 +319,7 @@ class SpeculatingBatch(RowList):
     def _drafts(self, ns: list) -> list:
         """Each row's draft of up to ns[i] tokens: the two-model rows' in batched forwards of the draft model (every
         such row hears its feed, drafting or not), the others from their own source."""
-        drafts = [[] for _ in self._rows]
+        drafts: list[list[int]] = [[] for _ in self._rows]
         together = [i for i, r in enumerate(self._rows) if self._drafter is not None and r.source in self._drafter]
         if together:
             got = self._drafter.draft([(self._rows[i].source, self._rows[i].feed, ns[i]) for i in together])

@@ -1,0 +1,40 @@
+"""server.config.ServerConfig: the serve command line as one typed record. Every flag of the parser has its field
+(and no field lacks its flag), so the assembly never reads a setting by guess; a parsed command line becomes the
+record with its defaults, repeated flags as tuples; a namespace without the parser's flags is refused by name."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from server.cli import build_parser
+from server.config import ServerConfig
+
+
+def serve_flags() -> set:
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return {a.dest for a in sub.choices["serve"]._actions if a.dest != "help"}
+
+
+def test_every_serve_flag_has_a_field_and_every_field_a_flag():
+    assert {f.name for f in dataclasses.fields(ServerConfig)} == serve_flags()
+
+
+def test_a_parsed_command_line_becomes_the_record(monkeypatch):
+    for name in list(__import__("os").environ):
+        if name.startswith("MLX_LANE_"):
+            monkeypatch.delenv(name)
+    args = build_parser().parse_args(["serve", "--port", "9001", "--model", "a=/x", "--model", "b=/y",
+                                      "--kv-bits", "8", "--no-spec-batch"])
+    cfg = ServerConfig.from_args(args)
+    assert (cfg.port, cfg.kv_bits, cfg.kv_group_size, cfg.no_spec_batch) == (9001, 8, 64, True)
+    assert cfg.model == ("a=/x", "b=/y") and cfg.pin == () and cfg.host == "127.0.0.1"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.port = 1  # type: ignore[misc]
+
+
+def test_a_namespace_without_the_parsers_flags_is_refused_by_name():
+    with pytest.raises(ValueError, match="no .*port"):
+        ServerConfig.from_args(argparse.Namespace(host="h"))
