@@ -99,6 +99,15 @@ def _serve_parser(sub) -> None:
                    help="keep Claude Code's 'x-anthropic-billing-header: cc_version=...' system block in the prompt. "
                         "By default it is dropped: its suffix changes with every prompt, so no two Claude Code "
                         "sessions would share their system prompt in the prefix cache [MLX_LANE_KEEP_BILLING_HEADER=1]")
+    p.add_argument("--ignore-model-defaults", action="store_true", default=_env_flag("ignore_model_defaults"),
+                   help="sampling fields a request leaves out get the API's defaults (temperature 1.0, no top-p / "
+                        "top-k / min-p / repetition penalty) instead of what the model's generation_config.json "
+                        "declares [MLX_LANE_IGNORE_MODEL_DEFAULTS=1]")
+    p.add_argument("--no-next-turn-cache", action="store_true", default=_env_flag("no_next_turn_cache"),
+                   help="do not compute a chat reply's next turn ahead: when the chat template renders a reply back "
+                        "otherwise than the model wrote it (past thinking dropped), the server puts the conversation "
+                        "as the next request will render it in the prefix cache, as a lane job of its own, so the "
+                        "next turn does not prefill the reply again [MLX_LANE_NO_NEXT_TURN_CACHE=1]")
     p.add_argument("--no-dashboard", action="store_true", default=_env_flag("no_dashboard"),
                    help="do not serve the dashboard page at / and /dashboard [MLX_LANE_NO_DASHBOARD=1]")
     p.add_argument("--dtype", default=_env("dtype"), choices=["float32", "bfloat16", "float16"],

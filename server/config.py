@@ -37,6 +37,8 @@ class ServerConfig:
     allowed_origins: tuple[str, ...]
     keep_billing_header: bool
     no_dashboard: bool
+    ignore_model_defaults: bool  # the API's sampling defaults, not the model's generation_config.json
+    no_next_turn_cache: bool  # no next-turn cache entries computed ahead (server.core.next_turn)
     max_queue: int
     max_body_bytes: int
     max_images: int

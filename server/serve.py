@@ -64,6 +64,7 @@ def build_state(cfg: ServerConfig):
     from cache.prompt_cache import make_prompt_cache
     from models import blas_info, device_name, load_model
     from server.core.context import CoreContext
+    from server.core.next_turn import NextTurns
     from server.core.media import ImageLimits
     from server.engine.engine import Engine, weights_nbytes
     from server.http.app import ServerState
@@ -139,7 +140,9 @@ def build_state(cfg: ServerConfig):
     images = ImageLimits(max_images=cfg.max_images, max_bytes=cfg.max_image_bytes,
                          max_pixels=cfg.max_image_pixels, allow_urls=cfg.allow_image_urls)
     core = CoreContext(lane=lane, stats=stats, prompt_cache=prompt_cache, namespace_for=engine.namespace_for,
-                       keepalive_s=cfg.keepalive, default_max_tokens=default_max_tokens, image_limits=images)
+                       keepalive_s=cfg.keepalive, default_max_tokens=default_max_tokens, image_limits=images,
+                       model_defaults=not cfg.ignore_model_defaults,
+                       next_turns=None if cfg.no_next_turn_cache else NextTurns())
     return ServerState(
         loaded=loaded, engine=engine, lane=lane, core=core, stats=stats, prompt_cache=prompt_cache,
         device=device_name(), blas=blas, api_key=cfg.api_key, keepalive_s=cfg.keepalive,

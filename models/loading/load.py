@@ -27,6 +27,7 @@ from models.kernels import install as install_kernels
 from models.loading.default import DEFAULT_MODEL, ensure_default_model
 from models.errors import ModelLoadError
 from models.loading.fingerprint import fingerprint
+from models.loading.generation_defaults import NO_DEFAULTS, SamplingDefaults, read_sampling_defaults
 from models.loading.gguf import SOURCE_FILE, convert_gguf
 from models.loading.hashing import file_sha256_cached
 from models.loading.home import file_lock, mlx_lane_home
@@ -56,6 +57,7 @@ class LoadedModel:
     architecture: str
     model_fingerprint: str = ""  # the whole model's fingerprint when `fingerprint` is one shard's, else ""
     vision: Any = None  # models.loading.vision.VisionTower of an image-text model (None: text only)
+    sampling_defaults: SamplingDefaults = NO_DEFAULTS  # what its generation_config.json declares
 
 
 def _check_dtype(dtype: str | None) -> str:
@@ -182,4 +184,5 @@ def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, gr
         architecture=str(config.get("model_type", "unknown")),
         model_fingerprint=fp if group is not None else "",
         vision=vision,
+        sampling_defaults=read_sampling_defaults(model_dir),
     )

@@ -30,8 +30,10 @@ from starlette.concurrency import run_in_threadpool
 from server.core.bridge import JobRun
 from server.core.context import CoreContext
 from server.core.output_parse import make_output_parser, prompt_opens_thinking
-from server.core.prompts import (NO_BREAKPOINTS, breakpoint_marks, chat_grammar, history_end, render,
-                                 render_media, sampling_params)
+from server.core.prompts import (NO_BREAKPOINTS, breakpoint_marks, chat_grammar, history_end, render, render_media,
+                                 sampling_params)
+from server.core.template_facts import template_facts
+from server.core.template_input import effort_choice
 from server.core.request import GenerationRequest
 from server.errors import APIError, ShuttingDown
 from server.lane.events import Delta, Failed, Finished, SamplingParams, TokenLogprob
@@ -127,7 +129,8 @@ class Generation:
 
     def __init__(self, ctx: CoreContext, request: Request, prompt: list[int], params: SamplingParams,
                  target: Target, *, session: Optional[str], request_id: str, parser=None, anchors: tuple = (),
-                 last_breakpoint: int = 0, checkpoints: tuple = (), media=None):
+                 last_breakpoint: int = 0, checkpoints: tuple = (), media=None, headers: Optional[dict] = None,
+                 ns: Optional[str] = None, next_turn: Optional[GenerationRequest] = None):
         self.ctx = ctx
         self.prompt = prompt
         self.params = params
@@ -138,9 +141,14 @@ class Generation:
         self.last_breakpoint = last_breakpoint  # the last one's, even at the prompt's end (0: none; Anthropic usage)
         self.t0 = time.monotonic()
         self.model_name = target.name  # what the response says served it
+        self.headers = dict(headers or {})  # response headers that say how the request was read (X-Reasoning-Effort)
         # a 400 when the memory budget can never admit it
         ctx.lane.check_fits(len(prompt), params.max_tokens, target.slot.kv_price)
-        ns = ctx.namespace_for(target, params)  # the one place, once: the prefetch and the lane use it
+        if ns is None:
+            ns = ctx.namespace_for(target, params)  # the one place, once: the prefetch and the lane use it
+        self.next_turn = next_turn  # a chat request whose reply gets its next turn's entry (server.core.next_turn)
+        self._text: list[str] = []  # the reply as the client reads it, for that entry
+        self._reasoning: list[str] = []
         _prefetch(ctx, prompt, ns, session)  # starts SSD reads while the sequence waits for the lane
         self.run = JobRun(ctx.lane, request, prompt, params, target, session, ctx.keepalive_s, request_id=self.id,
                           ns=ns, anchors=anchors, checkpoints=checkpoints, media=media)
@@ -161,6 +169,7 @@ class Generation:
                 if ev.first_token:
                     stats.observe_ttft(time.monotonic() - self.t0)
                 for out in self._pieces(self.parser.feed(ev.text) if self.parser else None, ev):
+                    self._keep(out)
                     yield out
             elif isinstance(ev, Failed):
                 yield Error(_internal(ev))
@@ -174,11 +183,19 @@ class Generation:
                 if self.parser is not None:
                     rest, calls = self.parser.finish()
                     for out in self._pieces(rest, None):
+                        self._keep(out)
                         yield out
+                if self.next_turn is not None and self.ctx.next_turns is not None:  # before the client hears the end
+                    self.ctx.next_turns.finished(self.ctx, self, self.next_turn, "".join(self._text),
+                                                 "".join(self._reasoning), calls)
                 reason = "tool_calls" if calls else ev.finish_reason
                 yield Done(ev, reason, tuple(calls), ev.stop_sequence if reason == "stop" else None)
                 return
             # Progress events carry nothing a client is sent
+
+    def _keep(self, out) -> None:
+        if self.next_turn is not None:
+            (self._reasoning if isinstance(out, ReasoningOut) else self._text).append(out.text)
 
     @staticmethod
     def _pieces(pieces, delta: Optional[Delta]):
@@ -217,13 +234,14 @@ class Generation:
 
 
 async def open_generation(ctx: CoreContext, request: Request, req: GenerationRequest,
-                          request_id: str) -> Generation:
+                          request_id: str, *, next_turn: bool = True) -> Generation:
     """Render, size and open a generation for an internal request (not yet submitted): the prompt's token ids
     (chat template or raw prompt), its grammar (response_format, forced or strict tool calls) and the lane's
     parameters, all computed off the event loop. Chat-shaped requests get the model family's output parser (tool
     calls, reasoning); a raw text completion's output is passed through as it is. ``request_id``: the id the
     lane, the logs and the ``X-Request-Id`` header know the request by. Everything model-specific comes from the
-    request's target: its tokenizer and template, vocabulary and context length."""
+    request's target: its tokenizer and template, vocabulary and context length. ``next_turn``: a chat reply gets
+    its next turn's cache entry (server.core.next_turn); False for a conversation that will not go on (a summary)."""
     target = req.target
     if target is None:
         raise ValueError("a request reaches the core with its target resolved (server.http.target)")
@@ -235,8 +253,8 @@ async def open_generation(ctx: CoreContext, request: Request, req: GenerationReq
     else:
         prompt = await run_in_threadpool(render, tok, req, vocab_size)
     grammar = None if req.prompt is not None else await run_in_threadpool(chat_grammar, tok, req)
-    params = sampling_params(req, len(prompt), context_length,
-                             default_max_tokens=ctx.default_max_tokens, vocab_size=vocab_size, grammar=grammar)
+    params = sampling_params(req, len(prompt), context_length, default_max_tokens=ctx.default_max_tokens,
+                             vocab_size=vocab_size, grammar=grammar, defaults=ctx.sampling_defaults(slot))
     if media is not None:  # drafts would be proposed from (and fed as) the key's image tokens
         params = dataclasses.replace(params, num_draft_tokens=0)
     parser = None
@@ -250,9 +268,35 @@ async def open_generation(ctx: CoreContext, request: Request, req: GenerationReq
     if slot.facts.needs_checkpoints:  # its caches cannot be cut back: keep their state where the next turn parts
         end = await run_in_threadpool(history_end, tok, req, prompt)
         checkpoints = (end,) if end is not None else ()
+    ns = ctx.namespace_for(target, params)
+    continues = None  # the request whose reply gets its next turn's entry
+    if ctx.next_turns is not None and req.prompt is None:
+        await ctx.next_turns.ready(prompt, ns)  # the entry a pending next-turn job is computing, when this extends it
+        if media is None and target.lease is None and next_turn:
+            continues = req
     return Generation(ctx, request, prompt, params, target, session=req.session, request_id=request_id,
                       parser=parser, anchors=marks.anchors, last_breakpoint=marks.last, checkpoints=checkpoints,
-                      media=media)
+                      media=media, headers=_effort_header(tok, req, target.name), ns=ns, next_turn=continues)
+
+
+EFFORT_HEADER = "X-Reasoning-Effort"
+_efforts_logged: set = set()
+
+
+def _effort_header(tokenizer, req: GenerationRequest, model: str) -> dict:
+    """``X-Reasoning-Effort``: the level the chat template got for the request's effort (absent when the request asked
+    none, or the template reads none); a level other than the one asked is logged once per model and pair."""
+    if req.reasoning_effort is None or req.prompt is not None:
+        return {}
+    choice = effort_choice(tokenizer, req)
+    if choice.level is None:
+        return {}
+    if choice.changed and (model, choice.asked) not in _efforts_logged:
+        _efforts_logged.add((model, choice.asked))
+        levels = ", ".join(template_facts(tokenizer).effort_levels)
+        log.info("reasoning effort '%s' -> '%s' for %s: its chat template takes %s (logged once)", choice.asked,
+                 choice.level, model, levels)
+    return {EFFORT_HEADER: choice.level}
 
 
 def _internal(ev: Failed) -> APIError:

@@ -11,12 +11,17 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+from models.loading.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from server.core.grammar import (
-    TOOL_CALL_CLOSE, TOOL_CALL_OPEN, CustomInput, GrammarSpec, check_custom_grammar, custom_call_header,
-    json_schema_grammar, tool_call_grammar,
+    CustomInput, GrammarSpec, check_custom_grammar, json_schema_grammar, tool_call_grammar,
 )
 from server.core.media import ImageLimits, PromptMedia, cache_key, decode, image_spans
 from server.core.request import ROOM, GenerationRequest, MaxTokens
+from server.core.template_input import template_messages, template_variables, writes_hermes
+
+__all__ = ["render", "render_media", "chat_prompt", "render_chat", "render_chat_text", "template_variables",
+           "breakpoint_positions", "breakpoint_marks", "BreakpointMarks", "NO_BREAKPOINTS", "history_end",
+           "chat_grammar", "tokenize_completion", "sampling_params"]
 from server.errors import ContextLengthExceeded, InvalidRequest
 from server.lane.events import SamplingParams
 
@@ -70,7 +75,7 @@ def render_chat(tokenizer, req: GenerationRequest, *, add_generation_prompt: boo
     """Apply the model's chat template (tools included: custom tools as functions of one ``input`` string, deferred
     tools left out: ``GenerationRequest.template_tools``; the request's template variables: ``template_variables``)
     and tokenize. Calls to custom tools in the history are written the way this model writes them
-    (``_custom_calls``). A generation always adds the generation prompt; /tokenize may ask for the conversation
+    (server.core.template_input). A generation always adds the generation prompt; /tokenize may ask for the conversation
     alone, or for its last message left open (``continue_final_message``)."""
     ids = _apply_template(tokenizer, req, {}, add_generation_prompt, continue_final_message)
     if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
@@ -84,26 +89,14 @@ def render_chat_text(tokenizer, req: GenerationRequest, *, add_generation_prompt
     return _apply_template(tokenizer, req, {"tokenize": False}, add_generation_prompt, continue_final_message)
 
 
-def template_variables(req: GenerationRequest) -> dict:
-    """The chat template variables a request sets besides its messages and tools: the reasoning switch
-    (``enable_thinking``, which mlx-lm's tokenizer renames to the template's own when it differs) and
-    ``reasoning_effort``. A field the request leaves None is not passed, so the template's default holds."""
-    out: dict = {}
-    if req.enable_thinking is not None:
-        out["enable_thinking"] = req.enable_thinking
-    if req.reasoning_effort is not None:
-        out["reasoning_effort"] = req.reasoning_effort
-    return out
-
-
 def _apply_template(tokenizer, req: GenerationRequest, extra: dict, add_generation_prompt: bool,
                     continue_final_message: bool):
-    kwargs = {"add_generation_prompt": add_generation_prompt, **template_variables(req), **extra}
+    kwargs = {"add_generation_prompt": add_generation_prompt, **template_variables(req, tokenizer), **extra}
     if continue_final_message:
         kwargs["continue_final_message"] = True
     if tools := req.template_tools:
         kwargs["tools"] = tools
-    messages = _custom_calls(list(req.messages), hermes=_hermes(tokenizer))
+    messages = template_messages(tokenizer, req.messages)
     try:
         return tokenizer.apply_chat_template(messages, **kwargs)
     except Exception as exc:  # jinja raises for roles/orders a template refuses
@@ -134,14 +127,13 @@ def breakpoint_marks(tokenizer, req: GenerationRequest, prompt: list[int]) -> Br
     calls cache creation ends); a breakpoint after the last message counts there but is no anchor, nor is a
     position that leaves nothing to compute or covers nothing. A cut the template refuses marks nothing."""
     positions: dict[int, int] = {}  # message count -> token position
-    kwargs = {"add_generation_prompt": False, **template_variables(req)}
+    kwargs = {"add_generation_prompt": False, **template_variables(req, tokenizer)}
     if tools := req.template_tools:
         kwargs["tools"] = tools
-    hermes = _hermes(tokenizer)
     for n in sorted(set(req.breakpoints)):
         if not 0 < n <= len(req.messages):
             continue
-        messages = _custom_calls(list(req.messages[:n]), hermes=hermes)
+        messages = template_messages(tokenizer, req.messages[:n])
         end = _end_of_messages(tokenizer, messages, kwargs, prompt) if n == len(req.messages) else None
         if end is not None:
             positions[n] = end
@@ -165,10 +157,10 @@ def history_end(tokenizer, req: GenerationRequest, prompt: list[int]) -> Optiona
     template whose text does not split there. A model whose caches cannot be cut back keeps a checkpoint here."""
     if req.prompt is not None or not req.messages:
         return None
-    kwargs = {"add_generation_prompt": False, **template_variables(req)}
+    kwargs = {"add_generation_prompt": False, **template_variables(req, tokenizer)}
     if tools := req.template_tools:
         kwargs["tools"] = tools
-    messages = _custom_calls(list(req.messages), hermes=_hermes(tokenizer))
+    messages = template_messages(tokenizer, req.messages)
     end = _end_of_messages(tokenizer, messages, kwargs, prompt)
     return end if end is not None and 0 < end < len(prompt) - 1 else None
 
@@ -189,34 +181,6 @@ def _end_of_messages(tokenizer, messages: list[dict], kwargs: dict, prompt: list
     if len(tail) > len(prompt) or prompt[len(prompt) - len(tail):] != tail:
         return None
     return len(prompt) - len(tail)
-
-
-def _custom_calls(messages: list[dict], *, hermes: bool) -> list[dict]:
-    """Assistant turns with calls to custom tools, in the form this model reads and writes them. A Hermes model
-    writes them itself as ``<tool_call>\\n{"name": NAME}\\n<input>\\n</tool_call>`` (server.core.grammar), so
-    the history shows them the same way, as the turn's own text (the next turn's prompt then repeats the tokens the
-    model produced and the prefix cache hits past them); for a model with another tool-call format they become
-    calls of a function whose one argument is ``input``."""
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls") or ()
-        if not any(c.get("type") == "custom" for c in calls):
-            out.append(m)
-            continue
-        m = dict(m)
-        plain = [c for c in calls if c.get("type") != "custom"]
-        custom = [c for c in calls if c.get("type") == "custom"]
-        if hermes:
-            text = "".join(f"{TOOL_CALL_OPEN}\n{custom_call_header(c['custom']['name'])}{c['custom']['input']}\n"
-                           f"{TOOL_CALL_CLOSE}" for c in custom)
-            m["content"] = (m.get("content") or "") + ("\n" if m.get("content") else "") + text
-            custom = []
-        m["tool_calls"] = plain + [{"id": c["id"], "type": "function", "function": {
-            "name": c["custom"]["name"], "arguments": {"input": c["custom"]["input"]}}} for c in custom]
-        if not m["tool_calls"]:
-            del m["tool_calls"]
-        out.append(m)
-    return out
 
 
 def chat_grammar(tokenizer, req: GenerationRequest) -> Optional[GrammarSpec]:
@@ -251,7 +215,7 @@ def chat_grammar(tokenizer, req: GenerationRequest) -> Optional[GrammarSpec]:
     required = forced is not None or choice == "required"
     functions = [t["function"] for t in req.tools]
     strict = req.tools_enabled and (any(f.get("strict") for f in functions) or any(c.syntax for c in custom))
-    if (required or strict) and not _hermes(tokenizer):
+    if (required or strict) and not writes_hermes(tokenizer):
         if required:
             raise InvalidRequest(
                 f"this model's chat template writes tool calls as '{tokenizer.tool_call_start}...', which mlx-lane "
@@ -275,18 +239,18 @@ def chat_grammar(tokenizer, req: GenerationRequest) -> Optional[GrammarSpec]:
     return None
 
 
-def _hermes(tokenizer) -> bool:
-    """True when the model's tool calls (as mlx-lm detected them from the chat template) are Hermes ones, or
-    unknown (then server/core/output_parse.py parses the Hermes format)."""
-    start = getattr(tokenizer, "tool_call_start", None)
-    return start is None or start == TOOL_CALL_OPEN
-
-
 def _build(req: GenerationRequest, fn, *args, **kwargs) -> str:
     try:
         return fn(*args, **kwargs)
     except (ValueError, TypeError) as exc:  # llguidance refuses JSON it cannot serialize
         raise InvalidRequest(f"Invalid schema: {exc}", param=req.param("response_format")) from exc
+
+
+def _given(requested, declared, api_default):
+    """A sampling field: the request's, else the model's declared default, else the API's."""
+    if requested is not None:
+        return requested
+    return declared if declared is not None else api_default
 
 
 def tokenize_completion(tokenizer, req: GenerationRequest, vocab_size: int) -> list[int]:
@@ -300,12 +264,15 @@ def tokenize_completion(tokenizer, req: GenerationRequest, vocab_size: int) -> l
 
 
 def sampling_params(req: GenerationRequest, prompt_len: int, context_length: int, *, default_max_tokens: int,
-                    vocab_size: int, grammar: Optional[GrammarSpec] = None) -> SamplingParams:
+                    vocab_size: int, grammar: Optional[GrammarSpec] = None,
+                    defaults: SamplingDefaults = NO_DEFAULTS) -> SamplingParams:
     """Validate lengths against the context and build the lane's parameters.
 
     ``max_tokens``: the request's; past the room the prompt leaves, a 400 or the room (``max_tokens_over_room``);
     absent, the door's default or ``default_max_tokens`` (the server's), never past the room. A request with a
-    ``grammar`` does not speculate (drafts are not verified under the grammar's mask)."""
+    ``grammar`` does not speculate (drafts are not verified under the grammar's mask). A sampling field the request
+    leaves out (``None``) takes the model's declared default (``defaults``: its generation_config.json), else the
+    API's (temperature 1.0, no top-p / top-k / min-p cut, no repetition penalty)."""
     messages, max_param = req.param("messages"), req.param("max_tokens")
     if prompt_len == 0:
         raise InvalidRequest("the prompt is empty after tokenization", param=messages)
@@ -339,20 +306,23 @@ def sampling_params(req: GenerationRequest, prompt_len: int, context_length: int
             raise InvalidRequest(f"logit_bias token id {too_big[0]} is outside the vocabulary",
                                  param=req.param("logit_bias"))
 
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if req.top_p == 0.0:  # nucleus of zero mass: only the most likely token, i.e. greedy
-        temperature = 0.0
+    temperature = _given(req.temperature, defaults.temperature, 1.0)
+    top_p = _given(req.top_p, defaults.top_p, 1.0)
+    if top_p == 0.0:  # nucleus of zero mass: only the most likely token, i.e. greedy
+        temperature, top_p = 0.0, 1.0
+    top_k = _given(req.top_k, defaults.top_k, 0)
+    repetition_penalty = _given(req.repetition_penalty, defaults.repetition_penalty, None)
     return SamplingParams(
         max_tokens=requested,
         temperature=temperature,
-        top_p=1.0 if not req.top_p else req.top_p,
-        top_k=req.top_k if req.top_k and req.top_k < vocab_size else 0,  # K >= the vocabulary keeps every token
-        min_p=req.min_p or 0.0,
+        top_p=top_p,
+        top_k=top_k if top_k and top_k < vocab_size else 0,  # K >= the vocabulary keeps every token
+        min_p=_given(req.min_p, defaults.min_p, 0.0),
         seed=req.seed,
         stop=tuple(req.stop),
         presence_penalty=req.presence_penalty or None,
         frequency_penalty=req.frequency_penalty or None,
-        repetition_penalty=req.repetition_penalty if req.repetition_penalty not in (None, 1.0) else None,
+        repetition_penalty=repetition_penalty if repetition_penalty not in (None, 1.0) else None,
         logit_bias=logit_bias,
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs,

@@ -17,15 +17,18 @@ import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from server.core.media import IMAGE_KEY
+from server.errors import InvalidRequest
 from server.lane.target import Target
 
-__all__ = ["GenerationRequest", "MaxTokens", "ROOM", "CustomTool", "template_message", "function_tool", "custom_call",
-           "system_breakpoint"]
+__all__ = ["GenerationRequest", "MaxTokens", "ROOM", "REASONING_KEY", "CustomTool", "template_message",
+           "function_tool", "custom_call", "system_breakpoint", "TemplateWishes", "template_wishes",
+           "RESERVED_TEMPLATE_KWARGS"]
 
 
+REASONING_KEY = "reasoning_content"  # an assistant message's past thinking (what Qwen3-style templates read)
 ROOM = "room"  # a default max_tokens: the whole room the prompt leaves in the context (OpenAI's Responses API)
 
 
@@ -90,8 +93,10 @@ class GenerationRequest:
     breakpoints: tuple[int, ...] = ()  # cache hints: the prefix of the first N messages is kept as its own entry
     enable_thinking: Optional[bool] = None  # the chat template's reasoning switch (None: the template's default);
     # mlx-lm's tokenizer passes it under the template's own name (``thinking`` for some renderers)
-    reasoning_effort: Optional[str] = None  # the template variable ``reasoning_effort`` ("low" | "medium" | "high"),
-    # read by templates that have one (gpt-oss); None: not passed
+    reasoning_effort: Optional[str] = None  # the effort asked (a level of server.core.template_facts.EFFORT_SCALE);
+    # the template variable ``reasoning_effort`` gets the nearest level the template takes (none when it reads none)
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # the client's own template variables (vLLM's
+    # chat_template_kwargs) besides the reasoning switch and effort, which are read into the two fields above
     target: Optional[Target] = None  # the model that computes it: set by the pipeline from the request's model
     # name (server.http.target), never None once the request reaches the core
     names: Mapping[str, str] = field(default_factory=dict)  # internal field -> the client's parameter name
@@ -133,13 +138,17 @@ class GenerationRequest:
 
 
 def template_message(role: str, content, *, name: Optional[str] = None, tool_calls=(),
-                     tool_call_id: Optional[str] = None) -> dict:
+                     tool_call_id: Optional[str] = None, reasoning: Optional[str] = None) -> dict:
     """One chat message in the shape chat templates read: ``developer`` is ``system``, no content is ""; a content
     with images is a list of parts (server.core.media.parts_content);
     ``tool_calls`` given as ``(id, name, arguments JSON text)`` become ``{"id", "type", "function": {"name",
     "arguments"}}`` with the arguments parsed back into a JSON value when they are JSON (templates render objects,
-    not quoted strings); a call given as a dict (``custom_call``) is kept as it is."""
+    not quoted strings); a call given as a dict (``custom_call``) is kept as it is. ``reasoning``: an assistant
+    turn's thinking as the model produced it (``REASONING_KEY``; server.core.prompts renders it the way this model's
+    template reads it)."""
     d: dict = {"role": "system" if role == "developer" else role, "content": content or ""}
+    if reasoning is not None and d["role"] == "assistant":
+        d[REASONING_KEY] = reasoning
     if name:
         d["name"] = name
     if tool_calls:
@@ -165,6 +174,42 @@ def system_breakpoint(messages) -> tuple[int, ...]:
     while n < len(messages) and messages[n]["role"] == "system":
         n += 1
     return (n,) if 0 < n < len(messages) else ()
+
+
+# template arguments the server sets itself: a client's chat_template_kwargs may not name them
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                      "continue_final_message", "tokenize", "chat_template", "return_dict",
+                                      "return_tensors", "padding", "truncation", "max_length"})
+
+
+@dataclass(frozen=True)
+class TemplateWishes:
+    """What a request asks of the chat template: the reasoning switch, the effort, and other variables."""
+
+    enable_thinking: Optional[bool] = None
+    reasoning_effort: Optional[str] = None
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+def template_wishes(kwargs: Optional[Mapping[str, Any]], *, enable_thinking: Optional[bool] = None,
+                    effort: Optional[str] = None, param: str = "chat_template_kwargs") -> TemplateWishes:
+    """A request's chat template variables: the door's own reasoning fields (``enable_thinking``, ``effort``) win
+    over the same ones in ``kwargs`` (vLLM's ``chat_template_kwargs``: ``enable_thinking`` and ``reasoning_effort``
+    are read as the switch and the effort; the rest pass to the template as they are). Raises InvalidRequest naming ``param`` for a variable the server sets itself, or an effort that is not
+    a string."""
+    rest = dict(kwargs or {})
+    bad = sorted(k for k in rest if k in RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise InvalidRequest(f"'{param}' may not set '{bad[0]}': the server sets it from the request itself",
+                             param=f"{param}.{bad[0]}")
+    switch = rest.pop("enable_thinking", None)
+    if enable_thinking is None and switch is not None:
+        enable_thinking = bool(switch)
+    asked = rest.pop("reasoning_effort", None)
+    if asked is not None and not isinstance(asked, str):
+        raise InvalidRequest(f"'{param}.reasoning_effort' must be a string such as \"low\", \"medium\" or "
+                             "\"high\"", param=f"{param}.reasoning_effort")
+    return TemplateWishes(enable_thinking, effort if effort is not None else asked, rest)
 
 
 def custom_call(call_id: str, name: str, text: str) -> dict:

@@ -20,6 +20,7 @@ from models.attention import attention_path
 from models.attention.cpu import routes as routes_cpu_attention
 from models.facts import CacheFacts, ModelFacts
 from models.kernels import kernel_path
+from models.loading.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from models.mlx_compat import keep_leading_space as keep_leading_space_of
 from server.engine.batch.mlx import can_batch
 from server.engine.batch.ragged_kv import is_window
@@ -85,6 +86,8 @@ class ModelSlot:
         self.model: Any = loaded.model
         self.tokenizer: Any = loaded.tokenizer
         self.vision: Any = getattr(loaded, "vision", None)  # models.loading.vision.VisionTower (None: text only)
+        # the sampling its generation_config.json declares (models.loading.generation_defaults)
+        self.sampling_defaults: SamplingDefaults = getattr(loaded, "sampling_defaults", NO_DEFAULTS)
         self.namespace: str = loaded.fingerprint
         self.context_length: int = getattr(loaded, "context_length", 0)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size

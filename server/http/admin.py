@@ -136,6 +136,8 @@ async def admin_model_unload(request: Request):
 @router.post("/admin/cache/clear")
 async def cache_clear(request: Request):
     state = request.app.state.lane_state
+    if state.core.next_turns is not None:  # a next-turn job running now would put its entry after the clear
+        await state.core.next_turns.settle()
     return {"cleared_entries": state.prompt_cache.clear(), "tier": "ram",
             "note": "RAM tier only; the SSD tier keeps its files (delete the --ssd-cache dir to drop them)"}
 

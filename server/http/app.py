@@ -108,9 +108,10 @@ def create_app(state: ServerState) -> FastAPI:
     from server.http import admin, embeddings, info, tokenize
     from server.http.chat import door as chat
     from server.http.messages import door as messages
+    from server.http.responses import compact, socket
     from server.http.responses import door as responses
 
-    for room in (chat, responses, messages, embeddings, tokenize, info, admin):
+    for room in (chat, responses, compact, socket, messages, embeddings, tokenize, info, admin):
         app.include_router(room.router)
     if state.dashboard:
         from server.http.dashboard import mount_dashboard

@@ -35,7 +35,7 @@ from server.errors import APIError, AuthenticationError, Forbidden, PayloadTooLa
 from server.http.error_shapes import shaped_error_body
 
 __all__ = ["WebPolicy", "Refusal", "check_request", "preflight_headers", "cors_headers", "SIMPLE_CONTENT_TYPES",
-           "RequestGuard", "refusal", "error_response"]
+           "RequestGuard", "refusal", "connection_refusal", "error_response"]
 
 # the Content-Types a page may POST cross-origin without a CORS preflight (the Fetch standard's safelist)
 SIMPLE_CONTENT_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
@@ -255,6 +255,20 @@ def refusal(state, request: Request) -> Optional[Response]:
     return None
 
 
+def connection_refusal(state, conn) -> Optional[APIError]:
+    """Why a WebSocket handshake (``conn``: Starlette's ``WebSocket``) may not be accepted, or None: the Host and
+    Origin checks and the API key of ``refusal``. The guard middleware sees HTTP requests only; a browser opens a
+    WebSocket to any origin without asking (CORS does not apply to it), so a WebSocket route must call this before it
+    accepts."""
+    refused = check_request(state.web, "GET", conn.url.path, conn.headers)
+    if refused is not None:
+        return Forbidden(refused.message, code=refused.code)
+    if state.api_key and not hmac.compare_digest(_given_key(conn).encode(), state.api_key.encode()):
+        return AuthenticationError("Incorrect or missing API key. Send 'Authorization: Bearer <key>' "
+                                   "(or 'x-api-key: <key>').")
+    return None
+
+
 class RequestGuard:
     """Pure ASGI middleware: ``refuse(request)`` sees the headers and may answer instead of the app;
     ``on_response(request, status, headers, refused)`` sees (and may add to) every response's start.
@@ -294,7 +308,7 @@ def _open_path(state, path: str) -> bool:
     return state.dashboard and (path in ("/", "/dashboard") or path.startswith("/dashboard/assets/"))
 
 
-def _given_key(request: Request) -> str:
+def _given_key(request) -> str:
     """The API key a client sent: OpenAI clients send ``Authorization: Bearer KEY``, Anthropic's send
     ``x-api-key: KEY`` (Claude Code sends either, depending on how it was configured)."""
     header = request.headers.get("authorization", "")

@@ -69,7 +69,8 @@ def _model_card(state, name: str) -> dict:
     return {"id": name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
             "context_length": state.loaded.context_length, "state": "loaded",
             "size_bytes": state.engine.weights_nbytes(), "adapters": state.adapters.names(),
-            "vision": state.engine.base.vision is not None}
+            "vision": state.engine.base.vision is not None,
+            **_defaults_fields(state, state.engine.base.sampling_defaults)}
 
 
 def _on_demand_card(state, entry) -> dict:
@@ -78,7 +79,23 @@ def _on_demand_card(state, entry) -> dict:
     return {"id": entry.name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
             "context_length": slot.context_length if slot is not None else _configured_context(entry.spec),
             "state": entry.state, "size_bytes": entry.nbytes, "pinned": entry.pinned, "adapters": [],
-            "vision": slot.vision is not None if slot is not None else _configured_vision(entry.spec)}
+            "vision": slot.vision is not None if slot is not None else _configured_vision(entry.spec),
+            **_defaults_fields(state, slot.sampling_defaults if slot is not None else _configured_defaults(entry.spec))}
+
+
+def _defaults_fields(state, defaults) -> dict:
+    """The sampling a model's generation_config.json declares, and whether requests that leave those fields out get
+    it (not under --ignore-model-defaults)."""
+    return {"sampling_defaults": defaults.as_dict(), "sampling_defaults_applied": state.core.model_defaults}
+
+
+def _configured_defaults(spec: str):
+    """The sampling defaults a not-yet-loaded model declares."""
+    from pathlib import Path
+
+    from models.loading.generation_defaults import read_sampling_defaults
+
+    return read_sampling_defaults(Path(spec).expanduser())
 
 
 def _configured_context(spec: str):
@@ -110,6 +127,7 @@ def _configured_vision(spec: str) -> bool:
 def _adapter_card(state, adapter) -> dict:
     return {"id": adapter.name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
             "context_length": state.loaded.context_length, "parent": state.loaded.model_id,
+            **_defaults_fields(state, state.engine.base.sampling_defaults),
             "adapter": {"identity": adapter.identity[:16], "rank": adapter.rank, "num_layers": adapter.num_layers,
                         "fine_tune_type": adapter.fine_tune_type}}
 
@@ -151,6 +169,8 @@ def stats_body(state) -> dict:
         "models": _models_block(state),  # the on-demand models
         "embeddings": state.stats.embeddings.as_dict(state.embedder),
         "http": state.stats.http_block(),
+        # the next turn's cache entries computed ahead (server.core.next_turn)
+        "next_turn": state.core.next_turns.stats() if state.core.next_turns is not None else {"enabled": False},
         "startup": TIMELINE.as_dict(),  # where the seconds before ready went (server.startup)
     }
 

@@ -113,7 +113,7 @@ async def run(door: Door, request: Request):
     target = await acquire(state, resolution)  # an on-demand model: loaded and held until the response ends
     try:
         call, gen, fmt = await _open(door, state, request, body, target, rid)
-        headers = {"X-Request-Id": gen.id}
+        headers = {"X-Request-Id": gen.id, **gen.headers}
         if call.stream:
             await gen.__aenter__()  # submits the job (may raise QueueFull: a 429 before any byte is sent)
             frames, target = _frames(gen, fmt, target), None  # the stream releases the model when it ends

@@ -210,12 +210,13 @@ class Executor:
                 self.stats.on_spec(e.spec)
             finished = seq.finished(reason)
             target = seq.target
-            if target is not None and target.counters is not None:
+            if target is not None and target.counters is not None and not seq.internal:
                 target.counters.add(finished)
             self._send_end(seq, finished)
 
     def _send_end(self, seq: Sequence, finished: Finished) -> None:
-        self.stats.on_finished(finished)
+        if not seq.internal:
+            self.stats.on_finished(finished)
         seq.sink(finished)
 
     def fail(self, seq: Sequence, exc: BaseException) -> None:

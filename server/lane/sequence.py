@@ -92,6 +92,8 @@ class Sequence:
     # (cache.checkpoints: where the next turn's prompt is expected to part from this one)
     media: Any = None  # server.core.media.PromptMedia of a prompt with images (``prompt`` is then its cache key)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    internal: bool = False  # the server's own work (a next-turn cache entry: server.core.next_turn), not a client's
+    # request: not counted among the requests served nor in their latencies
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.monotonic)
 

@@ -32,6 +32,7 @@ class Slot(Protocol):
     context_length: int
     kv_price: Any  # server.lane.budget.KVPrice: what its caches cost the memory budget (None: not measured yet)
     vision: Any  # models.loading.vision.VisionTower of a model that takes images (None: text only)
+    sampling_defaults: Any  # models.loading.generation_defaults.SamplingDefaults: what its generation_config declares
     facts: ModelFacts  # what its caches and architecture allow, measured once at load (models.facts)
     model: Any  # its weights' forward: model(tokens, cache=caches) -> logits (None once released)
     eos: frozenset[int]  # its end-of-sequence ids

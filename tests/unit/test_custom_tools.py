@@ -16,7 +16,8 @@ from openai.types.responses import ResponseStreamEvent
 
 from server.core.grammar import CustomInput, check_custom_grammar, custom_call_header, tool_call_grammar
 from server.core.output_parse import make_output_parser
-from server.core.prompts import _custom_calls, chat_grammar
+from server.core.prompts import chat_grammar
+from server.core.template_input import _custom_calls
 from server.core.request import ROOM
 from server.errors import InvalidRequest
 from server.http.responses.format import ResponsesStream, response_base

@@ -10,7 +10,8 @@ from server.core.output_parse import prompt_opens_thinking
 from server.core.prompts import breakpoint_marks, history_end, render_chat, template_variables
 from server.core.request import GenerationRequest
 from server.http.messages.schemas import EFFORTS, CountTokensRequest, MessagesRequest
-from server.http.messages.translate import EFFORT_LEVELS, messages_request, reasoning_wish
+from server.core.template_facts import EFFORT_SCALE
+from server.http.messages.translate import messages_request, reasoning_wish
 from server.http.wire import validation_message
 from tests.fixtures.template_tokenizer import template_tokenizer
 
@@ -46,14 +47,15 @@ def test_thinking_type_is_the_templates_switch(thinking, switch):
 
 @pytest.mark.parametrize("effort,level", [("low", "low"), ("medium", "medium"), ("high", "high"),
                                           ("xhigh", "high"), ("max", "high")])
-def test_effort_becomes_reasoning_effort_in_the_levels_templates_know(effort, level):
+def test_effort_becomes_the_nearest_level_the_template_takes(tok, effort, level):
+    """The toy template renders any level and names none: it gets OpenAI's three (server.core.template_facts)."""
     req = translate(output_config={"effort": effort})
-    assert req.reasoning_effort == level and template_variables(req)["reasoning_effort"] == level
+    assert req.reasoning_effort == effort and template_variables(req, tok)["reasoning_effort"] == level
     assert req.enable_thinking is None  # effort alone does not switch thinking on or off
 
 
-def test_every_anthropic_effort_has_a_level():
-    assert set(EFFORT_LEVELS) == set(EFFORTS)
+def test_every_anthropic_effort_is_on_the_scale():
+    assert set(EFFORTS) <= set(EFFORT_SCALE)
 
 
 def test_no_effort_and_other_output_config_members_pass_nothing():
@@ -84,7 +86,7 @@ def test_bad_thinking_or_effort_is_a_400_naming_it(field, value, param):
     assert got == param
 
 
-def test_thinking_blocks_in_history_are_dropped():
+def test_thinking_blocks_in_history_go_back_with_their_turn():
     history = [
         {"role": "user", "content": "why"},
         {"role": "assistant", "content": [
@@ -93,13 +95,11 @@ def test_thinking_blocks_in_history_are_dropped():
             {"type": "text", "text": "ok"}]},
         {"role": "user", "content": "hello"},
     ]
-    plain = [history[0], {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}, history[2]]
     with_thinking = translate(messages=history)
-    assert with_thinking.messages == translate(messages=plain).messages
-    assert with_thinking.messages[1] == {"role": "assistant", "content": "ok"}
+    assert with_thinking.messages[1] == {"role": "assistant", "content": "ok", "reasoning_content": "let me think"}
     only = translate(messages=[history[0], {"role": "assistant", "content": [history[1]["content"][1]]},
                                history[2]])
-    assert only.messages[1] == {"role": "assistant", "content": ""}  # a turn of thinking only: an empty reply
+    assert only.messages[1] == {"role": "assistant", "content": ""}  # redacted thinking only: an empty reply
 
 
 # -- through a real template --------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def test_a_tool_reference_outside_a_tool_result_is_refused():
 class ListingTokenizer:
     """A chat template stand-in: the tool list it is given, then each message (the prompt's text is its bytes)."""
 
-    tool_call_start = None  # the Hermes format (server.core.prompts._hermes)
+    tool_call_start = None  # the Hermes format (server.core.template_input.writes_hermes)
 
     def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, tokenize=True, **_):
         text = "tools: " + " ".join(t["function"]["name"] for t in tools or ()) + "\n"

@@ -43,12 +43,13 @@ def test_tool_round_trip_renders_like_the_same_chat_conversation():
     chat = ChatCompletionRequest.model_validate({"messages": [
         {"role": "system", "content": "Rules.\nMore rules."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [{"id": "toolu_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "hmm", "tool_calls": [{
+            "id": "toolu_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "18C"},
         {"role": "user", "content": "And tomorrow?"},
     ]})
-    assert dump(req) == dump(chat_request(chat, {}))
+    assert dump(req) == dump(chat_request(chat, {}))  # the thinking goes back with its turn through either door
 
 
 def test_tool_result_only_turn_has_no_empty_user_message():

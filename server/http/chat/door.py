@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from server.core.generation import Done, Error, Generation, ReasoningOut, Result, TextOut
-from server.core.request import GenerationRequest, system_breakpoint, template_message
+from server.core.request import GenerationRequest, system_breakpoint, template_message, template_wishes
 from server.http.chat.format import ChatFormatter, CompletionFormatter
 from server.http.chat.schemas import ChatCompletionRequest, CompletionRequest
 from server.http.pipeline import Call, Door, Formatter, run
@@ -39,9 +39,11 @@ def chat_request(body: ChatCompletionRequest, headers) -> GenerationRequest:
     """A chat completions body as the internal request."""
     messages = tuple(
         template_message(m.role, m.template_content(i), name=m.name, tool_call_id=m.tool_call_id,
-                         tool_calls=[(tc.id, tc.function.name, tc.function.arguments) for tc in m.tool_calls or ()])
+                         tool_calls=[(tc.id, tc.function.name, tc.function.arguments) for tc in m.tool_calls or ()],
+                         reasoning=m.past_reasoning())
         for i, m in enumerate(body.messages))
     choice = body.tool_choice if isinstance(body.tool_choice, str) else "auto"
+    wishes = template_wishes(body.chat_template_kwargs, effort=body.reasoning_effort)
     return GenerationRequest(
         messages=messages,
         tools=tuple(t.model_dump(exclude_none=True) for t in body.tools or ()),
@@ -50,7 +52,8 @@ def chat_request(body: ChatCompletionRequest, headers) -> GenerationRequest:
         max_tokens=body.requested_max_tokens(),
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
         session=session_of(headers, body.prompt_cache_key, body.user),
-        breakpoints=system_breakpoint(messages), **_sampling(body),
+        breakpoints=system_breakpoint(messages), enable_thinking=wishes.enable_thinking,
+        reasoning_effort=wishes.reasoning_effort, template_kwargs=wishes.template_kwargs, **_sampling(body),
     )
 
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, fiel
 from pydantic_core import PydanticCustomError
 
 from server.core.media import image_ref, parts_content
+from server.core.template_facts import EFFORT_SCALE
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -67,12 +68,22 @@ class Message(_Lenient):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    # an assistant turn's thinking sent back as the reply gave it (``reasoning`` is mlx_lm.server's and newer vLLM's
+    # name); rendered back into the prompt as the model produced it (server.core.prompts)
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
     @model_validator(mode="after")
     def _content_required(self) -> "Message":
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a '{self.role}' message needs 'content'")
         return self
+
+    def past_reasoning(self) -> Optional[str]:
+        """The thinking an assistant turn carries back (None: none sent)."""
+        if self.role != "assistant":
+            return None
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     def text(self) -> str:
         if self.content is None:
@@ -213,6 +224,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[ResponseFormat] = None
+    # reasoning: OpenAI's effort, and vLLM's template variables (server.core.request.template_wishes)
+    reasoning_effort: Optional[Literal[EFFORT_SCALE]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     @field_validator("tool_choice")
     @classmethod

@@ -3,7 +3,7 @@
 A turn's role is user, assistant or system (a system turn mid-conversation, as Claude Code sends them; its
 text blocks only). Content blocks are a tagged union on ``type``: ``text``, ``tool_use``, ``tool_result`` (content a string
 or text and ``tool_reference`` blocks: the tools a client-side tool search loaded, as Claude Code's ToolSearch
-answers), ``thinking`` / ``redacted_thinking`` (accepted from history, not rendered). A tool may be marked
+answers), ``thinking`` (its text goes back with its turn) / ``redacted_thinking`` (accepted, not rendered). A tool may be marked
 ``defer_loading`` (kept out of the chat template's tool list, still callable). ``image`` blocks (base64 or URL
 source; in a turn or a tool result) are read by a model that takes images (a text-only model answers a 400 naming
 the block: server.core.prompts.render_media); document blocks are refused with a message saying why; an unknown
@@ -185,6 +185,7 @@ class CountTokensRequest(_Lenient):
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[ThinkingConfig] = None
     output_config: Optional[OutputConfig] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's template variables (server.core.request)
 
     @field_validator("system", mode="before")
     @classmethod

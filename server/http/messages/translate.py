@@ -2,9 +2,10 @@
 
 ``messages_request(req)`` maps ``system`` (string or text blocks) to the first system message; a user
 turn's ``tool_result`` blocks to ``tool`` messages (before the turn's text, the order Anthropic requires);
-an assistant turn's ``tool_use`` blocks to ``tool_calls`` (input as JSON text); ``thinking`` and
-``redacted_thinking`` blocks are dropped (chat templates drop past thinking; the other doors drop it too, so a
-conversation renders the same whichever API carries it). Text blocks of one turn join with a newline. The same
+an assistant turn's ``tool_use`` blocks to ``tool_calls`` (input as JSON text); its ``thinking`` blocks' text is the
+turn's reasoning, rendered back as the model produced it (server.core.prompts; the other doors carry it the same
+way, so a conversation renders the same whichever API carries it), ``redacted_thinking`` blocks are dropped (they hold
+no text). Text blocks of one turn join with a newline. The same
 conversation therefore renders the same tokens every turn, so the prefix cache hits across turns.
 A system turn mid-conversation stays where it is: it joins the user message before it, or stays a system message
 after a tool or assistant turn (see ``_append``); it is never hoisted into the system prompt, which would move it in
@@ -40,18 +41,18 @@ from collections.abc import Mapping
 from itertools import groupby
 from typing import Optional
 
-from server.core.request import GenerationRequest, MaxTokens, function_tool, template_message
+from server.core.request import GenerationRequest, MaxTokens, function_tool, template_message, template_wishes
 from server.errors import InvalidRequest
 from server.core.media import parts_content
 from server.http.messages.schemas import (
-    AnthropicTool, CountTokensRequest, ImageBlock, MessageParam, MessagesRequest, TextBlock, ToolReferenceBlock, ToolResultBlock,
-    ToolUseBlock,
+    AnthropicTool, CountTokensRequest, ImageBlock, MessageParam, MessagesRequest, TextBlock, ThinkingBlock,
+    ToolReferenceBlock, ToolResultBlock, ToolUseBlock,
 )
 from server.http.wire import session_of
 
 __all__ = ["messages_request", "turn_to_messages", "system_text", "system_blocks", "session_of_user_id",
            "messages_session", "tool_result_text", "reference_text", "reasoning_wish", "MESSAGES_NAMES",
-           "BILLING_HEADER", "THINKING_SWITCH", "EFFORT_LEVELS", "CLAUDE_CODE_SESSION_HEADER",
+           "BILLING_HEADER", "THINKING_SWITCH", "CLAUDE_CODE_SESSION_HEADER",
            "CLAUDE_CODE_AGENT_HEADER"]
 
 # the internal request's fields under their Messages names (server.core.request.GenerationRequest.param)
@@ -64,15 +65,13 @@ CLAUDE_CODE_AGENT_HEADER = "x-claude-code-agent-id"  # set by a subagent (the Ag
 
 # thinking.type -> the template's reasoning switch (None: not passed, the template's default holds)
 THINKING_SWITCH = {"enabled": True, "disabled": False, "adaptive": None}
-# output_config.effort -> the template variable reasoning_effort, in the levels templates know (OpenAI's three)
-EFFORT_LEVELS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 
 
 def reasoning_wish(req: CountTokensRequest) -> tuple[Optional[bool], Optional[str]]:
-    """(enable_thinking, reasoning_effort) of the internal request: see the module docstring."""
+    """(enable_thinking, the effort asked) of the internal request: see the module docstring."""
     switch = THINKING_SWITCH[req.thinking.type] if req.thinking is not None else None
     effort = req.output_config.effort if req.output_config is not None else None
-    return switch, EFFORT_LEVELS[effort] if effort is not None else None
+    return switch, effort
 
 
 def system_blocks(system, *, keep_billing_header: bool = False) -> list:
@@ -177,7 +176,9 @@ def turn_to_messages(turn: MessageParam, tools: Optional[Mapping[str, AnthropicT
     if turn.role == "assistant":
         calls = [(b.id, b.name, json.dumps(b.input, ensure_ascii=False))
                  for b in turn.content if isinstance(b, ToolUseBlock)]
-        return [template_message("assistant", _joined(texts) if (texts or not calls) else None, tool_calls=calls)]
+        thinking = "\n".join(b.thinking for b in turn.content if isinstance(b, ThinkingBlock)) or None
+        return [template_message("assistant", _joined(texts) if (texts or not calls) else None, tool_calls=calls,
+                                 reasoning=thinking)]
     out = [template_message("tool", tool_result_text(b, tools or {}, f"{param}.content.{j}"),
                             tool_call_id=b.tool_use_id)
            for j, b in enumerate(turn.content) if isinstance(b, ToolResultBlock)]
@@ -250,10 +251,12 @@ def messages_request(req: CountTokensRequest, *, session: Optional[str] = None,
     parallel = None if req.tool_choice is None or req.tool_choice.disable_parallel_tool_use is None else (
         not req.tool_choice.disable_parallel_tool_use)
     thinking, effort = reasoning_wish(req)
+    wishes = template_wishes(req.chat_template_kwargs, enable_thinking=thinking, effort=effort)
     return GenerationRequest(
         messages=tuple(messages),
         tools=tuple(function_tool(t.name, t.description, t.input_schema) for t in tools),
         deferred_tools=tuple(t.name for t in tools if t.defer_loading),
         tool_choice=choice, forced_tool=forced, parallel_tool_calls=parallel, session=session,
-        breakpoints=tuple(sorted(b for b in breakpoints if b > 0)), enable_thinking=thinking, reasoning_effort=effort,
-        names=MESSAGES_NAMES, **fields)
+        breakpoints=tuple(sorted(b for b in breakpoints if b > 0)), enable_thinking=wishes.enable_thinking,
+        reasoning_effort=wishes.reasoning_effort, template_kwargs=wishes.template_kwargs, names=MESSAGES_NAMES,
+        **fields)

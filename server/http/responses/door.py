@@ -79,12 +79,14 @@ class ResponsesOutput(Formatter):
         return len(await run_in_threadpool(self.tokenizer.encode, text))
 
 
-def history_of(state, body: ResponsesRequest) -> tuple:
+def history_of(state, body: ResponsesRequest, local=None) -> tuple:
     """The input items of the stored conversation ``previous_response_id`` continues (none without one); a
-    response not stored (or evicted) is a 404."""
+    response not stored (or evicted) is a 404. ``local``: a store looked in first (a WebSocket connection's own
+    responses, kept even with ``store: false``)."""
     if not body.previous_response_id:
         return ()
-    prev = state.responses.get(body.previous_response_id)
+    prev = local.get(body.previous_response_id) if local is not None else None
+    prev = prev or state.responses.get(body.previous_response_id)
     if prev is None:
         raise NotFound(f"Previous response with id '{body.previous_response_id}' not found: it was stored "
                        "with store=false, or evicted (the server keeps the most recent responses in memory "

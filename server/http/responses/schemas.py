@@ -4,7 +4,8 @@ Input items are a tagged union on ``type`` (a message may omit it when it has a 
 "easy input message" does): ``message`` (input_text / output_text / refusal parts, and ``input_image`` parts for a
 model that takes images: server.core.media), ``function_call``,
 ``function_call_output``, ``custom_tool_call``, ``custom_tool_call_output``, ``tool_search_call``,
-``tool_search_output`` and ``reasoning`` (accepted, not rendered: chat templates drop past thinking).
+``tool_search_output``, ``reasoning`` (its ``reasoning_text`` content goes back with the assistant turn after it) and
+``compaction`` (what ``/v1/responses/compact`` returned: its summary).
 An unknown item or part type, a file or audio part (or an image in a tool's output), a malformed tool or a wrong type is a 400 naming the
 parameter. Tools: ``function`` tools, ``namespace`` groups of them, ``custom`` (freeform) tools whose input is
 free text or follows a Lark or regex grammar, and a client-executed ``tool_search`` (Codex CLI sends all of them
@@ -23,11 +24,12 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator
 
 from server.core.media import image_ref, parts_content
+from server.core.template_facts import EFFORT_SCALE
 from server.errors import InvalidRequest
 
 __all__ = [
     "InputText", "OutputText", "Refusal", "InputImage", "MessageItem", "FunctionCallItem", "FunctionCallOutputItem",
-    "ReasoningItem", "CustomToolCallItem", "CustomToolCallOutputItem", "ToolSearchCallItem", "ToolSearchOutputItem",
+    "ReasoningItem", "CompactionItem", "CustomToolCallItem", "CustomToolCallOutputItem", "ToolSearchCallItem", "ToolSearchOutputItem",
     "InputItem", "FunctionTool", "NamespaceTool", "CustomTool", "ToolSearchTool", "ToolChoiceFunction",
     "ToolChoiceCustom", "TextFormat", "TextConfig", "ResponsesRequest", "InputTokensRequest", "INPUT_ITEMS", "TOOLS",
 ]
@@ -180,6 +182,20 @@ class ReasoningItem(_Lenient):
     content: Optional[list[dict[str, Any]]] = None
     encrypted_content: Optional[str] = None
 
+    def reasoning_text(self) -> str:
+        """The model's thinking as it produced it: the ``reasoning_text`` parts (a summary is not what it wrote)."""
+        return "".join(part.get("text") or "" for part in self.content or ()
+                       if isinstance(part, dict) and part.get("type") == "reasoning_text")
+
+
+class CompactionItem(_Lenient):
+    """A compacted conversation (what ``/v1/responses/compact`` returned): expanded into its summary
+    (server.http.responses.capsule)."""
+
+    type: Literal["compaction"]
+    id: Optional[str] = None
+    encrypted_content: str
+
 
 def _item_tag(value) -> Optional[str]:
     if isinstance(value, dict):
@@ -197,13 +213,14 @@ InputItem = Annotated[
         Annotated[ToolSearchCallItem, Tag("tool_search_call")],
         Annotated[ToolSearchOutputItem, Tag("tool_search_output")],
         Annotated[ReasoningItem, Tag("reasoning")],
+        Annotated[CompactionItem, Tag("compaction")],
     ],
     Discriminator(
         _item_tag,
         custom_error_type="invalid_input_item",
         custom_error_message="each input item needs a known 'type' (message, function_call, function_call_output, "
                              "custom_tool_call, custom_tool_call_output, tool_search_call, tool_search_output, "
-                             "reasoning) or a 'role'",
+                             "reasoning, compaction) or a 'role'",
     ),
 ]
 
@@ -319,7 +336,8 @@ class ResponsesRequest(_Lenient):
     background: bool = False
     previous_response_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
     text: Optional[TextConfig] = None
-    reasoning: Optional[dict[str, Any]] = None
+    reasoning: Optional[dict[str, Any]] = None  # ``effort`` is read (server.core.template_facts), the rest ignored
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's template variables (server.core.request)
     metadata: Optional[dict[str, Any]] = None
     user: Optional[str] = Field(default=None, max_length=1024)
     prompt_cache_key: Optional[str] = Field(default=None, max_length=1024)
@@ -332,6 +350,18 @@ class ResponsesRequest(_Lenient):
         if isinstance(v, list):
             return [t for t in v if _offered(t)]
         return v
+
+    @field_validator("reasoning")
+    @classmethod
+    def _effort(cls, v):
+        effort = v.get("effort") if isinstance(v, dict) else None
+        if effort is not None and effort not in EFFORT_SCALE:
+            raise ValueError(f"reasoning.effort must be one of {', '.join(EFFORT_SCALE)} (or null), got {effort!r}")
+        return v
+
+    def effort(self) -> Optional[str]:
+        """The reasoning effort asked (``reasoning.effort``), or None."""
+        return self.reasoning.get("effort") if self.reasoning else None
 
     @field_validator("background")
     @classmethod

@@ -4,8 +4,9 @@
 continues ``history`` (the input items of a stored conversation, ``previous_response_id``): ``instructions`` become
 the first system message, input items chat messages (``items_to_messages``: a message item its text, a
 ``function_call`` an assistant tool call (calls of one turn join the assistant message before them), a
-``function_call_output`` a tool message, ``reasoning`` dropped: chat templates drop past thinking, and rendering it
-would break the prefix match), ``text.format`` the answer schema, function tools (and the members of ``namespace``
+``function_call_output`` a tool message, a ``reasoning`` item's text the thinking of the assistant turn after it,
+rendered back as the model produced it: server.core.prompts), a ``compaction`` item the summary it holds (an assistant
+message: server.http.responses.capsule), ``text.format`` the answer schema, function tools (and the members of ``namespace``
 groups) the offered functions. The same conversation sent whole or continued from a stored response renders the
 same tokens, so the prefix cache hits either way. ``output_to_items`` goes back: what the model produced as output
 items.
@@ -21,13 +22,16 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from server.core.request import (
-    ROOM, CustomTool, GenerationRequest, custom_call, function_tool, system_breakpoint, template_message,
+    REASONING_KEY, ROOM, CustomTool, GenerationRequest, custom_call, function_tool, system_breakpoint, template_message,
+    template_wishes,
 )
 from server.errors import InvalidRequest
+from server.http.responses.capsule import expand, summary_message_text
 from server.http.responses.schemas import TOOLS
 from server.http.responses.schemas import CustomTool as CustomToolSpec
 from server.http.responses.schemas import (
-    INPUT_ITEMS, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem, FunctionCallOutputItem, FunctionTool,
+    INPUT_ITEMS, CompactionItem, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem,
+    FunctionCallOutputItem, FunctionTool,
     MessageItem, NamespaceTool, ReasoningItem, ResponsesRequest, ToolSearchCallItem, ToolSearchOutputItem,
     ToolSearchTool,
 )
@@ -55,18 +59,34 @@ def items_to_messages(items) -> list[dict]:
     (one turn's text and calls: one message); their outputs are tool messages. A tool search's output is shown as
     the tools it found (name and description; the tools themselves are offered from then on: ``offered_tools``)."""
     out: list[dict] = []
+    thinking: list[str] = []  # a reasoning item's text, for the assistant turn that follows it
+
+    def reasoning() -> Optional[str]:
+        text = "".join(thinking)
+        thinking.clear()
+        return text or None
 
     def call(entry) -> None:
-        msg = template_message("assistant", "", tool_calls=[entry])
         last = out[-1] if out else None
-        if last is not None and last["role"] == "assistant":
+        if last is not None and last["role"] == "assistant" and not (thinking and REASONING_KEY in last):
+            msg = template_message("assistant", "", tool_calls=[entry])
             last.setdefault("tool_calls", []).extend(msg["tool_calls"])
+            if thinking:
+                last[REASONING_KEY] = reasoning()
         else:
-            out.append(msg)
+            out.append(template_message("assistant", "", tool_calls=[entry], reasoning=reasoning()))
+
+    def thought_only() -> None:  # a turn of thinking alone (no text, no call): an assistant message of its own
+        if thinking:
+            out.append(template_message("assistant", "", reasoning=reasoning()))
 
     for i, item in enumerate(items):
+        if not isinstance(item, (ReasoningItem, FunctionCallItem, CustomToolCallItem, ToolSearchCallItem)) and not (
+                isinstance(item, MessageItem) and item.role == "assistant"):
+            thought_only()
         if isinstance(item, MessageItem):
-            out.append(template_message(item.role, item.template_content(f"input.{i}")))
+            out.append(template_message(item.role, item.template_content(f"input.{i}"),
+                                        reasoning=reasoning() if item.role == "assistant" else None))
         elif isinstance(item, FunctionCallItem):
             call((item.call_id, item.name, item.arguments))
         elif isinstance(item, CustomToolCallItem):
@@ -79,10 +99,15 @@ def items_to_messages(items) -> list[dict]:
             found = [{"name": t.get("name"), "description": t.get("description")} for t in item.tools]
             out.append(template_message("tool", json.dumps(found, ensure_ascii=False),
                                         tool_call_id=item.call_id or "tool_search"))
+        elif isinstance(item, CompactionItem):  # the turns it replaced, as their summary
+            out.append(template_message("assistant", summary_message_text(
+                expand(item.encrypted_content, f"input.{i}.encrypted_content"))))
         elif isinstance(item, ReasoningItem):
-            continue  # chat templates drop past thinking; rendering it would also break the prefix match
+            if item.reasoning_text():  # the model's own thinking goes back with its turn (a summary alone: no)
+                thinking.append(item.reasoning_text())
         else:  # the schema admits no other item; a new one must be rendered on purpose, not dropped
             raise InvalidRequest(f"input item type '{getattr(item, 'type', '?')}' is not supported", param="input")
+    thought_only()
     return out
 
 
@@ -176,6 +201,7 @@ def responses_request(req: ResponsesRequest, history=(), *, session: Optional[st
         raise InvalidRequest("Invalid value for 'input': the conversation is empty (send a message, or instructions)",
                              param="input")
     choice = req.tool_choice
+    wishes = template_wishes(req.chat_template_kwargs, effort=req.effort())
     return GenerationRequest(
         messages=tuple(messages),
         tools=tuple(function_tool(t.name, t.description, t.parameters) for t in function_tools(req, items)),
@@ -187,6 +213,8 @@ def responses_request(req: ResponsesRequest, history=(), *, session: Optional[st
         max_tokens=req.max_output_tokens, default_max_tokens=max_tokens_cap if max_tokens_cap is not None else ROOM,
         temperature=req.temperature, top_p=req.top_p,
         session=session, breakpoints=system_breakpoint(messages), names=RESPONSES_NAMES,
+        enable_thinking=wishes.enable_thinking, reasoning_effort=wishes.reasoning_effort,
+        template_kwargs=wishes.template_kwargs,
     )
 
 
