@@ -8,7 +8,7 @@ positions just written leaves every position the next token's window needs; the 
 that the next single-token update rotates over valid keys only. A verify forward always feeds ``1 + drafts``
 tokens, so its rejected drafts can always be taken back this way.
 
-Recurrent state (``ArraysCache``: linear attention, SSM, convolutions) has no positions to drop. A hybrid model
+Recurrent state (``ArraysCache``, mlx-lm's or mlx-vlm's: linear attention, SSM, convolutions) has no positions to drop. A hybrid model
 (recurrent layers beside trimmable attention) rewinds from a checkpoint instead: ``VerifyRewind.mark`` keeps the
 recurrent state before the verify forward (new handles over immutable arrays: nothing is copied), and taking back n
 of its positions restores that state, drops all the forward wrote from the attention layers, and feeds again the
@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from models.mlx_compat import ring_index, set_ring_index
+from models.vlm_caches import is_recurrent as is_vlm_recurrent
 
 __all__ = ["can_rewind", "rewind", "VerifyRewind"]
 
@@ -37,8 +38,8 @@ def can_rewind(caches: Sequence) -> bool:
     the module docstring."""
     if not caches:
         return False
-    states = [c for c in caches if isinstance(c, ArraysCache)]
-    others = [c for c in caches if not isinstance(c, ArraysCache)]
+    states = [c for c in caches if _is_state(c)]
+    others = [c for c in caches if not _is_state(c)]
     if states:
         return all(c.is_trimmable() for c in others)
     return all(c.is_trimmable() or isinstance(c, RotatingKVCache) for c in caches)
@@ -66,12 +67,17 @@ def rewind(caches: Sequence, n: int, fed: int) -> None:
             raise ValueError(f"{type(c).__name__} cannot take back drafted positions")
 
 
+def _is_state(cache) -> bool:
+    """A recurrent layer: mlx-lm's ``ArraysCache`` (and its subclasses), or mlx-vlm's (models.vlm_caches)."""
+    return isinstance(cache, ArraysCache) or is_vlm_recurrent(cache)
+
+
 class VerifyRewind:
     """Takes back a verify forward's rejected positions, whatever the layers (see the module docstring)."""
 
     def __init__(self, model, caches: list):
         self.model, self.caches = model, caches
-        self._states = [i for i, c in enumerate(caches) if isinstance(c, ArraysCache)]
+        self._states = [i for i, c in enumerate(caches) if _is_state(c)]
         self._marked: dict = {}
 
     def mark(self) -> None:

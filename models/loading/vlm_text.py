@@ -1,0 +1,164 @@
+"""The second source of language models: mlx-vlm's classes, for the ``model_type``s mlx-lm has none for.
+
+mlx-lm 0.32.2 lacks the newest families (qwen4_exp, deepseek_v4, glm5_next, hy_v4, step3p7, ...); mlx-vlm 0.7.10
+carries each of them as an image-text ``Model`` whose ``language_model`` is the text model, with cache classes of its
+own (models.vlm_caches declares what each of them allows). ``load_vlm_text`` loads the directory with mlx-vlm
+(``mlx_vlm.utils.load_model``: its sanitizers, its quantization) and ``VlmTextModel`` wraps the loaded model so that
+the engine computes with it as with an mlx-lm model: ``model(ids, cache=caches)`` returns logits,
+``make_cache()`` the fresh caches, ``args`` its text config, ``layers`` its decoder layers. The whole mlx-vlm model
+stays one object (its vision tower beside the text model): the weights are in memory once, and the image side
+(models.loading.vision) shares them.
+
+Positions: mlx-vlm's Qwen family (multimodal rotary positions) keeps the last prompt's positions and rope deltas on
+the language model object between calls; a server interleaving sequences cannot rely on that state. For such a
+family (``get_rope_index`` on its language model) the wrapper passes every forward's positions explicitly: each
+row's cache offset plus the positions it feeds, plus the row's rope delta (``rope_deltas``: what an image before
+these positions shifted them by; 0 for text). ``source(model_type, asked)`` says which library a model loads from;
+``MLX_VLM_ONLY`` is what we checked mlx-vlm 0.7.10 serves that mlx-lm 0.32.2 lacks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from models.errors import ModelLoadError
+
+__all__ = ["VlmTextModel", "load_vlm_text", "source", "mlx_lm_has", "mlx_vlm_has", "SOURCES", "MLX_VLM_ONLY"]
+
+log = logging.getLogger("mlx_lane.models")
+
+SOURCES = ("auto", "mlx-lm", "mlx-vlm")  # --model-source
+
+# mlx-vlm 0.7.10's language models that mlx-lm 0.32.2 lacks and that this server computes with (each in the zoo:
+# tests/fixtures/zoo_vlm.py); another mlx-vlm-only model_type is tried the same way, with a warning
+MLX_VLM_ONLY = ("qwen4_exp", "deepseek_v4", "glm5_next", "hy_v4", "step3p7")
+
+
+def mlx_lm_has(model_type: str) -> bool:
+    """Does mlx-lm have a model class for ``model_type`` (after its own renames)?"""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    name = MODEL_REMAPPING.get(model_type, model_type)
+    return importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
+
+
+def mlx_vlm_has(model_type: str) -> bool:
+    """Does the installed mlx-vlm have a model package for ``model_type``? (False without mlx-vlm.)"""
+    if importlib.util.find_spec("mlx_vlm") is None:
+        return False
+    from mlx_vlm.utils import get_model_type
+
+    name = get_model_type({"model_type": model_type}) or model_type
+    return importlib.util.find_spec(f"mlx_vlm.models.{name}") is not None
+
+
+def source(config: dict, asked: str = "auto") -> str:
+    """Which library's classes compute this model: ``asked`` when it is mlx-lm or mlx-vlm, else mlx-lm where it has
+    the ``model_type`` and mlx-vlm where only it does. ModelLoadError, with what to do, when neither has it."""
+    if asked not in SOURCES:
+        raise ModelLoadError(f"unknown model source {asked!r}; use one of {', '.join(SOURCES)}")
+    model_type = str(config.get("model_type", ""))
+    if asked != "auto":
+        return asked
+    if mlx_lm_has(model_type):
+        return "mlx-lm"
+    if mlx_vlm_has(model_type):
+        return "mlx-vlm"
+    hint = ("" if importlib.util.find_spec("mlx_vlm") is not None
+            else "; mlx-vlm is not installed: install the vision extra (pip install 'mlx-lane[vision]'), which "
+                 "serves the newest architectures (qwen4_exp, deepseek_v4, glm5_next, ...)")
+    raise ModelLoadError(f"model_type {model_type!r} is supported by neither mlx-lm nor mlx-vlm{hint}")
+
+
+class VlmTextModel(nn.Module):
+    """An mlx-vlm model's language model, as the engine calls an mlx-lm model (see the module docstring)."""
+
+    def __init__(self, vlm_model: Any):
+        super().__init__()
+        self.vlm = vlm_model  # the whole mlx-vlm model: its vision tower (if any) beside the language model
+        self.source = "mlx-vlm"
+        lm = vlm_model.language_model
+        self._mrope = callable(getattr(lm, "get_rope_index", None))  # positions passed explicitly (module doc)
+        self._fa = int(getattr(getattr(lm, "model", None), "fa_idx", 0) or 0)  # a layer whose cache has offsets
+
+    @property
+    def language_model(self) -> Any:
+        return self.vlm.language_model
+
+    @property
+    def args(self) -> Any:
+        """The text config (``model_type``, ``vocab_size``, ...), as mlx-lm models' ``args``."""
+        lm = self.language_model
+        return getattr(lm, "args", None) or getattr(lm, "config", None)
+
+    @property
+    def layers(self) -> list:
+        lm = self.language_model
+        layers = getattr(lm, "layers", None)
+        return list(layers if layers is not None else lm.model.layers)
+
+    def make_cache(self) -> list:
+        from mlx_vlm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.language_model)
+
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None, input_embeddings: Optional[mx.array] = None,
+                 rope_deltas: Optional[mx.array] = None) -> mx.array:
+        """The logits (B, L, vocab) of ``inputs`` (B, L) over ``cache`` (the text model's own caches);
+        ``input_embeddings`` (B, L, hidden) in place of the tokens' (an image's features); ``rope_deltas`` (B,):
+        each row's multimodal position shift (module docstring)."""
+        kwargs: dict[str, Any] = {}
+        if self._mrope:
+            kwargs["position_ids"] = self._positions(inputs, cache, rope_deltas)
+        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs)
+        return out.logits
+
+    def _positions(self, inputs: mx.array, cache: Optional[list], rope_deltas: Optional[mx.array]) -> mx.array:
+        """(3, B, L): every row's own positions (its cache offset onwards, shifted by its rope delta), the same on
+        the three rotary axes (text after any image)."""
+        batch, length = inputs.shape[0], inputs.shape[1]
+        offset: Any = 0
+        if cache:
+            offset = getattr(cache[self._fa], "offset", 0)
+        start = mx.maximum(offset, 0) if isinstance(offset, mx.array) else mx.array(int(offset))
+        start = mx.broadcast_to(start.reshape(-1)[:batch] if start.ndim else start, (batch,)).astype(mx.int32)
+        if rope_deltas is not None:
+            start = start + rope_deltas.reshape(-1).astype(mx.int32)
+        positions = start[:, None] + mx.arange(length, dtype=mx.int32)[None]
+        return mx.broadcast_to(positions[None], (3, batch, length))
+
+
+def load_vlm_text(model_dir: Path) -> tuple[VlmTextModel, Any, dict]:
+    """(the wrapped model, mlx-lm's tokenizer of the directory, its config) for an mlx-vlm model directory.
+    ModelLoadError, with what to do, when mlx-vlm is missing or cannot load it."""
+    try:
+        from mlx_vlm.utils import load_config, load_model
+    except ImportError as e:
+        raise ModelLoadError(f"{model_dir} needs mlx-vlm (its model_type is not in mlx-lm): install the vision "
+                             f"extra (pip install 'mlx-lane[vision]') ({e})") from e
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    try:
+        config = load_config(model_dir)
+        vlm_model = load_model(Path(model_dir), lazy=True)
+        tokenizer = load_tokenizer(Path(model_dir), eos_token_ids=_eos(config))
+    except ImportError as e:  # a family whose mlx-vlm module needs an extra mlx-vlm was installed without
+        raise ModelLoadError(f"mlx-vlm cannot import the {config.get('model_type')!r} family here ({e}); install "
+                             "the package it names, or serve another model") from e
+    except (ValueError, FileNotFoundError, OSError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"mlx-vlm could not load {model_dir}: {e}") from e
+    return VlmTextModel(vlm_model), tokenizer, config
+
+
+def _eos(config: dict) -> Optional[list]:
+    eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+    if eos is None:
+        return None
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
