@@ -152,8 +152,9 @@ def load_vlm_text(model_dir: Path) -> tuple[VlmTextModel, Any, dict]:
     except ImportError as e:  # a family whose mlx-vlm module needs an extra mlx-vlm was installed without
         raise ModelLoadError(f"mlx-vlm cannot import the {config.get('model_type')!r} family here ({e}); install "
                              "the package it names, or serve another model") from e
-    except (ValueError, FileNotFoundError, OSError, KeyError, TypeError) as e:
-        raise ModelLoadError(f"mlx-vlm could not load {model_dir}: {e}") from e
+    except Exception as e:  # mlx-vlm, transformers' config validation and the hub raise many classes: all end here
+        raise ModelLoadError(f"mlx-vlm could not load {model_dir} ({type(e).__name__}: {str(e)[:300]}); check that "
+                             "it is a complete mlx-vlm model directory (config.json, *.safetensors, tokenizer)") from e
     return VlmTextModel(vlm_model), tokenizer, config
 
 

@@ -69,7 +69,7 @@ def _model_card(state, name: str) -> dict:
     return {"id": name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
             "context_length": state.loaded.context_length, "state": "loaded",
             "size_bytes": state.engine.weights_nbytes(), "adapters": state.adapters.names(),
-            "vision": state.engine.base.vision is not None}
+            "vision": state.engine.base.vision is not None, **_source(state.loaded)}
 
 
 def _on_demand_card(state, entry) -> dict:
@@ -78,7 +78,26 @@ def _on_demand_card(state, entry) -> dict:
     return {"id": entry.name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
             "context_length": slot.context_length if slot is not None else _configured_context(entry.spec),
             "state": entry.state, "size_bytes": entry.nbytes, "pinned": entry.pinned, "adapters": [],
-            "vision": slot.vision is not None if slot is not None else _configured_vision(entry.spec)}
+            "vision": slot.vision is not None if slot is not None else _configured_vision(entry.spec),
+            **_source(getattr(slot, "loaded", None), entry.spec)}
+
+
+def _source(loaded, spec: str = "") -> dict:
+    """Which architecture a model is and which library's classes compute it (models.loading.vlm_text): a loaded
+    model's own record, else what its config.json says (empty when it cannot be read cheaply)."""
+    if loaded is not None:
+        return {"architecture": loaded.architecture, "source": getattr(loaded, "source", "mlx-lm")}
+    import json
+    from pathlib import Path
+
+    from models.errors import ModelLoadError
+    from models.loading.vlm_text import source
+
+    try:
+        config = json.loads((Path(spec).expanduser() / "config.json").read_text())
+        return {"architecture": str(config.get("model_type")), "source": source(config)}
+    except (OSError, ValueError, AttributeError, ModelLoadError):
+        return {}
 
 
 def _configured_context(spec: str):
