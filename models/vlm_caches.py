@@ -15,8 +15,8 @@ A layer may be a ``CacheList`` of several (DeepSeek V4: a window and one or two 
 What a model of these classes gets (``VlmFacts``): the prefix cache keeps checkpoints of every layer that is not pure
 ``kv``; its requests decode alone, each interleaved with the batch (``mergeable`` False: mlx-vlm's batch caches are
 exact for mlx-vlm's own batch loop, and this engine's batch kinds hold mlx-lm's classes), logged once at load; they
-speculate (verify and take back) where every layer is ``kv`` or ``recurrent`` beside ``kv`` (spec.rewind's
-checkpoint), and decode plainly otherwise.
+speculate: a verify forward's rejected drafts are taken back by trimming the ``kv`` layers and putting every other
+layer back from a ``snapshot`` kept before the forward, then feeding the accepted tokens again (spec.rewind).
 
 Pure data and class tests: nothing here computes.
 """
@@ -27,7 +27,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["ROLES", "VlmFacts", "role_of", "roles_of", "is_vlm_cache", "is_recurrent", "measure"]
+__all__ = ["ROLES", "VlmFacts", "role_of", "roles_of", "is_vlm_cache", "is_recurrent", "restores", "snapshot",
+           "measure", "declared_classes"]
 
 # (module, class name) -> role. Exact classes only: a subclass may hold state its parent's role does not describe.
 ROLES: dict[tuple[str, str], str] = {
@@ -64,8 +65,33 @@ def roles_of(cache: Any) -> tuple[Optional[str], ...]:
 
 
 def is_recurrent(cache: Any) -> bool:
-    """A layer that holds only recurrent state (mlx-vlm's ArraysCache): spec.rewind restores it from a mark."""
+    """A layer that holds only recurrent state (mlx-vlm's ArraysCache)."""
     return role_of(cache) == "recurrent"
+
+
+def restores(cache: Any) -> bool:
+    """A layer of mlx-vlm's that takes a verify forward back only from a snapshot (``snapshot``, spec.rewind): one
+    that is not pure ``kv`` (a recurrent state, a window, a pool, a CacheList holding one)."""
+    return is_vlm_cache(cache) and any(r != "kv" for r in roles_of(cache))
+
+
+def snapshot(cache: Any) -> Any:
+    """A new object of the layer's class holding what it holds now, over new handles of its arrays (nothing copied:
+    the layer's later in-place writes leave the snapshot as it was). spec.rewind keeps one before a verify forward
+    and puts it back in the layer's place to take the forward back."""
+    if _key(cache) == _LIST:
+        return type(cache)(*(snapshot(c) for c in cache.caches))
+    return type(cache).from_state(_fresh(cache.state), cache.meta_state)
+
+
+def _fresh(value: Any) -> Any:
+    import mlx.core as mx
+
+    if isinstance(value, mx.array):
+        return value[...]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fresh(v) for v in value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -76,7 +102,7 @@ class VlmFacts:
     windowed: bool  # some layer is a sliding window
     checkpointed_layers: tuple[int, ...]  # layers that are not pure kv: the prefix cache keeps their checkpoints
     window: Optional[int]  # the smallest sliding window
-    rewinds: bool  # a verify forward's rejected drafts can be taken back (kv layers, recurrent beside kv)
+    rewinds: bool  # a verify forward's rejected drafts can be taken back (every layer's class is declared)
     unknown: tuple[str, ...]  # classes not declared in ROLES (such a model decodes alone, never speculates)
 
 
@@ -86,13 +112,12 @@ def measure(layers: list) -> VlmFacts:
     unknown = tuple(sorted({type(c).__name__ for c, roles in zip(layers, per_layer) if None in roles}))
     flat = [r for roles in per_layer for r in roles]
     windows = [w for c in layers for w in _windows(c)]
-    kv_or_state = all(len(roles) == 1 and roles[0] in ("kv", "recurrent") for roles in per_layer)
     return VlmFacts(
         recurrent=any(r in ("recurrent", "pooled") for r in flat),
         windowed="window" in flat,
         checkpointed_layers=tuple(i for i, roles in enumerate(per_layer) if any(r != "kv" for r in roles)),
         window=min(windows) if windows else None,
-        rewinds=not unknown and kv_or_state and "kv" in flat,
+        rewinds=not unknown,  # kv layers trim; every other layer is put back from a snapshot (spec.rewind)
         unknown=unknown,
     )
 

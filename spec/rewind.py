@@ -8,11 +8,13 @@ positions just written leaves every position the next token's window needs; the 
 that the next single-token update rotates over valid keys only. A verify forward always feeds ``1 + drafts``
 tokens, so its rejected drafts can always be taken back this way.
 
-Recurrent state (``ArraysCache``, mlx-lm's or mlx-vlm's: linear attention, SSM, convolutions) has no positions to drop. A hybrid model
+Recurrent state (``ArraysCache``: linear attention, SSM, convolutions) has no positions to drop. A hybrid model
 (recurrent layers beside trimmable attention) rewinds from a checkpoint instead: ``VerifyRewind.mark`` keeps the
 recurrent state before the verify forward (new handles over immutable arrays: nothing is copied), and taking back n
 of its positions restores that state, drops all the forward wrote from the attention layers, and feeds again the
-positions that were kept: one more forward over the accepted tokens, only in a round that rejected a draft.
+positions that were kept: one more forward over the accepted tokens, only in a round that rejected a draft. mlx-vlm's
+layers (models.vlm_caches: the second source's models) that are not plain KV (recurrent state, windows, pools, lists
+of them) are marked the same way, as a snapshot of the whole layer put back in its place.
 
     can_rewind(caches)        every layer can take back what a verify forward wrote
     rewind(caches, n, fed)    drop the last n of the ``fed`` positions the latest forward wrote (no recurrent layer)
@@ -27,7 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from models.mlx_compat import ring_index, set_ring_index
-from models.vlm_caches import is_recurrent as is_vlm_recurrent
+from models import vlm_caches
 
 __all__ = ["can_rewind", "rewind", "VerifyRewind"]
 
@@ -68,8 +70,15 @@ def rewind(caches: Sequence, n: int, fed: int) -> None:
 
 
 def _is_state(cache) -> bool:
-    """A recurrent layer: mlx-lm's ``ArraysCache`` (and its subclasses), or mlx-vlm's (models.vlm_caches)."""
-    return isinstance(cache, ArraysCache) or is_vlm_recurrent(cache)
+    """A layer put back from a mark: mlx-lm's ``ArraysCache`` (and its subclasses: its list of arrays), or one of
+    mlx-vlm's that is not plain KV (models.vlm_caches: a snapshot of the whole layer)."""
+    return isinstance(cache, ArraysCache) or vlm_caches.restores(cache)
+
+
+def _mark(cache):
+    """What ``take_back`` puts back: an ArraysCache's list of arrays (new list, same arrays), or a snapshot of an
+    mlx-vlm layer (models.vlm_caches.snapshot)."""
+    return list(cache.cache) if isinstance(cache, ArraysCache) else vlm_caches.snapshot(cache)
 
 
 class VerifyRewind:
@@ -83,7 +92,7 @@ class VerifyRewind:
     def mark(self) -> None:
         """Before a verify forward: keep the recurrent layers' state (new lists over the same arrays)."""
         if self._states:
-            self._marked = {i: list(self.caches[i].cache) for i in self._states}
+            self._marked = {i: _mark(self.caches[i]) for i in self._states}
 
     def take_back(self, n: int, fed: Sequence[int]) -> None:
         """Drop the last ``n`` of the tokens ``fed`` (what the latest verify forward fed, in order)."""
@@ -95,7 +104,10 @@ class VerifyRewind:
         if n >= len(fed):
             raise ValueError(f"cannot take back {n} of the {len(fed)} positions the last forward wrote")
         for i, state in self._marked.items():
-            self.caches[i].cache = list(state)
+            if isinstance(state, list):
+                self.caches[i].cache = list(state)
+            else:  # mlx-vlm's layer: its snapshot takes its place in the list the model reads
+                self.caches[i] = state
         for i, c in enumerate(self.caches):
             if i not in self._marked and c.trim(len(fed)) != len(fed):
                 raise ValueError(f"{type(c).__name__} took back fewer than {len(fed)} positions")

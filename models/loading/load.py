@@ -37,6 +37,7 @@ from models.loading.hashing import file_sha256_cached
 from models.loading.home import file_lock, mlx_lane_home
 from models.loading.packaged import PACKAGED_MODELS, canonical_name, is_converted, packaged_paths
 from models.loading.vision import is_vision_config, load_vision
+from models.loading.vlm_text import cast as cast_vlm
 from models.loading.vlm_text import load_vlm_text
 from models.loading.vlm_text import source as source_of
 from models.runtime import default_dtype
@@ -155,7 +156,7 @@ def _load_from_mlx_vlm(model_dir: Path, model_id: str, dtype: str) -> LoadedMode
     import mlx.core as mx
 
     model, tokenizer, config = load_vlm_text(Path(model_dir))
-    model.set_dtype(getattr(mx, dtype))
+    cast_vlm(model, getattr(mx, dtype))
     mx.eval(model.parameters())
     text = config.get("text_config") or {}
     return LoadedModel(

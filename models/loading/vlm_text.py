@@ -30,7 +30,8 @@ import mlx.nn as nn
 
 from models.errors import ModelLoadError
 
-__all__ = ["VlmTextModel", "load_vlm_text", "source", "mlx_lm_has", "mlx_vlm_has", "SOURCES", "MLX_VLM_ONLY"]
+__all__ = ["VlmTextModel", "load_vlm_text", "cast", "cut_sensitive", "source", "mlx_lm_has", "mlx_vlm_has", "SOURCES",
+           "MLX_VLM_ONLY"]
 
 log = logging.getLogger("mlx_lane.models")
 
@@ -135,6 +136,33 @@ class VlmTextModel(nn.Module):
         return mx.broadcast_to(positions[None], (3, batch, length))
 
 
+def cast(model: VlmTextModel, dtype: Any) -> None:
+    """The model's float weights in ``dtype``, but those its family keeps in their own precision (mlx-vlm's
+    ``cast_predicate``: e.g. gated delta-net's ``A_log``, DeepSeek V4's attention sinks and hyper-connections)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    keep = getattr(model.vlm, "cast_predicate", None) or getattr(model.language_model, "cast_predicate", None)
+    weights: Any = tree_flatten(model.parameters())
+    cast_ = [(k, v.astype(dtype)) for k, v in weights
+             if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype
+             and (keep is None or keep(k.split("vlm.", 1)[-1]))]
+    if cast_:
+        model.update(tree_unflatten(cast_))
+
+
+def cut_sensitive(vlm_model: Any) -> Optional[str]:
+    """Why this model's text depends on where a prompt is cut into forwards in mlx-vlm itself (None: it does not,
+    as far as we know). mlx-vlm 0.7.10's DeepSeek V4 compresses the first window of each call of a 4:1 layer
+    without its overlap with the previous window (``_overlap_compress_kv`` pads it), so prefill chunks, a cache hit
+    and every decode step give other text than one pass over the same tokens."""
+    args = getattr(vlm_model.language_model, "args", None)
+    if getattr(args, "model_type", None) == "deepseek_v4" and 4 in (getattr(args, "compress_ratios", None) or ()):
+        return ("mlx-vlm 0.7.10's deepseek_v4 drops the overlap of each call's first 4:1 compressed window: its text "
+                "depends on where a prompt is cut into forwards (prefill chunks, cache hits), in mlx-vlm's own "
+                "server too; a cache hit may change a greedy reply")
+    return None
+
+
 def load_vlm_text(model_dir: Path) -> tuple[VlmTextModel, Any, dict]:
     """(the wrapped model, mlx-lm's tokenizer of the directory, its config) for an mlx-vlm model directory.
     ModelLoadError, with what to do, when mlx-vlm is missing or cannot load it."""
@@ -155,6 +183,9 @@ def load_vlm_text(model_dir: Path) -> tuple[VlmTextModel, Any, dict]:
     except Exception as e:  # mlx-vlm, transformers' config validation and the hub raise many classes: all end here
         raise ModelLoadError(f"mlx-vlm could not load {model_dir} ({type(e).__name__}: {str(e)[:300]}); check that "
                              "it is a complete mlx-vlm model directory (config.json, *.safetensors, tokenizer)") from e
+    why = cut_sensitive(vlm_model)
+    if why is not None:
+        log.warning("%s: %s", model_dir, why)
     return VlmTextModel(vlm_model), tokenizer, config
 
 

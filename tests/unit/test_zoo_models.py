@@ -193,7 +193,7 @@ def test_the_gpu_layout_prefills_arrivals_together_and_batches_every_row(arch):
     # mlx-vlm's models prefill one prompt per forward (mlx-lm's batched prefill merges mlx-lm's classes only)
     assert lane.engine.base.facts.prefills_together == (name != "nemotron_h" and name not in VLM), name
     assert together >= (1 if lane.engine.base.facts.prefills_together else 0), (name, together)
-    if FAMILY[name] == "window":
+    if FAMILY[name] == "window" and name not in VLM:
         assert together >= 1 and max(sizes) >= 3, (name, together, sizes)
     assert max(sizes) >= 3, (name, sizes)  # every kind decoded together, in the pipelined ragged batch
     # windows and hybrids too (issue 43); mlx-vlm's models each alone
@@ -228,8 +228,8 @@ def test_the_memory_budgets_price_is_per_token_for_attention_and_per_sequence_fo
     n = zoo.WINDOW - 4  # within every window: every attention layer holds all of them
     mx.eval(model(mx.array([list(range(3, 3 + n))]), cache=caches))
     # mlx-vlm's sparse attention and pools keep one compressed entry per few tokens: their bytes grow in steps,
-    # which a price per token follows to within a step
-    assert price.of(n) == pytest.approx(state_nbytes(caches), rel=1e-2 if name in VLM else 1e-6), name
+    # which a price per token follows to within a step (a few percent of these tiny models' bytes)
+    assert price.of(n) == pytest.approx(state_nbytes(caches), rel=5e-2 if name in VLM else 1e-6), name
     assert (price.per_sequence > 0) == (FAMILY[name] == "hybrid"), (name, price)
 
 
