@@ -152,14 +152,22 @@ def cast(model: VlmTextModel, dtype: Any) -> None:
 
 def cut_sensitive(vlm_model: Any) -> Optional[str]:
     """Why this model's text depends on where a prompt is cut into forwards in mlx-vlm itself (None: it does not,
-    as far as we know). mlx-vlm 0.7.10's DeepSeek V4 compresses the first window of each call of a 4:1 layer
+    as far as the zoo found). mlx-vlm 0.7.10's DeepSeek V4 compresses the first window of each call of a 4:1 layer
     without its overlap with the previous window (``_overlap_compress_kv`` pads it), so prefill chunks, a cache hit
-    and every decode step give other text than one pass over the same tokens."""
+    and every decode step give other text than one pass over the same tokens; its Hy4 gives other tokens for other
+    prefill steps once its sparse indexer selects (past ``index_topk`` keys). Such a model is served, with this
+    warning at load: the prefix cache cannot promise mlx-vlm's one-pass text for it."""
     args = getattr(vlm_model.language_model, "args", None)
-    if getattr(args, "model_type", None) == "deepseek_v4" and 4 in (getattr(args, "compress_ratios", None) or ()):
+    model_type = getattr(args, "model_type", None)
+    if model_type == "deepseek_v4" and 4 in (getattr(args, "compress_ratios", None) or ()):
         return ("mlx-vlm 0.7.10's deepseek_v4 drops the overlap of each call's first 4:1 compressed window: its text "
                 "depends on where a prompt is cut into forwards (prefill chunks, cache hits), in mlx-vlm's own "
                 "server too; a cache hit may change a greedy reply")
+    if model_type == "hy_v4":
+        return (f"mlx-vlm 0.7.10's hy_v4 selects keys sparsely once a sequence holds more than index_topk "
+                f"({getattr(args, 'index_topk', '?')}) of them, and that selection depends on where a prompt is cut "
+                "into forwards (prefill chunks, cache hits), in mlx-vlm's own server too; past that length a cache "
+                "hit may change a greedy reply")
     return None
 
 
