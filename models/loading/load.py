@@ -36,7 +36,7 @@ from models.loading.gguf import SOURCE_FILE, convert_gguf
 from models.loading.hashing import file_sha256_cached
 from models.loading.home import file_lock, mlx_lane_home
 from models.loading.packaged import PACKAGED_MODELS, canonical_name, is_converted, packaged_paths
-from models.loading.vision import is_vision_config, load_vision
+from models.loading.vision import is_vision_config, load_vision, vlm_vision
 from models.loading.vlm_text import cast as cast_vlm
 from models.loading.vlm_text import load_vlm_text
 from models.loading.vlm_text import source as source_of
@@ -159,10 +159,12 @@ def _load_from_mlx_vlm(model_dir: Path, model_id: str, dtype: str) -> LoadedMode
     cast_vlm(model, getattr(mx, dtype))
     mx.eval(model.parameters())
     text = config.get("text_config") or {}
+    vision = vlm_vision(Path(model_dir), config, model.vlm) if is_vision_config(config) else None
     return LoadedModel(
         model=model, tokenizer=tokenizer, model_id=model_id, path=Path(model_dir),
         fingerprint=fingerprint(model_dir, dtype), dtype=dtype, context_length=_context_length(config, Path(model_dir)),
-        architecture=str(config.get("model_type") or text.get("model_type") or "unknown"), source="mlx-vlm")
+        architecture=str(config.get("model_type") or text.get("model_type") or "unknown"), vision=vision,
+        source="mlx-vlm")
 
 
 def read_context_length(model_dir: Path) -> int | None:

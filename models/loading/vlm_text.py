@@ -30,7 +30,7 @@ import mlx.nn as nn
 
 from models.errors import ModelLoadError
 
-__all__ = ["VlmTextModel", "load_vlm_text", "cast", "cut_sensitive", "source", "mlx_lm_has", "mlx_vlm_has", "SOURCES",
+__all__ = ["VlmTextModel", "PositionedModel", "load_vlm_text", "cast", "cut_sensitive", "source", "mlx_lm_has", "mlx_vlm_has", "SOURCES",
            "MLX_VLM_ONLY"]
 
 log = logging.getLogger("mlx_lane.models")
@@ -121,6 +121,14 @@ class VlmTextModel(nn.Module):
         out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs)
         return out.logits
 
+    def positioned(self, input_ids: Any, grid: Any) -> "PositionedModel":
+        """This model as one prompt with images computes: its positions from mlx-vlm's own ``get_rope_index`` over
+        the prompt's real token ids and its images' patch grids ((t, h, w) at image tokens, text after them shifted),
+        and past the prompt each position shifted by the prompt's rope delta. Lane thread (mlx ops)."""
+        positions, delta = self.language_model.get_rope_index(mx.array([list(input_ids)]), mx.array(grid), None,
+                                                              None)
+        return PositionedModel(self, positions[:, 0, :].astype(mx.int32), int(delta.reshape(-1)[0].item()))
+
     def _positions(self, inputs: mx.array, cache: Optional[list], rope_deltas: Optional[mx.array]) -> mx.array:
         """(3, B, L): every row's own positions (its cache offset onwards, shifted by its rope delta), the same on
         the three rotary axes (text after any image)."""
@@ -134,6 +142,31 @@ class VlmTextModel(nn.Module):
             start = start + rope_deltas.reshape(-1).astype(mx.int32)
         positions = start[:, None] + mx.arange(length, dtype=mx.int32)[None]
         return mx.broadcast_to(positions[None], (3, batch, length))
+
+
+class PositionedModel:
+    """A ``VlmTextModel`` computing one sequence whose prompt holds images (``VlmTextModel.positioned``): a forward
+    over ``inputs`` at the sequence's cache offset ``o`` reads positions ``o..o+L-1`` of the prompt's own table, and
+    beyond the prompt ``o + delta`` on the three rotary axes. Everything else is the model's (attributes pass
+    through). One sequence: the engine decodes such a model's requests each alone."""
+
+    def __init__(self, model: VlmTextModel, positions: mx.array, delta: int):
+        self.model, self.positions, self.delta = model, positions, delta  # positions: (3, prompt length)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None,
+                 input_embeddings: Optional[mx.array] = None) -> mx.array:
+        start = int(getattr(cache[self.model._fa], "offset", 0)) if cache else 0
+        length = inputs.shape[1]
+        known = self.positions[:, start: start + length]
+        beyond = mx.arange(start + known.shape[1], start + length, dtype=mx.int32) + self.delta
+        table = mx.concatenate([known, mx.broadcast_to(beyond[None], (3, beyond.shape[0]))], axis=1)
+        position_ids = mx.broadcast_to(table[:, None, :], (3, inputs.shape[0], length))
+        out = self.model.language_model(inputs, inputs_embeds=input_embeddings, cache=cache,
+                                        position_ids=position_ids)
+        return out.logits
 
 
 def cast(model: VlmTextModel, dtype: Any) -> None:
