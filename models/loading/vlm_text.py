@@ -30,8 +30,8 @@ import mlx.nn as nn
 
 from models.errors import ModelLoadError
 
-__all__ = ["VlmTextModel", "PositionedModel", "load_vlm_text", "cast", "cut_sensitive", "source", "mlx_lm_has", "mlx_vlm_has", "SOURCES",
-           "MLX_VLM_ONLY"]
+__all__ = ["VlmTextModel", "PositionedModel", "load_vlm_text", "cast", "cut_sensitive", "source", "mlx_lm_has",
+           "mlx_vlm_has", "SOURCES", "MLX_VLM_ONLY", "CHECKED"]
 
 log = logging.getLogger("mlx_lane.models")
 
@@ -40,6 +40,8 @@ SOURCES = ("auto", "mlx-lm", "mlx-vlm")  # --model-source
 # mlx-vlm 0.7.10's language models that mlx-lm 0.32.2 lacks and that this server computes with (each in the zoo:
 # tests/fixtures/zoo_vlm.py); another mlx-vlm-only model_type is tried the same way, with a warning
 MLX_VLM_ONLY = ("qwen4_exp", "deepseek_v4", "glm5_next", "hy_v4", "step3p7")
+# checked through this source too (tests/unit/test_qwen_vision.py, tests/integration/test_qwen_vision_live.py)
+CHECKED = MLX_VLM_ONLY + ("qwen2_5_vl", "qwen3_5")
 
 
 def mlx_lm_has(model_type: str) -> bool:
@@ -224,9 +226,16 @@ def load_vlm_text(model_dir: Path) -> tuple[VlmTextModel, Any, dict]:
     except Exception as e:  # mlx-vlm, transformers' config validation and the hub raise many classes: all end here
         raise ModelLoadError(f"mlx-vlm could not load {model_dir} ({type(e).__name__}: {str(e)[:300]}); check that "
                              "it is a complete mlx-vlm model directory (config.json, *.safetensors, tokenizer)") from e
+    if not hasattr(vlm_model, "language_model"):
+        raise ModelLoadError(f"{model_dir} is a {config.get('model_type')!r} model of mlx-vlm's without a language "
+                             "model (an encoder, a detector, an image generator): this server serves text generation")
     why = cut_sensitive(vlm_model)
     if why is not None:
         log.warning("%s: %s", model_dir, why)
+    if config.get("model_type") not in CHECKED:
+        log.warning("%s: mlx-lane has not checked mlx-vlm's %r against its own greedy text (checked: %s); it is "
+                    "served the same way, its requests decoding alone", model_dir, config.get("model_type"),
+                    ", ".join(CHECKED))
     return VlmTextModel(vlm_model), tokenizer, config
 
 

@@ -111,18 +111,22 @@ def _configured_context(spec: str):
 
 def _configured_vision(spec: str) -> bool:
     """Whether a not-yet-loaded model will take images: an image-text config of a family served with images, and
-    mlx-vlm installed (models.loading.vision)."""
+    mlx-vlm installed (models.loading.vision; a Qwen family's where it loads from mlx-vlm by default)."""
     import importlib.util
     import json
     from pathlib import Path
 
-    from models.loading.vision import FAMILIES, is_vision_config
+    from models.errors import ModelLoadError
+    from models.loading.vision import FAMILIES, MROPE_FAMILIES, is_vision_config
+    from models.loading.vlm_text import source
 
     try:
         config = json.loads((Path(spec).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
+        # Qwen's multimodal positions: where its language model is mlx-vlm's (qwen4_exp; others by --model-source)
+        families = FAMILIES + (MROPE_FAMILIES if source(config) == "mlx-vlm" else ())
+    except (OSError, ValueError, AttributeError, ModelLoadError):
         return False
-    return (isinstance(config, dict) and is_vision_config(config) and config.get("model_type") in FAMILIES
+    return (isinstance(config, dict) and is_vision_config(config) and config.get("model_type") in families
             and importlib.util.find_spec("mlx_vlm") is not None)
 
 
