@@ -15,6 +15,7 @@ KVCache and QuantizedKVCache are sliced to the kept length, so a stored entry's 
 (keys may be allocated past `offset` in steps of 256; that padding stays in the shared buffer, unseen).
 RotatingKVCache keeps its ring as is: `trim` only moves offset/_idx, which mlx-lm handles while it is trimmable
 (offset < max_size, i.e. the ring has not wrapped and is still in temporal order).
+mlx-vlm's classes (the second source's models) fork the same way, through `cache.vlm_classes`.
 Unknown classes fall back to `copy.deepcopy` (a real copy), then `trim`. A `cache.checkpoints.Checkpointed` layer (an
 untrimmable layer with snapshots at earlier positions) forks whole for an entry, and for a taker (`unwrap`) becomes
 the plain layer at the position cut back to (its end, or one of its snapshots).
@@ -31,6 +32,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as mlc
 
+from cache import vlm_classes
 from cache.checkpoints import Checkpointed
 
 __all__ = ["all_trimmable", "fork", "iter_offsets", "total_nbytes"]
@@ -116,7 +118,10 @@ _FORKERS: dict[type, Callable[[Any, int], Any]] = {
 
 
 def _fork_one(cache: Any, trim: int) -> Any:
-    return _FORKERS.get(type(cache), _fork_unknown)(cache, trim)
+    forker = _FORKERS.get(type(cache))
+    if forker is None and vlm_classes.tag_of(cache) is not None:  # mlx-vlm's classes (cache.vlm_classes)
+        forker = vlm_classes.fork
+    return (forker or _fork_unknown)(cache, trim)
 
 
 def _arrays(value: Any) -> Iterator[mx.array]:

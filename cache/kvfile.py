@@ -16,7 +16,8 @@ A file holds the KV state of one token sequence for every layer of a model:
 Contract:
 - The caches of an entry cover exactly its `tokens`: the store trims a restored entry by `len(tokens) - p`.
 - Classes are restored through `_CODECS`, an explicit {tag: codec} registry over mlx-lm's KVCache,
-  RotatingKVCache, ArraysCache, QuantizedKVCache and CacheList (nested). No pickle, no `globals()`: an unknown tag,
+  RotatingKVCache, ArraysCache, QuantizedKVCache and CacheList (nested), and mlx-vlm's classes (one `vlm` codec
+  over the explicit list of cache.vlm_classes). No pickle, no `globals()`: an unknown tag,
   a missing or extra tensor, a shape that disagrees with the metadata, a truncated or foreign file all raise
   `KVFileError`, and nothing is half-built.
 - `save` is atomic: `<path>.tmp` in the same directory -> write -> fsync -> rename -> fsync the directory. A crash
@@ -44,7 +45,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
-from cache import filelocks
+from cache import filelocks, vlm_classes
 from cache.checkpoints import Checkpointed, reach_of
 
 __all__ = ["FORMAT", "VERSION", "KVFileError", "KVHeader", "KVFile", "Encoded", "encode", "save", "load",
@@ -217,7 +218,7 @@ def _enc_ckpt(c: Checkpointed, put: Put) -> dict:
     inner = _tag_of(c.inner)
     snaps = []
     for j, (position, snap) in enumerate(sorted(c.snapshots.items())):
-        if _tag_of(snap) != inner:
+        if _tag_of(snap) != inner or type(snap) is not type(c.inner):
             raise TypeError("a checkpoint's class differs from its layer's")
         snaps.append({"position": position, "meta": _CODECS[inner].encode(snap, _prefixed(put, f"s{j}."))})
     return {"offset": c.offset, "tag": inner, "inner": _CODECS[inner].encode(c.inner, _prefixed(put, "i.")),
@@ -270,12 +271,14 @@ _CODECS: dict[str, _Codec] = {
     "ArraysCache": _Codec(ArraysCache, _enc_arrays, _dec_arrays),
     "CacheList": _Codec(CacheList, _enc_list, _dec_list),
     "ckpt": _Codec(Checkpointed, _enc_ckpt, _dec_ckpt),
+    # mlx-vlm's classes (the second source's models): one codec over their public state (cache.vlm_classes)
+    "vlm": _Codec(object, vlm_classes.encode, lambda meta, get, depth: vlm_classes.decode(meta, get, depth)),
 }
-_TAGS: dict[type, str] = {codec.cls: tag for tag, codec in _CODECS.items()}
+_TAGS: dict[type, str] = {codec.cls: tag for tag, codec in _CODECS.items() if codec.cls is not object}
 
 
 def _tag_of(cache: Any) -> str:
-    tag = _TAGS.get(type(cache))
+    tag = _TAGS.get(type(cache)) or ("vlm" if vlm_classes.tag_of(cache) is not None else None)
     if tag is None:
         raise TypeError(f"cannot save cache class {type(cache).__name__}; supported: {', '.join(_CODECS)}")
     return tag

@@ -110,6 +110,11 @@ def _serve_parser(sub) -> None:
                         "next turn does not prefill the reply again [MLX_LANE_NO_NEXT_TURN_CACHE=1]")
     p.add_argument("--no-dashboard", action="store_true", default=_env_flag("no_dashboard"),
                    help="do not serve the dashboard page at / and /dashboard [MLX_LANE_NO_DASHBOARD=1]")
+    p.add_argument("--model-source", default=_env("model_source", "auto"), choices=["auto", "mlx-lm", "mlx-vlm"],
+                   help="which library's model classes compute the models: 'auto' (default) takes mlx-lm's where it "
+                        "has the config's model_type and mlx-vlm's language model where only mlx-vlm does (qwen4_exp, "
+                        "deepseek_v4, glm5_next, hy_v4, step3p7); 'mlx-vlm' asks for mlx-vlm's for every model "
+                        "[MLX_LANE_MODEL_SOURCE]")
     p.add_argument("--dtype", default=_env("dtype"), choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU/Metal)")
     p.add_argument("--cache-bytes", type=parse_bytes, default=_env("cache_bytes"),

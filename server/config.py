@@ -29,6 +29,7 @@ class ServerConfig:
     embedding_model: Optional[str]
     embedding_max_tokens: int
     dtype: Optional[str]
+    model_source: str  # --model-source: auto | mlx-lm | mlx-vlm (models.loading.vlm_text)
     # -- the HTTP side ---------------------------------------------------------------------------------------------
     host: str
     port: int

@@ -81,7 +81,7 @@ def build_state(cfg: ServerConfig):
     flags = parse_model_flags(cfg.model)
     group = _group(cfg, flags)
     TIMELINE.mark("mlx and the process group")
-    loaded = load_model(flags.base, cfg.dtype, progress=True, group=group)
+    loaded = load_model(flags.base, cfg.dtype, progress=True, group=group, source=cfg.model_source)
     loaded = _with_kv_scheme(loaded, cfg)
     TIMELINE.mark("weights")
     cache_bytes = default_cache_bytes(weights_nbytes(loaded.model)) if cfg.cache_bytes is None else cfg.cache_bytes
@@ -133,7 +133,7 @@ def build_state(cfg: ServerConfig):
     log.info(
         "model %s (%s) | device %s | dtype %s | BLAS %s | attention %s | recurrent %s | decode batch %s | prefix cache %.2f GiB | "
         "fingerprint %s",
-        loaded.model_id, loaded.architecture, device_name(), loaded.dtype, blas, batches["attention"], batches["recurrent"],
+        loaded.model_id, f"{loaded.architecture} via {loaded.source}", device_name(), loaded.dtype, blas, batches["attention"], batches["recurrent"],
         batches["layout"], cache_bytes / (1 << 30), loaded.fingerprint[:16],
     )
     default_max_tokens = cfg.default_max_tokens if cfg.default_max_tokens is not None else 2048

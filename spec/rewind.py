@@ -12,7 +12,9 @@ Recurrent state (``ArraysCache``: linear attention, SSM, convolutions) has no po
 (recurrent layers beside trimmable attention) rewinds from a checkpoint instead: ``VerifyRewind.mark`` keeps the
 recurrent state before the verify forward (new handles over immutable arrays: nothing is copied), and taking back n
 of its positions restores that state, drops all the forward wrote from the attention layers, and feeds again the
-positions that were kept: one more forward over the accepted tokens, only in a round that rejected a draft.
+positions that were kept: one more forward over the accepted tokens, only in a round that rejected a draft. mlx-vlm's
+layers (models.vlm_caches: the second source's models) that are not plain KV (recurrent state, windows, pools, lists
+of them) are marked the same way, as a snapshot of the whole layer put back in its place.
 
     can_rewind(caches)        every layer can take back what a verify forward wrote
     rewind(caches, n, fed)    drop the last n of the ``fed`` positions the latest forward wrote (no recurrent layer)
@@ -27,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from models.mlx_compat import ring_index, set_ring_index
+from models import vlm_caches
 
 __all__ = ["can_rewind", "rewind", "VerifyRewind"]
 
@@ -37,8 +40,8 @@ def can_rewind(caches: Sequence) -> bool:
     the module docstring."""
     if not caches:
         return False
-    states = [c for c in caches if isinstance(c, ArraysCache)]
-    others = [c for c in caches if not isinstance(c, ArraysCache)]
+    states = [c for c in caches if _is_state(c)]
+    others = [c for c in caches if not _is_state(c)]
     if states:
         return all(c.is_trimmable() for c in others)
     return all(c.is_trimmable() or isinstance(c, RotatingKVCache) for c in caches)
@@ -66,18 +69,30 @@ def rewind(caches: Sequence, n: int, fed: int) -> None:
             raise ValueError(f"{type(c).__name__} cannot take back drafted positions")
 
 
+def _is_state(cache) -> bool:
+    """A layer put back from a mark: mlx-lm's ``ArraysCache`` (and its subclasses: its list of arrays), or one of
+    mlx-vlm's that is not plain KV (models.vlm_caches: a snapshot of the whole layer)."""
+    return isinstance(cache, ArraysCache) or vlm_caches.restores(cache)
+
+
+def _mark(cache):
+    """What ``take_back`` puts back: an ArraysCache's list of arrays (new list, same arrays), or a snapshot of an
+    mlx-vlm layer (models.vlm_caches.snapshot)."""
+    return list(cache.cache) if isinstance(cache, ArraysCache) else vlm_caches.snapshot(cache)
+
+
 class VerifyRewind:
     """Takes back a verify forward's rejected positions, whatever the layers (see the module docstring)."""
 
     def __init__(self, model, caches: list):
         self.model, self.caches = model, caches
-        self._states = [i for i, c in enumerate(caches) if isinstance(c, ArraysCache)]
+        self._states = [i for i, c in enumerate(caches) if _is_state(c)]
         self._marked: dict = {}
 
     def mark(self) -> None:
         """Before a verify forward: keep the recurrent layers' state (new lists over the same arrays)."""
         if self._states:
-            self._marked = {i: list(self.caches[i].cache) for i in self._states}
+            self._marked = {i: _mark(self.caches[i]) for i in self._states}
 
     def take_back(self, n: int, fed: Sequence[int]) -> None:
         """Drop the last ``n`` of the tokens ``fed`` (what the latest verify forward fed, in order)."""
@@ -89,7 +104,10 @@ class VerifyRewind:
         if n >= len(fed):
             raise ValueError(f"cannot take back {n} of the {len(fed)} positions the last forward wrote")
         for i, state in self._marked.items():
-            self.caches[i].cache = list(state)
+            if isinstance(state, list):
+                self.caches[i].cache = list(state)
+            else:  # mlx-vlm's layer: its snapshot takes its place in the list the model reads
+                self.caches[i] = state
         for i, c in enumerate(self.caches):
             if i not in self._marked and c.trim(len(fed)) != len(fed):
                 raise ValueError(f"{type(c).__name__} took back fewer than {len(fed)} positions")

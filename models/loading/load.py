@@ -11,6 +11,11 @@ Spec resolution, first match wins:
 
 Weights are cast to the serving dtype after loading: float32 on the CPU, bfloat16 on a GPU
 unless asked otherwise (models.runtime.default_dtype).
+
+Two sources of model classes (``source``: ``--model-source``): mlx-lm first; where it has no class for the
+directory's ``model_type`` (the newest families: qwen4_exp, deepseek_v4, glm5_next, ...), mlx-vlm's language model
+(models.loading.vlm_text), computed by the same engine. ``LoadedModel.source`` says which, as does the start-up line
+and ``/v1/models``.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ from models.loading.gguf import SOURCE_FILE, convert_gguf
 from models.loading.hashing import file_sha256_cached
 from models.loading.home import file_lock, mlx_lane_home
 from models.loading.packaged import PACKAGED_MODELS, canonical_name, is_converted, packaged_paths
-from models.loading.vision import is_vision_config, load_vision
+from models.loading.vision import is_vision_config, load_vision, vlm_vision
+from models.loading.vlm_text import cast as cast_vlm
+from models.loading.vlm_text import load_vlm_text
+from models.loading.vlm_text import source as source_of
 from models.runtime import default_dtype
 
 __all__ = ["LoadedModel", "load_model", "DTYPES", "resolve_gguf", "read_context_length"]
@@ -58,6 +66,7 @@ class LoadedModel:
     model_fingerprint: str = ""  # the whole model's fingerprint when `fingerprint` is one shard's, else ""
     vision: Any = None  # models.loading.vision.VisionTower of an image-text model (None: text only)
     sampling_defaults: SamplingDefaults = NO_DEFAULTS  # what its generation_config.json declares
+    source: str = "mlx-lm"  # the library whose classes compute it: mlx-lm, or mlx-vlm (models.loading.vlm_text)
 
 
 def _check_dtype(dtype: str | None) -> str:
@@ -133,6 +142,33 @@ def _context_length(config: dict[str, Any], model_dir: Path) -> int:
         return _FALLBACK_CONTEXT
 
 
+def _read_config(model_dir: Path) -> dict:
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{model_dir}/config.json is unreadable ({e}); pass an mlx-lm model directory") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{model_dir}/config.json is not a JSON object")
+    return config
+
+
+def _load_from_mlx_vlm(model_dir: Path, model_id: str, dtype: str) -> LoadedModel:
+    """A model whose classes come from mlx-vlm (models.loading.vlm_text): weights in memory once, cast to
+    ``dtype``; mlx-lane's attention paths and kernels are mlx-lm's layers' and do not apply."""
+    import mlx.core as mx
+
+    model, tokenizer, config = load_vlm_text(Path(model_dir))
+    cast_vlm(model, getattr(mx, dtype))
+    mx.eval(model.parameters())
+    text = config.get("text_config") or {}
+    vision = vlm_vision(Path(model_dir), config, model.vlm) if is_vision_config(config) else None
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, model_id=model_id, path=Path(model_dir),
+        fingerprint=fingerprint(model_dir, dtype), dtype=dtype, context_length=_context_length(config, Path(model_dir)),
+        architecture=str(config.get("model_type") or text.get("model_type") or "unknown"), vision=vision,
+        sampling_defaults=read_sampling_defaults(model_dir), source="mlx-vlm")
+
+
 def read_context_length(model_dir: Path) -> int | None:
     """The context length an mlx-lm directory's config.json declares, without loading it (None: unreadable)."""
     try:
@@ -142,8 +178,10 @@ def read_context_length(model_dir: Path) -> int | None:
     return _context_length(config, Path(model_dir)) if isinstance(config, dict) else None
 
 
-def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, group: Any = None) -> LoadedModel:
-    """Resolve `spec` (see module doc), load it with mlx-lm and cast its weights to `dtype`.
+def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, group: Any = None,
+               source: str = "auto") -> LoadedModel:
+    """Resolve `spec` (see module doc), load it with mlx-lm (or mlx-vlm: `source`, see the module doc) and cast its
+    weights to `dtype`.
 
     `dtype` None means `default_dtype()`. `group` (server.engine.distributed.Group): load only this process's shard
     with mlx-lm's `sharded_load` (tensor- or pipeline-parallel, `group.mode`); the fingerprint is then the
@@ -153,6 +191,12 @@ def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, gr
     dtype = _check_dtype(dtype)
     model_dir, model_id = _resolve(spec, progress)
     import mlx.core as mx
+
+    if source_of(_read_config(model_dir), source) == "mlx-vlm":
+        if group is not None:
+            raise ModelLoadError(f"{model_dir} loads through mlx-vlm, which this server does not shard over "
+                                 "processes; serve it in one process")
+        return _load_from_mlx_vlm(model_dir, model_id, dtype)
     from mlx_lm.utils import load as mlx_lm_load
 
     try:

@@ -12,10 +12,15 @@ tokens). The engine feeds those embeddings to the language model for the prompt 
 shares the mlx-lm model's arrays (``_share_language_weights``): the weights are in memory once.
 
 Families: those whose language model takes plain 1-D positions, so that embeddings in place of tokens are the whole
-difference (``FAMILIES``: gemma3). Families with multimodal rotary positions (Qwen2-VL / Qwen2.5-VL / Qwen3-VL:
-image tokens get (t, h, w) positions and the text after them a shifted offset) would need per-row positions in the
-batch; such a model is served text-only, and the log says so. Without mlx-vlm installed (the ``vision`` extra) a
-vision model is served text-only too.
+difference (``FAMILIES``: gemma3). Families with multimodal rotary positions (``MROPE_FAMILIES``: Qwen2.5-VL,
+Qwen3.5, Qwen3.8-Flash-Next: image tokens get (t, h, w) positions and the text after them a shifted offset) take
+images where their language model is mlx-vlm's (the second source, models.loading.vlm_text: it reads explicit
+positions): ``vlm_vision`` makes their tower over that same model (nothing to share), ``prepare`` also returns each
+image's patch grid (``Prepared.grid``), and the engine computes a sequence with images through
+``VlmTextModel.positioned`` (its prompt's positions from mlx-vlm's own ``get_rope_index``). Loaded through mlx-lm
+(the default for a family mlx-lm has), such a model is served text-only and the log says how to send it images
+(``--model-source mlx-vlm``). Without mlx-vlm installed (the ``vision`` extra) a vision model is served text-only
+too.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["VisionTower", "Prepared", "load_vision", "is_vision_config", "FAMILIES"]
+__all__ = ["VisionTower", "Prepared", "load_vision", "vlm_vision", "is_vision_config", "FAMILIES", "MROPE_FAMILIES"]
 
 log = logging.getLogger("mlx_lane.models")
 
 FAMILIES = ("gemma3",)  # model_type values whose images this server feeds (see the module docstring)
+# multimodal rotary positions: images where the language model is mlx-vlm's (tests/unit/test_qwen_vision.py)
+MROPE_FAMILIES = ("qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen4_exp")
 
 
 def is_vision_config(config: dict) -> bool:
@@ -43,7 +50,8 @@ class Prepared:
     soft tokens) and the processor's pixel values (one row per image, in prompt order)."""
 
     input_ids: tuple[int, ...]
-    pixel_values: Any  # an mx.array (images, channels, height, width)
+    pixel_values: Any  # numpy (images, channels, height, width); Qwen's: (patches of every image, patch size)
+    grid: Any = None  # Qwen's (images, 3) patch grids (t, h, w): where each image's patches are, and its positions
 
 
 class VisionTower:
@@ -69,16 +77,21 @@ class VisionTower:
                                 image_token_index=self.image_token_id,
                                 add_special_tokens=should_add_special_tokens(self.model_type, self.processor))
         ids = np.array(inputs["input_ids"]).reshape(-1)
-        return Prepared(tuple(int(t) for t in ids), np.array(inputs["pixel_values"]))
+        grid = inputs.get("image_grid_thw")
+        return Prepared(tuple(int(t) for t in ids), np.array(inputs["pixel_values"]),
+                        None if grid is None else np.array(grid).reshape(-1, 3))
 
-    def embed(self, input_ids: Sequence[int], pixel_values) -> Any:
+    def embed(self, input_ids: Sequence[int], pixel_values, grid=None) -> Any:
         """The input embeddings (len(input_ids), hidden) of a stretch of prompt holding whole images, whose pixel
-        values are ``pixel_values`` (in order): mlx-vlm's ``get_input_embeddings`` (the family's own merge of text
-        embeddings and projected image features). Lane thread."""
+        values are ``pixel_values`` (in order; Qwen's: their patches, with their ``grid``): mlx-vlm's
+        ``get_input_embeddings`` (the family's own merge of text embeddings and projected image features). Lane
+        thread."""
         import mlx.core as mx
 
         ids = mx.array(list(input_ids))[None]
-        out = self.model.get_input_embeddings(ids, mx.array(pixel_values), mask=mx.ones(ids.shape, dtype=mx.int32))
+        extra = {} if grid is None else {"image_grid_thw": mx.array(grid)}
+        out = self.model.get_input_embeddings(ids, mx.array(pixel_values), mask=mx.ones(ids.shape, dtype=mx.int32),
+                                              **extra)
         return out.inputs_embeds[0]
 
 
@@ -86,9 +99,14 @@ def load_vision(model_dir: Path, config: dict, lm_model, dtype: str) -> Optional
     """The vision side of an image-text model directory, or None (served text-only, the log says why): mlx-vlm
     missing, or a family whose images this server does not feed (``FAMILIES``)."""
     model_type = str(config.get("model_type"))
+    if model_type in MROPE_FAMILIES:
+        log.warning("%s is a %s image-text model loaded through mlx-lm, whose %s takes no multimodal positions: "
+                    "serving it text-only; to send it images, start the server with --model-source mlx-vlm (its "
+                    "requests then decode alone)", model_dir, model_type, model_type)
+        return None
     if model_type not in FAMILIES:
         log.warning("%s is a %s image-text model: images are not supported for this family yet (supported: %s); "
-                    "serving it text-only", model_dir, model_type, ", ".join(FAMILIES))
+                    "serving it text-only", model_dir, model_type, ", ".join(FAMILIES + MROPE_FAMILIES))
         return None
     try:
         import mlx.core as mx
@@ -102,6 +120,26 @@ def load_vision(model_dir: Path, config: dict, lm_model, dtype: str) -> Optional
     vlm_model.set_dtype(getattr(mx, dtype))
     _share_language_weights(vlm_model, lm_model)  # set_dtype made new arrays of the shared ones: share them again
     mx.eval(vlm_model.parameters())
+    return VisionTower(vlm_model, processor, model_type)
+
+
+def vlm_vision(model_dir: Path, config: dict, vlm_model) -> Optional[VisionTower]:
+    """The image side of a model whose language model is mlx-vlm's (models.loading.vlm_text): its processor beside
+    the same model (its vision tower is already there), for a family whose images this server feeds
+    (``MROPE_FAMILIES``); None otherwise, and the log says so."""
+    model_type = str(config.get("model_type"))
+    if model_type not in MROPE_FAMILIES:
+        log.warning("%s is a %s image-text model: images are not supported for this family yet (supported: %s); "
+                    "serving it text-only", model_dir, model_type, ", ".join(FAMILIES + MROPE_FAMILIES))
+        return None
+    from mlx_vlm.utils import load_processor
+
+    try:
+        processor = load_processor(Path(model_dir))
+    except Exception as exc:  # a checkpoint without its processor files: the text model still serves
+        log.warning("%s: mlx-vlm could not load its image processor (%s: %s): serving it text-only", model_dir,
+                    type(exc).__name__, str(exc)[:200])
+        return None
     return VisionTower(vlm_model, processor, model_type)
 
 

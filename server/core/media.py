@@ -76,8 +76,18 @@ class PromptMedia:
 
     input_ids: tuple[int, ...]
     spans: tuple[tuple[int, int], ...]
-    pixel_values: Any  # numpy (images, channels, height, width)
+    pixel_values: Any  # numpy (images, channels, height, width); Qwen's: (patches of every image, patch size)
     digests: tuple[bytes, ...] = ()
+    grid: Any = None  # Qwen's (images, 3) patch grids (t, h, w); None for a family of whole-image pixel values
+
+    def pixels(self, first: int, last: int) -> tuple[Any, Any]:
+        """The pixel values of images ``first..last-1`` and their grids (None without grids): rows of whole images,
+        or of their patches where a grid says how many each has."""
+        if self.grid is None:
+            return self.pixel_values[first:last], None
+        counts = [int(t) * int(h) * int(w) for t, h, w in self.grid]
+        lo, hi = sum(counts[:first]), sum(counts[:last])
+        return self.pixel_values[lo:hi], self.grid[first:last]
 
     def window(self, covered: int) -> Optional[tuple[int, int, int, int]]:
         """The stretch whose embeddings a prefill from ``covered`` needs: ``(start, stop, first, last)`` where

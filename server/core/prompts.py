@@ -62,7 +62,8 @@ def render_media(slot, req: GenerationRequest, limits: ImageLimits) -> tuple[lis
         raise InvalidRequest(f"the prompt holds {len(spans)} image placeholders for {len(decoded)} images (does the "
                              "text spell the model's image token?)", param=req.param("messages"))
     digests = tuple(d.digest for d in decoded)
-    return cache_key(ids, spans, digests), PromptMedia(tuple(ids), tuple(spans), prepared.pixel_values, digests)
+    media = PromptMedia(tuple(ids), tuple(spans), prepared.pixel_values, digests, getattr(prepared, "grid", None))
+    return cache_key(ids, spans, digests), media
 
 
 def chat_prompt(slot, req: GenerationRequest, limits: ImageLimits) -> list[int]:

@@ -168,8 +168,13 @@ class Engine:
         else:
             caches = self._taken(slot, hit) if hit is not None else slot.new_caches()
         grammar = params.grammar.processor() if params.grammar is not None else None
+        model = target.adapter.model if target.adapter is not None else slot.model
+        media = getattr(seq, "media", None)
+        if media is not None and media.grid is not None and hasattr(model, "positioned"):
+            with mx.stream(self.stream):  # multimodal rotary positions: the prompt's own (models.loading.vlm_text)
+                model = model.positioned(media.input_ids, media.grid)
         work = self._work[seq] = SeqWork(
-            slot=slot, model=target.adapter.model if target.adapter is not None else slot.model, caches=caches,
+            slot=slot, model=model, caches=caches,
             sampler=build_sampler(params), greedy=params.temperature == 0, rules=LogitsRules.of(params, grammar),
             spec=spec, covered=cached, cached=cached)
         if cached and slot.facts.needs_checkpoints:

@@ -98,7 +98,8 @@ class Prefiller:
             return None
         lo, hi, first, last = window
         t0 = time.monotonic()
-        array = work.slot.vision.embed(seq.media.input_ids[lo:hi], seq.media.pixel_values[first:last])[covered - lo:]
+        pixels, grid = seq.media.pixels(first, last)
+        array = work.slot.vision.embed(seq.media.input_ids[lo:hi], pixels, grid)[covered - lo:]
         mx.eval(array)
         self.encode_s += time.monotonic() - t0
         self.images_encoded += last - first

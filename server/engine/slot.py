@@ -12,16 +12,20 @@ the engine's own reference (``server.engine.work.SeqWork.model``) and finish wit
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from models.attention import attention_path
 from models.attention.cpu import routes as routes_cpu_attention
+from models.errors import ModelLoadError
 from models.facts import CacheFacts, ModelFacts
 from models.kernels import kernel_path
 from models.loading.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from models.mlx_compat import keep_leading_space as keep_leading_space_of
+from models.vlm_caches import is_vlm_cache
+from models.vlm_caches import measure as measure_vlm
 from server.engine.batch.mlx import can_batch
 from server.engine.batch.ragged_kv import is_window
 from server.engine.kv_layout import quantize_fresh, state_nbytes
@@ -29,6 +33,8 @@ from server.lane.budget import KVPrice
 from spec.rewind import can_rewind
 
 __all__ = ["ModelSlot", "measure"]
+
+log = logging.getLogger("mlx_lane.engine")
 
 # architectures with recurrent layers whose batched prompt forward keeps the right padding out of their state, as the
 # zoo checks (tests/unit/test_zoo_models.py: the GPU layout's prompts, prefilled together, give mlx-lm's alone
@@ -44,6 +50,8 @@ def measure(model, *, base: bool, kv_bits: Optional[int] = None, kv_group_size: 
     ``base``: the server's base model (the draft model drafts for it); ``kv_bits``: its KV is quantized (nothing then
     merges, nor takes the ragged layout); ``read_shared_prefix`` False (--debug-copy-hits): every hit copies."""
     layers = make_prompt_cache(model)
+    if any(is_vlm_cache(c) for c in layers):  # mlx-vlm's classes: their facts are declared in models.vlm_caches
+        return _measure_vlm(model, layers, base=base, kv_bits=kv_bits)
     plain_kv = kv_bits is None and all(type(c) is KVCache for c in layers)  # the ragged/prefill layouts
     # mlx-lm's batched prompt forward (PromptProcessingBatch) merges plain and sliding-window layers exactly, and
     # recurrent ones where the architecture keeps the padding out of its state (_PADDED_STATE_EXACT); quantized KV
@@ -72,6 +80,27 @@ def measure(model, *, base: bool, kv_bits: Optional[int] = None, kv_group_size: 
         reads_shared_prefix=read_shared_prefix and plain_kv and routes_cpu_attention(model),
         attention=attention_path(model),
         recurrent_path=kernel_path(model),
+    )
+
+
+def _measure_vlm(model, layers: list, *, base: bool, kv_bits: Optional[int]) -> ModelFacts:
+    """The facts of a model of mlx-vlm's cache classes (models.vlm_caches): its requests decode alone, interleaved
+    with the batch (this engine's batch kinds hold mlx-lm's classes); checkpoints for every layer that is not plain
+    KV; speculation where its layers can take a draft back. ``--kv-bits`` is refused (mlx-lm's quantized cache is
+    not a class these models read)."""
+    if kv_bits is not None:
+        raise ModelLoadError(f"--kv-bits {kv_bits} is not supported for this model: it computes with mlx-vlm's "
+                             "cache classes (models.vlm_caches); start the server without --kv-bits")
+    facts = measure_vlm(layers)
+    if facts.unknown:
+        log.warning("cache classes %s are not declared in models.vlm_caches: this model decodes alone and never "
+                    "speculates", ", ".join(facts.unknown))
+    return ModelFacts(
+        caches=CacheFacts(plain_kv=False, mergeable=False, recurrent=facts.recurrent, windowed=facts.windowed,
+                          ragged=False),
+        layers=len(layers), checkpointed_layers=facts.checkpointed_layers, window=facts.window,
+        rewinds=facts.rewinds and not facts.unknown, draft_model=base, prefills_together=False,
+        reads_shared_prefix=False, attention="mlx", recurrent_path="mlx" if facts.recurrent else "none",
     )
 
 

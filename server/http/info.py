@@ -69,7 +69,7 @@ def _model_card(state, name: str) -> dict:
     return {"id": name, "object": "model", "created": state.created, "owned_by": "mlx-lane",
             "context_length": state.loaded.context_length, "state": "loaded",
             "size_bytes": state.engine.weights_nbytes(), "adapters": state.adapters.names(),
-            "vision": state.engine.base.vision is not None,
+            "vision": state.engine.base.vision is not None, **_source(state.loaded),
             **_defaults_fields(state, state.engine.base.sampling_defaults)}
 
 
@@ -80,6 +80,7 @@ def _on_demand_card(state, entry) -> dict:
             "context_length": slot.context_length if slot is not None else _configured_context(entry.spec),
             "state": entry.state, "size_bytes": entry.nbytes, "pinned": entry.pinned, "adapters": [],
             "vision": slot.vision is not None if slot is not None else _configured_vision(entry.spec),
+            **_source(getattr(slot, "loaded", None), entry.spec),
             **_defaults_fields(state, slot.sampling_defaults if slot is not None else _configured_defaults(entry.spec))}
 
 
@@ -98,6 +99,24 @@ def _configured_defaults(spec: str):
     return read_sampling_defaults(Path(spec).expanduser())
 
 
+def _source(loaded, spec: str = "") -> dict:
+    """Which architecture a model is and which library's classes compute it (models.loading.vlm_text): a loaded
+    model's own record, else what its config.json says (empty when it cannot be read cheaply)."""
+    if loaded is not None:
+        return {"architecture": loaded.architecture, "source": getattr(loaded, "source", "mlx-lm")}
+    import json
+    from pathlib import Path
+
+    from models.errors import ModelLoadError
+    from models.loading.vlm_text import source
+
+    try:
+        config = json.loads((Path(spec).expanduser() / "config.json").read_text())
+        return {"architecture": str(config.get("model_type")), "source": source(config)}
+    except (OSError, ValueError, AttributeError, ModelLoadError):
+        return {}
+
+
 def _configured_context(spec: str):
     """The context length a not-yet-loaded model's config.json declares (None when it cannot be read cheaply)."""
     from pathlib import Path
@@ -109,18 +128,22 @@ def _configured_context(spec: str):
 
 def _configured_vision(spec: str) -> bool:
     """Whether a not-yet-loaded model will take images: an image-text config of a family served with images, and
-    mlx-vlm installed (models.loading.vision)."""
+    mlx-vlm installed (models.loading.vision; a Qwen family's where it loads from mlx-vlm by default)."""
     import importlib.util
     import json
     from pathlib import Path
 
-    from models.loading.vision import FAMILIES, is_vision_config
+    from models.errors import ModelLoadError
+    from models.loading.vision import FAMILIES, MROPE_FAMILIES, is_vision_config
+    from models.loading.vlm_text import source
 
     try:
         config = json.loads((Path(spec).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
+        # Qwen's multimodal positions: where its language model is mlx-vlm's (qwen4_exp; others by --model-source)
+        families = FAMILIES + (MROPE_FAMILIES if source(config) == "mlx-vlm" else ())
+    except (OSError, ValueError, AttributeError, ModelLoadError):
         return False
-    return (isinstance(config, dict) and is_vision_config(config) and config.get("model_type") in FAMILIES
+    return (isinstance(config, dict) and is_vision_config(config) and config.get("model_type") in families
             and importlib.util.find_spec("mlx_vlm") is not None)
 
 

@@ -80,7 +80,7 @@ def load_slot(cfg: ServerConfig, name: str, spec: str, prepare=lambda loaded: lo
     from models import load_model
     from server.engine.slot import ModelSlot
 
-    loaded = prepare(load_model(spec, cfg.dtype, progress=False))
+    loaded = prepare(load_model(spec, cfg.dtype, progress=False, source=cfg.model_source))
     slot = ModelSlot(loaded, name=name, base=False, kv_bits=cfg.kv_bits,
                      kv_group_size=cfg.kv_group_size,
                      read_shared_prefix=not cfg.debug_copy_hits)
