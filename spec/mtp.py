@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from models.facts import DraftHeads
 from spec.source import DraftProvider
 
 __all__ = ["MtpProvider", "MtpSource", "PREFILL_CHUNK"]
@@ -237,10 +238,24 @@ class MtpProvider(DraftProvider):
 
     kind = "mtp"
 
-    def __init__(self, head, tap, *, identity: str, target_params: int):
+    def __init__(self, head, tap, *, identity: str, target_params: int, facts: Optional[DraftHeads] = None):
         self.head, self.tap = head, tap
         self.identity = identity
         self.cost_ratio = head.params / max(1, target_params)
+        self.facts = facts  # models.facts.DraftHeads: what the server records of the heads (ModelFacts.draft_heads)
+
+    @classmethod
+    def from_loaded(cls, loaded) -> "MtpProvider":
+        """The heads of a ``models.LoadedModel``'s own checkpoint (ModelLoadError when it ships none this server can
+        run: models.mtp.load), bound to its model through a tap on its final norm."""
+        from mlx.utils import tree_flatten
+
+        from models.mtp import facts_of, load_heads, tap
+
+        head = load_heads(loaded.path, loaded.model, loaded.dtype)
+        leaves: Any = tree_flatten(loaded.model.parameters())
+        return cls(head, tap(loaded.model), identity=f"mtp:{loaded.fingerprint}",
+                   target_params=sum(v.size for _, v in leaves), facts=facts_of(head, loaded.architecture))
 
     def policy(self, max_len: int):
         """Adaptive length that pauses (not stops) when drafts stop paying: the source keeps hearing the target

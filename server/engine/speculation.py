@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from models.facts import ModelFacts
+from models.facts import DraftHeads, ModelFacts
 from spec import SpecStats, speculative_decode
 from spec.adaptive import DraftPolicy
 
@@ -36,10 +36,18 @@ class Speculation:
         self.kind = kind
         self.num_draft_tokens = num_draft_tokens
 
+    @property
+    def draft_heads(self) -> Optional[DraftHeads]:
+        """The base model's own MTP heads when they draft (--draft-kind mtp), else None."""
+        return getattr(self.provider, "facts", None)
+
     def supports(self, facts: ModelFacts) -> bool:
         """May requests on a model of these facts speculate? Its caches must take back a rejected draft (recurrent
         layers beside untrimmable ones cannot; sliding windows can, also once wrapped: spec.rewind); a draft model
-        drafts only for the base model (n-gram drafting for every model)."""
+        drafts only for the base model, MTP heads only for the model they were loaded with (n-gram drafting for every
+        model)."""
+        if self.provider.kind == "mtp":
+            return facts.rewinds and facts.draft_heads is not None
         return facts.rewinds and (self.provider.identity is None or facts.draft_model)
 
     def wanted(self, requested: Optional[int], facts: ModelFacts) -> int:
@@ -59,8 +67,13 @@ class Speculation:
         return caches[:n], (caches[n:] if len(caches) > n else None)
 
     def open(self, draft_caches: Optional[list], covered: Sequence[int], n: int) -> SpecPlan:
-        source = self.provider.open(draft_caches, covered if draft_caches is not None else ())
-        return SpecPlan(source=source, num_draft_tokens=n)
+        # a draft that keeps KV of its own starts from the entry's draft layers, or from nothing (the two-model
+        # draft prefills the prefix; MTP heads, which need the target's hidden states, start at the hit: blind)
+        source = self.provider.open(draft_caches, covered if draft_caches is not None or self.provider.kind == "mtp"
+                                    else ())
+        plan = SpecPlan(source=source, num_draft_tokens=n)
+        plan.stats.blind = int(bool(getattr(source, "blind", False)))
+        return plan
 
     def policy(self, n: int):
         return self.provider.policy(n)

@@ -29,6 +29,9 @@ sequence order; each row's drafts capped by what its own ``RowState`` says is le
 ``remove`` hands back the row's caches and exactly the tokens they cover, cut back to what the request kept
 (``kept``) when a stop ended it inside a step.
 
+A row whose source reads the target's hidden states (the checkpoint's MTP heads: spec.mtp) hears the positions it
+kept of each verify forward, its row of the forward's hidden states (``heard``), and drafts from them on its own.
+
 Rows whose source is a ``spec.source.BatchableDraftSource`` (the draft model's) draft together
 (``server.engine.batch.drafts``): while such a row is in the batch its draft caches live in the drafter's own ragged
 layout, and a step's k drafted tokens cost k batched forwards of the draft model for all rows, not k per row
@@ -207,7 +210,7 @@ class SpeculatingBatch(RowList):
             return []
         t0 = time.perf_counter()
         if self.cost.probe():  # a plain step now and then: what a drafted token costs is measured against it
-            drafts: list[list[int]] = [[] for _ in self._rows]
+            drafts = self._drafts([0] * len(self._rows))  # (sources that hear the target are told their tokens)
         else:
             pays = self.cost.break_even()
             for r in self._rows:  # a row whose recent acceptance is below what a drafted token costs pauses
@@ -230,11 +233,14 @@ class SpeculatingBatch(RowList):
         rows_out: list[Emitted] = []
         kept: list[int] = []
         batched_commits: list[tuple[Any, list[int], int]] = []
+        heard: list[tuple[Any, int, list[int], int]] = []  # sources that read the target's hidden states (spec.mtp)
         for i, (row, d) in enumerate(zip(self._rows, drafts)):
             tokens = picked[i]
             a = accept(d, tokens)
             emitted = d[:a] + [tokens[a]]
             kept.append(1 + a)  # the pending token and the accepted drafts are now in the KV
+            if getattr(row.source, "hears_hidden", False):
+                heard.append((row.source, len(row.tokens), [row.pending] + d[:a], i))
             row.tokens.append(row.pending)
             row.tokens.extend(d[:a])
             row.pending = tokens[a]
@@ -255,6 +261,8 @@ class SpeculatingBatch(RowList):
             row.state.generated += len(emitted)
             row.feed.append(row.pending)
             rows_out.extend(Emitted(row.seq, t, lp_rows[i][j]) for j, t in enumerate(emitted))
+        for source, start, fed, i in heard:  # after their commits; the forward above is still the tap's latest
+            source.heard(start, fed, row=i)
         self._kv.commit(kept)
         if batched_commits:
             self._drafter.commit(batched_commits)
@@ -328,15 +336,17 @@ class SpeculatingBatch(RowList):
                 self._rows[i].feed = []
         batched = set(together)
         for i, (row, n) in enumerate(zip(self._rows, ns)):
-            if i not in batched and n:
+            if i not in batched:
                 drafts[i] = self._draft(row, n)
         return drafts
 
     @staticmethod
     def _draft(row: _Row, n: int) -> list:
-        if n <= 0:
+        """Up to ``n`` drafts of the row's own source; a source that hears the target's hidden states is told the row's
+        tokens every step, drafting or not (spec.source.HearingDraftSource)."""
+        if n <= 0 and not getattr(row.source, "hears_hidden", False):
             return []
-        drafts = [int(t) for t in row.source.draft(row.feed, n)][:n]
+        drafts = [int(t) for t in row.source.draft(row.feed, max(0, n))][:max(0, n)]
         row.feed = []
         return drafts
 

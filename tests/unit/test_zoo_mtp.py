@@ -1,0 +1,107 @@
+"""MTP drafting on the real engine and lane (issue 44), for each zoo model that carries heads (tests.fixtures.zoo_mtp):
+the text is mlx-lm's own greedy text alone, in a batch of four, after a RAM hit and after an SSD restore, with drafts
+actually verified; the heads' caches are stored with the target's, so a hit drafts at once (not "blind").
+
+The heads are random (untrained): their drafts are mostly rejected, which the text must not see; what they draft
+is checked in tests/unit/test_spec_mtp.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fixtures import zoo_mtp
+from tests.unit.test_zoo_models import HISTORY, PROMPTS, TURN1, TURN2, VOCAB, alone, finished, lane_of, run, submit
+
+NAMES = sorted(zoo_mtp.MTP_ZOO)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def mtp(request):
+    from models import kernels
+    from models.mtp import facts_of, tap, untap
+    from server.engine.speculation import Speculation
+    from spec.mtp import MtpProvider
+
+    model, head = zoo_mtp.build(request.param, VOCAB)
+    kernels.install(model)
+    provider = MtpProvider(head, tap(model), identity="mtp:zoo", target_params=10 * head.params,
+                           facts=facts_of(head, request.param))
+    yield request.param, model, head, Speculation(provider, num_draft_tokens=3, kind="mtp")
+    untap(model)
+    kernels.hook.restore(model, kernels.GATED_DELTA)
+
+
+def entry_caches(cache, prompt):
+    ((ns, key),) = [k for k in cache.keys() if k[1][: len(prompt)] == tuple(prompt)]
+    with cache._lock:
+        return ns, key, cache._by_ns[ns][key].caches
+
+
+def test_alone_and_after_ram_and_ssd_hits_the_text_is_plain_greedy_and_hits_draft_at_once(mtp, tmp_path):
+    from cache.kvfile import load, save
+    from cache.prompt_cache import PromptCache
+
+    name, model, head, speculation = mtp
+    cache = PromptCache(1 << 28)
+    lane = lane_of(model, cache, speculation=speculation)
+    facts = lane.engine.base.facts
+    assert speculation.supports(facts) and facts.draft_heads is not None, name
+    got, done = run(lane, TURN1, n=12, checkpoints=(len(HISTORY),))
+    assert got == alone(model, TURN1, 12), name
+    assert done.spec["drafted"] > 0 and done.spec["blind"] == 0, (name, done.spec)
+    ns, key, caches = entry_caches(cache, TURN1)
+    assert len(caches) == facts.layers + head.layers + 1, name  # the heads' KV and the hidden states, stored
+
+    longer = TURN1 + got + [40, 41, 42]  # a RAM hit on the whole first run
+    grown, done = run(lane, longer, n=12)
+    assert grown == alone(model, longer, 12), name
+    assert done.cached_tokens >= len(TURN1) + len(got) - 1, (name, done.cached_tokens)
+    assert done.spec["drafted"] > 0 and done.spec["blind"] == 0, (name, done.spec)
+
+    save(tmp_path / "e.safetensors", key, caches, fingerprint="z", ns=ns)  # a restart: the SSD file format
+    back = load(tmp_path / "e.safetensors")
+    restarted = PromptCache(1 << 28)
+    restarted.put(list(back.tokens), back.caches, ns)
+    parted, done = run(lane_of(model, restarted, speculation=speculation), TURN2, n=12)
+    assert parted == alone(model, TURN2, 12), name
+    assert done.cached_tokens == len(HISTORY), (name, done.cached_tokens)
+    assert done.spec["drafted"] > 0 and done.spec["blind"] == 0, (name, done.spec)
+
+
+def test_four_requests_together_make_their_alone_text_and_store_whole_runs(mtp):
+    """Plain-KV models verify the four rows' drafts in one forward (the speculating batch); a hybrid's requests that
+    arrive beside others decode plainly in the plain batch (server.engine.batch.choose.place) and store the target's
+    layers only, and a later request on such an entry drafts from its new tokens (blind) with the same text."""
+    from cache.prompt_cache import PromptCache
+    from server.engine.speculation import SpecTotals
+
+    name, model, head, speculation = mtp
+    want = [alone(model, p, 10) for p in PROMPTS]
+    cache = PromptCache(1 << 28)
+    lane = lane_of(model, cache, speculation=speculation)
+    lane.stats.spec = SpecTotals("mtp", 3)  # what serve sets: the speculating batch's steps are counted there
+    seqs, sizes = {}, set()
+    for tick in range(400):
+        if tick in (0, 1, 2, 3) and tick not in seqs:
+            seqs[tick] = submit(lane, PROMPTS[tick], 10)
+        if lane.idle() and len(seqs) == len(PROMPTS):
+            break
+        lane.tick()
+        sizes.add(sum(1 for s, _ in seqs.values() if s.phase.name == "BATCHED"))
+    drafted = 0
+    for i, (seq, events) in seqs.items():
+        done = finished(events)
+        assert list(seq.generated) == want[i], (name, i)
+        assert seq.stored >= len(PROMPTS[i]) + 10 - 1, (name, i, seq.stored)
+        drafted += (done.spec or {}).get("drafted", 0)
+    plain_kv = lane.engine.base.facts.caches.plain_kv
+    if plain_kv:
+        assert max(sizes) >= 2 and drafted > 0, (name, sizes, drafted)
+        assert lane.stats.spec.as_dict()["in_batch"]["steps"] > 0, name
+    again, done = run(lane, PROMPTS[1] + want[1] + [50, 51], n=10)  # the next turn of one of them, alone
+    assert again == alone(model, PROMPTS[1] + want[1] + [50, 51], 10), name
+    assert done.cached_tokens > len(PROMPTS[1]), (name, done.cached_tokens)
+    assert done.spec["drafted"] > 0, name
+    # its entry holds the heads' state when it was computed drafting (plain KV: the speculating batch); a hybrid row
+    # that decoded plainly stored the target's layers only
+    assert done.spec["blind"] == (0 if plain_kv else 1), (name, done.spec)
