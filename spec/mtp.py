@@ -36,12 +36,12 @@ from mlx_lm.models.cache import KVCache
 from models.facts import DraftHeads
 from spec.source import DraftProvider
 
-__all__ = ["MtpProvider", "MtpSource", "PREFILL_CHUNK"]
+__all__ = ["MtpProvider", "MtpSource", "entry_mask", "PREFILL_CHUNK"]
 
 PREFILL_CHUNK = 512  # tokens per catch-up forward
 
 
-def _mask(start: int, width: int) -> mx.array:
+def entry_mask(start: int, width: int) -> mx.array:
     """(1, 1, width, start + width) bool: queries at cache columns start.. see the columns up to their own, never
     column 0 (the entry without a hidden state) unless they are column 0."""
     cols = mx.arange(start + width)[None, :]
@@ -155,7 +155,7 @@ class MtpSource:
         ys = [tok]
         for i in range(1, n):  # past the sequence: its own output stands in for the target's hidden state
             col = len(self._seq) - self.origin + i - 1
-            g = self.head.forward(tok, g, self._kv, _mask(col, 1))
+            g = self.head.forward(tok, g, self._kv, entry_mask(col, 1))
             tok = mx.argmax(self.head.logits(g), axis=-1)
             ys.append(tok)
             mx.async_eval(tok)
@@ -227,7 +227,7 @@ class MtpSource:
             prev = zero if prev is None else mx.concatenate([zero, prev], axis=0)
         assert prev is not None
         tokens = mx.array(self._seq[m:end], dtype=mx.uint32)[None]
-        out = self.head.forward(tokens, prev[None], self._kv, _mask(m - self.origin, width))
+        out = self.head.forward(tokens, prev[None], self._kv, entry_mask(m - self.origin, width))
         mx.eval([c.state for c in self._kv])
         return out
 

@@ -1,0 +1,143 @@
+"""The MTP draft source (spec.mtp) and the heads' loading (models.mtp), on the zoo's tiny models that carry heads.
+
+- whatever was drafted and accepted round after round, the heads' caches are what one cold forward of the whole
+  sequence gives (so a cache hit drafts what a cold request drafts);
+- a source that missed positions is behind (drafts nothing) until caught up on a copy of the target's caches;
+- a hit on an entry without the heads' state starts blind, from the hit on;
+- the heads load from the checkpoint as the family ships them; a checkpoint without them, or of a family without
+  heads, is refused with what to do.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from tests.fixtures import zoo_mtp
+
+VOCAB = 256
+PROMPT = [(7 * i + 3) % 200 + 20 for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def default_model_dir():
+    from models import ensure_default_model
+
+    return ensure_default_model(progress=False)
+
+
+@pytest.fixture(scope="module", params=sorted(zoo_mtp.MTP_ZOO))
+def bound(request):
+    from models.mtp import tap, untap
+    from spec.mtp import MtpProvider
+
+    model, head = zoo_mtp.build(request.param, VOCAB)
+    yield request.param, model, MtpProvider(head, tap(model), identity="mtp:t", target_params=1)
+    untap(model)
+
+
+def cold(model, provider, seq):
+    """A fresh source that heard the whole sequence in one target forward."""
+    source = provider.open()
+    model(mx.array(seq)[None], cache=make_prompt_cache(model))
+    source.heard(0, seq)
+    source.prefill(seq)
+    return source
+
+
+def assert_same_caches(a, b, name):
+    assert [int(c.offset) for c in a.caches] == [int(c.offset) for c in b.caches], name
+    for x, y in zip(a.caches, b.caches):
+        n = int(x.offset)
+        for u, v in ((x.keys, y.keys), (x.values, y.values)):
+            assert mx.allclose(u[..., :n, :], v[..., :n, :], atol=1e-4).item(), name
+
+
+def test_the_heads_caches_are_a_function_of_the_sequence_whatever_was_drafted(bound):
+    name, model, provider = bound
+    caches = make_prompt_cache(model)
+    model(mx.array(PROMPT[:-1])[None], cache=caches)
+    source = provider.open()
+    source.heard(0, PROMPT[:-1])
+    source.prefill(PROMPT[:-1])
+    seq, pending, pos, feed = list(PROMPT[:-1]), PROMPT[-1], len(PROMPT) - 1, [PROMPT[-1]]
+    for r, accepted in enumerate([0, 3, 1, 2, 0, 3]):  # as if the target had agreed with that many drafts
+        drafts = source.draft(feed, 3)
+        assert len(drafts) == 3 and all(0 <= t < VOCAB for t in drafts), (name, drafts)
+        source.commit(drafts, accepted)
+        fed = [pending] + drafts[:accepted]
+        model(mx.array([fed]), cache=caches)
+        source.heard(pos, fed)
+        seq += fed
+        pos += len(fed)
+        pending = 30 + r  # the target's correction
+        feed = [pending]
+    source.prefill(seq)
+    assert source.tokens == seq and not source.blind, name
+    assert_same_caches(source, cold(model, provider, seq), name)
+    with pytest.raises(RuntimeError):
+        source.commit([1, 2, 3], 1)  # nothing drafted since the last commit
+
+
+def test_a_source_that_missed_positions_drafts_nothing_until_it_is_caught_up(bound):
+    name, model, provider = bound
+    caches = make_prompt_cache(model)
+    model(mx.array(PROMPT)[None], cache=caches)
+    source = provider.open()
+    source.heard(0, PROMPT[:10])  # then a plain batch decoded on: nothing heard of positions 10..
+    source.heard(20, PROMPT[20:])  # a gap is not bridged
+    assert source.draft(PROMPT[10:], 3) == [] and source.behind, name
+    source.prefill(PROMPT)
+    plain_kv = all(type(c).__name__ == "KVCache" for c in caches)
+    # recomputed on a copy of the target's caches cut back; recurrent state cannot be cut back: it stays behind
+    assert source.catch_up(model, caches) == plain_kv and source.behind != plain_kv, name
+    if plain_kv:
+        source.prefill(PROMPT)
+        assert_same_caches(source, cold(model, provider, PROMPT), name)
+
+
+def test_a_hit_on_an_entry_without_the_heads_state_starts_blind_from_the_hit(bound):
+    name, model, provider = bound
+    caches = make_prompt_cache(model)
+    model(mx.array(PROMPT[:20])[None], cache=caches)  # the hit: the target's layers only
+    source = provider.open(None, PROMPT[:20])
+    assert source.blind and source.origin == 20 and source.tokens == [], name
+    model(mx.array(PROMPT[20:-1])[None], cache=caches)
+    source.heard(20, PROMPT[20:-1])
+    drafts = source.draft([PROMPT[-1]], 2)
+    assert len(drafts) == 2, name
+    assert [int(c.offset) for c in source.caches] == [len(PROMPT) - 20 + 1, len(PROMPT) - 1 - 20], name
+
+
+@pytest.mark.parametrize("name", sorted(zoo_mtp.MTP_ZOO))
+def test_heads_load_from_the_checkpoint_as_the_family_ships_them(name, tmp_path, default_model_dir):
+    from models import ModelLoadError, load_model
+    from spec.mtp import MtpProvider
+
+    written = zoo_mtp.write(name, tmp_path / name, default_model_dir)
+    loaded = load_model(str(written), "float32", progress=False)
+    provider = MtpProvider.from_loaded(loaded)
+    _, built = zoo_mtp.build(name, json.loads((written / "config.json").read_text())["vocab_size"])
+    assert provider.facts is not None and provider.facts.family == built.family, name
+    from spec.mtp import entry_mask
+
+    tokens, hidden = mx.array([[5, 6, 7]]), mx.ones((1, 3, built.hidden_size))
+    got = provider.head.forward(tokens, hidden, provider.head.make_caches(), entry_mask(0, 3))
+    want = built.forward(tokens, hidden, built.make_caches(), entry_mask(0, 3))
+    assert mx.allclose(got, want, atol=1e-4).item(), name  # the weights written are the weights loaded
+
+    plain = load_model(str(zoo_mtp.write(name, tmp_path / f"{name}-converted", default_model_dir, heads=False)),
+                       "float32", progress=False)
+    with pytest.raises(ModelLoadError, match="ships no multi-token-prediction weights"):
+        MtpProvider.from_loaded(plain)
+
+
+def test_a_family_without_heads_is_refused_with_what_to_do(default_model_dir):
+    from models import ModelLoadError, load_model
+    from spec.mtp import MtpProvider
+
+    with pytest.raises(ModelLoadError, match="--draft-kind ngram"):
+        MtpProvider.from_loaded(load_model("default", "float32", progress=False))
