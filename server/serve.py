@@ -104,7 +104,7 @@ def build_state(cfg: ServerConfig):
     if speculation is not None:
         from server.engine.speculation import SpecTotals
 
-        stats.spec = SpecTotals(speculation.kind, speculation.num_draft_tokens)
+        stats.spec = SpecTotals(speculation.kind, speculation.num_draft_tokens, speculation.draft_heads)
     engine = Engine(loaded, prompt_cache, stats, engine_config(cfg, speculation))
     if speculation is not None and not speculation.supports(engine.base.facts):
         log.warning("speculative decoding is off: %s has caches that cannot be rewound", loaded.model_id)

@@ -10,7 +10,7 @@ the draft keeps KV of its own: ``cache.prefix.namespace``), and opens the per-re
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
 from models.facts import DraftHeads, ModelFacts
@@ -82,10 +82,11 @@ class Speculation:
 class SpecTotals:
     """Server-wide speculative counters for /stats and /metrics (thread-safe)."""
 
-    def __init__(self, kind: Optional[str] = None, max_draft: int = 0):
+    def __init__(self, kind: Optional[str] = None, max_draft: int = 0, heads: Optional[DraftHeads] = None):
         self._lock = threading.Lock()
         self.kind = kind
         self.max_draft = max_draft
+        self.heads = heads  # the checkpoint's own MTP heads (--draft-kind mtp)
         self.requests = 0
         self.total = SpecStats()
         # verify steps of speculating batches (server.engine.batch.speculating): steps, rows over them, tokens
@@ -121,7 +122,8 @@ class SpecTotals:
             d = self.total.as_dict()
             d.update({"enabled": self.kind is not None, "kind": self.kind, "num_draft_tokens": self.max_draft,
                       "requests": self.requests,
-                      "plain_cannot_rewind": self.plain_cannot_rewind + d.get("cannot_rewind", 0)})
+                      "plain_cannot_rewind": self.plain_cannot_rewind + d.get("cannot_rewind", 0),
+                      "heads": asdict(self.heads) if self.heads is not None else None})
             b: dict[str, Any] = dict(self.batch)
             b["mean_rows"] = round(b["row_steps"] / b["steps"], 3) if b["steps"] else None
             b["acceptance_rate"] = round(b["accepted"] / b["drafted"], 4) if b["drafted"] else None
