@@ -67,6 +67,8 @@ class MtpSource:
         self.blind = self.origin > 0
         self._spec = 0  # entries the open draft appended past the sequence
         self._open: Optional[list[int]] = None
+        self._lent: Optional[int] = None  # while a batch holds the heads' KV caches: the entries they hold
+        self._drop = 0  # entries the batch must drop from them (what the bookkeeping here took back while lent)
 
     # -- what it holds ------------------------------------------------------------------------------
     @property
@@ -89,8 +91,25 @@ class MtpSource:
         return self.origin + int(self._hid.offset)
 
     @property
+    def _entries(self) -> int:
+        """Entries the heads' caches hold (the open draft's too)."""
+        if self._lent is not None:
+            return self._lent
+        return self.origin + int(self._kv[0].offset) if self._kv else self._h
+
+    @property
     def _m(self) -> int:
-        return self.origin + int(self._kv[0].offset) - self._spec if self._kv else self._h
+        return self._entries - self._spec
+
+    def _trim_entries(self, n: int) -> None:
+        if n <= 0:
+            return
+        if self._lent is not None:
+            self._lent -= n
+            self._drop += n
+        else:
+            for c in self._kv:
+                c.trim(n)
 
     # -- hearing the target -------------------------------------------------------------------------
     def heard(self, start: int, tokens: Sequence[int], row: int = 0) -> None:
@@ -114,8 +133,7 @@ class MtpSource:
         if self._seq[start: start + len(tokens)] != tokens:
             self._seq = self._seq[:start] + tokens
         if self._m > start + 1:  # entries past ``start`` read hidden states heard again
-            for c in self._kv:
-                c.trim(self._m - start - 1)
+            self._trim_entries(self._m - start - 1)
         k = len(tokens)
         self._hid.update_and_fetch(hidden.reshape(1, 1, k, -1), mx.zeros((1, 1, k, 1), hidden.dtype))
 
@@ -129,25 +147,20 @@ class MtpSource:
         limit = min(len(ids), len(self._seq))
         while p < limit and ids[p] == self._seq[p]:
             p += 1
+        if self._lent is not None:
+            raise RuntimeError("prefill() while a batch holds the heads' caches: take them back first")
         if p < self.origin:  # parts before anything this source computed: start over, blind from there
             self._kv, self._hid, self.origin, self.blind = self.head.make_caches(), KVCache(), p, p > 0
         if self._h > p:
             self._hid.trim(self._h - p)
         if self._m > p:
-            for c in self._kv:
-                c.trim(self._m - p)
+            self._trim_entries(self._m - p)
         self._seq = ids
         self._fill()
 
     def draft(self, feed: Sequence[int], n: int) -> list[int]:
-        if self._open is not None:
-            raise RuntimeError("draft() called twice without commit()")
-        self._seq.extend(int(t) for t in feed)
-        if n <= 0 or self.behind or not self._seq:
+        if not self.plan(feed, n):
             return []
-        if self._m >= len(self._seq):  # the last entry again: its output is the first draft
-            for c in self._kv:
-                c.trim(self._m - len(self._seq) + 1)
         out = self._fill()
         assert out is not None
         g = out[:, -1:, :]
@@ -159,10 +172,9 @@ class MtpSource:
             tok = mx.argmax(self.head.logits(g), axis=-1)
             ys.append(tok)
             mx.async_eval(tok)
-        self._spec = n - 1
         row: Any = mx.concatenate(ys, axis=1)[0].tolist()
         drafts = [int(t) for t in row]
-        self._open = drafts
+        self.record_draft(drafts)
         return drafts
 
     def commit(self, drafted: Sequence[int], accepted: int) -> None:
@@ -175,6 +187,61 @@ class MtpSource:
             raise ValueError(f"accepted={accepted} outside 0..{len(drafted)}")
         self._drop_open()
         self._seq.extend(drafted[:accepted])
+
+    # -- the bookkeeping shared with a batch that drafts for several sources (server.engine.batch.mtp_drafts) ----
+    def plan(self, feed: Sequence[int], n: int) -> bool:
+        """The sequence took ``feed``; True when it is to draft ``n`` > 0 tokens now: the entries from ``_m`` to the
+        last token are then to be computed (``entries_input``), the last one again when it was (its output is the
+        first draft)."""
+        if self._open is not None:
+            raise RuntimeError("draft() called twice without commit()")
+        self._seq.extend(int(t) for t in feed)
+        if n <= 0 or self.behind or not self._seq:
+            return False
+        if self._m >= len(self._seq):
+            self._trim_entries(self._m - len(self._seq) + 1)
+        return True
+
+    def entries_input(self) -> tuple[list[int], mx.array]:
+        """The tokens of the entries still to compute (from ``_m`` up to what hidden states allow) and the hidden
+        states before them, (width, H): a zero row for the entry at ``origin``, which has none."""
+        m, end = self._m, min(self._h + 1, len(self._seq))
+        keys = self._hid.keys
+        lo = max(m - 1, self.origin) - self.origin
+        prev = keys[0, 0, lo: end - 1 - self.origin, :] if end - 1 > max(m - 1, self.origin) else None
+        if m == self.origin:
+            dim = self.head.hidden_size if keys is None else keys.shape[-1]
+            zero = mx.zeros((1, dim), mx.float32 if keys is None else keys.dtype)
+            prev = zero if prev is None else mx.concatenate([zero, prev], axis=0)
+        assert prev is not None
+        return self._seq[m:end], prev
+
+    def record_draft(self, drafts: list[int]) -> None:
+        """Every entry up to the last token was computed, then one per draft but the last: ``drafts`` await
+        ``commit``."""
+        if self._lent is not None:
+            self._lent = len(self._seq) + len(drafts) - 1
+        self._spec = len(drafts) - 1
+        self._open = drafts
+
+    def lend_caches(self) -> list:
+        """The heads' KV caches, for a batch to hold (the hidden states stay here); refused while a draft is open."""
+        if self._open is not None or self._lent is not None:
+            raise RuntimeError("caches lent with a draft open, or lent already")
+        self._lent, self._drop = self._entries, 0
+        kv, self._kv = self._kv, []
+        return kv
+
+    def take_drop(self) -> int:
+        """The entries the batch must drop now from this source's row (what ``commit``/``hear`` took back)."""
+        drop, self._drop = self._drop, 0
+        return drop
+
+    def take_back(self, caches: list) -> None:
+        """The heads' KV caches again (their row, the drops taken: holding exactly ``_entries``)."""
+        if self._drop:
+            raise RuntimeError("caches handed back before their drops were applied")
+        self._kv, self._lent = caches, None
 
     # -- catching up --------------------------------------------------------------------------------
     def catch_up(self, model, target_caches: list) -> bool:
@@ -205,29 +272,19 @@ class MtpSource:
     # -- inner parts --------------------------------------------------------------------------------
     def _drop_open(self) -> None:
         if self._spec:
-            for c in self._kv:
-                c.trim(self._spec)
+            self._trim_entries(self._spec)
             self._spec = 0
         self._open = None
 
     def _fill(self) -> Optional[mx.array]:
         """Compute the entries the sequence and the hidden states allow (up to S[h], H[h-1]) in one forward of the
-        heads; their output (1, L, H), or None when there was nothing to compute."""
-        m, end = self._m, min(self._h + 1, len(self._seq))
-        if end <= m:
+        heads, on its own caches; their output (1, L, H), or None when there was nothing to compute."""
+        m = self._m
+        ids, prev = self.entries_input() if min(self._h + 1, len(self._seq)) > m else ([], None)
+        if not ids or prev is None:
             return None
-        width = end - m
-        keys = self._hid.keys
-        lo = max(m - 1, self.origin) - self.origin  # H[q-1] for q = m.., from the hidden store
-        prev = keys[0, 0, lo: end - 1 - self.origin, :] if end - 1 > max(m - 1, self.origin) else None
-        if m == self.origin:  # the first entry has no hidden state before it
-            dim = self.head.hidden_size if keys is None else keys.shape[-1]
-            dtype = mx.float32 if keys is None else keys.dtype
-            zero = mx.zeros((1, dim), dtype)
-            prev = zero if prev is None else mx.concatenate([zero, prev], axis=0)
-        assert prev is not None
-        tokens = mx.array(self._seq[m:end], dtype=mx.uint32)[None]
-        out = self.head.forward(tokens, prev[None], self._kv, entry_mask(m - self.origin, width))
+        tokens = mx.array(ids, dtype=mx.uint32)[None]
+        out = self.head.forward(tokens, prev[None], self._kv, entry_mask(m - self.origin, len(ids)))
         mx.eval([c.state for c in self._kv])
         return out
 

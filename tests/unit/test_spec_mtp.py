@@ -141,3 +141,54 @@ def test_a_family_without_heads_is_refused_with_what_to_do(default_model_dir):
 
     with pytest.raises(ModelLoadError, match="--draft-kind ngram"):
         MtpProvider.from_loaded(load_model("default", "float32", progress=False))
+
+
+def test_the_heads_draft_for_many_rows_in_batched_forwards_what_each_row_drafts_alone(bound):
+    """server.engine.batch.mtp_drafts: rows of different lengths, draft lengths and accepts draft together what each
+    source drafts on its own caches, one forward per drafted position; a row that leaves goes on alone the same."""
+    from server.engine.batch.mtp_drafts import MtpDraftBatch
+
+    name, model, provider = bound
+    prompts = [PROMPT, PROMPT[3:12], PROMPT[5:25]]
+    rows = []  # per row: (alone source, its target caches, together source, its target caches)
+    for p in prompts:
+        pair = []
+        for _ in range(2):
+            caches = make_prompt_cache(model)
+            model(mx.array(p[:-1])[None], cache=caches)
+            source = provider.open()
+            source.heard(0, p[:-1])
+            source.prefill(p[:-1])
+            pair += [source, caches]
+        rows.append(pair)
+    db = MtpDraftBatch(provider.head)
+    db.join([r[2] for r in rows])
+    assert len(db) == 3, name
+    pending = [p[-1] for p in prompts]
+    pos = [len(p) - 1 for p in prompts]
+    feeds = [[t] for t in pending]
+    rounds = [([3, 2, 1], [0, 2, 1]), ([2, 3, 3], [2, 3, 0]), ([1, 0, 3], [1, 0, 2])]
+    for r, (ns, accepts) in enumerate(rounds):
+        want = [row[0].draft(f, n) for row, f, n in zip(rows, feeds, ns)]
+        got = db.draft([(row[2], f, n) for row, f, n in zip(rows, feeds, ns)])
+        assert got == want and [len(d) for d in got] == ns, (name, r)
+        kept = [min(a, len(d)) for a, d in zip(accepts, want)]
+        for row, d, a in zip(rows, want, kept):
+            if d:
+                row[0].commit(d, a)
+        db.commit([(row[2], d, a) for row, d, a in zip(rows, got, kept) if d])
+        for i, (row, d, a) in enumerate(zip(rows, want, kept)):  # the verify forward's kept positions, heard
+            fed = [pending[i]] + d[:a]
+            for source, caches in ((row[0], row[1]), (row[2], row[3])):
+                model(mx.array([fed]), cache=caches)
+                source.heard(pos[i], fed)
+            pos[i] += len(fed)
+            pending[i] = 40 + 3 * r + i
+            feeds[i] = [pending[i]]
+    assert db.forwards == sum(max(ns) for ns, _ in rounds), name  # per drafted position, not per row
+    alone, together = rows[1][0], rows[1][2]
+    db.leave([together])
+    assert [int(c.offset) for c in together.caches] == [int(c.offset) for c in alone.caches], name
+    assert together.draft(feeds[1], 3) == alone.draft(feeds[1], 3), name  # it goes on alone as its own would
+    rest = db.draft([(rows[0][2], feeds[0], 2), (rows[2][2], feeds[2], 1)])
+    assert rest == [rows[0][0].draft(feeds[0], 2), rows[2][0].draft(feeds[2], 1)], name

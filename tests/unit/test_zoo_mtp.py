@@ -68,14 +68,20 @@ def test_alone_and_after_ram_and_ssd_hits_the_text_is_plain_greedy_and_hits_draf
     assert done.spec["drafted"] > 0 and done.spec["blind"] == 0, (name, done.spec)
 
 
-def test_four_requests_together_make_their_alone_text_and_store_whole_runs(mtp):
+def test_four_requests_together_make_their_alone_text_and_store_whole_runs(mtp, monkeypatch):
     """Plain-KV models verify the four rows' drafts in one forward (the speculating batch); a hybrid's requests that
     arrive beside others decode plainly in the plain batch (server.engine.batch.choose.place) and store the target's
     layers only, and a later request on such an entry drafts from its new tokens (blind) with the same text."""
     from cache.prompt_cache import PromptCache
     from server.engine.speculation import SpecTotals
 
+    from server.engine.batch.mtp_drafts import MtpDraftBatch
+
     name, model, head, speculation = mtp
+    batched_drafts = []  # the rows' heads drafted together (server.engine.batch.mtp_drafts)
+    draft = MtpDraftBatch.draft
+    monkeypatch.setattr(MtpDraftBatch, "draft", lambda self, wanted: batched_drafts.append(len(wanted))
+                        or draft(self, wanted))
     want = [alone(model, p, 10) for p in PROMPTS]
     cache = PromptCache(1 << 28)
     lane = lane_of(model, cache, speculation=speculation)
@@ -97,6 +103,7 @@ def test_four_requests_together_make_their_alone_text_and_store_whole_runs(mtp):
     plain_kv = lane.engine.base.facts.caches.plain_kv
     if plain_kv:
         assert max(sizes) >= 2 and drafted > 0, (name, sizes, drafted)
+        assert batched_drafts and max(batched_drafts) >= 2, (name, batched_drafts)
         assert lane.stats.spec.as_dict()["in_batch"]["steps"] > 0, name
     again, done = run(lane, PROMPTS[1] + want[1] + [50, 51], n=10)  # the next turn of one of them, alone
     assert again == alone(model, PROMPTS[1] + want[1] + [50, 51], 10), name
