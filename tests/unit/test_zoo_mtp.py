@@ -112,3 +112,28 @@ def test_four_requests_together_make_their_alone_text_and_store_whole_runs(mtp, 
     # its entry holds the heads' state when it was computed drafting (plain KV: the speculating batch); a hybrid row
     # that decoded plainly stored the target's layers only
     assert done.spec["blind"] == (0 if plain_kv else 1), (name, done.spec)
+
+
+def test_a_seeded_sampled_request_is_verified_by_the_shared_rule_and_repeats_after_a_hit(mtp):
+    """Sampled rows walk the drafts with the rule every draft kind uses (spec.accept); the heads' caches are a
+    function of the sequence, so after a RAM hit the same seed drafts and draws the same tokens."""
+    from cache.prompt_cache import PromptCache
+    from server.lane.events import SamplingParams
+    from server.lane.sequence import Sequence
+
+    name, model, head, speculation = mtp
+    lane = lane_of(model, PromptCache(1 << 28), speculation=speculation)
+    runs = []
+    for _ in range(2):
+        events: list = []
+        target = lane.engine.base_target()
+        params = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
+        seq = Sequence(prompt=list(TURN1), params=params, sink=events.append, id=str(id(events)), target=target,
+                       ns=lane.engine.namespace_for(target, params))
+        lane.submit(seq)
+        while not lane.idle():
+            lane.tick()
+        runs.append((list(seq.generated), finished(events)))
+    (first, done1), (second, done2) = runs
+    assert len(first) == 12 and first == second, name
+    assert done1.spec["drafted"] > 0 and done2.cached_tokens > 0 and done2.spec["blind"] == 0, (name, done2)
