@@ -244,30 +244,30 @@ class MtpSource:
         self._kv, self._lent = caches, None
 
     # -- catching up --------------------------------------------------------------------------------
-    def catch_up(self, model, target_caches: list) -> bool:
-        """Recompute the hidden states of the positions it missed (up to what ``target_caches`` cover) on a copy of
-        the target's caches cut back to where it stopped hearing: plain KVCache layers only (recurrent state cannot
-        be cut back). True when it is not behind the target's caches afterwards."""
-        covered = max((int(c.offset) for c in target_caches if isinstance(getattr(c, "offset", None), int)),
-                      default=0)
-        covered = min(covered, len(self._seq))
-        h = self._h
-        if h >= covered:
-            return True
-        if h < self.origin or not all(type(c) is KVCache for c in target_caches):
-            return False
-        fork = []
-        for c in target_caches:
-            f = KVCache()
-            if h:
-                f.keys, f.values, f.offset = c.keys[..., :h, :], c.values[..., :h, :], h
-            fork.append(f)
-        for s in range(h, covered, PREFILL_CHUNK):
-            chunk = self._seq[s: min(covered, s + PREFILL_CHUNK)]
-            model(mx.array(chunk)[None], cache=fork)
-            self.heard(s, chunk)
-        mx.eval(self._hid.state)
-        return self._h >= covered
+    @staticmethod
+    def can_catch_up(target_caches: list) -> bool:
+        """Can missed hidden states be recomputed later over these caches (plain KVCache layers: cut back a copy)?"""
+        return bool(target_caches) and all(type(c) is KVCache for c in target_caches)
+
+    def catch_up(self, model, target_caches: list, tokens: Sequence[int]) -> bool:
+        """The sequence is ``tokens``, which ``target_caches`` cover: recompute the hidden states of the positions it
+        missed on a copy of those caches cut back to where it stopped hearing (plain KVCache layers only: recurrent
+        state cannot be cut back), then its entries. True when its caches cover ``tokens`` afterwards."""
+        self.prefill(tokens)
+        h, n = self._h, len(self._seq)
+        if h < n and h >= self.origin and self.can_catch_up(target_caches):
+            fork = []
+            for c in target_caches:
+                f = KVCache()
+                if h:
+                    f.keys, f.values, f.offset = c.keys[..., :h, :], c.values[..., :h, :], h
+                fork.append(f)
+            for s in range(h, n, PREFILL_CHUNK):
+                chunk = self._seq[s: min(n, s + PREFILL_CHUNK)]
+                model(mx.array(chunk)[None], cache=fork)
+                self.heard(s, chunk)
+            self._fill()
+        return not self.origin and self._h == self._m == n
 
     # -- inner parts --------------------------------------------------------------------------------
     def _drop_open(self) -> None:
@@ -314,12 +314,14 @@ class MtpProvider(DraftProvider):
         return cls(head, tap(loaded.model), identity=f"mtp:{loaded.fingerprint}",
                    target_params=sum(v.size for _, v in leaves), facts=facts_of(head, loaded.architecture))
 
-    def policy(self, max_len: int):
-        """Adaptive length that pauses (not stops) when drafts stop paying: the source keeps hearing the target
-        either way, so drafting again costs nothing to resume."""
+    def policy(self, max_len: int, recurrent: bool = False):
+        """Adaptive length that stops when drafts stop paying: the request decodes on mlx-lm's pipelined plain steps
+        and the heads catch up when it is stored (``catch_up``). Over recurrent state, where they could not, it
+        pauses instead: the solo verifier keeps feeding one token per step, which the heads hear."""
         from spec.adaptive import AdaptiveDraftLength, break_even_rate
 
-        return AdaptiveDraftLength(max_len, stop_below=break_even_rate(self.cost_ratio), pause=16)
+        return AdaptiveDraftLength(max_len, stop_below=break_even_rate(self.cost_ratio),
+                                   pause=16 if recurrent else None)
 
     def open(self, caches: Optional[list] = None, tokens: Sequence[int] = ()) -> MtpSource:
         return MtpSource(self.head, self.tap, caches, tokens)

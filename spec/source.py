@@ -94,6 +94,10 @@ class HearingDraftSource(DraftSource, Protocol):
 
     def heard(self, start: int, tokens: Sequence[int], row: int = 0) -> None: ...
 
+    def can_catch_up(self, target_caches: list) -> bool:
+        """Can it recompute later what it did not hear over these caches (so a decoder it cannot hear may run)?"""
+        ...
+
 
 class DraftProvider:
     """Built once at start-up; opens one ``DraftSource`` per request.

@@ -19,8 +19,9 @@ speculative runs, not the same text as a plain run).
 When the policy stops drafting, the rest of the request is delegated to mlx-lm's pipelined
 ``generate_step`` on the same caches, so a request whose drafts do not pay runs at plain speed. A source that reads
 the target's hidden states (``hears_hidden``: spec.mtp) hears every forward that fed its sequence (``heard``, right
-after the verify forward and after the last token is fed at the end); it never hands over to ``generate_step``,
-whose forwards it could not hear (its policy pauses instead of stopping).
+after the verify forward and after the last token is fed at the end); it is handed over to ``generate_step``, whose
+forwards it does not hear, only where it can recompute them later (plain KV caches: spec.mtp ``catch_up``); over
+recurrent state its policy pauses instead of stopping.
 """
 
 from __future__ import annotations
@@ -138,7 +139,9 @@ def speculative_decode(
                 if policy.stopped:
                     if not stats.stopped:
                         stats.stopped = 1
-                    if not hears:  # plain decoding from here on, pipelined; a source that hears cannot follow it
+                    # plain decoding from here on, pipelined; a source that hears the target follows it only where
+                    # it can recompute what it missed later (plain KV), else it goes on hearing one token a step
+                    if not hears or cast(HearingDraftSource, source).can_catch_up(caches):
                         break
                     n = 0
                 drafts = []

@@ -75,7 +75,11 @@ class Speculation:
         plan.stats.blind = int(bool(getattr(source, "blind", False)))
         return plan
 
-    def policy(self, n: int):
+    def policy(self, n: int, facts: Optional[ModelFacts] = None):
+        """A request's draft-length policy. MTP heads over recurrent state pause rather than stop (they keep hearing
+        the target and cannot catch up later: spec.mtp)."""
+        if self.provider.kind == "mtp":
+            return self.provider.policy(n, recurrent=facts is not None and facts.caches.recurrent)
         return self.provider.policy(n)
 
 

@@ -49,7 +49,7 @@ class CacheWriter:
         if plan is not None and plan.source.caches is not None:
             source = plan.source
             if getattr(source, "hears_hidden", False):  # MTP heads (spec.mtp): hidden states it missed, recomputed
-                source.catch_up(work.model, caches)
+                source.catch_up(work.model, caches, tokens)
             source.prefill(tokens)  # bring the draft's caches to exactly `tokens`
             if covered_length(list(source.caches)) == len(tokens):
                 caches = list(caches) + list(source.caches)

@@ -90,12 +90,10 @@ def test_a_source_that_missed_positions_drafts_nothing_until_it_is_caught_up(bou
     source.heard(0, PROMPT[:10])  # then a plain batch decoded on: nothing heard of positions 10..
     source.heard(20, PROMPT[20:])  # a gap is not bridged
     assert source.draft(PROMPT[10:], 3) == [] and source.behind, name
-    source.prefill(PROMPT)
     plain_kv = all(type(c).__name__ == "KVCache" for c in caches)
     # recomputed on a copy of the target's caches cut back; recurrent state cannot be cut back: it stays behind
-    assert source.catch_up(model, caches) == plain_kv and source.behind != plain_kv, name
+    assert source.catch_up(model, caches, PROMPT) == plain_kv and source.behind != plain_kv, name
     if plain_kv:
-        source.prefill(PROMPT)
         assert_same_caches(source, cold(model, provider, PROMPT), name)
 
 
@@ -192,3 +190,33 @@ def test_the_heads_draft_for_many_rows_in_batched_forwards_what_each_row_drafts_
     assert together.draft(feeds[1], 3) == alone.draft(feeds[1], 3), name  # it goes on alone as its own would
     rest = db.draft([(rows[0][2], feeds[0], 2), (rows[2][2], feeds[2], 1)])
     assert rest == [rows[0][0].draft(feeds[0], 2), rows[2][0].draft(feeds[2], 1)], name
+
+
+def test_a_request_whose_drafts_stop_paying_decodes_plainly_and_the_heads_catch_up_where_they_can(bound):
+    """Over plain KV caches the policy stops and the rest runs on mlx-lm's pipelined steps, unheard: the heads catch up
+    before the caches are stored. Over recurrent state it pauses, and the solo verifier keeps feeding them."""
+    from mlx_lm.generate import generate_step
+
+    from spec import SpecStats, speculative_decode
+
+    name, model, provider = bound
+    caches = make_prompt_cache(model)
+    model(mx.array(PROMPT[:-1])[None], cache=caches)
+    recurrent = not provider.open().can_catch_up(caches)
+    policy = provider.policy(3, recurrent=recurrent)
+    policy.stop_below = 2.0  # nothing pays: it stops (or pauses) after its warm-up
+    source = provider.open()
+    source.heard(0, PROMPT[:-1])
+    source.prefill(PROMPT[:-1])
+    stats = SpecStats()
+    got = [t for t, _, _ in speculative_decode(model, caches, PROMPT[-1], source, max_tokens=16, num_draft_tokens=3,
+                                               policy=policy, stats=stats)]
+    want = [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=16,
+                                              prompt_cache=make_prompt_cache(model))]
+    assert got == want, name
+    assert (stats.stopped == 1) != recurrent and stats.rounds == 4, (name, stats)  # drafting ended with the warm-up
+    seq = (PROMPT + got)[: max(int(c.offset) for c in caches if hasattr(c, "offset"))]  # what the caches cover
+    source.prefill(seq)
+    assert source.behind != recurrent, name  # the plain steps were not heard; the paused verifier's were
+    assert source.catch_up(model, caches, seq), name  # recomputed, or nothing was missed
+    assert_same_caches(source, cold(model, provider, seq), name)
