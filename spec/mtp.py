@@ -116,8 +116,8 @@ class MtpSource:
         """The target's latest forward fed ``tokens`` at positions ``start``.. of this sequence, in row ``row`` of its
         batch: their hidden states are read from the tap now (call it right after that forward)."""
         last = self._tap.last
-        if last is None or not tokens:
-            return
+        if last is None or not tokens or last.shape[0] <= row or last.shape[1] < len(tokens):
+            return  # not a forward of this sequence: it stays behind (drafts nothing) rather than hear another's
         self.hear(start, tokens, last[row, : len(tokens)])
 
     def hear(self, start: int, tokens: Sequence[int], hidden: mx.array) -> None:

@@ -102,7 +102,9 @@ class Engine:
     def draft_tokens(self, target: Target, params) -> int:
         """Draft tokens per step for a request on ``target`` (``Speculation.wanted``, from its model's facts)."""
         spec = self.speculation
-        return spec.wanted(params.num_draft_tokens, target.slot.facts) if spec is not None else 0
+        if spec is None or (target.adapter is not None and not spec.drafts_under_adapters):
+            return 0
+        return spec.wanted(params.num_draft_tokens, target.slot.facts)
 
     def _cannot_rewind(self, slot: Slot, params) -> bool:
         """The server speculates and the request did not turn it off, but its model's caches cannot rewind."""

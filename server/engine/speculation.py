@@ -41,6 +41,12 @@ class Speculation:
         """The base model's own MTP heads when they draft (--draft-kind mtp), else None."""
         return getattr(self.provider, "facts", None)
 
+    @property
+    def drafts_under_adapters(self) -> bool:
+        """May a request under a LoRA adapter speculate? Not with MTP heads: they read the hidden states of the base
+        model's forward (its tapped final norm), which an adapter's model does not run."""
+        return self.provider.kind != "mtp"
+
     def supports(self, facts: ModelFacts) -> bool:
         """May requests on a model of these facts speculate? Its caches must take back a rejected draft (recurrent
         layers beside untrimmable ones cannot; sliding windows can, also once wrapped: spec.rewind); a draft model

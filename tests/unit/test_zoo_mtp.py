@@ -137,3 +137,19 @@ def test_a_seeded_sampled_request_is_verified_by_the_shared_rule_and_repeats_aft
     (first, done1), (second, done2) = runs
     assert len(first) == 12 and first == second, name
     assert done1.spec["drafted"] > 0 and done2.cached_tokens > 0 and done2.spec["blind"] == 0, (name, done2)
+
+
+def test_requests_under_a_lora_adapter_do_not_draft_with_the_base_models_heads(mtp):
+    """The heads read the base model's forward (its tapped final norm): an adapter's model runs its own."""
+    from types import SimpleNamespace
+
+    from server.lane.events import SamplingParams
+    from server.lane.target import Target
+
+    name, model, head, speculation = mtp
+    engine = lane_of(model, speculation=speculation).engine
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    assert engine.draft_tokens(engine.base_target(), params) == 3, name
+    adapted = Target(engine.base, adapter=SimpleNamespace(name="lora", identity="a" * 64, model=model))
+    assert engine.draft_tokens(adapted, params) == 0, name
+    assert engine.namespace_for(adapted, params) != engine.namespace_for(engine.base_target(), params), name
