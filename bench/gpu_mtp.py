@@ -70,7 +70,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a checkpoint that ships MTP heads (what --model accepts)")
-    src.add_argument("--zoo", choices=["qwen3_5", "glm4_moe_lite", "nemotron_h"], help="tests.fixtures.zoo_mtp's tiny model")
+    src.add_argument("--zoo", choices=["qwen3_5", "glm4_moe_lite", "nemotron_h"],
+                     help="tests.fixtures.zoo_mtp's tiny model")
     ap.add_argument("--agents", default="1,16", help="concurrent agents per level (default 1,16)")
     ap.add_argument("--turns", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)

@@ -215,7 +215,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a checkpoint that ships MTP heads (what --model accepts)")
-    src.add_argument("--zoo", choices=["qwen3_5", "glm4_moe_lite", "nemotron_h"], help="tests.fixtures.zoo_mtp's tiny model")
+    src.add_argument("--zoo", choices=["qwen3_5", "glm4_moe_lite", "nemotron_h"],
+                     help="tests.fixtures.zoo_mtp's tiny model")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--context", type=int, default=2048, help="tokens each row's caches hold (default 2048)")
     ap.add_argument("--max-draft", type=int, default=4)

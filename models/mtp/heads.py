@@ -77,7 +77,8 @@ class MtpHead:
 
 
 def _qwen(d, e, hidden, caches, mask):
-    """mlx-vlm's ``Qwen3_5MTPDraftModel._forward_hidden`` with the source's mask (positions from the caches' offsets)."""
+    """mlx-vlm's ``Qwen3_5MTPDraftModel._forward_hidden`` with the source's mask (positions from the caches'
+    offsets)."""
     h = d.fc(mx.concatenate([d.pre_fc_norm_embedding(e), d.pre_fc_norm_hidden(hidden)], axis=-1))
     for layer, c in zip(d.layers, caches):
         h = layer(h, mask=mask, cache=c, position_ids=None)
