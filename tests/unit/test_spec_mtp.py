@@ -220,3 +220,39 @@ def test_a_request_whose_drafts_stop_paying_decodes_plainly_and_the_heads_catch_
     assert source.behind != recurrent, name  # the plain steps were not heard; the paused verifier's were
     assert source.catch_up(model, caches, seq), name  # recomputed, or nothing was missed
     assert_same_caches(source, cold(model, provider, seq), name)
+
+
+def test_deepseek_v3_heads_load_from_the_layer_past_its_last(tmp_path):
+    """DeepSeek-V3's MTP layer (``model.layers.<N>.*``, experts unstacked as the checkpoint ships them), converted by
+    mlx-lm's own sanitize as a one-layer model's layer 0. (mlx-lm 0.32 drops only a layer numbered 61 when it loads a
+    DeepSeek-V3, so the tiny target is built in memory here, not loaded from the directory.)"""
+    from mlx.utils import tree_flatten
+
+    from models.mtp import load_heads
+    from models.mtp.heads import DeepseekStyleMtp, MtpHead, target_embed_and_head
+    from spec.mtp import entry_mask
+    from tests.fixtures import zoo
+
+    model = zoo.build("deepseek_v3", VOCAB)
+    args = model.args
+    from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
+
+    module = DeepseekStyleMtp(DeepseekV3DecoderLayer(args, args.num_hidden_layers), args.hidden_size,
+                              args.rms_norm_eps)
+    module.load_weights(list(zoo._scaled(module, 5).items()))
+    embed, out = target_embed_and_head(model)
+    built = MtpHead(family="deepseek", module=module, embed=embed, head=out, layers=1, hidden_size=args.hidden_size)
+    weights = zoo_mtp.checkpoint_weights("deepseek_v3", model, built)
+    n = args.num_hidden_layers
+    for part in ("gate_proj", "up_proj", "down_proj"):  # as the checkpoint ships them: one tensor per expert
+        stacked = weights.pop(f"model.layers.{n}.mlp.switch_mlp.{part}.weight")
+        weights.update({f"model.layers.{n}.mlp.experts.{e}.{part}.weight": stacked[e] for e in range(len(stacked))})
+    weights[f"model.layers.{n}.embed_tokens.weight"] = mx.zeros((VOCAB, args.hidden_size))  # a copy: not loaded
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    (tmp_path / "config.json").write_text(json.dumps(zoo.config("deepseek_v3", VOCAB)))
+    loaded = load_heads(tmp_path, model)
+    assert loaded.family == "deepseek" and loaded.params == built.params
+    tokens, hidden = mx.array([[5, 6, 7]]), mx.ones((1, 3, args.hidden_size))
+    got = loaded.forward(tokens, hidden, loaded.make_caches(), entry_mask(0, 3))
+    assert mx.allclose(got, built.forward(tokens, hidden, built.make_caches(), entry_mask(0, 3)), atol=1e-4).item()
+    assert len(dict(tree_flatten(loaded.module.parameters()))) == len(dict(tree_flatten(module.parameters())))
