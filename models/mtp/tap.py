@@ -30,7 +30,6 @@ class HiddenTap:
 
     def __init__(self) -> None:
         self.last: Optional[mx.array] = None
-        self.forwards = 0
 
 
 def final_norm(model) -> Any:
@@ -50,7 +49,6 @@ def _tapped_class(cls: type) -> type:
         out = cls.__call__(self, *args, **kwargs)
         t = getattr(self, _TAPS)
         t.last = out
-        t.forwards += 1
         return out
 
     return type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__, "mlx_lane_untapped": cls})

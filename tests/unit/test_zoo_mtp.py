@@ -86,7 +86,9 @@ def test_four_requests_together_make_their_alone_text_and_store_whole_runs(mtp, 
     cache = PromptCache(1 << 28)
     lane = lane_of(model, cache, speculation=speculation)
     lane.stats.spec = SpecTotals("mtp", 3)  # what serve sets: the speculating batch's steps are counted there
-    seqs, sizes = {}, set()
+    first, _ = run(lane, PROMPTS[1], n=10)  # alone: drafting, its entry holds the heads' state too
+    assert first == want[1], name
+    seqs, sizes = {}, set()  # then PROMPTS[1] again among others: a hybrid's row takes the target's layers of it
     for tick in range(400):
         if tick in (0, 1, 2, 3) and tick not in seqs:
             seqs[tick] = submit(lane, PROMPTS[tick], 10)
@@ -105,12 +107,13 @@ def test_four_requests_together_make_their_alone_text_and_store_whole_runs(mtp, 
         assert max(sizes) >= 2 and drafted > 0, (name, sizes, drafted)
         assert batched_drafts and max(batched_drafts) >= 2, (name, batched_drafts)
         assert lane.stats.spec.as_dict()["in_batch"]["steps"] > 0, name
-    again, done = run(lane, PROMPTS[1] + want[1] + [50, 51], n=10)  # the next turn of one of them, alone
-    assert again == alone(model, PROMPTS[1] + want[1] + [50, 51], 10), name
-    assert done.cached_tokens > len(PROMPTS[1]), (name, done.cached_tokens)
+    nxt = PROMPTS[2] + want[2] + [50, 51]  # the next turn of one that arrived beside others, alone
+    again, done = run(lane, nxt, n=10)
+    assert again == alone(model, nxt, 10), name
+    assert done.cached_tokens > len(PROMPTS[2]), (name, done.cached_tokens)
     assert done.spec["drafted"] > 0, name
     # its entry holds the heads' state when it was computed drafting (plain KV: the speculating batch); a hybrid row
-    # that decoded plainly stored the target's layers only
+    # that decoded plainly stored the target's layers only: a hit on it starts blind, and still drafts
     assert done.spec["blind"] == (0 if plain_kv else 1), (name, done.spec)
 
 
