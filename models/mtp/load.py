@@ -80,7 +80,13 @@ def _no_tensors(path: Path, what: str) -> ModelLoadError:
 
 def _load_vlm(path: Path, config: dict, model, family: str) -> MtpHead:
     """qwen and nemotron: mlx-vlm's splitter loads its drafter class from the checkpoint's ``mtp.*`` tensors."""
-    from mlx_vlm.speculative.drafters.mtp_split import get_mtp_splitter
+    try:
+        from mlx_vlm.speculative.drafters.mtp_split import get_mtp_splitter
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"--draft-kind mtp: the {family} heads run on mlx-vlm's drafter classes, and mlx-vlm is not installed "
+            f"({exc}); install the vision extra (pip install -e '.[vision]', or: pip install --no-deps "
+            "mlx-vlm==0.7.10 && pip install Pillow requests)") from exc
 
     splitter = get_mtp_splitter(source_config=config)
     if splitter is None:
