@@ -6,9 +6,9 @@ returns a ``Prefilled`` per chunk. A chunk that ends at one of the sequence's an
 stores that prefix as an entry of its own. A prompt that is complete (all but its last token, the first decode
 step's input) is READY: its computed share feeds the SSD tier's restore-or-recompute rate (the base model's), its
 draft source hears it (a source that reads the target's hidden states, spec.mtp, hears every chunk as it is fed),
-and a prompt-boundary entry is stored when a layer cannot be trimmed back later (a sliding
-window, recurrent state: the next turn needs exactly this boundary) or when ``store_now`` (others may share its
-prefix now; for trimmable caches the final put supersedes it). Lane thread only.
+and a prompt-boundary entry is stored when a layer cannot be trimmed back later (a sliding window, recurrent state:
+the next turn needs exactly this boundary) or when ``store_now`` (others may share its prefix now; for trimmable
+caches the final put supersedes it). Lane thread only.
 
 A prompt with images (``Sequence.media``, server.core.media) has its cache key as ``prompt``; the chunks that hold
 image tokens are fed as input embeddings (``_embeddings``: the vision encoder runs at the first such chunk, for the
