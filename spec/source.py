@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
-__all__ = ["DraftSource", "BatchableDraftSource", "DraftProvider"]
+__all__ = ["DraftSource", "BatchableDraftSource", "HearingDraftSource", "DraftProvider"]
 
 
 @runtime_checkable
@@ -80,6 +80,23 @@ class BatchableDraftSource(DraftSource, Protocol):
     def record_draft(self, drafts: list[int]) -> None: ...
 
     def record_verdict(self, drafted: Sequence[int], accepted: int) -> int: ...
+
+
+@runtime_checkable
+class HearingDraftSource(DraftSource, Protocol):
+    """A source that reads the target's hidden states (``hears_hidden`` True: spec.mtp.MtpSource). Whoever runs a
+    target forward that fed its sequence calls ``heard`` right after it: ``tokens`` were fed at positions ``start``..
+    of the sequence, in row ``row`` of the forward's batch; the source reads their hidden states from the target's
+    tap. Such a source is told every token through ``draft`` (``n`` 0 when it is not to draft), so that what it
+    heard and what it was fed agree."""
+
+    hears_hidden: bool
+
+    def heard(self, start: int, tokens: Sequence[int], row: int = 0) -> None: ...
+
+    def can_catch_up(self, target_caches: list) -> bool:
+        """Can it recompute later what it did not hear over these caches (so a decoder it cannot hear may run)?"""
+        ...
 
 
 class DraftProvider:

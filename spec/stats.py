@@ -18,7 +18,9 @@ class SpecStats:
       bonus tokens and plain steps);
     - ``stopped``: requests for which the policy turned drafting off because it did not pay;
     - ``cannot_rewind``: requests that decoded plainly because their model's caches cannot take back a rejected
-      draft (recurrent state: linear attention, SSM).
+      draft (recurrent state: linear attention, SSM);
+    - ``blind``: requests whose MTP heads (spec.mtp) started on a cached prefix whose entry kept none of their state:
+      they drafted from the new tokens' hidden states only.
     """
 
     rounds: int = 0
@@ -27,6 +29,7 @@ class SpecStats:
     emitted: int = 0
     stopped: int = 0
     cannot_rewind: int = 0
+    blind: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -45,6 +48,7 @@ class SpecStats:
         self.emitted += other.emitted
         self.stopped += other.stopped
         self.cannot_rewind += other.cannot_rewind
+        self.blind += other.blind
         return self
 
     def as_dict(self) -> dict:

@@ -17,14 +17,18 @@ though the random stream is consumed differently (the same seed gives the same t
 speculative runs, not the same text as a plain run).
 
 When the policy stops drafting, the rest of the request is delegated to mlx-lm's pipelined
-``generate_step`` on the same caches, so a request whose drafts do not pay runs at plain speed.
+``generate_step`` on the same caches, so a request whose drafts do not pay runs at plain speed. A source that reads
+the target's hidden states (``hears_hidden``: spec.mtp) hears every forward that fed its sequence (``heard``, right
+after the verify forward and after the last token is fed at the end); it is handed over to ``generate_step``, whose
+forwards it does not hear, only where it can recompute them later (plain KV caches: spec.mtp ``catch_up``); over
+recurrent state its policy pauses instead of stopping.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Generator, Optional, Sequence
+from typing import Generator, Optional, Sequence, cast
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -33,7 +37,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from spec.accept import accept
 from spec.adaptive import FixedDraftLength
 from spec.rewind import VerifyRewind, can_rewind
-from spec.source import DraftSource
+from spec.source import DraftSource, HearingDraftSource
 from spec.stats import SpecStats
 
 __all__ = ["speculative_decode"]
@@ -72,6 +76,8 @@ def speculative_decode(
     """
     rewindable = can_rewind(caches)  # else: plain decoding (stats.cannot_rewind)
     rewinder = VerifyRewind(model, caches)
+    hears = bool(getattr(source, "hears_hidden", False))
+    pos = _covered(caches)  # positions the target's caches cover: where the next forward feeds
     if isinstance(first_token_input, mx.array):
         first_token_input = first_token_input.tolist()
     if not isinstance(first_token_input, int):
@@ -92,7 +98,15 @@ def speculative_decode(
     fed: list[int] = []  # the tokens the latest verify forward fed
     walked = 0  # drafts of the open round emitted so far
     open_round = False
+    unheard = False  # the latest verify forward's kept positions are not heard yet (a source that hears)
     plain = None  # generate_step, once drafting stopped
+
+    def hear(tokens: list[int]) -> None:
+        nonlocal pos, unheard
+        unheard = False
+        if hears:
+            cast(HearingDraftSource, source).heard(pos, tokens)
+        pos += len(tokens)
 
     def settle() -> None:
         nonlocal over, open_round, unfed
@@ -102,12 +116,16 @@ def speculative_decode(
         if open_round:
             open_round = False
             source.commit(drafts, walked)
+        exc = sys.exc_info()[1]
+        clean = exc is None or isinstance(exc, GeneratorExit)
+        if unheard and clean:
+            hear(fed[: 1 + walked])
         if plain is not None:
             plain.close()
             return
-        exc = sys.exc_info()[1]
-        if unfed and ntoks and (exc is None or isinstance(exc, GeneratorExit)):
+        if unfed and ntoks and clean:
             model(mx.array([[pending]]), cache=caches)
+            hear([pending])
             mx.eval([c.state for c in caches])
             unfed = False
 
@@ -121,9 +139,13 @@ def speculative_decode(
                 if policy.stopped:
                     if not stats.stopped:
                         stats.stopped = 1
-                    break
+                    # plain decoding from here on, pipelined; a source that hears the target follows it only where
+                    # it can recompute what it missed later (plain KV), else it goes on hearing one token a step
+                    if not hears or cast(HearingDraftSource, source).can_catch_up(caches):
+                        break
+                    n = 0
                 drafts = []
-                if n > 0:
+                if n > 0 or hears:  # a source that hears is told every token, drafting or not
                     drafts = source.draft(feed, n)
                     feed = []
                     if len(drafts) > n:
@@ -132,7 +154,7 @@ def speculative_decode(
                 walked = 0
                 rewinder.mark()
                 tokens, logprobs = _verify(model, caches, pending, drafts, history, sampler, processors)
-                over, unfed, fed = len(drafts), False, [pending] + list(drafts)
+                over, unfed, fed, unheard = len(drafts), False, [pending] + list(drafts), True
                 if drafts:
                     stats.rounds += 1
                     stats.drafted += len(drafts)
@@ -152,6 +174,7 @@ def speculative_decode(
                     open_round = False
                     source.commit(drafts, a)
                     policy.update(len(drafts), a)
+                hear(fed[: 1 + a])
                 pending = tokens[a]
                 history.extend(drafts[:a])
                 history.append(pending)
@@ -180,6 +203,11 @@ def speculative_decode(
                 yield token, lp, False
         finally:
             settle()
+
+
+def _covered(caches: list) -> int:
+    """Positions the caches cover (the longest attention layer's offset; recurrent state has none)."""
+    return max((int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)), default=0)
 
 
 def _verify(model, caches, pending: int, drafts: list[int], history: list[int], sampler, processors):

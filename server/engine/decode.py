@@ -130,7 +130,7 @@ class Decoder:
         if plan is None or self._speculation is None:
             return None
         if plan.policy is None:
-            plan.policy = self._speculation.policy(plan.num_draft_tokens)
+            plan.policy = self._speculation.policy(plan.num_draft_tokens, work.slot.facts)
         return RowDraft(plan.source, plan.policy, plan.num_draft_tokens, plan.stats)
 
     def _open_solo(self, seq: SeqView, work: SeqWork, covered: Optional[Covered]) -> None:

@@ -16,7 +16,7 @@ lane learns comes back as the seam's records. Lane thread only, but for ``classi
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -60,7 +60,8 @@ class Engine:
         self.config = config
         self.prefill_chunk = config.prefill_chunk
         self.base = ModelSlot(loaded, base=True, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
-                              read_shared_prefix=config.read_shared_prefix)  # --model
+                              read_shared_prefix=config.read_shared_prefix,  # --model
+                              draft_heads=config.speculation.draft_heads if config.speculation else None)
         self.prompt_cache = prompt_cache
         self.stats = stats
         self.speculation = config.speculation
@@ -101,7 +102,9 @@ class Engine:
     def draft_tokens(self, target: Target, params) -> int:
         """Draft tokens per step for a request on ``target`` (``Speculation.wanted``, from its model's facts)."""
         spec = self.speculation
-        return spec.wanted(params.num_draft_tokens, target.slot.facts) if spec is not None else 0
+        if spec is None or (target.adapter is not None and not spec.drafts_under_adapters):
+            return 0
+        return spec.wanted(params.num_draft_tokens, target.slot.facts)
 
     def _cannot_rewind(self, slot: Slot, params) -> bool:
         """The server speculates and the request did not turn it off, but its model's caches cannot rewind."""
@@ -166,7 +169,7 @@ class Engine:
             caches = target_caches if target_caches is not None else slot.new_caches()
             spec = self.speculation.open(draft_caches, seq.prompt[:cached], n_draft)
         else:
-            caches = self._taken(slot, hit) if hit is not None else slot.new_caches()
+            caches = self._taken(slot, _target_part(slot, hit)) if hit is not None else slot.new_caches()
         grammar = params.grammar.processor() if params.grammar is not None else None
         model = target.adapter.model if target.adapter is not None else slot.model
         media = getattr(seq, "media", None)
@@ -200,7 +203,7 @@ class Engine:
         hit = self.prompt_cache.take(seq.prompt, seq.ns, seq.session)
         if hit is None or hit.length <= work.covered:
             return None
-        work.caches = self._taken(work.slot, hit) if work.spec is None else hit.caches
+        work.caches = self._taken(work.slot, _target_part(work.slot, hit)) if work.spec is None else hit.caches
         work.covered = work.cached = hit.length
         if work.slot.facts.needs_checkpoints:
             work.snapshots.update(hit.checkpoints)
@@ -311,6 +314,14 @@ def _target_of(seq: SeqView) -> Target:
     if target is None:
         raise ValueError(f"sequence {seq.id} has no target model: the door resolves one for every request")
     return target
+
+
+def _target_part(slot: Slot, hit):
+    """A hit for a request that does not draft: its model's layers. An entry of a namespace with a draft (the request
+    asked to speculate, but decodes plainly beside others: server.engine.batch.choose.place) may hold the draft's
+    layers (a draft model's, or MTP heads' and hidden states) after the target's."""
+    n = slot.facts.layers
+    return hit if len(hit.caches) <= n else replace(hit, caches=hit.caches[:n])
 
 
 def _repair_after_failure() -> None:

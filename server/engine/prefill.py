@@ -5,9 +5,10 @@
 returns a ``Prefilled`` per chunk. A chunk that ends at one of the sequence's anchors (a client's cache breakpoint)
 stores that prefix as an entry of its own. A prompt that is complete (all but its last token, the first decode
 step's input) is READY: its computed share feeds the SSD tier's restore-or-recompute rate (the base model's), its
-draft source hears it, and a prompt-boundary entry is stored when a layer cannot be trimmed back later (a sliding
-window, recurrent state: the next turn needs exactly this boundary) or when ``store_now`` (others may share its
-prefix now; for trimmable caches the final put supersedes it). Lane thread only.
+draft source hears it (a source that reads the target's hidden states, spec.mtp, hears every chunk as it is fed),
+and a prompt-boundary entry is stored when a layer cannot be trimmed back later (a sliding window, recurrent state:
+the next turn needs exactly this boundary) or when ``store_now`` (others may share its prefix now; for trimmable
+caches the final put supersedes it). Lane thread only.
 
 A prompt with images (``Sequence.media``, server.core.media) has its cache key as ``prompt``; the chunks that hold
 image tokens are fed as input embeddings (``_embeddings``: the vision encoder runs at the first such chunk, for the
@@ -74,11 +75,13 @@ class Prefiller:
                 ids = mx.array(seq.media.input_ids[start:cut])[None]
                 # a slice is a new array: the model scales its input embeddings in place (``h *= ...``)
                 work.model(ids, cache=work.caches, input_embeddings=embeds[2][start - embeds[0]: cut - embeds[0]][None])
+                _heard(work, start, seq.prompt[start:cut])
                 start = cut
                 if cut == embeds[1]:
                     work.embeds = None  # past every image: the embeddings are done with
             if start < end:  # text: past the last image, the cache key's tokens are the prompt's own
                 work.model(mx.array(seq.prompt[start:end])[None], cache=work.caches)
+                _heard(work, start, seq.prompt[start:end])
             mx.eval([c.state for c in _caches(work)])
             if self._gpu:  # as mlx-lm's batch prefill does: freed activations go back to the device (on the
                 mx.clear_cache()  # CPU that only costs page faults on the next chunk's buffers)
@@ -150,6 +153,12 @@ class Prefiller:
     def _store(self, tokens, seq, work: SeqWork, anchor: bool = False) -> None:
         with mx.stream(self._stream()):
             self._writer.store(tokens, _caches(work), seq, work, anchor=anchor)
+
+
+def _heard(work: SeqWork, start: int, tokens) -> None:
+    """A draft source that reads the target's hidden states (spec.mtp) hears the chunk just fed (spec.source)."""
+    if work.spec is not None and getattr(work.spec.source, "hears_hidden", False):
+        work.spec.source.heard(start, list(tokens))
 
 
 def _caches(work: SeqWork) -> list:

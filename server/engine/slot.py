@@ -20,7 +20,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from models.attention import attention_path
 from models.attention.cpu import routes as routes_cpu_attention
 from models.errors import ModelLoadError
-from models.facts import CacheFacts, ModelFacts
+from models.facts import CacheFacts, DraftHeads, ModelFacts
 from models.kernels import kernel_path
 from models.loading.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from models.mlx_compat import keep_leading_space as keep_leading_space_of
@@ -45,10 +45,11 @@ _PRICE_TOKENS = 8  # tokens of the second forward that prices one token (fewer t
 
 
 def measure(model, *, base: bool, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-            read_shared_prefix: bool = True) -> ModelFacts:
+            read_shared_prefix: bool = True, draft_heads: Optional[DraftHeads] = None) -> ModelFacts:
     """A model's facts (models.facts), from its fresh caches and its modules: the one place they are measured.
     ``base``: the server's base model (the draft model drafts for it); ``kv_bits``: its KV is quantized (nothing then
-    merges, nor takes the ragged layout); ``read_shared_prefix`` False (--debug-copy-hits): every hit copies."""
+    merges, nor takes the ragged layout); ``read_shared_prefix`` False (--debug-copy-hits): every hit copies;
+    ``draft_heads``: its own MTP heads, loaded from its checkpoint for --draft-kind mtp (models.mtp)."""
     layers = make_prompt_cache(model)
     if any(is_vlm_cache(c) for c in layers):  # mlx-vlm's classes: their facts are declared in models.vlm_caches
         return _measure_vlm(model, layers, base=base, kv_bits=kv_bits)
@@ -80,6 +81,7 @@ def measure(model, *, base: bool, kv_bits: Optional[int] = None, kv_group_size: 
         reads_shared_prefix=read_shared_prefix and plain_kv and routes_cpu_attention(model),
         attention=attention_path(model),
         recurrent_path=kernel_path(model),
+        draft_heads=draft_heads if base else None,
     )
 
 
@@ -108,7 +110,7 @@ class ModelSlot:
     """One model of the server (see the module docstring); ``facts`` (models.facts.ModelFacts) measured once here."""
 
     def __init__(self, loaded, *, name: Optional[str] = None, base: bool = True, kv_bits: Optional[int] = None,
-                 kv_group_size: int = 64, read_shared_prefix: bool = True):
+                 kv_group_size: int = 64, read_shared_prefix: bool = True, draft_heads: Optional[DraftHeads] = None):
         self.loaded = loaded  # models.loading.load.LoadedModel
         self.name: str = name or getattr(loaded, "model_id", None) or "default"  # what requests call it
         self.base = base  # the server's base model: adapters, the draft model and batched prefill apply to it
@@ -122,7 +124,7 @@ class ModelSlot:
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.eos = frozenset(self.tokenizer.eos_token_ids or [])
         self.facts: ModelFacts = measure(self.model, base=base, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                                         read_shared_prefix=read_shared_prefix)
+                                         read_shared_prefix=read_shared_prefix, draft_heads=draft_heads)
         args = getattr(self.model, "args", None)
         self.vocab_size: int = getattr(args, "vocab_size", None) or len(getattr(self.tokenizer, "vocab", ()))
         self.kv_price: Optional[KVPrice] = None  # measured by measure_kv (the memory budget's price)

@@ -10,10 +10,10 @@ the draft keeps KV of its own: ``cache.prefix.namespace``), and opens the per-re
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
-from models.facts import ModelFacts
+from models.facts import DraftHeads, ModelFacts
 from spec import SpecStats, speculative_decode
 from spec.adaptive import DraftPolicy
 
@@ -36,10 +36,24 @@ class Speculation:
         self.kind = kind
         self.num_draft_tokens = num_draft_tokens
 
+    @property
+    def draft_heads(self) -> Optional[DraftHeads]:
+        """The base model's own MTP heads when they draft (--draft-kind mtp), else None."""
+        return getattr(self.provider, "facts", None)
+
+    @property
+    def drafts_under_adapters(self) -> bool:
+        """May a request under a LoRA adapter speculate? Not with MTP heads: they read the hidden states of the base
+        model's forward (its tapped final norm), which an adapter's model does not run."""
+        return self.provider.kind != "mtp"
+
     def supports(self, facts: ModelFacts) -> bool:
         """May requests on a model of these facts speculate? Its caches must take back a rejected draft (recurrent
         layers beside untrimmable ones cannot; sliding windows can, also once wrapped: spec.rewind); a draft model
-        drafts only for the base model (n-gram drafting for every model)."""
+        drafts only for the base model, MTP heads only for the model they were loaded with (n-gram drafting for every
+        model)."""
+        if self.provider.kind == "mtp":
+            return facts.rewinds and facts.draft_heads is not None
         return facts.rewinds and (self.provider.identity is None or facts.draft_model)
 
     def wanted(self, requested: Optional[int], facts: ModelFacts) -> int:
@@ -59,20 +73,30 @@ class Speculation:
         return caches[:n], (caches[n:] if len(caches) > n else None)
 
     def open(self, draft_caches: Optional[list], covered: Sequence[int], n: int) -> SpecPlan:
-        source = self.provider.open(draft_caches, covered if draft_caches is not None else ())
-        return SpecPlan(source=source, num_draft_tokens=n)
+        # a draft that keeps KV of its own starts from the entry's draft layers, or from nothing (the two-model
+        # draft prefills the prefix; MTP heads, which need the target's hidden states, start at the hit: blind)
+        source = self.provider.open(draft_caches, covered if draft_caches is not None or self.provider.kind == "mtp"
+                                    else ())
+        plan = SpecPlan(source=source, num_draft_tokens=n)
+        plan.stats.blind = int(bool(getattr(source, "blind", False)))
+        return plan
 
-    def policy(self, n: int):
+    def policy(self, n: int, facts: Optional[ModelFacts] = None):
+        """A request's draft-length policy. MTP heads over recurrent state pause rather than stop (they keep hearing
+        the target and cannot catch up later: spec.mtp)."""
+        if self.provider.kind == "mtp":
+            return self.provider.policy(n, recurrent=facts is not None and facts.caches.recurrent)
         return self.provider.policy(n)
 
 
 class SpecTotals:
     """Server-wide speculative counters for /stats and /metrics (thread-safe)."""
 
-    def __init__(self, kind: Optional[str] = None, max_draft: int = 0):
+    def __init__(self, kind: Optional[str] = None, max_draft: int = 0, heads: Optional[DraftHeads] = None):
         self._lock = threading.Lock()
         self.kind = kind
         self.max_draft = max_draft
+        self.heads = heads  # the checkpoint's own MTP heads (--draft-kind mtp)
         self.requests = 0
         self.total = SpecStats()
         # verify steps of speculating batches (server.engine.batch.speculating): steps, rows over them, tokens
@@ -108,7 +132,8 @@ class SpecTotals:
             d = self.total.as_dict()
             d.update({"enabled": self.kind is not None, "kind": self.kind, "num_draft_tokens": self.max_draft,
                       "requests": self.requests,
-                      "plain_cannot_rewind": self.plain_cannot_rewind + d.get("cannot_rewind", 0)})
+                      "plain_cannot_rewind": self.plain_cannot_rewind + d.get("cannot_rewind", 0),
+                      "heads": asdict(self.heads) if self.heads is not None else None})
             b: dict[str, Any] = dict(self.batch)
             b["mean_rows"] = round(b["row_steps"] / b["steps"], 3) if b["steps"] else None
             b["acceptance_rate"] = round(b["accepted"] / b["drafted"], 4) if b["drafted"] else None

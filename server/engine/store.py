@@ -3,7 +3,8 @@ it computed when it ends; and the checkpoints of its layers that cannot be cut b
 
 ``CacheWriter.store(tokens, caches, seq, work)``: the caches must cover exactly ``tokens`` (a sequence whose layers
 disagree on what they cover is not cached, and the log says so); a speculating sequence's entry holds its draft
-model's layers after the target's (the draft is brought to exactly ``tokens`` first); a hit's shared-prefix layers
+model's layers after the target's (the draft is brought to exactly ``tokens`` first; MTP heads that missed some
+positions recompute their hidden states first, or, over recurrent state, are left out); a hit's shared-prefix layers
 are made plain (the prefix cache holds plain caches). Caching is an optimisation: a failed put is logged, never a
 failed request. Lane thread only.
 
@@ -46,8 +47,14 @@ class CacheWriter:
             return
         plan = work.spec
         if plan is not None and plan.source.caches is not None:
-            plan.source.prefill(tokens)  # bring the draft's caches to exactly `tokens`
-            caches = list(caches) + list(plan.source.caches)
+            source = plan.source
+            if getattr(source, "hears_hidden", False):  # MTP heads (spec.mtp): hidden states it missed, recomputed
+                source.catch_up(work.model, caches, tokens)
+            source.prefill(tokens)  # bring the draft's caches to exactly `tokens`
+            if covered_length(list(source.caches)) == len(tokens):
+                caches = list(caches) + list(source.caches)
+            # else (MTP heads that missed positions over recurrent state): the target's layers alone; a hit on them
+            # drafts from the new tokens on (spec.mtp: a blind start)
         caches = flatten_shared(caches)  # the prefix cache holds plain KVCache layers
         if work.snapshots:
             caches = _with_checkpoints(caches, len(tokens), work)

@@ -60,6 +60,8 @@ class _SpecCollector:
         yield _counter("mlx_lane:spec_decode_num_emitted_tokens", "Tokens emitted by speculative requests",
                        s.get("emitted", 0))
         yield _gauge("mlx_lane:spec_decode_acceptance_rate", "Accepted / drafted so far", s.get("acceptance_rate", 0))
+        yield _counter("mlx_lane:spec_decode_blind_starts", "Requests whose MTP heads started on a cached prefix "
+                       "whose entry kept none of their state", s.get("blind", 0))
         b = s.get("in_batch") or {}
         yield _counter("mlx_lane:spec_decode_batch_steps", "Verify steps of speculating batches", b.get("steps", 0))
         yield _counter("mlx_lane:spec_decode_batch_row_steps", "Rows over those steps", b.get("row_steps", 0))

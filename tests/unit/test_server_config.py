@@ -38,3 +38,11 @@ def test_a_parsed_command_line_becomes_the_record(monkeypatch):
 def test_a_namespace_without_the_parsers_flags_is_refused_by_name():
     with pytest.raises(ValueError, match="no .*port"):
         ServerConfig.from_args(argparse.Namespace(host="h"))
+
+
+def test_serve_help_lists_the_draft_kinds_mtp_included():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    serve = sub.choices["serve"]
+    kinds = next(a for a in serve._actions if a.dest == "draft_kind").choices
+    assert list(kinds) == ["two-model", "ngram", "mtp"]
+    assert "{two-model,ngram,mtp}" in serve.format_help()

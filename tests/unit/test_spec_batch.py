@@ -379,7 +379,7 @@ def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_bat
         src = TwoModelSource(draft, None, ())
         sources.append(src)
         batch.add([Row(s, own_caches(model, p[:-1]), list(p), draft=RowDraft(src, FixedDraftLength(3), 3, None))])
-    assert (batch._drafter is not None and len(batch._drafter) == 3) == batched
+    assert (len(batch._drafters) == 1 and len(batch._drafters[0]) == 3) == batched
     while any(len(s.generated) < 10 for s in seqs):
         for s, token, _ in triples(batch.step()):
             s.generated.append(token)

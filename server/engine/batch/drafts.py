@@ -41,6 +41,11 @@ class DraftBatch:
         self._kv: Optional[RaggedKV] = None
         self.forwards = 0  # batched draft forwards run (tests and bench/draft_batch.py read it)
 
+    @property
+    def key(self):
+        """What it drafts with (a speculating batch keeps one drafter per key)."""
+        return self.model
+
     def __len__(self) -> int:
         return len(self._sources)
 

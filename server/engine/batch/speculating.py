@@ -29,6 +29,9 @@ sequence order; each row's drafts capped by what its own ``RowState`` says is le
 ``remove`` hands back the row's caches and exactly the tokens they cover, cut back to what the request kept
 (``kept``) when a stop ended it inside a step.
 
+A row whose source reads the target's hidden states (the checkpoint's MTP heads: spec.mtp) hears the positions it
+kept of each verify forward, its row of the forward's hidden states (``heard``), and drafts from them on its own.
+
 Rows whose source is a ``spec.source.BatchableDraftSource`` (the draft model's) draft together
 (``server.engine.batch.drafts``): while such a row is in the batch its draft caches live in the drafter's own ragged
 layout, and a step's k drafted tokens cost k batched forwards of the draft model for all rows, not k per row
@@ -48,6 +51,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Optional, Sequence
 import mlx.core as mx
 
 from server.engine.batch.drafts import DraftBatch
+from server.engine.batch.mtp_drafts import MtpDraftBatch
 from server.engine.batch.protocol import Covered, Emitted, Row, RowList, RowState
 from server.engine.batch.ragged_kv import RaggedKV, holds_kv
 from server.engine.batch.rules import Penalties, penalise, penalty_windows
@@ -136,9 +140,9 @@ class SpeculatingBatch(RowList):
         self.cost = BatchVerifyCost()  # what a drafted token costs this batch: the rows' break-even acceptance
         self._skipped = 0  # steps whose drafts were not worth their positions
         self._recent: deque = deque(maxlen=JUDGE_STEPS)  # (rows, tokens emitted, seconds) of the latest steps
-        # the batchable sources' draft caches and forwards, batched (None until such a row joins; draft_batch False:
-        # each row drafts on its own caches, to compare)
-        self._drafter: Optional[DraftBatch] = None
+        # the draft model's or the MTP heads' caches and forwards, batched (one drafter per draft model or heads, made
+        # when such a row joins; draft_batch False: each row drafts on its own caches, to compare)
+        self._drafters: list[Any] = []
         self._batch_drafts = draft_batch
 
     @property
@@ -163,7 +167,7 @@ class SpeculatingBatch(RowList):
 
     def kv_nbytes(self) -> int:
         """Bytes of the batch's KV buffers (the draft model's too), free slots and unused positions included."""
-        return (self._kv.nbytes if self._kv is not None else 0) + (self._drafter.kv_nbytes if self._drafter else 0)
+        return (self._kv.nbytes if self._kv is not None else 0) + sum(d.kv_nbytes for d in self._drafters)
 
     def accepts(self, row: Row) -> bool:
         """Rows that speculate, whose every layer is a plain KVCache and that have no grammar (its processor is
@@ -193,13 +197,22 @@ class SpeculatingBatch(RowList):
         self._join_drafter([r.source for r in new])
 
     def _join_drafter(self, sources: list) -> None:
-        """Batchable sources draft together (server.engine.batch.drafts): their caches move into the drafter."""
-        batchable = [s for s in sources if s.drafts_in_batch]
-        if not (batchable and self._batch_drafts):
-            return
-        if self._drafter is None:
-            self._drafter = DraftBatch(batchable[0].model)
-        self._drafter.join([s for s in batchable if s.model is self._drafter.model])
+        """Batchable sources draft together, one drafter per draft model (server.engine.batch.drafts) or per MTP heads
+        (server.engine.batch.mtp_drafts): their caches move into it."""
+        groups: dict[int, tuple[Any, Any, list]] = {}
+        for s in sources if self._batch_drafts else ():
+            if s.drafts_in_batch or (getattr(s, "hears_hidden", False) and MtpDraftBatch.takes(s)):
+                kind, key = (DraftBatch, s.model) if s.drafts_in_batch else (MtpDraftBatch, s.head)
+                groups.setdefault(id(key), (kind, key, []))[2].append(s)
+        for kind, key, members in groups.values():
+            drafter = next((d for d in self._drafters if d.key is key), None)
+            if drafter is None:
+                drafter = kind(key)
+                self._drafters.append(drafter)
+            drafter.join(members)
+
+    def _drafter_of(self, source) -> Any:
+        return next((d for d in self._drafters if source in d), None)
 
     def step(self) -> list[Emitted]:
         """One verify forward for every row: a row's tokens in order."""
@@ -207,7 +220,7 @@ class SpeculatingBatch(RowList):
             return []
         t0 = time.perf_counter()
         if self.cost.probe():  # a plain step now and then: what a drafted token costs is measured against it
-            drafts: list[list[int]] = [[] for _ in self._rows]
+            drafts = self._drafts([0] * len(self._rows))  # (sources that hear the target are told their tokens)
         else:
             pays = self.cost.break_even()
             for r in self._rows:  # a row whose recent acceptance is below what a drafted token costs pauses
@@ -229,18 +242,22 @@ class SpeculatingBatch(RowList):
         self.cost.observe(len(self._rows), len(self._rows) * (width - 1), time.perf_counter() - t0)
         rows_out: list[Emitted] = []
         kept: list[int] = []
-        batched_commits: list[tuple[Any, list[int], int]] = []
+        batched_commits: dict[int, tuple[Any, list]] = {}  # id(drafter) -> (drafter, [(source, drafts, accepted)])
+        heard: list[tuple[Any, int, list[int], int]] = []  # sources that read the target's hidden states (spec.mtp)
         for i, (row, d) in enumerate(zip(self._rows, drafts)):
             tokens = picked[i]
             a = accept(d, tokens)
             emitted = d[:a] + [tokens[a]]
             kept.append(1 + a)  # the pending token and the accepted drafts are now in the KV
+            if getattr(row.source, "hears_hidden", False):
+                heard.append((row.source, len(row.tokens), [row.pending] + d[:a], i))
             row.tokens.append(row.pending)
             row.tokens.extend(d[:a])
             row.pending = tokens[a]
             if d:
-                if self._drafter is not None and row.source in self._drafter:
-                    batched_commits.append((row.source, d, a))
+                drafter = self._drafter_of(row.source)
+                if drafter is not None:
+                    batched_commits.setdefault(id(drafter), (drafter, []))[1].append((row.source, d, a))
                 else:
                     row.source.commit(d, a)
                 row.policy.update(len(d), a)
@@ -255,9 +272,11 @@ class SpeculatingBatch(RowList):
             row.state.generated += len(emitted)
             row.feed.append(row.pending)
             rows_out.extend(Emitted(row.seq, t, lp_rows[i][j]) for j, t in enumerate(emitted))
+        for drafter, done in batched_commits.values():
+            drafter.commit(done)
+        for source, start, fed, i in heard:  # after their commits; the forward above is still the tap's latest
+            source.heard(start, fed, row=i)
         self._kv.commit(kept)
-        if batched_commits:
-            self._drafter.commit(batched_commits)
         self.steps += 1
         self.row_steps += len(self._rows)
         self.last_step = VerifyStep(len(self._rows), sum(len(d) for d in drafts), sum(k - 1 for k in kept),
@@ -276,8 +295,8 @@ class SpeculatingBatch(RowList):
         if kv is None:
             raise KeyError("not rows of this batch: it is empty")
         index = {id(r.seq): i for i, r in enumerate(self._rows)}
-        if self._drafter is not None:  # draft caches back to their sources first: prefill() below uses them
-            self._drafter.leave([s for s in (self._rows[index[id(q)]].source for q in seqs) if s in self._drafter])
+        for drafter in self._drafters:  # draft caches back to their sources first: prefill() below uses them
+            drafter.leave([s for s in (self._rows[index[id(q)]].source for q in seqs) if s in drafter])
         out = []
         for n, seq in enumerate(seqs):
             i = index[id(seq)]
@@ -294,7 +313,7 @@ class SpeculatingBatch(RowList):
         self._rows = [self._rows[i] for i in order]
         if not self._rows:
             self._kv = None
-            self._drafter = None
+            self._drafters = []
         return out
 
     # -- parts of a step ---------------------------------------------------------------------------
@@ -320,23 +339,27 @@ class SpeculatingBatch(RowList):
         """Each row's draft of up to ns[i] tokens: the two-model rows' in batched forwards of the draft model (every
         such row hears its feed, drafting or not), the others from their own source."""
         drafts: list[list[int]] = [[] for _ in self._rows]
-        together = [i for i, r in enumerate(self._rows) if self._drafter is not None and r.source in self._drafter]
-        if together:
-            got = self._drafter.draft([(self._rows[i].source, self._rows[i].feed, ns[i]) for i in together])
-            for i, d in zip(together, got):
-                drafts[i] = d
-                self._rows[i].feed = []
-        batched = set(together)
+        batched: set[int] = set()
+        for drafter in self._drafters:
+            together = [i for i, r in enumerate(self._rows) if r.source in drafter]
+            if together:
+                got = drafter.draft([(self._rows[i].source, self._rows[i].feed, ns[i]) for i in together])
+                for i, d in zip(together, got):
+                    drafts[i] = d
+                    self._rows[i].feed = []
+                batched.update(together)
         for i, (row, n) in enumerate(zip(self._rows, ns)):
-            if i not in batched and n:
+            if i not in batched:
                 drafts[i] = self._draft(row, n)
         return drafts
 
     @staticmethod
     def _draft(row: _Row, n: int) -> list:
-        if n <= 0:
+        """Up to ``n`` drafts of the row's own source; a source that hears the target's hidden states is told the row's
+        tokens every step, drafting or not (spec.source.HearingDraftSource)."""
+        if n <= 0 and not getattr(row.source, "hears_hidden", False):
             return []
-        drafts = [int(t) for t in row.source.draft(row.feed, n)][:n]
+        drafts = [int(t) for t in row.source.draft(row.feed, max(0, n))][:max(0, n)]
         row.feed = []
         return drafts
 

@@ -1,0 +1,130 @@
+"""MTP drafting served, side by side with plain decoding (issue 44 item 5): the speed figures of ``--draft-kind mtp``.
+
+Our server on one checkpoint that ships MTP heads, started fresh per configuration (RAM cache only, cleared before
+every pass), alternated round by round:
+  plain      no speculation (the lane's plain batching)
+  mtp        --draft-kind mtp: alone a request speculates solo; together, plain-KV models verify every row's drafts
+             in one forward and draft for all rows in batched forwards of the heads (hybrids decode plainly beside
+             others)
+  mtp_solo   --draft-kind mtp --no-spec-batch: each speculating request on its own
+  ngram      --draft-kind ngram (with --configs): the draft that needs no heads, for comparison
+Each pass: K agents send a turn at once (bench/agent_workload.py's tool-output turns, bench/spec_batch.py's pass:
+the reply quotes the tool output), greedy, --max-tokens. Per configuration: median wall and mean decode time (first
+token to last) over the rounds, their ratios to plain, how many replies equal plain's, and the server's
+/stats speculative block at the end (acceptance, in-batch steps, rows handed to the plain batch).
+
+    python bench/gpu_mtp.py --model /models/Qwen3.5-9B --agents 1,16 --rounds 3 --out bench/results/gpu_mtp_h200.json
+    python bench/gpu_mtp.py --zoo glm4_moe_lite --agents 1,2 --rounds 1 --max-tokens 8     # a CPU logic check
+
+NOT MEASURED YET on the H200 (the session that wrote it had no device time left): BENCHMARKS.md has no row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import httpx
+
+import peers as peer_servers
+from agent_workload import workload
+from common import ROOT, preflight, run_record, write_result
+from spec_batch import one_pass
+
+CONFIGS = {"plain": (), "mtp": ("--draft-kind", "mtp"), "mtp_solo": ("--draft-kind", "mtp", "--no-spec-batch"),
+           "ngram": ("--draft-kind", "ngram")}
+
+
+def model_dir(args) -> Path:
+    if not args.zoo:
+        return Path(args.model)
+    from models import ensure_default_model
+    from tests.fixtures import zoo_mtp
+
+    return zoo_mtp.write(args.zoo, Path(tempfile.mkdtemp(prefix="gpu-mtp-")) / args.zoo,
+                         Path(ensure_default_model(progress=False)))
+
+
+def summary(rows: list[dict], plain_texts, k: int, turns: int) -> dict:
+    walls = [r["wall_s"] for r in rows]
+    dec = [r["decode_s_mean"] for r in rows]
+    block = {"wall_s": walls, "wall_median_s": round(statistics.median(walls), 3), "decode_s_mean": dec,
+             "decode_median_s": round(statistics.median(dec), 3)}
+    if plain_texts is not None:
+        same = compared = 0
+        for r in rows:
+            for i in range(k):
+                for t in range(turns):
+                    compared += 1
+                    if r["texts"][i][t] != plain_texts[i][t]:
+                        compared += turns - t - 1  # later turns have other prompts
+                        break
+                    same += 1
+        block.update(replies_equal_to_plain=same, replies_compared=compared)
+    return block
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a checkpoint that ships MTP heads (what --model accepts)")
+    src.add_argument("--zoo", choices=["qwen3_5", "glm4_moe_lite", "nemotron_h"],
+                     help="tests.fixtures.zoo_mtp's tiny model")
+    ap.add_argument("--agents", default="1,16", help="concurrent agents per level (default 1,16)")
+    ap.add_argument("--turns", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--configs", default="plain,mtp,mtp_solo")
+    ap.add_argument("--seed", type=int, default=44)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_mtp.json"))
+    args = ap.parse_args()
+    pf = preflight()
+    configs = [c for c in args.configs.split(",") if c]
+    levels = [int(x) for x in args.agents.split(",") if x]
+    from mlx_lm.utils import load_tokenizer
+
+    path = model_dir(args)
+    tokenizer = load_tokenizer(path)
+    result = {**run_record(), "args": vars(args), "preflight": pf, "levels": {}}
+    with tempfile.TemporaryDirectory(prefix="gpu-mtp-") as tmp:
+        servers = {}
+        try:
+            for name in configs:
+                s = peer_servers.Ours(Path(tmp) / name, path, extra=CONFIGS[name])
+                s.start()
+                servers[name] = s
+            for k in levels:
+                tasks, chunks = workload(tokenizer, k, args.turns, args.seed + k)
+                rows: dict = {c: [] for c in configs}
+                for rnd in range(args.rounds):
+                    for name in configs[rnd % len(configs):] + configs[:rnd % len(configs)]:
+                        httpx.post(servers[name].url + "/admin/cache/clear", timeout=60)
+                        r = one_pass(servers[name].url, tasks, chunks, args.turns, args.max_tokens)
+                        rows[name].append(r)
+                        print(f"K={k} round {rnd + 1} {name:9s} wall {r['wall_s']:7.2f} s  decode (mean) "
+                              f"{r['decode_s_mean']:6.2f} s", flush=True)
+                plain_texts = rows["plain"][0]["texts"] if "plain" in rows else None
+                level = {"configs": {n: summary(rows[n], plain_texts, k, args.turns) for n in configs}}
+                if "plain" in rows:
+                    for key in ("wall", "decode"):
+                        base = level["configs"]["plain"][f"{key}_median_s"]
+                        level[f"{key}_over_plain"] = {n: round(level["configs"][n][f"{key}_median_s"] / base, 3)
+                                                      for n in configs}
+                result["levels"][str(k)] = level
+                print(f"K={k}: wall over plain {level.get('wall_over_plain')}, decode over plain "
+                      f"{level.get('decode_over_plain')}, replies equal to plain "
+                      f"{ {n: level['configs'][n].get('replies_equal_to_plain') for n in configs} }", flush=True)
+            for name, s in servers.items():
+                result.setdefault("speculative_end", {})[name] = \
+                    httpx.get(s.url + "/stats", timeout=60).json().get("speculative")
+        finally:
+            for s in servers.values():
+                s.stop()
+    write_result(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,264 @@
+"""Does MTP drafting pay for this checkpoint on this device, and at which draft length (issue 44)? In-process, with
+the server's own parts (models.load_model, spec.mtp, server.engine.batch.ragged_kv / mtp_drafts).
+
+Measured, then fitted:
+  verify     one target forward over w = 1..N+1 tokens after --context tokens: t(w) ~ a + m (w - 1) (least
+             squares): ``a`` a plain step, ``m / a`` what a drafted position adds to it (the verify overhead)
+  draft      the heads drafting n = 1..N tokens (their entry for the last token, then one forward per further
+             draft, one sync): d(n) ~ d0 + d1 n; (d0 + d1) / a is the cost ratio of a drafted token
+  accept     greedy speculative decoding of --prompts with n = N drafts every round: P(the first k drafts hold),
+             k = 1..N, over the rounds
+  rows       with --rows B,...: the same for B rows at once (the speculating batch: the ragged layout's verify
+             forward, the heads' batched drafts), per row
+and, for each n, the tokens a step yields, E(n) = 1 + sum_k P(k), its cost a + m n + d(n), and the speedup over plain
+decoding E(n) a / cost(n); the best n and the acceptance a drafted token must beat (break-even). The heads are run as
+the server runs them; acceptance depends on the text (code and tool output echo more than prose).
+
+    python bench/mtp_fit.py --model /path/to/Qwen3.5-9B --rows 1,16 --out bench/results/mtp_fit_qwen35_9b_h200.json
+    python bench/mtp_fit.py --zoo glm4_moe_lite --context 64 --reps 3     # a logic check with a tiny random model
+
+With --zoo the checkpoint is tests.fixtures.zoo_mtp's tiny random one (untrained heads: acceptance near 0, which is
+the point of nothing but checking the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import mlx.core as mx  # noqa: E402
+
+PROMPTS = [
+    "Rewrite this function so it returns early, keeping the names:\n\ndef find(items, key):\n    found = None\n"
+    "    for item in items:\n        if item.key == key:\n            found = item\n    return found\n",
+    "List the files this command touched and what each one does:\n$ git status --short\n M server/lane/lane.py\n"
+    " M server/engine/prefill.py\n?? tests/unit/test_prefill.py\n",
+    "Explain in two sentences why a prefix cache makes an agent's next turn cheap.",
+]
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of ``fn`` (two warm-up calls first)."""
+    for _ in range(2):
+        fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) by least squares."""
+    n, mx_, my = len(xs), statistics.mean(xs), statistics.mean(ys)
+    sxx = sum((x - mx_) ** 2 for x in xs)
+    slope = sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx and n > 1 else 0.0
+    return my - slope * mx_, slope
+
+
+def load(args):
+    from models import load_model
+    from spec.mtp import MtpProvider
+
+    path = args.model
+    if args.zoo:
+        from models import ensure_default_model
+        from tests.fixtures import zoo_mtp
+
+        path = str(zoo_mtp.write(args.zoo, Path(tempfile.mkdtemp(prefix="mtp-fit-")) / args.zoo,
+                                 Path(ensure_default_model(progress=False))))
+    loaded = load_model(path, args.dtype, progress=True)
+    return loaded, MtpProvider.from_loaded(loaded)
+
+
+def context(tokenizer, n: int) -> list[int]:
+    """n tokens of code-like text (the prompts, repeated)."""
+    ids = tokenizer.encode("\n\n".join(PROMPTS) * (1 + n // 64))
+    return (ids * (1 + n // max(1, len(ids))))[:n]
+
+
+def row_state(loaded, provider, ids: list[int]):
+    """Target caches over ids[:-1] and a source that heard them (what a request has after its prefill)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(loaded.model)
+    source = provider.open()
+    for s in range(0, len(ids) - 1, 512):
+        chunk = ids[s: min(len(ids) - 1, s + 512)]
+        loaded.model(mx.array(chunk)[None], cache=caches)
+        source.heard(s, chunk)
+    source.prefill(ids[:-1])
+    mx.eval([c.state for c in caches])
+    return caches, source
+
+
+def measure_rows(loaded, provider, ids: list[int], rows: int, top: int, reps: int) -> dict:
+    """Per-step seconds for ``rows`` rows at once: verify widths 1..top+1 (the ragged layout, every row keeping one
+    position) and the heads' drafts of n = 1..top (batched for several rows)."""
+    from server.engine.batch.mtp_drafts import MtpDraftBatch
+    from server.engine.batch.ragged_kv import RaggedKV
+
+    states = [row_state(loaded, provider, ids) for _ in range(rows)]
+    verify = {}
+    if rows == 1:  # the solo verifier: the row's own caches, put back after each forward (recurrent state too)
+        from mlx_lm.models.cache import ArraysCache
+
+        caches = states[0][0]
+        for w in range(1, top + 2):
+            x = mx.array([[ids[-1]] * w])
+            times = []
+            for rep in range(reps + 2):
+                kept = {i: list(c.cache) for i, c in enumerate(caches) if isinstance(c, ArraysCache)}
+                t = time.perf_counter()
+                mx.eval(loaded.model(x, cache=caches))
+                times.append(time.perf_counter() - t)
+                for i, c in enumerate(caches):
+                    if i in kept:
+                        c.cache = kept[i]
+                    else:
+                        c.trim(w)
+            verify[w] = statistics.median(times[2:])
+    else:  # the speculating batch's ragged layout (plain KV models only: a hybrid speculates solo)
+        kv = RaggedKV.from_rows([c for c, _ in states])
+        for w in range(1, top + 2):
+            x = mx.array([[ids[-1]] * w] * rows)
+
+            def step():
+                kv.reserve(w)
+                mx.eval(loaded.model(x, cache=kv.layers))
+                kv.commit([0] * rows)
+
+            verify[w] = timed(step, reps)
+    sources = [s for _, s in states]
+    batch = MtpDraftBatch(provider.head) if rows > 1 else None
+    if batch is not None:
+        batch.join(sources)
+    if batch is not None:  # every row's pending token, heard once
+        batch.draft([(s, [ids[-1]], 0) for s in sources])
+    else:
+        sources[0].draft([ids[-1]], 0)
+    draft = {}
+    for n in range(1, top + 1):
+        def one():
+            if batch is not None:
+                got = batch.draft([(s, [], n) for s in sources])
+                batch.commit([(s, d, 0) for s, d in zip(sources, got)])
+            else:
+                d = sources[0].draft([], n)
+                sources[0].commit(d, 0)
+
+        draft[n] = timed(one, reps)
+    return {"verify_s": verify, "draft_s": draft}
+
+
+def acceptance(loaded, provider, prompts: list[list[int]], top: int, max_tokens: int) -> dict:
+    """P(the first k drafts hold), k = 1..top, over greedy speculative rounds of ``top`` drafts; the text is checked
+    against plain greedy decoding on the way."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from spec import SpecStats, speculative_decode
+    from spec.adaptive import FixedDraftLength
+
+    class Recording(FixedDraftLength):
+        def __init__(self, n: int):
+            super().__init__(n)
+            self.rounds: list[tuple[int, int]] = []
+
+        def update(self, drafted: int, accepted: int) -> None:
+            self.rounds.append((drafted, accepted))
+
+    policy = Recording(top)
+    same = 0
+    for ids in prompts:
+        caches, source = row_state(loaded, provider, ids)
+        got = [t for t, _, _ in speculative_decode(loaded.model, caches, ids[-1], source, max_tokens=max_tokens,
+                                                   num_draft_tokens=top, policy=policy, stats=SpecStats())]
+        want = [int(t) for t, _ in generate_step(mx.array(ids), loaded.model, max_tokens=max_tokens,
+                                                  prompt_cache=make_prompt_cache(loaded.model))]
+        same += got == want
+    full = [(d, a) for d, a in policy.rounds if d == top]
+    p = {k: (sum(1 for _, a in full if a >= k) / len(full) if full else 0.0) for k in range(1, top + 1)}
+    return {"rounds": len(full), "p_first_k_hold": p, "texts_equal_plain": same, "prompts": len(prompts)}
+
+
+def model_of(measured: dict, p: dict, top: int) -> dict:
+    ws = sorted(measured["verify_s"])
+    a, m = fit_line([w - 1 for w in ws], [measured["verify_s"][w] for w in ws])
+    ns = sorted(measured["draft_s"])
+    d0, d1 = fit_line(ns, [measured["draft_s"][n] for n in ns])
+    plain = measured["verify_s"][1]
+    table = {}
+    for n in range(1, top + 1):
+        tokens = 1 + sum(p[k] for k in range(1, n + 1))
+        cost = measured["verify_s"][n + 1] + measured["draft_s"][n]
+        table[n] = {"tokens_per_step": round(tokens, 3), "step_s": round(cost, 6),
+                    "speedup_over_plain": round(tokens * plain / cost, 3)}
+    best = max(table, key=lambda n: table[n]["speedup_over_plain"])
+    return {"plain_step_s": round(plain, 6), "fit": {"a_s": a, "m_s": m, "verify_overhead": m / a if a else None,
+                                                      "draft_d0_s": d0, "draft_d1_s": d1,
+                                                      "cost_ratio": (d0 + d1) / a if a else None},
+            "break_even_acceptance": round((m + d1) / a, 4) if a else None,
+            "by_draft_length": table, "best_draft_length": best}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a checkpoint that ships MTP heads (what --model accepts)")
+    src.add_argument("--zoo", choices=["qwen3_5", "glm4_moe_lite", "nemotron_h"],
+                     help="tests.fixtures.zoo_mtp's tiny model")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--context", type=int, default=2048, help="tokens each row's caches hold (default 2048)")
+    ap.add_argument("--max-draft", type=int, default=4)
+    ap.add_argument("--rows", default="1", help="rows measured at once, e.g. 1,16 (default 1)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from common import run_record, write_result
+
+    loaded, provider = load(args)
+    tokenizer = loaded.tokenizer
+    ids = context(tokenizer, args.context)
+    prompts = [tokenizer.encode(t) for t in PROMPTS]
+    result = {**run_record(), "args": vars(args), "heads": provider.facts.__dict__ if provider.facts else None,
+              "acceptance": acceptance(loaded, provider, prompts, args.max_draft, args.max_tokens), "rows": {}}
+    p = result["acceptance"]["p_first_k_hold"]
+    print(f"acceptance (first k drafts hold, {result['acceptance']['rounds']} rounds): "
+          + ", ".join(f"k={k} {v:.2f}" for k, v in p.items())
+          + f"; texts equal to plain greedy {result['acceptance']['texts_equal_plain']}/{len(prompts)}", flush=True)
+    for rows in [int(x) for x in args.rows.split(",") if x]:
+        if rows > 1 and not loaded_plain_kv(loaded):
+            print(f"rows {rows}: skipped (recurrent or windowed layers: such a model's requests speculate solo)")
+            continue
+        measured = measure_rows(loaded, provider, ids, rows, args.max_draft, args.reps)
+        fitted = model_of(measured, p, args.max_draft)
+        result["rows"][str(rows)] = {"measured": measured, **fitted}
+        print(f"rows {rows}: plain step {fitted['plain_step_s'] * 1e3:.2f} ms, verify overhead "
+              f"{fitted['fit']['verify_overhead']}, cost ratio {fitted['fit']['cost_ratio']}, break-even acceptance "
+              f"{fitted['break_even_acceptance']}; best n={fitted['best_draft_length']}: "
+              + ", ".join(f"n={n} {v['speedup_over_plain']}x" for n, v in fitted["by_draft_length"].items()),
+              flush=True)
+    if args.out:
+        write_result(result, args.out)
+    return 0
+
+
+def loaded_plain_kv(loaded) -> bool:
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    return all(type(c) is KVCache for c in make_prompt_cache(loaded.model))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
