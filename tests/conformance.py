@@ -1,0 +1,213 @@
+"""Our answers against the published API schemas: which schema each door's bodies and SSE events must satisfy.
+
+The schemas are the vendored subsets in tests/fixtures/api_schemas/ (SOURCES.md: where each comes from, pinned by
+commit and sha256):
+
+    door          what                                   schema(s)
+    chat          POST /v1/chat/completions              OpenAI CreateChatCompletionResponse; events:
+                                                         CreateChatCompletionStreamResponse
+    completions   POST /v1/completions                   OpenAI CreateCompletionResponse (events too)
+    responses     POST /v1/responses, GET /v1/responses/{id}, /v1/responses/compact, WebSocket /v1/responses
+                                                         OpenAI Response / CompactResource / the
+                                                         ResponseStreamEvent of the event's type, AND Open Responses
+                                                         ResponseResource / CompactResource / its event of that type
+    input_tokens  POST /v1/responses/input_tokens        OpenAI TokenCountsResource
+    messages      POST /v1/messages                      Anthropic Message; events: MessageStreamEvent of the type
+    count_tokens  POST /v1/messages/count_tokens         Anthropic CountMessageTokensResponse
+    models        GET /v1/models, /v1/models/{id}        OpenAI ListModelsResponse, Model
+    embeddings    POST /v1/embeddings                    OpenAI CreateEmbeddingResponse
+    errors        any status >= 400 under /v1/           Anthropic ErrorResponse under /v1/messages, else OpenAI
+                                                         ErrorResponse; an error event in a stream the same
+                                                         (Responses: OpenAI ResponseErrorEvent + Open Responses
+                                                         ErrorStreamingEvent)
+
+Rules read where a spec is ambiguous (each follows what the vendor's own API sends):
+- OpenAPI 3.0's ``nullable: true``, left in places of OpenAI's 3.1 document (e.g. a stream chunk's
+  ``finish_reason``), allows null, as it means in 3.0 (JSON Schema 2020-12 would ignore the keyword).
+- A streamed ``text_completion`` chunk may have ``finish_reason: null`` (CreateCompletionResponse says the chunks
+  share its shape, whose finish_reason is not nullable; OpenAI's API sends null until the last chunk).
+- Open Responses defines function tools and function calls only: an output item or an echoed tool of a type it
+  lacks (custom_tool_call, tool_search_call, a custom or web_search tool: the OpenAI features Codex CLI uses) is
+  checked against OpenAI's schema of that type, and an event type it lacks against OpenAI's event alone.
+- An SSE event's ``event:`` name, where sent, must equal its data's ``type`` (both vendors' streams do).
+- DELETE /v1/responses/{id} (``response.deleted``): OpenAI publishes no body schema for it; not checked.
+Paths outside the published APIs (/health, /stats, /tokenize, /admin, the dashboard) are not checked.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+SCHEMAS = Path(__file__).resolve().parent / "fixtures" / "api_schemas"
+SPECS = ("openai", "open_responses", "anthropic")
+
+
+def _nullable(schema):
+    """OpenAPI 3.0's ``nullable: true`` as JSON Schema (see the module docstring)."""
+    if isinstance(schema, list):
+        return [_nullable(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _nullable(v) for k, v in schema.items()}
+    if out.get("nullable") is True:
+        del out["nullable"]
+        return {"anyOf": [out, {"type": "null"}]}
+    return out
+
+
+def _refs(union: list) -> list[str]:
+    return [branch["$ref"].rsplit("/", 1)[1] for branch in union]
+
+
+def _types(schemas: dict, names) -> dict[str, str]:
+    """``type`` value -> schema name, for the schemas ``names`` (each with a one-value ``type`` property)."""
+    out = {}
+    for name in names:
+        prop = schemas[name].get("properties", {}).get("type", {})
+        value = prop.get("const", (prop.get("enum") or [None])[0])
+        if value is not None:
+            out[value] = name
+    return out
+
+
+@lru_cache(maxsize=1)
+def _specs():
+    """The three documents (with the rules of the module docstring applied), their registry and event maps."""
+    from referencing import Registry, Resource
+    from referencing.jsonschema import DRAFT202012
+
+    docs = {spec: _nullable(json.loads((SCHEMAS / f"{spec}.json").read_text())) for spec in SPECS}
+    oa, orr, an = (docs[s]["components"]["schemas"] for s in SPECS)
+
+    chunk = copy.deepcopy(oa["CreateCompletionResponse"])
+    reason = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]
+    chunk["properties"]["choices"]["items"]["properties"]["finish_reason"] = {"anyOf": [reason, {"type": "null"}]}
+    oa["CreateCompletionResponse (stream chunk)"] = chunk
+
+    for union, openai_union in (("ItemField", "OutputItem"), ("Tool", "Tool")):  # Open Responses' missing types
+        known = _types(orr, _refs(orr[union]["oneOf"]))
+        extra = _types(oa, _refs(oa[openai_union]["oneOf"]))
+        orr[union]["oneOf"] += [{"$ref": f"urn:openai#/components/schemas/{name}"}
+                                for t, name in sorted(extra.items()) if t not in known]
+
+    events = {
+        "openai": _types(oa, _refs(oa["ResponseStreamEvent"]["anyOf"])),
+        "open_responses": _types(orr, [name for name in orr if name.endswith("StreamingEvent")]),
+        "anthropic": {t: ref.rsplit("/", 1)[1] for t, ref in an["MessageStreamEvent"]["discriminator"]["mapping"].items()},
+    }
+    registry = Registry().with_resources((f"urn:{spec}", Resource(doc, DRAFT202012)) for spec, doc in docs.items())
+    return registry, events
+
+
+@lru_cache(maxsize=None)
+def validator(spec: str, name: str):
+    """A compiled validator of component schema ``name`` of ``spec`` (built once per schema)."""
+    from jsonschema import Draft202012Validator
+
+    registry, _ = _specs()
+    return Draft202012Validator({"$ref": f"urn:{spec}#/components/schemas/{name}"}, registry=registry)
+
+
+def rejections(obj, targets) -> list[str]:
+    """Why ``obj`` fails each (spec, schema name) of ``targets``: one line each, the path in the body first."""
+    from jsonschema.exceptions import best_match
+
+    out = []
+    for spec, name in targets:
+        err = best_match(validator(spec, name).iter_errors(obj))
+        if err is not None:
+            where = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path)
+            rule = "/".join(str(p) for p in err.absolute_schema_path)
+            message = err.message if len(err.message) < 300 else err.message[:300] + "..."
+            out.append(f"{where}: {message} [{spec} {name}: '{err.validator}' at {rule}]")
+    return out
+
+
+# (door, method, path pattern, targets of a 2xx JSON body, kind of its events)
+_DOORS = [
+    ("chat", "POST", r"/v1/chat/completions", [("openai", "CreateChatCompletionResponse")], "chat"),
+    ("completions", "POST", r"/v1/completions", [("openai", "CreateCompletionResponse")], "completions"),
+    ("input_tokens", "POST", r"/v1/responses/input_tokens", [("openai", "TokenCountsResource")], None),
+    ("responses", "POST", r"/v1/responses/compact",
+     [("openai", "CompactResource"), ("open_responses", "CompactResource")], None),
+    ("responses", "POST|GET", r"/v1/responses(/[^/]+)?",
+     [("openai", "Response"), ("open_responses", "ResponseResource")], "responses"),
+    ("responses", "DELETE", r"/v1/responses/[^/]+", [], None),  # no published body schema
+    ("count_tokens", "POST", r"/v1/messages/count_tokens", [("anthropic", "CountMessageTokensResponse")], None),
+    ("messages", "POST", r"/v1/messages", [("anthropic", "Message")], "messages"),
+    ("models", "GET", r"/v1/models", [("openai", "ListModelsResponse")], None),
+    ("models", "GET", r"/v1/models/.+", [("openai", "Model")], None),
+    ("embeddings", "POST", r"/v1/embeddings", [("openai", "CreateEmbeddingResponse")], None),
+]
+
+
+def _door(method: str, path: str):
+    for door, methods, pattern, targets, events in _DOORS:
+        if method in methods.split("|") and re.fullmatch(pattern, path):
+            return door, targets, events
+    return None
+
+
+def _error_targets(path: str):
+    anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
+    return [("anthropic", "ErrorResponse")] if anthropic else [("openai", "ErrorResponse")]
+
+
+def check_body(method: str, path: str, status: int, ctype: str, body: bytes) -> tuple[Optional[str], list[str]]:
+    """(the door, the rejections) of one whole response body; door None: a body no published schema covers."""
+    found = _door(method, path)
+    door = "errors" if status >= 400 else (found[0] if found else None)
+    if door is None:
+        return None, []
+    head = f"{door}: {method} {path} -> {status}"
+    if not ctype.startswith("application/json"):
+        return door, [f"{head}: content type {ctype!r}, not application/json"]
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return door, [f"{head}: the body is not JSON: {body[:200]!r}"]
+    targets = _error_targets(path) if status >= 400 else found[1]
+    return door, [f"{head}: {line}" for line in rejections(obj, targets)]
+
+
+def event_targets(kind: str, obj) -> list[tuple[str, str]]:
+    """The schemas one event of a ``kind`` stream must satisfy (none known: an empty list)."""
+    _, events = _specs()
+    if kind == "chat":
+        return [("openai", "ErrorResponse" if "error" in obj else "CreateChatCompletionStreamResponse")]
+    if kind == "completions":
+        return [("openai", "ErrorResponse" if "error" in obj else "CreateCompletionResponse (stream chunk)")]
+    t = obj.get("type")
+    if kind == "messages":
+        return [("anthropic", "ErrorResponse" if t == "error" else events["anthropic"].get(t))]
+    if t == "error" and "error" in obj and "sequence_number" not in obj:  # a WebSocket's error (Open Responses)
+        return [("open_responses", "WebSocketErrorEvent")]
+    return [(spec, events[spec][t]) for spec in ("openai", "open_responses") if t in events[spec]]
+
+
+def check_event(method: str, path: str, status: int, name: Optional[str], data: str) -> tuple[Optional[str], list[str]]:
+    """(the door, the rejections) of one SSE event (``name``: its ``event:`` field) or WebSocket message."""
+    found = _door(method, path)
+    if found is None or found[2] is None:
+        return None, []
+    door, _, kind = found
+    head = f"{door}: {method} {path} event {name or ''}".rstrip()
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return door, [f"{head}: the data is not JSON: {data[:200]!r}"]
+    if not isinstance(obj, dict):
+        return door, [f"{head}: the data is not a JSON object"]
+    head = f"{door}: {method} {path} event {obj.get('type') or name or '(data)'}"
+    problems = []
+    if name is not None and kind in ("responses", "messages") and name != obj.get("type"):
+        problems.append(f"{head}: SSE event name {name!r} differs from its data's type {obj.get('type')!r}")
+    targets = event_targets(kind, obj)
+    if not targets or any(n is None for _, n in targets):
+        return door, problems + [f"{head}: no published event has the type {obj.get('type')!r}"]
+    return door, problems + [f"{head}: {line}" for line in rejections(obj, targets)]
