@@ -19,17 +19,28 @@ commit and sha256):
     errors        any status >= 400 under /v1/           Anthropic ErrorResponse under /v1/messages, else OpenAI
                                                          ErrorResponse; an error event in a stream the same
                                                          (Responses: OpenAI ResponseErrorEvent + Open Responses
-                                                         ErrorStreamingEvent)
+                                                         ErrorStreamingEvent; a WebSocket's failure: Open
+                                                         Responses WebSocketErrorEvent)
 
 Rules read where a spec is ambiguous (each follows what the vendor's own API sends):
 - OpenAPI 3.0's ``nullable: true``, left in places of OpenAI's 3.1 document (e.g. a stream chunk's
   ``finish_reason``), allows null, as it means in 3.0 (JSON Schema 2020-12 would ignore the keyword).
+- OpenAI's Response ``usage`` may be null (its schema says an object; its own examples of response.created and
+  response.in_progress, and its API, send null before the response is done; Open Responses says nullable).
+- An embedding may be a base64 string: what OpenAI's API returns for ``encoding_format: "base64"`` (its SDK asks
+  for it by default); the schema types only the float array.
+- Open Responses' JsonSchemaResponseFormat ``schema`` is any JSON value or null, as its source says
+  (schema/components/schemas/JsonSchemaResponseFormat.json: ``anyOf: [{}, {"type": "null"}]``); the published
+  openapi.json lost the ``{}`` branch, leaving null only.
 - A streamed ``text_completion`` chunk may have ``finish_reason: null`` (CreateCompletionResponse says the chunks
   share its shape, whose finish_reason is not nullable; OpenAI's API sends null until the last chunk).
-- Open Responses defines function tools and function calls only: an output item or an echoed tool of a type it
-  lacks (custom_tool_call, tool_search_call, a custom or web_search tool: the OpenAI features Codex CLI uses) is
-  checked against OpenAI's schema of that type, and an event type it lacks against OpenAI's event alone.
+- Open Responses defines function tools and function calls only: an output item, an echoed tool or a tool_choice of
+  a type it lacks (custom_tool_call, tool_search_call, a custom, namespace or tool_search tool: the OpenAI features
+  Codex CLI uses) is checked against OpenAI's schema of that type, and an event type it lacks against OpenAI's
+  event alone.
 - An SSE event's ``event:`` name, where sent, must equal its data's ``type`` (both vendors' streams do).
+- Anthropic's ``ping`` event (its streaming documentation's keep-alive) is the one event its spec leaves out; the
+  mirror the spec is read from adds it as ``Ping`` (SOURCES.md).
 - DELETE /v1/responses/{id} (``response.deleted``): OpenAI publishes no body schema for it; not checked.
 Paths outside the published APIs (/health, /stats, /tokenize, /admin, the dashboard) are not checked.
 """
@@ -88,12 +99,19 @@ def _specs():
     reason = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]
     chunk["properties"]["choices"]["items"]["properties"]["finish_reason"] = {"anyOf": [reason, {"type": "null"}]}
     oa["CreateCompletionResponse (stream chunk)"] = chunk
+    vector = oa["Embedding"]["properties"]["embedding"]
+    oa["Embedding"]["properties"]["embedding"] = {"anyOf": [vector, {"type": "string"}]}
+    orr["JsonSchemaResponseFormat"]["properties"]["schema"] = {"anyOf": [{}, {"type": "null"}]}
+    own = next(part for part in oa["Response"]["allOf"] if "usage" in part.get("properties", {}))
+    own["properties"]["usage"] = {"anyOf": [own["properties"]["usage"], {"type": "null"}]}
 
-    for union, openai_union in (("ItemField", "OutputItem"), ("Tool", "Tool")):  # Open Responses' missing types
-        known = _types(orr, _refs(orr[union]["oneOf"]))
-        extra = _types(oa, _refs(oa[openai_union]["oneOf"]))
-        orr[union]["oneOf"] += [{"$ref": f"urn:openai#/components/schemas/{name}"}
-                                for t, name in sorted(extra.items()) if t not in known]
+    choice = orr["ResponseResource"]["properties"]["tool_choice"]
+    for ours, theirs in ((orr["ItemField"], oa["OutputItem"]), (orr["Tool"], oa["Tool"]),
+                         (choice, oa["ToolChoiceParam"])):  # Open Responses' missing types, from OpenAI's spec
+        known = _types(orr, _refs(b for b in ours["oneOf"] if "$ref" in b))
+        extra = _types(oa, _refs(b for b in theirs["oneOf"] if "$ref" in b))
+        ours["oneOf"] += [{"$ref": f"urn:openai#/components/schemas/{name}"}
+                          for t, name in sorted(extra.items()) if t not in known]
 
     events = {
         "openai": _types(oa, _refs(oa["ResponseStreamEvent"]["anyOf"])),
@@ -113,14 +131,37 @@ def validator(spec: str, name: str):
     return Draft202012Validator({"$ref": f"urn:{spec}#/components/schemas/{name}"}, registry=registry)
 
 
+def _mismatch(err) -> bool:
+    """An error that only says "this is another kind of thing": a wrong ``type`` tag, or the wrong JSON type."""
+    path = list(err.relative_path)
+    return (path == ["type"] and err.validator in ("const", "enum")) or (not path and err.validator == "type")
+
+
+def _reason(err):
+    """The error to report: inside a oneOf / anyOf, the one branch the body meant (its ``type`` tag and JSON type
+    match), followed down as long as there is exactly one such branch; then jsonschema's own best match."""
+    from jsonschema.exceptions import best_match, relevance
+
+    while err.validator in ("oneOf", "anyOf") and err.context:
+        branches: dict = {}
+        for e in err.context:
+            branches.setdefault(e.relative_schema_path[0], []).append(e)
+        meant = [errs for errs in branches.values() if not any(_mismatch(e) for e in errs)]
+        if len(meant) != 1:
+            break
+        err = max(meant[0], key=relevance)
+    return best_match([err])
+
+
 def rejections(obj, targets) -> list[str]:
     """Why ``obj`` fails each (spec, schema name) of ``targets``: one line each, the path in the body first."""
-    from jsonschema.exceptions import best_match
+    from jsonschema.exceptions import relevance
 
     out = []
     for spec, name in targets:
-        err = best_match(validator(spec, name).iter_errors(obj))
-        if err is not None:
+        errors = list(validator(spec, name).iter_errors(obj))
+        if errors:
+            err = _reason(max(errors, key=relevance))
             where = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path)
             rule = "/".join(str(p) for p in err.absolute_schema_path)
             message = err.message if len(err.message) < 300 else err.message[:300] + "..."
@@ -185,7 +226,7 @@ def event_targets(kind: str, obj) -> list[tuple[str, str]]:
     t = obj.get("type")
     if kind == "messages":
         return [("anthropic", "ErrorResponse" if t == "error" else events["anthropic"].get(t))]
-    if t == "error" and "error" in obj and "sequence_number" not in obj:  # a WebSocket's error (Open Responses)
+    if t == "error" and "status" in obj:  # a WebSocket's failure (Open Responses' WebSocketErrorEvent)
         return [("open_responses", "WebSocketErrorEvent")]
     return [(spec, events[spec][t]) for spec in ("openai", "open_responses") if t in events[spec]]
 

@@ -80,6 +80,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if records is None or not records.checked:
         return
     counts = ", ".join(f"{door} {n}" for door, n in sorted(records.checked.items()))
-    terminalreporter.write_line(f"API schemas: {sum(records.checked.values())} bodies and events checked ({counts})")
+    terminalreporter.write_line(f"API schemas: {sum(records.checked.values())} bodies and events checked in "
+                                f"{records.seconds:.1f}s ({counts})")
     if records.left:
         terminalreporter.write_line(records.left, red=True)

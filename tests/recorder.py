@@ -22,6 +22,7 @@ import base64
 import itertools
 import json
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,9 +97,11 @@ class Records:
         self._open: dict[tuple, _Open] = {}
         self.checked: Counter = Counter()  # door -> bodies + events checked
         self.left = ""  # what the last drain, after the last test, rejected (the terminal summary shows it)
+        self.seconds = 0.0  # spent draining and checking
 
     def drain(self) -> list[str]:
         """Rejections of the bodies and events completed since the last drain (an empty list: all valid)."""
+        start = time.perf_counter()
         problems: list[str] = []
         for path in sorted(self.folder.glob("*.jsonl")):
             with open(path, "rb") as f:
@@ -108,6 +111,7 @@ class Records:
             self._offsets[path] = self._offsets.get(path, 0) + end
             for line in data[:end].splitlines():
                 problems += self._line(path.name, json.loads(line))
+        self.seconds += time.perf_counter() - start
         return problems
 
     def _line(self, source: str, rec: dict) -> list[str]:
