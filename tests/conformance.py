@@ -202,8 +202,8 @@ def _error_targets(path: str):
 def check_body(method: str, path: str, status: int, ctype: str, body: bytes) -> tuple[Optional[str], list[str]]:
     """(the door, the rejections) of one whole response body; door None: a body no published schema covers."""
     found = _door(method, path)
-    door = "errors" if status >= 400 else (found[0] if found else None)
-    if door is None:
+    door = "errors" if status >= 400 else (found[0] if found and found[1] else None)
+    if door is None:  # no door, or one whose success body no published schema covers
         return None, []
     head = f"{door}: {method} {path} -> {status}"
     if not ctype.startswith("application/json"):

@@ -17,17 +17,10 @@ import json
 import httpx
 import pytest
 
+from tests.integration.test_tool_calls_live import FEW_SHOT  # the greedy default model answers it with a call
+
 pytestmark = pytest.mark.model
 
-CALL = '<tool_call>{"name": "now"}</tool_call>'
-FEW_SHOT = [  # the greedy default model answers with a call (tests/integration/test_tool_calls_live.py)
-    {"role": "system", "content": "You call tools. Reply only with " + CALL},
-    {"role": "user", "content": "What time is it?"},
-    {"role": "assistant", "content": CALL},
-    {"role": "user", "content": "And now?"},
-    {"role": "assistant", "content": CALL},
-    {"role": "user", "content": "Tell me the time please."},
-]
 HI = [{"role": "user", "content": "Say hello."}]
 NOW = {"name": "now", "description": "The current time", "parameters": {"type": "object", "properties": {}}}
 
