@@ -5,7 +5,8 @@ Every server the suite starts records (``MLX_LANE_TEST_RECORD``, set here, reach
 tests/seamed_server.py installs the recorder). After each test's call, and again after its teardown, what was
 recorded since is checked: a rejection fails that test (an error at its teardown for what its fixtures' teardown
 caused), naming the door, the request, the path in the body and the schema's rule. Whatever is left at the end
-fails the session.
+fails the session. Under pytest-xdist each worker records and checks its own servers; the controller sums their
+counts for the summary line.
 """
 
 from __future__ import annotations
@@ -69,10 +70,27 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    records = session.config.stash[_RECORDS]
     text = _rejections(session.config)
     if text:
-        session.config.stash[_RECORDS].left = "after the last test: " + text
+        records.left += "after the last test: " + text
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: its controller sums and reports (pytest_testnodedown)
+        workeroutput["api_schemas"] = {"checked": dict(records.checked), "seconds": records.seconds,
+                                       "left": records.left}
+    elif records.left:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: a worker's checks, added to the summary (and its leftovers to the verdict)."""
+    out = getattr(node, "workeroutput", {}).get("api_schemas")
+    if out:
+        records = node.config.stash[_RECORDS]
+        records.checked.update(out["checked"])
+        records.seconds += out["seconds"]
+        records.left += out["left"]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
