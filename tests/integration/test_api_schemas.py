@@ -95,6 +95,7 @@ def test_responses(server, api_records):
          input_tokens=1, errors=2)
     # true values, not just the fields: completed_at only when completed, the tools echoed with the defaults
     assert r["completed_at"] >= r["created_at"] and cut["completed_at"] is None
+    assert r["temperature"] == 0.0 and r["presence_penalty"] == 0.0 and r["service_tier"] == "default"
     assert r["tools"] == [{"type": "function", **NOW, "strict": None}]
 
 

@@ -20,7 +20,7 @@ from server.http.messages.format import MessagesStream, message_object
 from server.http.responses.format import ResponsesStream, response_base, response_object
 from server.http.responses.schemas import ResponsesRequest
 from server.http.responses.translate import ToolIndex, output_to_items
-from server.lane.events import Finished, TokenLogprob
+from server.lane.events import Finished, SamplingParams, TokenLogprob
 from tests.conformance import check_body, check_event
 from tests.recorder import Records, record_app
 
@@ -113,6 +113,16 @@ def test_response_objects(kw):
     echo = {t["type"]: t for t in done["tools"]}
     assert echo["function"] == {**TOOLS[0], "description": None, "strict": None}  # as sent, nulls for the rest
     assert echo["custom"] == TOOLS[1] and echo["namespace"]["description"] == ""
+
+
+def test_a_response_echoes_the_sampling_it_ran_with():
+    """The model's defaults (generation_config) fill what the request left out: the echo says what was used."""
+    used = SamplingParams(max_tokens=9, temperature=0.6, top_p=0.95, presence_penalty=0.5)
+    base = response_base(request(temperature=None), "resp_1", "m", used)
+    assert (base["temperature"], base["top_p"], base["presence_penalty"], base["frequency_penalty"]) == (
+        0.6, 0.95, 0.5, 0.0)
+    assert response_base(request(temperature=0.2), "resp_1", "m")["temperature"] == 0.2  # no params: the request's
+    assert_body("/v1/responses", response_object(base, [], "completed", finished=finished()))
 
 
 @pytest.mark.parametrize("reason", ["stop", "length"])

@@ -28,14 +28,20 @@ import orjson
 from server.errors import APIError
 from server.http.responses.schemas import ResponsesRequest
 from server.http.responses.translate import ToolIndex, call_item, message_item, reasoning_item
-from server.lane.events import Finished
+from server.lane.events import Finished, SamplingParams
 
-__all__ = ["response_base", "response_object", "response_usage", "tool_echo", "ResponsesStream"]
+__all__ = ["response_base", "response_object", "response_usage", "tool_echo", "error_fields", "ResponsesStream"]
 
 
-def response_base(req: ResponsesRequest, response_id: str, model: str) -> dict:
+def response_base(req: ResponsesRequest, response_id: str, model: str,
+                  params: Optional[SamplingParams] = None) -> dict:
     """Every field of the response object but status, output, usage, completed_at (the request's settings as this
-    server used them: every field OpenAI's and the Open Responses schemas require, null where there is none)."""
+    server used them: every field OpenAI's and the Open Responses schemas require, null where there is none).
+    ``params``: the sampling the generation runs with (the model's defaults fill what the request left out);
+    without them, the request's values or the API's defaults."""
+    used = params or SamplingParams(max_tokens=0, temperature=1.0 if req.temperature is None else req.temperature,
+                                    top_p=1.0 if req.top_p is None else req.top_p,
+                                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
     base = {
         "id": response_id,
         "object": "response",
@@ -46,10 +52,10 @@ def response_base(req: ResponsesRequest, response_id: str, model: str) -> dict:
         "max_tool_calls": req.max_tool_calls,
         "previous_response_id": req.previous_response_id,
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-        "temperature": req.temperature if req.temperature is not None else 1.0,
-        "top_p": req.top_p if req.top_p is not None else 1.0,
-        "presence_penalty": req.presence_penalty or 0.0,
-        "frequency_penalty": req.frequency_penalty or 0.0,
+        "temperature": used.temperature,
+        "top_p": used.top_p,
+        "presence_penalty": used.presence_penalty or 0.0,
+        "frequency_penalty": used.frequency_penalty or 0.0,
         "top_logprobs": 0,  # no logprobs are returned here (output_text.logprobs is always [])
         "tool_choice": _tool_choice_echo(req),
         "tools": [tool_echo(t) for t in req.tools or []],
@@ -123,6 +129,11 @@ def response_object(base: dict, output: list[dict], status: str, *, finished: Op
         code = "rate_limit_exceeded" if error.status_code == 429 else "server_error"
         obj["error"] = {"code": code, "message": error.message}
     return obj
+
+
+def error_fields(error: APIError) -> dict:
+    """An error event's code, message and param (the code never null: Open Responses requires a string)."""
+    return {"code": error.code or error.type, "message": error.message, "param": error.param}
 
 
 def status_of(reason: str) -> str:
@@ -247,7 +258,7 @@ class ResponsesStream:
         """The Responses API's ``error`` event: a stream that failed before its first event (no response yet). The
         error's fields at the top (OpenAI's ResponseErrorEvent) and under ``error`` (Open Responses'
         ErrorStreamingEvent): both specs' readers find them."""
-        fields = {"code": error.code or error.type, "message": error.message, "param": error.param}
+        fields = error_fields(error)
         obj = {"type": "error", **fields, "error": {"type": error.type, **fields}, "sequence_number": 0}
         return [b"event: error\ndata: " + orjson.dumps(obj) + b"\n\n"]
 
