@@ -116,7 +116,8 @@ def _specs():
     events = {
         "openai": _types(oa, _refs(oa["ResponseStreamEvent"]["anyOf"])),
         "open_responses": _types(orr, [name for name in orr if name.endswith("StreamingEvent")]),
-        "anthropic": {t: ref.rsplit("/", 1)[1] for t, ref in an["MessageStreamEvent"]["discriminator"]["mapping"].items()},
+        "anthropic": {t: ref.rsplit("/", 1)[1]
+                      for t, ref in an["MessageStreamEvent"]["discriminator"]["mapping"].items()},
     }
     registry = Registry().with_resources((f"urn:{spec}", Resource(doc, DRAFT202012)) for spec, doc in docs.items())
     return registry, events

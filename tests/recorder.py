@@ -52,8 +52,8 @@ def record_app(app, folder: str):
         async def send_recorded(message):
             t = message["type"]
             if t == "http.response.start":
-                ctype = next((v.decode("latin-1") for k, v in message.get("headers", ()) if k.lower() == b"content-type"),
-                             "")
+                headers = message.get("headers", ())
+                ctype = next((v.decode("latin-1") for k, v in headers if k.lower() == b"content-type"), "")
                 write({**head, "s": message["status"], "t": ctype})
             elif t == "http.response.body":
                 if message.get("body"):

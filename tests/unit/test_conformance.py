@@ -198,7 +198,8 @@ def test_the_recorder_round_trip(tmp_path):
             await send({"type": "http.response.body", "body": frame[:10], "more_body": True})
             await send({"type": "http.response.body", "body": frame[10:] + b"data: [DONE]\n\n", "more_body": False})
         else:
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": json.dumps(bad).encode()})
 
     async def noop(message=None):
