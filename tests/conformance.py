@@ -38,6 +38,9 @@ Rules read where a spec is ambiguous (each follows what the vendor's own API sen
   a type it lacks (custom_tool_call, tool_search_call, a custom, namespace or tool_search tool: the OpenAI features
   Codex CLI uses) is checked against OpenAI's schema of that type, and an event type it lacks against OpenAI's
   event alone.
+- Likewise an echoed ``reasoning.effort`` of OpenAI's scale that Open Responses' lacks (``minimal``, ``max``): echoed
+  as the client sent it, checked against OpenAI's enum (an Open Responses client cannot send it: its request takes
+  the same five levels its response does).
 - An SSE event's ``event:`` name, where sent, must equal its data's ``type`` (both vendors' streams do).
 - Anthropic's ``ping`` event (its streaming documentation's keep-alive) is the one event its spec leaves out; the
   mirror the spec is read from adds it as ``Ping`` (SOURCES.md).
@@ -105,6 +108,8 @@ def _specs():
     own = next(part for part in oa["Response"]["allOf"] if "usage" in part.get("properties", {}))
     own["properties"]["usage"] = {"anyOf": [own["properties"]["usage"], {"type": "null"}]}
 
+    scale = orr["ReasoningEffortEnum"]["enum"]
+    scale += [v for v in oa["ReasoningEffort"]["anyOf"][0]["enum"] if v not in scale]
     choice = orr["ResponseResource"]["properties"]["tool_choice"]
     for ours, theirs in ((orr["ItemField"], oa["OutputItem"]), (orr["Tool"], oa["Tool"]),
                          (choice, oa["ToolChoiceParam"])):  # Open Responses' missing types, from OpenAI's spec

@@ -94,7 +94,7 @@ def request(**kw) -> ResponsesRequest:
                                      "text": {"format": {"type": "json_schema", "name": "t",
                                                          "schema": {"type": "object"}}}},
                                 {"tool_choice": {"type": "function", "name": "get_weather"},
-                                 "reasoning": {"effort": "low"}},
+                                 "reasoning": {"effort": "minimal"}},
                                 {"tool_choice": {"type": "custom", "name": "apply_patch"}}])
 def test_response_objects(kw):
     base = response_base(request(**kw), "resp_1", "m")
