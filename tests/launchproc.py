@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.serverproc import free_port, server_env, without_embeddings_unless_asked
+from tests.serverproc import entry_module, free_port, server_env, without_embeddings_unless_asked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ class LaunchedServer:
                                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads), **(env or {})})
         ports = ["--starting-port", str(free_port())] if backend == "ring" else ["--nccl-port", str(free_port())]
         cmd = [*mlx_launch(), "-n", str(n), "--backend", backend, *ports,
-               "--python", sys.executable, "--", "-m", "server.cli", "serve", "--port", str(self.port),
+               "--python", sys.executable, "--", "-m", entry_module(full_env), "serve", "--port", str(self.port),
                *without_embeddings_unless_asked(args, full_env)]  # as ServerProc (tests/serverproc.py)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,

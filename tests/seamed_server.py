@@ -11,6 +11,9 @@ environment of the test that starts the server (tests/serverproc.py uses this la
                                          delete it and the space is back
     MLX_LANE_FAULT_MARKER=<text>         a prompt containing <text> makes its admission raise inside the lane (a
                                          500 for that request; the lane serves on)
+    MLX_LANE_TEST_RECORD=<dir>           every response under /v1/ is recorded in <dir> as it leaves, for the
+                                         suite's check of each body and event against the published API schemas
+                                         (tests/recorder.py; tests/conftest.py sets it for every test server)
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import os
 import sys
 import time
 
-SEAMS = ("MLX_LANE_TEST_TOKEN_DELAY", "MLX_LANE_TEST_WRITE_DELAY", "MLX_LANE_TEST_DISK_FULL", "MLX_LANE_FAULT_MARKER")
+SEAMS = ("MLX_LANE_TEST_TOKEN_DELAY", "MLX_LANE_TEST_WRITE_DELAY", "MLX_LANE_TEST_DISK_FULL", "MLX_LANE_FAULT_MARKER",
+         "MLX_LANE_TEST_RECORD")
 
 log = logging.getLogger("mlx_lane.test_seams")
 
@@ -41,6 +45,8 @@ def install(env=os.environ) -> None:
     marker = env.get("MLX_LANE_FAULT_MARKER")
     write_delay = float(env.get("MLX_LANE_TEST_WRITE_DELAY") or 0)
     full_flag = env.get("MLX_LANE_TEST_DISK_FULL")
+    if env.get("MLX_LANE_TEST_RECORD"):
+        _record(env["MLX_LANE_TEST_RECORD"])
     base_engine = engine_module.Engine
 
     class SeamedEngine(base_engine):
@@ -72,6 +78,22 @@ def install(env=os.environ) -> None:
 
         ssd_store.SSDStore = SeamedStore
         log.warning("test seams: ssd writes delayed %.1fs, failing while %s exists", write_delay, full_flag)
+
+
+def _record(folder: str) -> None:
+    """The app's whole middleware stack (its error pages included) inside tests.recorder's recorder."""
+    import server.http.app as app_module
+    from tests.recorder import record_app
+
+    base_create = app_module.create_app
+
+    def create_app(state):
+        app = base_create(state)
+        build = app.build_middleware_stack
+        app.build_middleware_stack = lambda: record_app(build(), folder)
+        return app
+
+    app_module.create_app = create_app
 
 
 def _slowed(sink, delay_s: float, delta_type):

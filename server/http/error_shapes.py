@@ -3,10 +3,12 @@
 Errors are raised once, as ``server.errors.APIError`` subclasses; only their shape differs per API:
 
 - OpenAI (chat, completions, responses, everything else): ``{"error": {"message", "type", "param", "code"}}``
-- Anthropic (everything under ``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}``, the
-  ``error.type`` derived from the HTTP status the way Anthropic maps them (400 invalid_request_error,
-  401 authentication_error, 403 permission_error, 404 not_found_error, 413 request_too_large,
-  429 rate_limit_error, 500 api_error, 503/529 overloaded_error).
+- Anthropic (everything under ``/v1/messages``): ``{"type": "error", "error": {"type", "message"}, "request_id"}``,
+  the ``error.type`` derived from the HTTP status the way Anthropic maps them (400 invalid_request_error,
+  401 authentication_error, 403 permission_error, 404 not_found_error, 429 rate_limit_error, 500 api_error,
+  503/529 overloaded_error; 413 invalid_request_error: the type Anthropic's error page names for it,
+  request_too_large, is in neither its OpenAPI spec nor its SDKs, so a client generated from the spec could not
+  read it; the status still says 413).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ _ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
-    413: "request_too_large",
+    413: "invalid_request_error",  # Anthropic's error page says request_too_large; its spec and SDKs know no such type
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "api_error",
@@ -35,8 +37,9 @@ def is_anthropic_path(path: str) -> bool:
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error body (``request_id`` null: this server has no request ids of its own to give)."""
     kind = _ANTHROPIC_TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"type": "error", "error": {"type": kind, "message": message}, "request_id": None}
 
 
 def shaped_error_body(path: str, err: APIError) -> dict:

@@ -27,7 +27,7 @@ def test_browser_shaped_requests_refused_in_each_apis_error_shape(server):
     assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
     r = httpx.post(url + "/v1/messages", content=MESSAGES, headers=EVIL)
     assert r.status_code == 403 and r.json() == {"type": "error", "error": {
-        "type": "permission_error", "message": r.json()["error"]["message"]}}
+        "type": "permission_error", "message": r.json()["error"]["message"]}, "request_id": None}
     assert "--allowed-origins" in r.json()["error"]["message"]
     r = httpx.get(url + "/stats", headers={"Host": "evil.example:8091"})
     assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"

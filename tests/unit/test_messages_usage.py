@@ -42,11 +42,21 @@ def finished(prompt=100, cached=30, written=70, completion=5) -> Finished:
                     cache_write_tokens=written)
 
 
+def _counts(usage: dict) -> dict:
+    return {k: usage[k] for k in ("input_tokens", "output_tokens", "cache_read_input_tokens",
+                                  "cache_creation_input_tokens")}
+
+
 def test_message_usage_and_object_follow_the_last_breakpoint():
-    assert message_usage(finished(), 60) == {"input_tokens": 40, "output_tokens": 5, "cache_read_input_tokens": 30,
-                                             "cache_creation_input_tokens": 30}
-    assert message_usage(finished()) == {"input_tokens": 70, "output_tokens": 5, "cache_read_input_tokens": 30,
-                                         "cache_creation_input_tokens": 0}  # no breakpoint: nothing created
+    assert _counts(message_usage(finished(), 60)) == {"input_tokens": 40, "output_tokens": 5,
+                                                      "cache_read_input_tokens": 30, "cache_creation_input_tokens": 30}
+    assert _counts(message_usage(finished())) == {"input_tokens": 70, "output_tokens": 5, "cache_read_input_tokens": 30,
+                                                  "cache_creation_input_tokens": 0}  # no breakpoint: nothing created
+    # the rest of Anthropic's usage: creation by TTL (all of it the default 5-minute kind), thinking, nulls
+    full = message_usage(finished(), 60, thinking_tokens=3)
+    assert full["cache_creation"] == {"ephemeral_5m_input_tokens": 30, "ephemeral_1h_input_tokens": 0}
+    assert full["output_tokens_details"] == {"thinking_tokens": 3}
+    assert (full["server_tool_use"], full["service_tier"], full["inference_geo"]) == (None, "standard", None)
     m = at.Message.model_validate(message_object("msg_1", "m", "Hi", "", [], "stop", None, finished(), 60))
     assert (m.usage.input_tokens, m.usage.cache_creation_input_tokens, m.usage.cache_read_input_tokens) == (40, 30, 30)
 

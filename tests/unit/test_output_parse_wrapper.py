@@ -84,8 +84,8 @@ def test_completion_message_carries_reasoning_content_only_when_there_is_some():
                  prefill_s=0.1, decode_tokens=1, decode_s=0.1, queued_s=0.0)
     with_r = fmt().completion("hi", [], None, "stop", f, reasoning="because")["choices"][0]["message"]
     without = fmt().completion("hi", [], None, "stop", f)["choices"][0]["message"]
-    assert with_r == {"role": "assistant", "content": "hi", "reasoning_content": "because"}
-    assert without == {"role": "assistant", "content": "hi"}
+    assert with_r == {"role": "assistant", "content": "hi", "refusal": None, "reasoning_content": "because"}
+    assert without == {"role": "assistant", "content": "hi", "refusal": None}
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": json.dumps({})}}
     only_call = fmt().completion("", [call], None, "tool_calls", f)["choices"][0]["message"]
     assert only_call["content"] is None and only_call["tool_calls"] == [call]

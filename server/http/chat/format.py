@@ -21,6 +21,11 @@ def usage(f: Finished) -> dict:
     return out
 
 
+def chat_logprobs(lps) -> dict:
+    """A choice's ``logprobs``: its content tokens' (a refusal's tokens: none, never refused here)."""
+    return {"content": [chat_logprob(x) for x in lps], "refusal": None}
+
+
 def chat_logprob(lp: TokenLogprob) -> dict:
     return {
         "token": lp.token,
@@ -65,12 +70,12 @@ class ChatFormatter:
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
 
     def content_chunk(self, text: str, logprobs: list[TokenLogprob]) -> dict:
-        lp = {"content": [chat_logprob(x) for x in logprobs]} if logprobs else None
+        lp = chat_logprobs(logprobs) if logprobs else None
         return self._chunk([{"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}])
 
     def reasoning_chunk(self, text: str, logprobs: list[TokenLogprob]) -> dict:
         """A delta of the model's reasoning (``delta.reasoning_content``, as DeepSeek / vLLM name it)."""
-        lp = {"content": [chat_logprob(x) for x in logprobs]} if logprobs else None
+        lp = chat_logprobs(logprobs) if logprobs else None
         return self._chunk([{"index": 0, "delta": {"reasoning_content": text}, "logprobs": lp, "finish_reason": None}])
 
     def tool_calls_chunk(self, calls: list[dict]) -> dict:
@@ -85,7 +90,8 @@ class ChatFormatter:
 
     def completion(self, text: str, calls: list[dict], logprobs, reason: str, f: Finished, *,
                    reasoning: str = "") -> dict:
-        message: dict = {"role": "assistant", "content": text if (text or not calls) else None}
+        # refusal: required (nullable) by OpenAI's schema; a local model's refusal is ordinary text
+        message: dict = {"role": "assistant", "content": text if (text or not calls) else None, "refusal": None}
         if reasoning:
             message["reasoning_content"] = reasoning
         if calls:
@@ -100,7 +106,7 @@ class ChatFormatter:
                 {
                     "index": 0,
                     "message": message,
-                    "logprobs": {"content": [chat_logprob(x) for x in logprobs]} if logprobs is not None else None,
+                    "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
                     "finish_reason": reason,
                 }
             ],

@@ -28,9 +28,11 @@ router = APIRouter()
 class MessagesOutput(Formatter):
     keepalive_frame = PING  # Anthropic's keep-alive is a ping event, not an SSE comment
 
-    def __init__(self, message_id: str, model: str, prompt_tokens: int, last_breakpoint: int = 0):
+    def __init__(self, message_id: str, model: str, prompt_tokens: int, last_breakpoint: int = 0, tokenizer=None):
         self.message_id, self.model, self.last_breakpoint = message_id, model, last_breakpoint
         self.stream = MessagesStream(message_id, model, prompt_tokens, last_breakpoint)
+        self.tokenizer = tokenizer  # the request's model's: the thinking's tokens are counted with it
+        self._thinking: list[str] = []
 
     def head(self) -> list[bytes]:
         return self.stream.start()
@@ -39,17 +41,25 @@ class MessagesOutput(Formatter):
         return self.stream.text(ev.text) if ev.text else []
 
     async def on_reasoning(self, ev: ReasoningOut) -> list[bytes]:
+        self._thinking.append(ev.text)
         return self.stream.thinking(ev.text)
 
     async def on_error(self, ev: Error) -> list[bytes]:
         return self.stream.fail(ev.error)
 
     async def on_done(self, ev: Done) -> list[bytes]:
-        return self.stream.finish(ev.calls, ev.reason, ev.stop_sequence, ev.finished)
+        thinking = await self._count("".join(self._thinking))
+        return self.stream.finish(ev.calls, ev.reason, ev.stop_sequence, ev.finished, thinking)
 
     async def body(self, res: Result) -> dict:
         return message_object(self.message_id, self.model, res.text, res.reasoning, res.calls, res.reason,
-                              res.stop_sequence, res.finished, self.last_breakpoint)
+                              res.stop_sequence, res.finished, self.last_breakpoint, await self._count(res.reasoning))
+
+    async def _count(self, text: str) -> int:
+        """Tokens of the model's thinking (usage.output_tokens_details.thinking_tokens)."""
+        if not text or self.tokenizer is None:
+            return 0
+        return len(await run_in_threadpool(self.tokenizer.encode, text))
 
 
 class MessagesDoor(Door):
@@ -65,7 +75,8 @@ class MessagesDoor(Door):
                     stream=body.stream)
 
     def formatter(self, state, body: MessagesRequest, call: Call, gen: Generation) -> Formatter:
-        return MessagesOutput("msg_" + uuid.uuid4().hex, body.model, len(gen.prompt), gen.last_breakpoint)
+        return MessagesOutput("msg_" + uuid.uuid4().hex, body.model, len(gen.prompt), gen.last_breakpoint,
+                              gen.target.tokenizer)
 
 
 _DOOR = MessagesDoor()

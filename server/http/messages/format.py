@@ -34,6 +34,7 @@ __all__ = ["stop_reason_of", "prompt_split", "message_usage", "tool_use_block", 
            "PING"]
 
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
+DIRECT = {"type": "direct"}  # a tool_use block's caller: the model itself (no server-side code execution here)
 
 
 def stop_reason_of(reason: str, stop_sequence: Optional[str]) -> str:
@@ -57,10 +58,26 @@ def prompt_split(prompt_tokens: int, cached: int, last_breakpoint: int, written:
             "cache_read_input_tokens": read}
 
 
-def message_usage(f: Finished, last_breakpoint: int = 0) -> dict:
+def usage_object(split: dict, output_tokens: int, thinking_tokens: int = 0) -> dict:
+    """Anthropic's whole ``usage`` of a ``prompt_split`` and the output: ``cache_creation`` by TTL (this cache has no
+    TTL of its own: what a request writes counts as the default 5-minute kind), ``output_tokens_details`` (the
+    thinking's tokens), and nulls for what never happens here (server tools, an inference region)."""
+    return {
+        **split,
+        "cache_creation": {"ephemeral_5m_input_tokens": split["cache_creation_input_tokens"],
+                           "ephemeral_1h_input_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"thinking_tokens": min(thinking_tokens, output_tokens)},
+        "server_tool_use": None,
+        "service_tier": "standard",
+        "inference_geo": None,
+    }
+
+
+def message_usage(f: Finished, last_breakpoint: int = 0, thinking_tokens: int = 0) -> dict:
     """The ``usage`` of a finished message (``prompt_split`` of its prompt, plus its output tokens)."""
     split = prompt_split(f.prompt_tokens, f.cached_tokens, last_breakpoint, f.cache_write_tokens)
-    return {"output_tokens": f.completion_tokens, **split}
+    return usage_object(split, f.completion_tokens, thinking_tokens)
 
 
 def tool_use_block(call: dict) -> dict:
@@ -74,16 +91,22 @@ def tool_use_block(call: dict) -> dict:
     if not isinstance(value, dict):
         value = {"arguments": value}
     call_id = call["id"] if call["id"].startswith("toolu_") else "toolu_" + call["id"].removeprefix("call_")
-    return {"type": "tool_use", "id": call_id, "name": call["function"]["name"], "input": value}
+    return {"type": "tool_use", "id": call_id, "name": call["function"]["name"], "input": value,
+            "caller": DIRECT}
+
+
+def text_block(text: str) -> dict:
+    return {"type": "text", "text": text, "citations": None}
 
 
 def message_object(message_id: str, model: str, text: str, reasoning: str, calls, reason: str,
-                   stop_sequence: Optional[str], f: Finished, last_breakpoint: int = 0) -> dict:
+                   stop_sequence: Optional[str], f: Finished, last_breakpoint: int = 0,
+                   thinking_tokens: int = 0) -> dict:
     content: list[dict] = []
     if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     if text:
-        content.append({"type": "text", "text": text})
+        content.append(text_block(text))
     content.extend(tool_use_block(c) for c in calls)
     return {
         "id": message_id,
@@ -93,7 +116,9 @@ def message_object(message_id: str, model: str, text: str, reasoning: str, calls
         "content": content,
         "stop_reason": stop_reason_of(reason, stop_sequence),
         "stop_sequence": stop_sequence,
-        "usage": message_usage(f, last_breakpoint),
+        "stop_details": None,  # only a refusal has details
+        "usage": message_usage(f, last_breakpoint, thinking_tokens),
+        "container": None,  # no code execution container here
     }
 
 
@@ -112,9 +137,10 @@ class MessagesStream:
 
     def start(self) -> list[bytes]:
         message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "content": [], "stop_reason": None, "stop_sequence": None, "stop_details": None,
                    # the cache hit is not known yet: nothing read; message_delta carries the true split
-                   "usage": {"output_tokens": 0, **prompt_split(self.prompt_tokens, 0, self.last_breakpoint)}}
+                   "usage": usage_object(prompt_split(self.prompt_tokens, 0, self.last_breakpoint), 0),
+                   "container": None}
         return [_event("message_start", {"message": message}), PING]
 
     def text(self, delta: str) -> list[bytes]:
@@ -129,8 +155,7 @@ class MessagesStream:
             out += self._close()
             self._index += 1
             self._open = kind
-            block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
-                                                                          "signature": ""}
+            block = text_block("") if kind == "text" else {"type": "thinking", "thinking": "", "signature": ""}
             out.append(_event("content_block_start", {"index": self._index, "content_block": block}))
         out.append(_event("content_block_delta", {"index": self._index, "delta": delta}))
         return out
@@ -141,7 +166,8 @@ class MessagesStream:
         self._open = None
         return [_event("content_block_stop", {"index": self._index})]
 
-    def finish(self, calls, reason: str, stop_sequence: Optional[str], f: Finished) -> list[bytes]:
+    def finish(self, calls, reason: str, stop_sequence: Optional[str], f: Finished,
+               thinking_tokens: int = 0) -> list[bytes]:
         out = self._close()
         for call in calls:
             block = tool_use_block(call)
@@ -150,9 +176,10 @@ class MessagesStream:
             out.append(_event("content_block_delta", {"index": self._index, "delta": {
                 "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}}))
             out.append(_event("content_block_stop", {"index": self._index}))
-        out.append(_event("message_delta", {"delta": {"stop_reason": stop_reason_of(reason, stop_sequence),
-                                                      "stop_sequence": stop_sequence},
-                                            "usage": message_usage(f, self.last_breakpoint)}))
+        delta = {"stop_reason": stop_reason_of(reason, stop_sequence), "stop_sequence": stop_sequence,
+                 "stop_details": None, "container": None}
+        out.append(_event("message_delta", {"delta": delta,
+                                            "usage": message_usage(f, self.last_breakpoint, thinking_tokens)}))
         out.append(_event("message_stop", {}))
         return out
 
@@ -162,4 +189,5 @@ class MessagesStream:
     @staticmethod
     def error_event(error: APIError) -> list[bytes]:
         """Anthropic's error event (also before message_start: a stream that failed before its first event)."""
-        return [_event("error", {"error": anthropic_error_body(error.status_code, error.message)["error"]})]
+        body = anthropic_error_body(error.status_code, error.message)
+        return [_event("error", {"error": body["error"], "request_id": body["request_id"]})]

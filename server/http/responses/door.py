@@ -109,7 +109,7 @@ class ResponsesDoor(Door):
         return Call(req, stream=body.stream, context=(*history, *input_items(body)))
 
     def formatter(self, state, body: ResponsesRequest, call: Call, gen: Generation) -> Formatter:
-        base = response_base(body, "resp_" + uuid.uuid4().hex, gen.model_name)
+        base = response_base(body, "resp_" + uuid.uuid4().hex, gen.model_name, gen.params)
         return ResponsesOutput(state, body, base, call.context, gen.target.tokenizer)
 
 

@@ -28,36 +28,74 @@ import orjson
 from server.errors import APIError
 from server.http.responses.schemas import ResponsesRequest
 from server.http.responses.translate import ToolIndex, call_item, message_item, reasoning_item
-from server.lane.events import Finished
+from server.lane.events import Finished, SamplingParams
 
-__all__ = ["response_base", "response_object", "response_usage", "ResponsesStream"]
+__all__ = ["response_base", "response_object", "response_usage", "tool_echo", "error_fields", "ResponsesStream"]
 
 
-def response_base(req: ResponsesRequest, response_id: str, model: str) -> dict:
-    """Every field of the response object but status, output, usage (the request's settings echoed)."""
-    text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text is not None else None
-    return {
+def response_base(req: ResponsesRequest, response_id: str, model: str,
+                  params: Optional[SamplingParams] = None) -> dict:
+    """Every field of the response object but status, output, usage, completed_at (the request's settings as this
+    server used them: every field OpenAI's and the Open Responses schemas require, null where there is none).
+    ``params``: the sampling the generation runs with (the model's defaults fill what the request left out);
+    without them, the request's values or the API's defaults."""
+    used = params or SamplingParams(max_tokens=0, temperature=1.0 if req.temperature is None else req.temperature,
+                                    top_p=1.0 if req.top_p is None else req.top_p,
+                                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+    base = {
         "id": response_id,
         "object": "response",
         "created_at": int(time.time()),
         "model": model,
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": req.max_tool_calls,
         "previous_response_id": req.previous_response_id,
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-        "temperature": req.temperature if req.temperature is not None else 1.0,
-        "top_p": req.top_p if req.top_p is not None else 1.0,
+        "temperature": used.temperature,
+        "top_p": used.top_p,
+        "presence_penalty": used.presence_penalty or 0.0,
+        "frequency_penalty": used.frequency_penalty or 0.0,
+        "top_logprobs": 0,  # no logprobs are returned here (output_text.logprobs is always [])
         "tool_choice": _tool_choice_echo(req),
-        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-        "text": text or {"format": {"type": "text"}},
-        "reasoning": req.reasoning or {"effort": None, "summary": None},
+        "tools": [tool_echo(t) for t in req.tools or []],
+        "text": text_echo(req),
+        "reasoning": {"effort": None, "summary": None, **(req.reasoning or {})},
         "store": req.store,
+        "background": False,  # background mode is refused (a 400)
+        "service_tier": "default",  # one tier here
         "metadata": req.metadata or {},
-        "user": req.user,
+        "safety_identifier": req.safety_identifier,
+        "prompt_cache_key": req.prompt_cache_key,
         "truncation": "disabled",
         "error": None,
         "incomplete_details": None,
     }
+    if req.user is not None:  # OpenAI's schema types it string (deprecated): absent rather than null
+        base["user"] = req.user
+    return base
+
+
+def text_echo(req: ResponsesRequest) -> dict:
+    """``text`` as sent, a json_schema format with the fields the schemas require (description "" when none was
+    sent: Open Responses requires one, OpenAI's schema allows no null; strict true: the schema is always enforced
+    here, by constrained decoding)."""
+    text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text is not None else {}
+    fmt = text.get("format") or {"type": "text"}
+    if fmt["type"] == "json_schema":
+        fmt = {"description": "", **fmt, "strict": True}
+    return {**text, "format": fmt}
+
+
+def tool_echo(tool) -> dict:
+    """A tool of the request as the response echoes it: as sent, plus the fields the schemas require that the
+    client left out (a function tool's description, parameters and strict: null; a namespace's description: "")."""
+    out = tool.model_dump(exclude_none=True)
+    if out["type"] == "function":
+        out = {**out, **{k: getattr(tool, k) for k in ("description", "parameters", "strict")}}
+    elif out["type"] == "namespace":
+        out.setdefault("description", "")
+    return out
 
 
 def _tool_choice_echo(req: ResponsesRequest):
@@ -80,7 +118,8 @@ def response_usage(f: Finished, reasoning_tokens: int = 0) -> dict:
 def response_object(base: dict, output: list[dict], status: str, *, finished: Optional[Finished] = None,
                     reasoning_tokens: int = 0, error: Optional[APIError] = None) -> dict:
     """``status``: in_progress | completed | incomplete (max_output_tokens) | failed (``error`` set)."""
-    obj = dict(base, status=status, output=output, usage=None)
+    obj = dict(base, status=status, completed_at=int(time.time()) if status == "completed" else None, output=output,
+               usage=None)
     if finished is not None:
         obj["usage"] = response_usage(finished, reasoning_tokens)
     if status == "incomplete":
@@ -90,6 +129,11 @@ def response_object(base: dict, output: list[dict], status: str, *, finished: Op
         code = "rate_limit_exceeded" if error.status_code == 429 else "server_error"
         obj["error"] = {"code": code, "message": error.message}
     return obj
+
+
+def error_fields(error: APIError) -> dict:
+    """An error event's code, message and param (the code never null: Open Responses requires a string)."""
+    return {"code": error.code or error.type, "message": error.message, "param": error.param}
 
 
 def status_of(reason: str) -> str:
@@ -139,7 +183,8 @@ class ResponsesStream:
 
     def _begin(self, kind: str) -> list[bytes]:
         if kind == "message":
-            item, part = message_item("", status="in_progress"), {"type": "output_text", "text": "", "annotations": []}
+            item = message_item("", status="in_progress")
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         else:
             item, part = reasoning_item("", status="in_progress"), {"type": "reasoning_text", "text": ""}
         added = dict(item, content=[])
@@ -210,9 +255,11 @@ class ResponsesStream:
 
     @staticmethod
     def error_event(error: APIError) -> list[bytes]:
-        """The Responses API's ``error`` event: a stream that failed before its first event (no response yet)."""
-        obj = {"type": "error", "code": error.code or error.type, "message": error.message, "param": error.param,
-               "sequence_number": 0}
+        """The Responses API's ``error`` event: a stream that failed before its first event (no response yet). The
+        error's fields at the top (OpenAI's ResponseErrorEvent) and under ``error`` (Open Responses'
+        ErrorStreamingEvent): both specs' readers find them."""
+        fields = error_fields(error)
+        obj = {"type": "error", **fields, "error": {"type": error.type, **fields}, "sequence_number": 0}
         return [b"event: error\ndata: " + orjson.dumps(obj) + b"\n\n"]
 
     def fail(self, error: APIError) -> list[bytes]:

@@ -331,6 +331,9 @@ class ResponsesRequest(_Lenient):
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    max_tool_calls: Optional[int] = Field(default=None, ge=0)  # echoed: no hosted tools here to count
     stream: bool = False
     store: bool = True
     background: bool = False
@@ -340,6 +343,7 @@ class ResponsesRequest(_Lenient):
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's template variables (server.core.request)
     metadata: Optional[dict[str, Any]] = None
     user: Optional[str] = Field(default=None, max_length=1024)
+    safety_identifier: Optional[str] = Field(default=None, max_length=1024)  # echoed
     prompt_cache_key: Optional[str] = Field(default=None, max_length=1024)
 
     @field_validator("tools", mode="before")

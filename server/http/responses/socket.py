@@ -34,7 +34,7 @@ from server.core.generation import open_generation
 from server.errors import APIError, InvalidRequest, PayloadTooLarge
 from server.http.guard import connection_refusal, error_response
 from server.http.responses.door import ResponsesOutput, history_of
-from server.http.responses.format import response_base
+from server.http.responses.format import error_fields, response_base
 from server.http.responses.schemas import ResponsesRequest
 from server.http.responses.store import ResponseStore, StoredResponse
 from server.http.responses.translate import input_items, items_for_history, responses_request
@@ -137,7 +137,7 @@ class _Connection:
         await self.ws.send_text(data.decode())
 
     async def _fail(self, error: APIError, stream_id: Optional[str]) -> None:
-        shape = {"type": error.type, "code": error.code, "message": error.message, "param": error.param}
+        shape = {"type": error.type, **error_fields(error)}
         event = {"type": "error", "status": error.status_code, **{k: v for k, v in shape.items() if k != "type"},
                  "error": shape, "sequence_number": 0}
         await self._send(orjson.dumps(event), stream_id)
@@ -175,7 +175,7 @@ class _Connection:
         try:
             gen = await open_generation(self.state.core, _Disconnected(self.closed),
                                         dataclasses.replace(req, target=target), "resp_" + uuid.uuid4().hex)
-            fmt = _SocketOutput(self.state, body, response_base(body, gen.id, gen.model_name), conversation,
+            fmt = _SocketOutput(self.state, body, response_base(body, gen.id, gen.model_name, gen.params), conversation,
                                 gen.target.tokenizer, local=self.local)
             await gen.__aenter__()
         except APIError as exc:

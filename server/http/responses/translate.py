@@ -212,6 +212,7 @@ def responses_request(req: ResponsesRequest, history=(), *, session: Optional[st
         answer_schema=answer_schema_of(req),
         max_tokens=req.max_output_tokens, default_max_tokens=max_tokens_cap if max_tokens_cap is not None else ROOM,
         temperature=req.temperature, top_p=req.top_p,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         session=session, breakpoints=system_breakpoint(messages), names=RESPONSES_NAMES,
         enable_thinking=wishes.enable_thinking, reasoning_effort=wishes.reasoning_effort,
         template_kwargs=wishes.template_kwargs,

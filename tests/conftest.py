@@ -1,0 +1,104 @@
+"""The whole suite's one shared hook: every body and SSE event a test server sends under /v1 is checked against the
+published API schemas (tests/recorder.py records them, tests/conformance.py knows the schemas).
+
+Every server the suite starts records (``MLX_LANE_TEST_RECORD``, set here, reaches them through the environment;
+tests/seamed_server.py installs the recorder). After each test's call, and again after its teardown, what was
+recorded since is checked: a rejection fails that test (an error at its teardown for what its fixtures' teardown
+caused), naming the door, the request, the path in the body and the schema's rule. Whatever is left at the end
+fails the session. Under pytest-xdist each worker records and checks its own servers; the controller sums their
+counts for the summary line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from tests.recorder import ENV, Records
+
+_RECORDS = pytest.StashKey[Records]()
+
+
+def pytest_configure(config):
+    folder = tempfile.mkdtemp(prefix="mlx-lane-records-")
+    os.environ[ENV] = folder
+    config.stash[_RECORDS] = Records(folder)
+
+
+def pytest_unconfigure(config):
+    records = config.stash.get(_RECORDS, None)
+    if records is not None:
+        shutil.rmtree(records.folder, ignore_errors=True)
+
+
+@pytest.fixture()
+def api_records(request) -> Records:
+    """The suite's records (for a test that checks its own answers at a point of its choosing)."""
+    return request.config.stash[_RECORDS]
+
+
+def _rejections(config) -> str:
+    problems = config.stash[_RECORDS].drain()
+    if not problems:
+        return ""
+    more = f"\n... and {len(problems) - 40} more" if len(problems) > 40 else ""
+    return (f"{len(problems)} response(s) rejected by the published API schemas (tests/conformance.py):\n"
+            + "\n".join(problems[:40]) + more)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    try:
+        return (yield)
+    finally:
+        text = _rejections(item.config)
+        if text:
+            raise AssertionError(text)  # the test's own failure, if any, stays chained as its context
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        text = _rejections(item.config)
+        if text:
+            raise AssertionError(text)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    records = session.config.stash[_RECORDS]
+    text = _rejections(session.config)
+    if text:
+        records.left += "after the last test: " + text
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: its controller sums and reports (pytest_testnodedown)
+        workeroutput["api_schemas"] = {"checked": dict(records.checked), "seconds": records.seconds,
+                                       "left": records.left}
+    elif records.left:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: a worker's checks, added to the summary (and its leftovers to the verdict)."""
+    out = getattr(node, "workeroutput", {}).get("api_schemas")
+    if out:
+        records = node.config.stash[_RECORDS]
+        records.checked.update(out["checked"])
+        records.seconds += out["seconds"]
+        records.left += out["left"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    records = config.stash.get(_RECORDS, None)
+    if records is None or not records.checked:
+        return
+    counts = ", ".join(f"{door} {n}" for door, n in sorted(records.checked.items()))
+    terminalreporter.write_line(f"API schemas: {sum(records.checked.values())} bodies and events checked in "
+                                f"{records.seconds:.1f}s ({counts})")
+    if records.left:
+        terminalreporter.write_line(records.left, red=True)
