@@ -95,10 +95,14 @@ def test_thinking_turns_are_mlx_vlm_text_and_reuse_the_conversation(served, orac
     assert first == oracle(TURN1, 12)
     turn2 = TURN1 + [{"role": "assistant", "content": first}, {"role": "user", "content": "Now in Rust."}]
     second, u2 = chat(served, turn2)
-    # the stored turn parts from this one where the conversation ended: reused up to there, from the checkpoint of
-    # its recurrent state (it cannot be cut back)
-    history = len(load_tokenizer(model_dir).apply_chat_template(TURN1, add_generation_prompt=False))
-    assert u2.prompt_tokens_details.cached_tokens == history, u2
+    # the stored turn parts from this one where the conversation ended (it cannot be cut back: from the checkpoint
+    # of its recurrent state there); the server computed the conversation as this turn renders it
+    # (server.core.next_turn), so the reply is reused too
+    tokenizer = load_tokenizer(model_dir)
+    history = len(tokenizer.apply_chat_template(TURN1, add_generation_prompt=False))
+    through_reply = len(tokenizer.apply_chat_template(turn2[:-1], add_generation_prompt=False))
+    assert through_reply <= u2.prompt_tokens_details.cached_tokens < u2.prompt_tokens, u2
+    assert history < through_reply
     assert second == oracle(turn2, 12)
 
 
