@@ -1,5 +1,8 @@
 """Attention of a decode batch on an NVIDIA GPU: one fused kernel over rows of different lengths, no mask.
 
+(About 430 lines, one job: the kernel's two CUDA sources are ~200 of them, kept beside the Python that launches them,
+their reference and the rule of where they apply.)
+
 A decode batch holds rows of different lengths in one KV buffer: mlx-lm's ``BatchKVCache`` left-pads them to a
 common end, our ``RaggedKV`` left-aligns them and masks what lies past each row's end. Either way the model passes
 ``mx.fast.scaled_dot_product_attention`` an *array* mask, and MLX's CUDA backend has no fused kernel for that at
