@@ -18,10 +18,11 @@ stops; servers one after the other, their order rotated per round and entry.
           GPU's memory, prefill chunk and batch from the device
   mlx_lm  `mlx_lm.server --decode-concurrency 32 --prompt-concurrency 8 --prompt-cache-size 64
           --prompt-cache-bytes 60000000000` (the fair peer: its LRU of prompt caches holds every agent)
-  ours_mlx_attention, ours_ragged, ours_mlx_layout, ours_unroll1
+  ours_mlx_attention, ours_ragged, ours_mlx_layout, ours_unroll1, ours_mlx_kernels, ours_no_ssd
           `ours` with mlx-lm's masked attention instead of models.attention.gpu's kernel (`--attention mlx`), with
-          a batch layout forced (`--batch-layout ragged|mlx`), or with the kernel's first form
-          (`--debug-gpu-attention-unroll 1`): A/B runs of one change (OURS_VARIANTS)
+          a batch layout forced (`--batch-layout ragged|mlx`), with the kernel's first form
+          (`--debug-gpu-attention-unroll 1`), with mlx-lm's gated delta rule (`--kernels mlx`), or without the SSD
+          tier (`--no-ssd-cache`): A/B runs of one change (OURS_VARIANTS)
 
 Measured per server and entry: wall (first request sent -> last reply done), mean / p95 TTFT, generated tok/s,
 cached prompt tokens (usage.prompt_tokens_details.cached_tokens; mlx_lm.server reports it too), and for ours the
@@ -62,6 +63,7 @@ OURS_VARIANTS = {
     "ours_mlx_layout": (("--batch-layout", "mlx"), {}),
     "ours_unroll1": (("--debug-gpu-attention-unroll", "1"), {}),  # the kernel's first form (one key group a round)
     "ours_mlx_kernels": (("--kernels", "mlx"), {}),  # mlx-lm's gated delta rule / Mamba-2 step, not models.kernels
+    "ours_no_ssd": (("--no-ssd-cache",), {}),  # the write-behind's share of the wall (hybrid entries carry checkpoints)
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
                "--prompt-cache-bytes", "60000000000")
@@ -153,8 +155,9 @@ def main() -> int:
             for n in names[shift:] + names[:shift]:
                 if n in OURS_VARIANTS:  # persistent: the SSD tier on, in a folder of this run (the defaults')
                     more, env = OURS_VARIANTS[n]
-                    peer = peer_servers.Ours(workdir / f"{n}-{rnd}-{K}", model_dir, True,
-                                             extra=extra["ours"] + more, env=env)
+                    peer = peer_servers.Ours(workdir / f"{n}-{rnd}-{K}", model_dir, "--no-ssd-cache" not in more,
+                                             extra=tuple(a for a in extra["ours"] + more if a != "--no-ssd-cache"),
+                                             env=env)
                 else:
                     peer = peer_servers.MlxLm(workdir, model_dir, extra=extra["mlx_lm"])
                 run = {"round": rnd + 1, "k": K, "turns": T, "server": n}
