@@ -25,60 +25,30 @@ Only the lane thread touches a DraftBatch.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 
-from server.engine.batch.ragged_kv import RaggedKV
+from server.engine.batch.draft_rows import DraftRows
 
 __all__ = ["DraftBatch"]
 
 
-class DraftBatch:
+class DraftBatch(DraftRows):
     def __init__(self, model):
-        self.model = model
-        self._sources: list = []  # per live row of the RaggedKV, in its row order
-        self._kv: Optional[RaggedKV] = None
-        self.forwards = 0  # batched draft forwards run (tests and bench/draft_batch.py read it)
+        super().__init__(model)
 
     @property
-    def key(self):
-        """What it drafts with (a speculating batch keeps one drafter per key)."""
-        return self.model
-
-    def __len__(self) -> int:
-        return len(self._sources)
-
-    def __contains__(self, source) -> bool:
-        return any(s is source for s in self._sources)
-
-    @property
-    def kv_nbytes(self) -> int:
-        return self._kv.nbytes if self._kv is not None else 0
+    def model(self):
+        return self._key
 
     def join(self, sources: list) -> None:
         """These sources' caches move in (each source must have no draft open: ``draft`` then ``commit`` pairs)."""
-        if not sources:
-            return
         if any(s.model is not self.model for s in sources):
             raise ValueError("a DraftBatch drafts with one model: this source has another")
-        rows = [s.lend_caches() for s in sources]  # the batch's now, until leave()
-        if self._kv is None:
-            self._kv = RaggedKV.from_rows(rows)
-        else:
-            self._kv.extend(rows)
-        self._sources.extend(sources)
+        self._lend(sources)
 
     def leave(self, sources: list) -> None:
         """These sources get their caches back (covering exactly their ``tokens``) and leave the batch."""
-        index = {id(s): i for i, s in enumerate(self._sources)}
-        rows = [index[id(s)] for s in sources]
-        for s, i in zip(sources, rows):
-            s.take_back(self._kv.extract(i))
-        order = self._kv.release(rows)
-        self._sources = [self._sources[i] for i in order]
-        if not self._sources:
-            self._kv = None
+        self._give_back(sources)
 
     def draft(self, wanted: list) -> list[list[int]]:
         """``[(source, feed, n), ...]`` (every row of the batch, any order): each source hears ``feed`` (the tokens

@@ -20,36 +20,22 @@ own. Only the lane thread touches an MtpDraftBatch.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 
-from server.engine.batch.ragged_kv import RaggedKV
+from server.engine.batch.draft_rows import DraftRows
 
 __all__ = ["MtpDraftBatch"]
 
 
-class MtpDraftBatch:
+class MtpDraftBatch(DraftRows):
     def __init__(self, head):
-        self.head = head
-        self._sources: list = []  # per live row of the RaggedKV, in its row order
-        self._kv: Optional[RaggedKV] = None
-        self.forwards = 0  # batched forwards of the heads run (tests read it)
+        super().__init__(head)
 
     @property
-    def key(self):
-        """What it drafts with (a speculating batch keeps one drafter per key)."""
-        return self.head
-
-    def __len__(self) -> int:
-        return len(self._sources)
-
-    def __contains__(self, source) -> bool:
-        return any(s is source for s in self._sources)
-
-    @property
-    def kv_nbytes(self) -> int:
-        return self._kv.nbytes if self._kv is not None else 0
+    def head(self):
+        return self._key
 
     @staticmethod
     def takes(source) -> bool:
@@ -59,28 +45,12 @@ class MtpDraftBatch:
 
     def join(self, sources: list) -> None:
         """These sources' heads' KV caches move in (each source must have no draft open)."""
-        sources = [s for s in sources if s.head is self.head and self.takes(s)]
-        if not sources:
-            return
-        rows = [s.lend_caches() for s in sources]
-        if self._kv is None:
-            self._kv = RaggedKV.from_rows(rows)
-        else:
-            self._kv.extend(rows)
-        self._sources.extend(sources)
+        self._lend([s for s in sources if s.head is self.head and self.takes(s)])
 
     def leave(self, sources: list) -> None:
         """These sources get their heads' caches back (covering exactly their entries) and leave the batch."""
         self._apply_drops()
-        index = {id(s): i for i, s in enumerate(self._sources)}
-        rows = [index[id(s)] for s in sources]
-        assert self._kv is not None
-        for s, i in zip(sources, rows):
-            s.take_back(self._kv.extract(i))
-        order = self._kv.release(rows)
-        self._sources = [self._sources[i] for i in order]
-        if not self._sources:
-            self._kv = None
+        self._give_back(sources)
 
     def draft(self, wanted: list) -> list[list[int]]:
         """``[(source, feed, n), ...]`` (every row of the batch, any order): each source takes ``feed`` and drafts up
