@@ -137,14 +137,19 @@ class ModelSlot:
     def measure_kv(self) -> KVPrice:
         """What this model's caches cost (all layers), from the bytes they hold after a 1-token and a 9-token
         forward: the difference is per token (attention layers' KV), the rest per sequence (recurrent state, which
-        does not grow with the prompt)."""
+        does not grow with the prompt).
+
+        The forwards are only traced, never evaluated: MLX knows every array's shape and dtype when the graph is
+        built, so the bytes are exact and the device runs nothing. (Evaluated, they compiled the model's kernels
+        before the server could answer: 22-51 s of the H200's start-up, issue 45.)"""
         import mlx.core as mx
 
         caches = self.new_caches()
-        mx.eval(self.model(mx.array([[1]]), cache=caches))
+        self.model(mx.array([[1]]), cache=caches)
         one = float(state_nbytes(caches))
-        mx.eval(self.model(mx.array([[1] * _PRICE_TOKENS]), cache=caches))
+        self.model(mx.array([[1] * _PRICE_TOKENS]), cache=caches)
         per_token = (float(state_nbytes(caches)) - one) / _PRICE_TOKENS
+        del caches  # the unevaluated graph goes with them
         self.kv_price = KVPrice(per_token, max(0.0, one - per_token))
         return self.kv_price
 

@@ -48,19 +48,26 @@ class Executor:
         for seq, position in plan.anchor:  # a prefix others wait for: stored when this sequence's chunk gets there
             seq.anchors = tuple(sorted({*seq.anchors, position}))
         t1 = time.perf_counter()
-        prefilled = sum(self._prefill(group, plan.store_now) for group in plan.prefill)
+        # "take": the longer prefixes taken before a prefill forward; "prefill": the forwards (and the stores they
+        # make); "join" / "leave": rows into and out of the batches
+        phases = {"admit": t1 - t0, "take": 0.0}
+        prefilled = sum(self._prefill(group, plan.store_now, phases) for group in plan.prefill)
+        t2 = time.perf_counter()
         for start in plan.start:
             self._start(start)
+        t3 = time.perf_counter()
         for seq in plan.leave:
             if seq.phase == Phase.BATCHED:
                 self._call(seq, engine.leave_batch, seq)
                 if seq.phase == Phase.BATCHED:
                     seq.phase = Phase.SOLO
-        phases = {"admit": t1 - t0, "prefill": time.perf_counter() - t1}
+        t4 = time.perf_counter()
+        phases.update(prefill=t2 - t1 - phases["take"], join=t3 - t2, leave=t4 - t3)
         decoded = self._decode(plan, phases)
-        t2 = time.perf_counter()
-        prefilled += sum(self._prefill(group, plan.store_now) for group in plan.prefill_late)
-        phases["prefill"] += time.perf_counter() - t2
+        t5 = time.perf_counter()
+        take = phases["take"]
+        prefilled += sum(self._prefill(group, plan.store_now, phases) for group in plan.prefill_late)
+        phases["prefill"] += time.perf_counter() - t5 - (phases["take"] - take)
         stats.on_tick(batch=engine.batch_rows(), prefill_tokens=prefilled, decode_tokens=decoded,
                       running=len(self.running), phase_s=phases)
 
@@ -80,10 +87,12 @@ class Executor:
         seq.timings.prefill_started = time.monotonic()
         self.running.append(seq)
 
-    def _prefill(self, group, store_now: bool) -> int:
+    def _prefill(self, group, store_now: bool, phases: dict) -> int:
         """One planned prefill group: each sequence takes again from the prefix cache first (an entry put this tick
-        may cover more of its prompt); then one forward for the group. Returns the tokens computed."""
+        may cover more of its prompt; its seconds are added to ``phases["take"]``); then one forward for the group.
+        Returns the tokens computed."""
         items = []
+        t0 = time.perf_counter()
         for chunk in group:
             seq = chunk.seq
             if seq.phase != Phase.PREFILL:
@@ -97,6 +106,7 @@ class Executor:
             if longer is not None:
                 seq.covered = seq.cached = longer
             items.append((seq, min(chunk.tokens, seq.prefill_left), seq.covered))
+        phases["take"] += time.perf_counter() - t0
         if not items:
             return 0
         try:

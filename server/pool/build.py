@@ -84,6 +84,7 @@ def load_slot(cfg: ServerConfig, name: str, spec: str, prepare=lambda loaded: lo
     slot = ModelSlot(loaded, name=name, base=False, kv_bits=cfg.kv_bits,
                      kv_group_size=cfg.kv_group_size,
                      read_shared_prefix=not cfg.debug_copy_hits)
-    slot.measure_kv()  # also the warm forward: its first request pays no first-call cost
+    slot.measure_kv()  # traced, not run (ModelSlot.measure_kv)
+    mx.eval(slot.model(mx.array([[1]]), cache=slot.new_caches()))  # a warm forward: its first request pays no first call
     mx.clear_cache()
     return slot
