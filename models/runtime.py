@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["ensure_blas", "blas_info", "device_name", "default_dtype", "hide_torch", "OPENBLAS_CANDIDATES"]
+__all__ = ["ensure_blas", "blas_info", "device_name", "default_dtype", "hide_torch", "evaluate_all_arrays",
+           "OPENBLAS_CANDIDATES"]
 
 OPENBLAS_CANDIDATES: tuple[str, ...] = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -149,3 +150,17 @@ def hide_torch() -> bool:
         return False
     sys.meta_path[:] = [_PathFinderWithoutTorch if f is PathFinder else f for f in sys.meta_path]
     return any(f is _PathFinderWithoutTorch for f in sys.meta_path)
+
+
+def evaluate_all_arrays(model) -> None:
+    """Evaluate the weights and the model's private arrays (RoPE frequencies such as Llama-3's and YaRN's
+    ``_freqs``, which ``parameters()`` leaves out) on the loading thread.
+
+    A private array left lazy belongs to the stream of the thread that built it, and the lane's thread cannot evaluate
+    it: on the H200 every request failed with "There is no Stream(gpu, 0) in current thread" once nothing on the
+    loading thread ran a forward any more (the KV price is traced, not run: server.engine.slot)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    every = model.filter_and_map(lambda _m, _k, v: isinstance(v, (mx.array, dict, list)))
+    mx.eval([v for _, v in tree_flatten(every) if isinstance(v, mx.array)])

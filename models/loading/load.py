@@ -41,7 +41,7 @@ from models.loading.vision import is_vision_config, load_vision, vlm_vision
 from models.loading.vlm_text import cast as cast_vlm
 from models.loading.vlm_text import load_vlm_text
 from models.loading.vlm_text import source as source_of
-from models.runtime import default_dtype
+from models.runtime import default_dtype, evaluate_all_arrays
 
 __all__ = ["LoadedModel", "load_model", "DTYPES", "resolve_gguf", "read_context_length"]
 
@@ -159,7 +159,7 @@ def _load_from_mlx_vlm(model_dir: Path, model_id: str, dtype: str) -> LoadedMode
 
     model, tokenizer, config = load_vlm_text(Path(model_dir))
     cast_vlm(model, getattr(mx, dtype))
-    mx.eval(model.parameters())
+    evaluate_all_arrays(model)
     text = config.get("text_config") or {}
     vision = vlm_vision(Path(model_dir), config, model.vlm) if is_vision_config(config) else None
     return LoadedModel(
@@ -209,7 +209,7 @@ def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, gr
     except (ValueError, FileNotFoundError, OSError, KeyError) as e:
         raise ModelLoadError(f"mlx-lm could not load {model_dir}: {e}") from e
     model.set_dtype(getattr(mx, dtype))
-    mx.eval(model.parameters())
+    evaluate_all_arrays(model)
     install_cpu_attention(model)  # on the CPU only: grouped-query attention without copying K/V per query head
     install_gpu_attention(model)  # on CUDA only: a decode batch's attention in one kernel, rows of their own lengths
     install_kernels(model)  # off Metal: the gated delta rule and Mamba-2's step as kernels / the chunked form

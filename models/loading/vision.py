@@ -119,7 +119,9 @@ def load_vision(model_dir: Path, config: dict, lm_model, dtype: str) -> Optional
     _share_language_weights(vlm_model, lm_model)
     vlm_model.set_dtype(getattr(mx, dtype))
     _share_language_weights(vlm_model, lm_model)  # set_dtype made new arrays of the shared ones: share them again
-    mx.eval(vlm_model.parameters())
+    from models.runtime import evaluate_all_arrays
+
+    evaluate_all_arrays(vlm_model)  # its private arrays too: the lane thread runs it
     return VisionTower(vlm_model, processor, model_type)
 
 

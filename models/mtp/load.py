@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from models.errors import ModelLoadError
+from models.runtime import evaluate_all_arrays
 from models.facts import DraftHeads
 from models.mtp.heads import DEEPSEEK, NEMOTRON, QWEN, DeepseekStyleMtp, MtpHead, target_embed_and_head
 
@@ -62,7 +63,7 @@ def load_heads(path: Path, model, dtype: str = "float32") -> MtpHead:
             f"only for {', '.join(sorted(FAMILIES))}; use --draft-kind ngram or --draft-model instead")
     head = _load_deepseek(path, config, model) if family == DEEPSEEK else _load_vlm(path, config, model, family)
     head.module.set_dtype(getattr(mx, dtype))
-    mx.eval(head.module.parameters())
+    evaluate_all_arrays(head.module)  # its RoPE frequencies too: the lane thread runs it
     return head
 
 

@@ -75,3 +75,45 @@ def test_no_module_of_ours_but_the_compat_module_names_them(name):
                 if pattern.search(code) and "``" not in code:
                     offenders.append(f"{path.relative_to(ROOT)}: {line.strip()}")
     assert offenders == []
+
+
+def _rope_forward_on_another_thread(module) -> str:
+    """Apply `module.rope` on a new thread with its own stream, as the lane's thread does; 'ok' or the error."""
+    import threading
+
+    out: list[str] = []
+
+    def run() -> None:
+        try:
+            with mx.stream(mx.new_stream(mx.default_device())):
+                mx.eval(module.rope(mx.ones((1, 2, 3, 64)), offset=0))
+            out.append("ok")
+        except Exception as exc:  # the failure this test is about
+            out.append(repr(exc))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_a_models_private_arrays_are_evaluated_at_load_so_the_lanes_thread_can_use_them():
+    """YaRN's (gpt-oss) and Llama-3's RoPE keep `_freqs`, which `parameters()` leaves out: left lazy on the loading
+    thread, the lane's thread cannot evaluate it ("There is no Stream(...) in current thread"): every request failed
+    on the H200 once the KV price stopped running a forward on the loading thread."""
+    import mlx.nn as nn
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    from models.runtime import evaluate_all_arrays
+
+    class WithYarn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rope = initialize_rope(64, 150000, False, {
+                "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": 4096, "truncate": False}, 131072)
+
+    assert "Stream" in _rope_forward_on_another_thread(WithYarn())  # the failure, without the fix
+    loaded = WithYarn()
+    evaluate_all_arrays(loaded)
+    assert _rope_forward_on_another_thread(loaded) == "ok"
