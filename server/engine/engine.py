@@ -137,10 +137,11 @@ class Engine:
                         prefill_together=(not placed.drafting and facts.prefills_together and slot.base
                                           and target.adapter is None
                                           and seq.media is None),  # images: embeddings, one forward each
-                        # a GPU copies a cached prefix in and out of a batched forward in a few ms (the H200's
-                        # gpt-oss cold prompts gathered only their first chunks and lost to mlx_lm.server 1.17x, the
-                        # hybrid's gathered every chunk and won 3x); on the CPU only a hybrid's per-token cost pays
-                        together_after_hits=facts.caches.recurrent or layout.gpu,
+                        # only a hybrid's per-token prefill cost pays for gathering past a long hit or a first
+                        # chunk: on the H200 gpt-oss gathering every chunk spent 17.2 s prefilling 16 cold 5.6k
+                        # prompts against 11.5 s gathering only first chunks, and 24-31 s against 19 s over 16
+                        # agents x 4 turns (the padded rows attend through a mask over every cached key)
+                        together_after_hits=facts.caches.recurrent,
                         window=facts.window, batch_kind=str(kind),
                         moves=moves(kind, facts.caches, layout), joins=joins(kind, facts.caches),
                         drafting=placed.drafting, solo_ahead=solo_pipelined(layout, facts.caches))

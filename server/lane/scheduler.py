@@ -213,10 +213,9 @@ class Scheduler:
     def _gather(self, chunks: list[Chunk], done) -> tuple[tuple[Chunk, ...], ...]:
         """Chunks into forwards, in order: with ``prefill_batch`` > 1, those that may prefill together join one
         group (at most ``prefill_batch``; a cached prefix no longer than a chunk: the batched forward copies each
-        row's prefix in and out, worth it for new prompts, not for a long cache hit on the CPU, unless
-        ``facts.together_after_hits``: on a GPU that copy takes milliseconds, and a hybrid's prompt costs far more per
-        token than it); one sharing a
-        prefix with a chunk already gathered starts a new group."""
+        row's prefix in and out and attends through a mask over its cached keys: worth it for new prompts, not for a
+        long cache hit, unless ``facts.together_after_hits``: a hybrid's prompt costs far more per token than that);
+        one sharing a prefix with a chunk already gathered starts a new group."""
         rows = self.limits.prefill_batch
         groups: list[list[Chunk]] = []
         open_: list[Chunk] = []

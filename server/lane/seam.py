@@ -57,8 +57,8 @@ class SeqFacts:
     group: Optional[GroupKey] = None  # its decode batch group: rows of one group share a forward
     batchable: bool = False  # it may decode in its group's batch (else it decodes on its own)
     prefill_together: bool = False  # its prefill chunks may join a batched prefill forward
-    # ... even after a long cache hit (or past its own first chunks): on a GPU, or where its model's per-token prefill
-    # cost dwarfs the copy of a cached prefix in and out of the batched forward (a hybrid's recurrent state)
+    # ... even after a long cache hit (or past its own first chunks): where its model's per-token prefill cost dwarfs
+    # the copy of a cached prefix in and out of the batched forward (a hybrid's recurrent state)
     together_after_hits: bool = False
     window: Optional[int] = None  # the model's smallest sliding window (None: no sliding-window layer)
     batch_kind: str = "solo"  # the kind of its group's batch (server.engine.batch.choose), for /stats

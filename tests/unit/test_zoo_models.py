@@ -201,8 +201,8 @@ def test_the_gpu_layout_prefills_arrivals_together_and_batches_every_row(arch):
     # windows and hybrids too (issue 43); mlx-vlm's models each alone
     assert lane.engine.batch_stats()["layout"] == ("solo" if name in VLM else "ragged"), name
 
-    # the next turns of the three conversations, together: each hit is longer than a chunk (16); on a GPU every
-    # kind's prompts still prefill in one forward (the copy of the cached prefix costs milliseconds there)
+    # the next turns of the three conversations, together: each hit is longer than a chunk (16); a hybrid's
+    # prompts still prefill in one forward (its per-token cost dwarfs the copy of the cached prefix)
     nexts = [PROMPTS[i] + list(seqs[i][0].generated) + [60 + i, 61, 62, 63, 64, 65] for i in (0, 1, 2)]
     want = [alone(model, p, 6) for p in nexts]
     before = lane.stats.prefill_batches
@@ -212,7 +212,7 @@ def test_the_gpu_layout_prefills_arrivals_together_and_batches_every_row(arch):
     for i, (seq, events) in enumerate(turns):
         assert finished(events).cached_tokens > 16, (name, i)
         assert list(seq.generated) == want[i], (name, i)
-    if lane.engine.base.facts.prefills_together:
+    if FAMILY[name] == "hybrid" and lane.engine.base.facts.prefills_together:
         assert lane.stats.prefill_batches > before, name
 
 
