@@ -18,12 +18,11 @@ stops; servers one after the other, their order rotated per round and entry.
           GPU's memory, prefill chunk and batch from the device
   mlx_lm  `mlx_lm.server --decode-concurrency 32 --prompt-concurrency 8 --prompt-cache-size 64
           --prompt-cache-bytes 60000000000` (the fair peer: its LRU of prompt caches holds every agent)
-  ours_mlx_attention, ours_ragged, ours_mlx_layout, ours_unroll1, ours_mlx_kernels, ours_no_ssd, ours_ssd_reads_in_place
+  ours_mlx_attention, ours_ragged, ours_mlx_layout, ours_unroll1, ours_mlx_kernels, ours_no_ssd
           `ours` with mlx-lm's masked attention instead of models.attention.gpu's kernel (`--attention mlx`), with
           a batch layout forced (`--batch-layout ragged|mlx`), with the kernel's first form
           (`--debug-gpu-attention-unroll 1`), with mlx-lm's gated delta rule (`--kernels mlx`), or without the SSD
-          tier (`--no-ssd-cache`), or with the SSD writer reading the RAM tier's own arrays on the host (as before
-          cache.kvfile.host_read_copies; MLX_LANE_DEBUG_SSD_READ_IN_PLACE=1): A/B runs of one change (OURS_VARIANTS)
+          tier (`--no-ssd-cache`): A/B runs of one change (OURS_VARIANTS)
 
 Measured per server and entry: wall (first request sent -> last reply done), mean / p95 TTFT, generated tok/s,
 cached prompt tokens (usage.prompt_tokens_details.cached_tokens; mlx_lm.server reports it too), and for ours the
@@ -65,9 +64,6 @@ OURS_VARIANTS = {
     "ours_unroll1": (("--debug-gpu-attention-unroll", "1"), {}),  # the kernel's first form (one key group a round)
     "ours_mlx_kernels": (("--kernels", "mlx"), {}),  # mlx-lm's gated delta rule / Mamba-2 step, not models.kernels
     "ours_no_ssd": (("--no-ssd-cache",), {}),  # the write-behind's share of the wall (hybrid entries carry checkpoints)
-    # the write-behind's host reading the RAM tier's own arrays (before cache.kvfile.host_read_copies): on CUDA that
-    # read moves them to managed memory for good
-    "ours_ssd_reads_in_place": ((), {"MLX_LANE_DEBUG_SSD_READ_IN_PLACE": "1"}),
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
                "--prompt-cache-bytes", "60000000000")

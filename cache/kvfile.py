@@ -48,7 +48,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCach
 from cache import filelocks, vlm_classes
 from cache.checkpoints import Checkpointed, reach_of
 
-__all__ = ["FORMAT", "VERSION", "KVFileError", "KVHeader", "KVFile", "Encoded", "encode", "host_read_copies", "save", "load",
+__all__ = ["FORMAT", "VERSION", "KVFileError", "KVHeader", "KVFile", "Encoded", "encode", "save", "load",
            "read_header", "ns_hash"]
 
 FORMAT = "mlx-lane-kv"
@@ -321,33 +321,6 @@ def encode(caches: Sequence[Any]) -> Encoded:
     return Encoded(arrays, tuple(layers), trimmable, sum(x.nbytes for x in arrays.values()))
 
 
-def _device_has_own_memory() -> bool:
-    """True where the GPU's arrays live apart from the host's (MLX's CUDA backend); False on Metal and the CPU."""
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu)
-
-
-# issue 43's A/B (bench/gpu_agents.py's ours_ssd_reads_in_place): the host reads the entry's own arrays, as before
-_READ_IN_PLACE = os.environ.get("MLX_LANE_DEBUG_SSD_READ_IN_PLACE") == "1"
-
-
-def host_read_copies(arrays: dict[str, mx.array], *, own_memory: bool | None = None) -> dict[str, mx.array]:
-    """What `save` hands the host to read: `arrays` themselves where host and GPU share memory, else private copies
-    made on the device (by the calling thread's stream).
-
-    Why: on CUDA an MLX array lives in device memory until the host first reads it; that read (`Buffer::raw_ptr`)
-    moves its buffer to managed memory for good (mlx 0.32, `move_to_unified_memory`). Saving a RAM-tier entry's own
-    arrays would move them, and every fork sharing their buffer (the entry, a live request's cache), so that each
-    later hit reads the KV through page faults: measured on the H200 as slow prefill after hits while the
-    write-behind ran. A device copy costs a few milliseconds and moves instead of the originals, then dies with the
-    write. Values are kept bit for bit (x * 1, in x's own dtype)."""
-    if own_memory is None:
-        own_memory = _device_has_own_memory() and not _READ_IN_PLACE
-    if not own_memory:
-        return arrays
-    return {k: (x & True) if x.dtype == mx.bool_ else x * mx.array(1, dtype=x.dtype) for k, x in arrays.items()}
-
-
 def save(path: str | os.PathLike, tokens: Sequence[int], caches: Sequence[Any] | Encoded, *, fingerprint: str,
          ns: str, extra_meta: dict | None = None, before_rename: Callable[[], None] | None = None) -> int:
     """Write `caches` covering `tokens` to `path` atomically; return the file size in bytes.
@@ -369,9 +342,13 @@ def save(path: str | os.PathLike, tokens: Sequence[int], caches: Sequence[Any] |
     tmp = path + ".tmp"
     f = open(tmp, "wb")
     try:
+        # On CUDA the host's first read of an array moves its buffer to managed memory for good (mlx 0.32), the RAM
+        # tier's entry with it. Device copies made for the write kept the entries in device memory but measured
+        # slower on the H200 (gpt-oss, 16 agents x 4 turns: 1.16x and 1.23x the wall, both orders), so the host
+        # reads the entry's own arrays.
         # held until after the rename: another replica's scan deletes only temp files whose writer is gone
         filelocks.writing(f)
-        mx.save_safetensors(f, host_read_copies(enc.arrays), {_META_KEY: json.dumps(meta, separators=(",", ":"))})
+        mx.save_safetensors(f, enc.arrays, {_META_KEY: json.dumps(meta, separators=(",", ":"))})
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
