@@ -163,4 +163,5 @@ def evaluate_all_arrays(model) -> None:
     from mlx.utils import tree_flatten
 
     every = model.filter_and_map(lambda _m, _k, v: isinstance(v, (mx.array, dict, list)))
-    mx.eval([v for _, v in tree_flatten(every) if isinstance(v, mx.array)])
+    leaves = (pair[1] for pair in tree_flatten(every))
+    mx.eval([v for v in leaves if isinstance(v, mx.array)])
