@@ -37,6 +37,7 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
       plan.py            the TickPlan record (and its wire form for sharded replay)
       executor.py        runs a plan through the LaneEngine, writes what comes back into the sequences
       lane.py            the thread: inbox, control (drain, abort, stop), tasks
+      warm.py            the warm-up's steps, run before ready or behind the requests while the lane is idle
       budget.py          admission by memory; events.py: SamplingParams and the events a sequence sends
       stops.py           stop strings; replay.py: rank 0 broadcasts plans, followers execute them
 
@@ -46,7 +47,7 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
       prefill.py         prompt chunks, one forward or one batched forward; what a completed prompt stores
       decode.py          every decoding sequence is a row of a Batch: joins, leaves, steps, the solo batches
       store.py           what a sequence puts in the prefix cache
-      warmup.py          compile and page in before the first request; slot.py: one loaded model's facts
+      warmup.py          the warm-up's steps (page in, compile); slot.py: one loaded model's facts
       batch/             ONE Batch protocol (protocol.py) and its kinds: solo.py (mlx-lm's generate_step or the
                          speculative walk), mlx.py (mlx-lm's GenerationBatch), ragged.py over ragged_kv.py (rows in
                          free slots, no copies), speculating.py (drafts verified together; drafts.py batches the

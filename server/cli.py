@@ -224,6 +224,13 @@ def _serve_parser(sub) -> None:
                    help="under mlx.launch with several processes: shard the model by layers (pipeline-parallel) "
                         "instead of by heads (tensor-parallel, the default); no effect in one process "
                         "[MLX_LANE_PIPELINE=1]")
+    p.add_argument("--warm-up", choices=["before-ready", "behind", "off"], default=_env("warm_up", "behind"),
+                   help="when the model is warmed up (weights paged in, the first requests' kernels compiled: "
+                        "seconds on a GPU): 'behind' (the default: the port opens once the weights are in, and the "
+                        "warm-up runs in short steps while no request is running, a request waiting for at most "
+                        "the one step in progress), 'before-ready' (all of it before the port opens), 'off' (the "
+                        "first requests compile what they use). A model sharded over processes warms up before "
+                        "ready. /stats lane.warm_up shows its state [MLX_LANE_WARM_UP]")
     p.add_argument("--keepalive", type=float, default=float(_env("keepalive", "10")),
                    help="seconds between SSE keep-alive comments while waiting (default 10)")
     p.add_argument("--shutdown-timeout", type=float, default=float(_env("shutdown_timeout", "30")),

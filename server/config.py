@@ -74,6 +74,7 @@ class ServerConfig:
     prefill_batch: Optional[int]
     memory_budget: Optional[int]
     pipeline: bool
+    warm_up: str  # --warm-up: before-ready | behind | off (server.lane.warm)
     # -- to compare and to debug -----------------------------------------------------------------------------------
     debug_copy_hits: bool
     debug_no_draft_batch: bool

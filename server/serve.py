@@ -69,6 +69,7 @@ def build_state(cfg: ServerConfig):
     from server.engine.engine import Engine, weights_nbytes
     from server.http.app import ServerState
     from server.lane.lane import Lane
+    from server.lane.warm import WarmMode
     from server.pool.build import build_model_pool, model_alias_rules
     from server.pool.flags import parse_model_flags
     from server.sizes import default_cache_bytes
@@ -118,11 +119,13 @@ def build_state(cfg: ServerConfig):
     pool_box: list = []  # the model pool, once built: the budget counts its loaded models' weights
     budget = _memory_budget(cfg, engine, prompt_cache, extra_weights=lambda: pool_box[0].loaded_bytes() if pool_box else 0)
     lane = Lane(engine, prompt_cache, stats, max_queue=cfg.max_queue, max_batch=max_batch, budget=budget,
-                prefill_batch=prefill_batch, replay=replay)
+                prefill_batch=prefill_batch, replay=replay, warm_up=cfg.warm_up)
     TIMELINE.mark("kv price")
     lane.start()
     lane.ready.wait()
-    TIMELINE.mark("warm-up")
+    # the warm-up is part of the start-up only when it ran before ready; behind the requests its seconds are in
+    # /stats lane.warm_up, not here
+    TIMELINE.mark("warm-up" if lane.warm.mode == WarmMode.BEFORE_READY else "lane thread")
     pool = build_model_pool(cfg, flags, engine, budget, prepare=lambda loaded: _with_kv_scheme(loaded, cfg))
     TIMELINE.mark("on-demand models")
     if pool is not None:

@@ -7,7 +7,7 @@ A thin facade over rooms with one job each:
     prefill.py    prompt chunks, one forward or one batched forward, and what a completed prompt stores
     decode.py     every decoding sequence is a row of a ``Batch``: its group's, or a solo batch of its own
     store.py      what a sequence puts in the prefix cache
-    warmup.py     compile and page in before the first request
+    warmup.py     page in and compile what the first requests use, in steps the lane runs
 
 The engine keeps its per-sequence state in ``SeqWork`` records keyed by the sequence (server.engine.work); what the
 lane learns comes back as the seam's records. Lane thread only, but for ``classify`` and ``namespace_for``.
@@ -31,9 +31,9 @@ from server.engine.sampling import build_sampler, repair_random_state, token_log
 from server.engine.slot import ModelSlot
 from server.engine.speculation import Speculation
 from server.engine.store import CacheWriter, take_checkpoint
-from server.engine.warmup import check_kv_quantization, warm_up
+from server.engine.warmup import check_kv_quantization, warm_up_steps
 from server.engine.work import SeqWork
-from server.lane.seam import Admitted, BatchStep, Emitted, Ended, Prefilled, SeqFacts, SeqView
+from server.lane.seam import Admitted, BatchStep, Emitted, Ended, Prefilled, SeqFacts, SeqView, WarmStep
 from server.lane.target import Slot, Target
 
 __all__ = ["Engine", "EngineConfig", "weights_nbytes"]
@@ -95,8 +95,8 @@ class Engine:
         """What a lane task (server.lane.lane.Lane.call) runs under: the lane's MLX stream."""
         return mx.stream(self.stream)
 
-    def warmup(self) -> None:
-        warm_up(self.base, self.config.layout, self.prefill_chunk, self.stream)
+    def warmup_steps(self) -> list[WarmStep]:
+        return warm_up_steps(self.base, self.config.layout, self.prefill_chunk, self.stream)
 
     # -- what a request is, before it runs -------------------------------------------------------------------
     def draft_tokens(self, target: Target, params) -> int:

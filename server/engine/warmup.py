@@ -1,7 +1,10 @@
-"""Before the first request: the weights paged in and the kernels the first requests use compiled (lane thread), and
-the start-up check that this device can attend over a quantized KV cache."""
+"""The warm-up: the weights paged in and the kernels the first requests use compiled, as an ordered list of short
+steps the lane runs on its thread (server.lane.warm: before ready, or behind the requests while the lane is idle);
+and the start-up check that this device can attend over a quantized KV cache."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
@@ -9,46 +12,75 @@ from mlx_lm.models.cache import KVCache
 
 from server.engine.batch import BatchKind, Layout, Row, choose, make
 from server.engine.slot import ModelSlot
+from server.lane.seam import WarmStep
 
-__all__ = ["warm_up", "check_kv_quantization"]
+__all__ = ["warm_up_steps", "check_kv_quantization"]
 
 
-def warm_up(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -> None:
-    """A prefill, one-token steps over a cache, a batched step of two rows and (GPU) a batched prefill of two padded
-    rows, so the first request pays none of it. On a GPU the prefill is two whole --prefill-chunk chunks, the second
-    over the first's cache (MLX compiles a kernel per shape: the first 2048-token chunk of a cold process cost 1.5-2x
-    a warm one on the H200); on the CPU, where nothing is compiled, 8 tokens do."""
+def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -> list[WarmStep]:
+    """The steps, in order: the weights; a prefill; one-token steps over its cache; a batched step of two rows; on a
+    GPU a batched prefill of two padded rows. So the first requests pay none of it. On a GPU the prefill is two whole
+    --prefill-chunk chunks, the second over the first's cache (MLX compiles a kernel per shape: the first 2048-token
+    chunk of a cold process cost 1.5-2x a warm one on the H200), one step each, so that no step is longer than one
+    chunk's forward; on the CPU, where nothing is compiled, 8 tokens do. Each step runs on ``stream`` (the lane's);
+    the prefill's cache is held from the first prefill step to the one-token steps, and dropped there."""
     gpu, model = layout.gpu, slot.model
-    with mx.stream(stream):
+    held: dict = {}  # the prefill's caches, between the steps that grow them
+
+    def on_stream(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            with mx.stream(stream):
+                fn()
+        return run
+
+    def weights() -> None:
         mx.eval(model.parameters())
-        caches = slot.new_caches()
-        n = prefill_chunk if gpu else 8
+
+    def prefill(part: int) -> Callable[[], None]:
         # on a GPU two chunks: a prompt's later chunks attend over the cache the first ones left (a query shorter
         # than its keys: other kernels than the first chunk's)
-        for part in range(2 if gpu else 1):
+        def run() -> None:
+            caches = held.setdefault("caches", slot.new_caches())
+            n = prefill_chunk if gpu else 8
             mx.eval(model(mx.array([[(i % 1000) + 1 + part for i in range(n)]]), cache=caches))
+        return run
+
+    def one_token_steps() -> None:
+        caches = held.pop("caches")
         for _ in range(4 if gpu else 1):
             mx.eval(model(mx.array([[1]]), cache=caches))
-        kind = choose(layout, slot.facts.caches, speculating=False)
-        if kind != BatchKind.SOLO:
-            batch = make(kind, model, layout, stream, slot.facts.caches)
-            rows = []
-            for n in (3, 5):
-                c = slot.new_caches()
-                mx.eval(model(mx.array([list(range(1, n))]), cache=c))
-                rows.append(Row(object(), c, list(range(1, n + 1))))
-            batch.add(rows)
-            for _ in range(2):
-                batch.step()
-            batch.remove(batch.sequences)
-        if gpu and all(type(c) is KVCache for c in caches):  # batched prefill (--prefill-batch): padded rows
-            # attend through a mask, not the causal fast path: another kernel to compile before the first request
-            group = PromptProcessingBatch(model, [0, 1], [slot.new_caches(), slot.new_caches()],
-                                          tokens=[[], []], prefill_step_size=prefill_chunk)
-            group.prompt([list(range(1, 6)), list(range(1, 10))])
-            mx.eval([c.state for c in group.prompt_cache])
-            del group
-        mx.clear_cache()
+
+    def batched_step() -> None:
+        batch = make(kind, model, layout, stream, slot.facts.caches)
+        rows = []
+        for n in (3, 5):
+            c = slot.new_caches()
+            mx.eval(model(mx.array([list(range(1, n))]), cache=c))
+            rows.append(Row(object(), c, list(range(1, n + 1))))
+        batch.add(rows)
+        for _ in range(2):
+            batch.step()
+        batch.remove(batch.sequences)
+
+    def batched_prefill() -> None:
+        # batched prefill (--prefill-batch): padded rows attend through a mask, not the causal fast path: another
+        # kernel to compile before the first request
+        group = PromptProcessingBatch(model, [0, 1], [slot.new_caches(), slot.new_caches()],
+                                      tokens=[[], []], prefill_step_size=prefill_chunk)
+        group.prompt([list(range(1, 6)), list(range(1, 10))])
+        mx.eval([c.state for c in group.prompt_cache])
+
+    steps = [WarmStep("weights", weights)]
+    steps += [WarmStep(f"prefill chunk {part + 1}", prefill(part)) for part in range(2 if gpu else 1)]
+    steps.append(WarmStep("one-token steps", one_token_steps))
+    kind = choose(layout, slot.facts.caches, speculating=False)
+    if kind != BatchKind.SOLO:
+        steps.append(WarmStep(f"batched step ({kind.value})", batched_step))
+    if gpu and all(type(c) is KVCache for c in slot.new_caches()):
+        steps.append(WarmStep("batched prefill", batched_prefill))
+    # the warm-up's buffers back to the device: its caches are garbage by now
+    steps.append(WarmStep("free buffers", mx.clear_cache))
+    return [WarmStep(s.name, on_stream(s.run)) for s in steps]
 
 
 def check_kv_quantization(slot: ModelSlot) -> None:

@@ -86,7 +86,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI):
         from server.startup import TIMELINE
 
-        log.info("%s", TIMELINE.ready())  # the lane is warm and the app starts: /health answers ready from here
+        log.info("%s", TIMELINE.ready())  # the lane serves and the app starts: /health answers ready from here
         yield
         if state.models is not None:
             state.models.stop()

@@ -20,8 +20,9 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request):
     state = request.app.state.lane_state
-    # the port opens only after the lane's warm-up (server.serve waits for lane.ready): "ok" means warm
-    return {"status": "ok", "warm": state.lane.ready.is_set(), "lane": state.lane.state.value,
+    # the port opens once the lane thread serves (server.serve waits for lane.ready): "ok" means requests are
+    # served; "warm": no warm-up step is left to run (with --warm-up behind they run after ready: server.lane.warm)
+    return {"status": "ok", "warm": state.lane.warm.finished, "lane": state.lane.state.value,
             "api_key_required": bool(state.api_key)}  # the dashboard asks for the key before it polls
 
 
@@ -172,7 +173,8 @@ def stats_body(state) -> dict:
                  "prefill_batch": state.lane.scheduler.limits.prefill_batch,
                  "batch_layout": batches["layout"], "attention": batches["attention"],
                  "recurrent": batches["recurrent"], "batches": batches["groups"],
-                 "state": state.lane.state.value})
+                 "state": state.lane.state.value,
+                 "warm_up": state.lane.warm.as_dict()})  # --warm-up: its mode, state and steps (server.lane.warm)
     return {
         "version": server_version(),
         "model": state.loaded.model_id,

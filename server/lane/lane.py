@@ -17,6 +17,10 @@ waiting sequences, or ``ShuttingDown``. Each tick the thread, holding no lock wh
 In a model sharded over processes, rank 0 broadcasts each plan before executing it and every other rank executes
 the same plan on its own sequences (server.lane.replay).
 
+Warm-up (server.lane.warm): the engine's warm-up steps run on this thread, on its stream: all of them before
+``ready`` with --warm-up before-ready, or (the default, --warm-up behind) one at a time while the lane is idle, after
+a short grace, looking for work between steps; a model sharded over processes always warms up before ready.
+
 Tasks (``call(fn)``): model work that is not a sequence (an embeddings batch, loading an adapter) runs on this
 thread too, at most one per tick, so it never contends with the decode steps for the cores and delays them by at
 most one task.
@@ -47,6 +51,7 @@ from server.lane.scheduler import Limits, Scheduler
 from server.lane.seam import LaneEngine
 from server.lane.events import Failed
 from server.lane.sequence import FinishReason, Phase, Sequence
+from server.lane.warm import WarmMode, WarmUp
 
 __all__ = ["Lane", "LaneState"]
 
@@ -56,7 +61,7 @@ FAILED_TICKS_BEFORE_RESET = 3  # ticks failing in a row before the lane ends the
 
 
 class LaneState(enum.Enum):
-    STARTING = "starting"  # warming up; /health says so
+    STARTING = "starting"  # the thread starting (and warming up, with --warm-up before-ready)
     SERVING = "serving"
     DRAINING = "draining"  # refuses new sequences; running ones go on
     ABORTED = "aborted"  # draining ran out of time: every sequence was cancelled
@@ -65,9 +70,11 @@ class LaneState(enum.Enum):
 
 class Lane:
     def __init__(self, engine: LaneEngine, prompt_cache, stats, *, max_queue: int = 0, max_batch: int = 8,
-                 budget: Optional[MemoryBudget] = None, prefill_batch: int = 1, replay=None):
+                 budget: Optional[MemoryBudget] = None, prefill_batch: int = 1, replay=None,
+                 warm_up: WarmMode | str = WarmMode.BEHIND):
         """``prompt_cache``: the prefix cache the scheduler asks index-only questions of (a
-        ``cache.protocol.PrefixCache``); ``stats``: the serving counters (server.stats.ServingStats)."""
+        ``cache.protocol.PrefixCache``); ``stats``: the serving counters (server.stats.ServingStats); ``warm_up``:
+        when the engine's warm-up runs (--warm-up; server.lane.warm)."""
         self.engine = engine
         self.prompt_cache = prompt_cache
         self.stats = stats
@@ -75,6 +82,13 @@ class Lane:
         # server.lane.replay.Leader (rank 0) or Follower (other ranks) of a model sharded over processes; None in a
         # single process, where no distributed code runs at all
         self.replay = replay
+        warm_up = WarmMode(warm_up)
+        if replay is not None and warm_up == WarmMode.BEHIND:
+            # sharded: every rank must run the same forwards in the same order (their collectives pair up), and a
+            # follower only runs the plans rank 0 broadcasts; warm-up steps interleaved by each rank's own idleness
+            # would not pair up. Before ready, every rank runs all the steps at the same point of its start.
+            warm_up = WarmMode.BEFORE_READY
+        self.warm = WarmUp(warm_up)
         self.max_queue = max_queue  # 0 = unbounded
         self.scheduler = Scheduler(Limits(max_batch=max(1, max_batch), prefill_chunk=engine.prefill_chunk,
                                           prefill_batch=max(1, prefill_batch)), budget)
@@ -87,7 +101,7 @@ class Lane:
         self.state = LaneState.STARTING
         self.aborted = False  # set by abort(): a cancelled sequence was ended by the shutdown, not by its client
         self._thread = threading.Thread(target=self._run, name="mlx-lane", daemon=True)
-        self.ready = threading.Event()  # set once the lane has warmed the model up
+        self.ready = threading.Event()  # set once the lane serves (warm only with --warm-up before-ready)
 
     # -- control --------------------------------------------------------------------
     def start(self) -> None:
@@ -194,25 +208,37 @@ class Lane:
         if self.replay is not None:  # the group's collectives run on the stream that runs the model
             self.replay.group.bind(self.engine.stream)
             self.replay.group.same_seed()
-        try:
-            self.engine.warmup()
-        except Exception:
-            log.exception("warm-up failed; serving anyway")
+        self._plan_warm_up()
+        if self.warm.mode == WarmMode.BEFORE_READY:
+            self.warm.run_all()  # a step that fails is logged; serving goes on
         if self.replay is not None and not self.replay.group.leader:
             return self._follow()
         with self._cond:
             if self.state == LaneState.STARTING:
                 self.state = LaneState.SERVING
+        self.warm.on_ready()
         self.ready.set()
         failed_ticks = 0  # in a row
         while True:
+            warm_now = False
             with self._cond:
                 while self.idle() and self.state != LaneState.STOPPED:
-                    self._cond.wait()
-                if self.idle():
+                    # idle: wait for work, or until the warm-up's next step is due (None: no step will come)
+                    delay = self.warm.delay() if self.state == LaneState.SERVING else None
+                    if delay is None:
+                        self._cond.wait()
+                    elif delay > 0:
+                        self._cond.wait(delay)
+                    else:
+                        warm_now = True
+                        break
+                if not warm_now and self.idle():
                     if self.replay is not None:
                         self.replay.stop()  # the followers stop too
                     return  # stopped and nothing left
+            if warm_now:  # outside the lock: submit() goes on; what arrives waits for this one step
+                self.warm.step()
+                continue
             try:
                 busy = self.tick()
                 failed_ticks = 0
@@ -225,9 +251,20 @@ class Lane:
                     self._fail_everything(exc)
                     failed_ticks = 0
                 busy = False
-            if not busy:
+            if busy:
+                self.warm.worked()
+            else:
                 with self._cond:  # only sequences whose SSD prefix is still being read: wait for it, do not spin
                     self._cond.wait(0.005)
+
+    def _plan_warm_up(self) -> None:
+        """The engine's warm-up steps (after ``bind_stream``: they run on the lane's stream)."""
+        if self.warm.mode == WarmMode.OFF:
+            return
+        try:
+            self.warm.load(self.engine.warmup_steps())
+        except Exception:
+            self.warm.fail("planning the steps")
 
     def tick(self) -> bool:
         """One tick: take in what was submitted, plan, execute; False when there was nothing to do. The thread calls

@@ -24,7 +24,7 @@ from server.lane.events import SamplingParams
 from server.lane.target import Target
 
 __all__ = ["GroupKey", "SeqFacts", "SeqView", "Admitted", "Prefilled", "Emitted", "BatchStep", "Covered", "Ended",
-           "LaneEngine"]
+           "WarmStep", "LaneEngine"]
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,16 @@ class Ended:
     spec: Any = None
 
 
+@dataclass(frozen=True)
+class WarmStep:
+    """One step of the engine's warm-up (server.lane.warm runs them in order, on the lane thread): ``run()`` computes
+    it on the lane's stream and raises on failure; ``name`` is for the log. A step is at most about one
+    --prefill-chunk forward: a request that arrives while one runs waits for that step alone."""
+
+    name: str
+    run: Callable[[], None]
+
+
 class LaneEngine(Protocol):
     """The verbs of the lane's executor (lane thread only, except ``namespace_for`` and ``classify``, which are
     pure). Each raises on failure; the lane then ends that sequence with ``fail``."""
@@ -182,8 +192,9 @@ class LaneEngine(Protocol):
     def bind_stream(self, as_default: bool = False) -> None:
         """Create the MLX stream the calling (lane) thread computes on."""
 
-    def warmup(self) -> None:
-        """Compile and page in what the first requests use, before the lane says it is ready."""
+    def warmup_steps(self) -> Sequence[WarmStep]:
+        """The warm-up, in order: page in and compile what the first requests use (called once, on the lane thread
+        after ``bind_stream``; the lane runs the steps before it says it is ready or while it is idle)."""
 
     def task_context(self) -> ContextManager:
         """What a lane task (model work other than a sequence's) runs under."""

@@ -168,8 +168,9 @@ def test_stop_string_across_token_boundary(client, stream):
 def test_models_and_health(server, client):
     ids = [m.id for m in client.models.list().data]
     assert "SmolLM2-135M-Instruct" in ids and "default" in ids
-    assert httpx.get(server.url + "/health").json() == {"status": "ok", "warm": True, "lane": "serving",
-                                                        "api_key_required": False}
+    health = httpx.get(server.url + "/health").json()
+    assert health.pop("warm") in (True, False)  # the warm-up runs behind the requests (test_lane_behaviour.py)
+    assert health == {"status": "ok", "lane": "serving", "api_key_required": False}
 
 
 def test_stats_lane_block(server, client):

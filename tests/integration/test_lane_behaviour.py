@@ -1,4 +1,5 @@
-"""Lane behaviour on the real model: disconnects cancel, failures are 500s, auth, tool prompts."""
+"""Lane behaviour on the real model: disconnects cancel, failures are 500s, auth, tool prompts, the warm-up behind
+the requests or before ready."""
 
 from __future__ import annotations
 
@@ -75,9 +76,19 @@ def tools_template_server(default_model_dir, tmp_path_factory):
     cfg["chat_template"] = TOOLS_TEMPLATE
     (d / "tokenizer_config.json").unlink()
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    srv = ServerProc("--model", str(d), "--cache-bytes", "64M")
+    # --warm-up before-ready: this start also serves test_before_ready_is_warm_at_the_first_health
+    srv = ServerProc("--model", str(d), "--cache-bytes", "64M", "--warm-up", "before-ready")
     yield srv
     assert srv.stop() == 0, srv.log()
+
+
+def test_before_ready_is_warm_at_the_first_health(tools_template_server):
+    """The old order: every warm-up step ran before the port opened, and the start-up timeline says so."""
+    assert httpx.get(tools_template_server.url + "/health").json()["warm"] is True
+    stats = httpx.get(tools_template_server.url + "/stats").json()
+    warm = stats["lane"]["warm_up"]
+    assert (warm["mode"], warm["state"]) == ("before-ready", "done") and warm["steps_done"] == warm["steps"] > 0
+    assert "warm-up" in stats["startup"]["phases"]
 
 
 def test_tools_reach_the_chat_template(tools_template_server):
@@ -148,6 +159,29 @@ def test_api_key_accepted_and_health_open(guarded_server):
     assert httpx.get(guarded_server.url + "/health").status_code == 200
     r = httpx.get(guarded_server.url + "/v1/models", headers={"Authorization": "Bearer s3cret"})
     assert r.status_code == 200
+
+
+def test_ready_first_and_warm_after(guarded_server):
+    """--warm-up behind (the default): /health answers and a first request is served whatever the warm-up's state;
+    the warm-up then finishes behind the requests, and the start-up timeline claims none of its seconds."""
+    h = {"Authorization": "Bearer s3cret"}
+    assert httpx.get(guarded_server.url + "/health").json()["status"] == "ok"
+    before = httpx.get(guarded_server.url + "/stats", headers=h).json()["lane"]["warm_up"]
+    assert before["mode"] == "behind" and before["state"] in ("pending", "running", "done"), before
+    r = httpx.post(guarded_server.url + "/v1/chat/completions", headers=h, timeout=120,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+    def warm_up():
+        block = httpx.get(guarded_server.url + "/stats", headers=h).json()["lane"]["warm_up"]
+        return block if block["state"] == "done" else None
+
+    warm = wait_for(warm_up, timeout=120)
+    assert warm, httpx.get(guarded_server.url + "/stats", headers=h).json()["lane"]["warm_up"]
+    assert warm["steps_done"] == warm["steps"] > 0 and warm["seconds"] >= 0
+    assert httpx.get(guarded_server.url + "/health").json()["warm"] is True
+    phases = httpx.get(guarded_server.url + "/stats", headers=h).json()["startup"]["phases"]
+    assert "warm-up" not in phases and "lane thread" in phases
 
 
 def test_failure_inside_generation_is_500_and_lane_survives(guarded_server):

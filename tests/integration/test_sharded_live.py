@@ -152,7 +152,11 @@ def test_pipeline_2_processes_matches_one_process(tiny_dirs):
         assert texts == ref_turns
         assert cached(usages[2]) > 0
         assert at_once(srv.url, model) == ref_others
-        assert httpx.get(srv.url + "/stats").json()["distributed"]["mode"] == "pipeline"
+        stats = httpx.get(srv.url + "/stats").json()
+        assert stats["distributed"]["mode"] == "pipeline"
+        # every rank warmed up before ready (--warm-up behind is the default): steps behind the requests would run
+        # on each rank's own idleness, and their collectives would not pair up
+        assert stats["lane"]["warm_up"]["mode"] == "before-ready" and stats["lane"]["warm_up"]["state"] == "done"
         # sampled requests (unseeded, seeded, batched with top_p) and a grammar run on every rank alike: the
         # followers check each running request's token count against rank 0's every tick ("diverged" otherwise)
         sampled = [{"messages": [{"role": "user", "content": q}], "max_tokens": 12, "temperature": 0.9,

@@ -42,8 +42,8 @@ class FakeEngine:
     def bind_stream(self, as_default: bool = False) -> None:
         pass
 
-    def warmup(self) -> None:
-        pass
+    def warmup_steps(self):
+        return ()
 
     def task_context(self):
         import contextlib
