@@ -118,15 +118,37 @@ class Ours(Peer):
         self.extra = extra
         self.env = env or {}  # more environment for the server (e.g. MLX_LANE_ATTENTION=mlx: `--attention mlx`)
         self.proc: ServerProc | None = None
+        # start() returns once the warm-up that runs behind the first requests (--warm-up behind) is done too, so a
+        # workload measures a warm server, as it did when the warm-up ran before ready; a start-up benchmark sets it
+        # False to time what a user gets: the port open, the warm-up still to run
+        self.wait_warm = True
+        self.healthy_s: float | None = None
+        self.warm_s: float | None = None
 
     def start(self) -> None:
         ssd = ("--ssd-cache", str(self.workdir / "ours-kv")) if self.persistent else ("--no-ssd-cache",)
         # the run's own MLX_LANE_HOME: measured cache rates persist across its restarts, never the user's
         # no /v1/embeddings: a fresh home would fetch its model from PyPI at every start, and no benchmark uses it
         env = {"MLX_LANE_HOME": str(self.workdir / "ours-home"), "MLX_LANE_EMBEDDING_MODEL": "none", **self.env}
+        t = time.perf_counter()
         self.proc = ServerProc("--model", str(self.model_dir), "--log-level", "warning", *ssd, *self.extra,
                                env=env, startup_timeout=300)
         self.url = self.proc.url
+        self.healthy_s = time.perf_counter() - t  # launch to the port answering /health
+        if self.wait_warm:
+            self._wait_warm()
+        self.warm_s = time.perf_counter() - t if self.wait_warm else None  # launch to the warm-up done
+
+    def _wait_warm(self, timeout: float = 300) -> None:
+        """Until /health says ``warm`` (no warm-up step left: done, failed or off)."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if httpx.get(self.url + "/health", timeout=5).json().get("warm"):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.url}: the warm-up did not finish within {timeout}s")
 
     def pid(self) -> int | None:
         return self.proc.proc.pid if self.proc and self.proc.proc.poll() is None else None
@@ -225,9 +247,15 @@ def default_paths() -> tuple[Path, Path]:
 
 
 def make(names: list[str], workdir: Path, persistent: bool = False,
-         extra: dict[str, tuple[str, ...]] | None = None) -> list[Peer]:
-    """The named peers (not started yet); `extra` maps a name to command-line arguments appended to its server's."""
-    model_dir, gguf = default_paths()
+         extra: dict[str, tuple[str, ...]] | None = None, model_dir: Path | None = None) -> list[Peer]:
+    """The named peers (not started yet); `extra` maps a name to command-line arguments appended to its server's;
+    `model_dir`: an MLX model directory instead of the default model (then llama.cpp, which needs its GGUF, is out)."""
+    if model_dir is not None:
+        if "llama_cpp" in names:
+            raise SystemExit("llama_cpp runs the default model's GGUF only: leave it out with --model")
+        gguf = None
+    else:
+        model_dir, gguf = default_paths()
     extra = extra or {}
     out: list[Peer] = []
     for n in names:

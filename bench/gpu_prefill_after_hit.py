@@ -1,0 +1,136 @@
+"""What a prompt's chunk costs after a cache hit, in-process, no server (issue 43): the model's own rate.
+
+The agent workload's later turns each prefill a few hundred new tokens over a cached conversation of ~5k. On the
+H200 the lane computed those at ~2k tok/s for gpt-oss-20b (bench/gpu_agents.py, lane prefill seconds over uncached
+tokens) and ~1.7k for the Qwen3.5-9B hybrid, against 22.5k for one long cold prompt. This measures what the model
+itself does for such chunks, so the lane's share can be told from the model's:
+
+  solo L+N       one row: a cache of L tokens (computed untimed), then an N-token chunk over it (median of --reps)
+  together B     B rows at once over their own caches of L + 37*i tokens (ragged, as agents are), the same N-token
+                 chunk each, in one mlx-lm ``PromptProcessingBatch`` forward (left-padded, an array mask), vs the
+                 same B chunks one row at a time
+Rates are new tokens per second of that chunk.
+
+    bash bench/gpu.sh bench/gpu_prefill_after_hit.py --model-dir /dev/shm/mlx-lane-agents-model   # after gpu_agents
+    python bench/gpu_prefill_after_hit.py --shape gpt-oss-tiny --dtype float32 --context 300 --chunks 16,64 --rows 3
+
+Writes OUT/gpu_prefill_after_hit.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import gpu  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--model-dir", default=None, help="a model directory (e.g. the one bench/gpu_agents.py built)")
+    ap.add_argument("--shape", default="gpt-oss-20b", choices=sorted(gpu.SHAPES), help="built when no --model-dir")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--context", type=int, default=5000, help="L: the cached tokens before the chunk")
+    ap.add_argument("--chunks", default="128,330,1024", help="N: comma list of chunk lengths after the hit")
+    ap.add_argument("--rows", type=int, default=8, help="B for the together case")
+    ap.add_argument("--together-chunk", type=int, default=330)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+
+    import mlx.core as mx
+    from mlx_lm.generate import PromptProcessingBatch
+    from mlx_lm.models.cache import make_prompt_cache
+
+    t0 = time.perf_counter()
+    if args.model_dir:
+        from mlx_lm import load
+
+        model = load(args.model_dir)[0]
+        what = args.model_dir
+    else:
+        from gpu_window_solo import build
+
+        model, _ = build(args.shape, args.dtype)
+        what = args.shape
+    mx.eval(model.parameters())
+    print(f"model {what} ready in {time.perf_counter() - t0:.1f}s on {mx.default_device()}", flush=True)
+
+    def tokens(n: int, seed: int) -> list[int]:
+        return [(7 * i + 13 * seed + 3) % 40000 + 100 for i in range(n)]
+
+    def cache_of(length: int, seed: int) -> list:
+        caches = make_prompt_cache(model)
+        for s in range(0, length, 2048):  # as the lane prefills: 2048-token chunks
+            model(mx.array(tokens(length, seed)[s: s + 2048])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+        return caches
+
+    def solo(length: int, n: int, seed: int) -> float:
+        caches = cache_of(length, seed)
+        mx.synchronize()
+        t = time.perf_counter()
+        model(mx.array(tokens(n, seed + 1))[None], cache=caches)
+        mx.eval([c.state for c in caches])
+        return time.perf_counter() - t
+
+    R: dict = {"model": what, "device": str(mx.default_device()), "context": args.context, "solo": {}, "together": {}}
+    solo(args.context, 64, 99)  # warm-up: the kernels of a chunk over a cache
+    for n in [int(x) for x in args.chunks.split(",")]:
+        times = [solo(args.context, n, r) for r in range(args.reps)]
+        cold = [solo(0, n, r) for r in range(args.reps)]
+        R["solo"][str(n)] = {"after_hit_s": times, "after_hit_tok_s": round(n / statistics.median(times), 1),
+                             "cold_s": cold, "cold_tok_s": round(n / statistics.median(cold), 1)}
+        print(f"solo N={n}: after {args.context} cached {R['solo'][str(n)]['after_hit_tok_s']} tok/s, "
+              f"cold {R['solo'][str(n)]['cold_tok_s']} tok/s", flush=True)
+
+    B, n = args.rows, args.together_chunk
+    lengths = [args.context + 37 * i for i in range(B)]
+
+    def together() -> float:
+        rows = [cache_of(L, i) for i, L in enumerate(lengths)]
+        mx.synchronize()
+        t = time.perf_counter()
+        batch = PromptProcessingBatch(model, list(range(B)), rows, tokens=[[] for _ in rows], prefill_step_size=n)
+        batch.prompt([tokens(n, 50 + i) for i in range(B)])
+        caches = [batch.extract_cache(i) for i in range(B)]
+        mx.eval([c.state for row in caches for c in row])
+        return time.perf_counter() - t
+
+    def one_by_one() -> float:
+        rows = [cache_of(L, i) for i, L in enumerate(lengths)]
+        mx.synchronize()
+        t = time.perf_counter()
+        for i, caches in enumerate(rows):
+            model(mx.array(tokens(n, 50 + i))[None], cache=caches)
+            mx.eval([c.state for c in caches])
+        return time.perf_counter() - t
+
+    together()  # warm-up: the masked kernels
+    tg, ob = [], []
+    for r in range(args.reps):
+        for name, fn, acc in ((("together", together, tg), ("one_by_one", one_by_one, ob))[::1 if r % 2 == 0 else -1]):
+            acc.append(fn())
+    R["together"] = {"rows": B, "chunk": n, "lengths": lengths, "together_s": tg, "one_by_one_s": ob,
+                     "together_tok_s": round(B * n / statistics.median(tg), 1),
+                     "one_by_one_tok_s": round(B * n / statistics.median(ob), 1),
+                     "together_over_one_by_one_time": round(statistics.median(tg) / statistics.median(ob), 3)}
+    print(f"together B={B} N={n}: {R['together']['together_tok_s']} tok/s vs one by one "
+          f"{R['together']['one_by_one_tok_s']} tok/s", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_prefill_after_hit.json").write_text(json.dumps(R, indent=1))
+    print(json.dumps({"solo": {k: (v["after_hit_tok_s"], v["cold_tok_s"]) for k, v in R["solo"].items()},
+                      "together": R["together"]["together_over_one_by_one_time"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
