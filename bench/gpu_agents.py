@@ -23,6 +23,9 @@ stops; servers one after the other, their order rotated per round and entry.
           a batch layout forced (`--batch-layout ragged|mlx`), with the kernel's first form
           (`--debug-gpu-attention-unroll 1`), with mlx-lm's gated delta rule (`--kernels mlx`), or without the SSD
           tier (`--no-ssd-cache`): A/B runs of one change (OURS_VARIANTS)
+  ours_alone_after_hits
+          `ours` with `--prefill-together-max 0`: a chunk past a long cache hit prefills in a forward of its own
+          (the rule before 2026-12-05; hybrids gather anyway)
 
 Measured per server and entry: wall (first request sent -> last reply done), mean / p95 TTFT, generated tok/s,
 cached prompt tokens (usage.prompt_tokens_details.cached_tokens; mlx_lm.server reports it too), and for ours the
@@ -64,6 +67,7 @@ OURS_VARIANTS = {
     "ours_unroll1": (("--debug-gpu-attention-unroll", "1"), {}),  # the kernel's first form (one key group a round)
     "ours_mlx_kernels": (("--kernels", "mlx"), {}),  # mlx-lm's gated delta rule / Mamba-2 step, not models.kernels
     "ours_no_ssd": (("--no-ssd-cache",), {}),  # the write-behind's share of the wall (hybrid entries carry checkpoints)
+    "ours_alone_after_hits": (("--prefill-together-max", "0"), {}),  # short chunks past a long hit: one forward each
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
                "--prompt-cache-bytes", "60000000000")

@@ -60,6 +60,9 @@ def main() -> int:
 
         model, _ = build(args.shape, args.dtype)
         what = args.shape
+    from models import kernels
+
+    kernels.install(model)  # as the server does: models.kernels' gated delta rule / Mamba-2 step on CUDA and the CPU
     mx.eval(model.parameters())
     print(f"model {what} ready in {time.perf_counter() - t0:.1f}s on {mx.default_device()}", flush=True)
 

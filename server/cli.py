@@ -215,6 +215,13 @@ def _serve_parser(sub) -> None:
                    help="prompts prefilled together in one batched forward per tick, each up to --prefill-chunk "
                         "tokens (mlx-lm's batch prefill). Default 1 on the CPU (one forward per prompt is as fast "
                         "there, and padding is waste), 8 on a GPU [MLX_LANE_PREFILL_BATCH]")
+    p.add_argument("--prefill-together-max", type=int,
+                   default=int(_env("prefill_together_max")) if _env("prefill_together_max") else None,
+                   help="a prompt whose cached prefix is longer than a chunk (an agent's next turn) joins a batched "
+                        "prefill forward only when its chunk is at most this many tokens: a short chunk's forward "
+                        "is mostly fixed cost, which rows share together; a long one gains little and attends "
+                        "through a mask. 0: never (hybrids gather such chunks anyway). Default 512 on a GPU; no "
+                        "effect with --prefill-batch 1 [MLX_LANE_PREFILL_TOGETHER_MAX]")
     p.add_argument("--memory-budget", type=parse_bytes, default=_env("memory_budget"),
                    help="bytes the model, the running sequences' KV and the RAM prefix cache may use together: a "
                         "request joins only when its KV for prompt + max_tokens fits (the RAM cache yields first), "

@@ -72,6 +72,7 @@ class ServerConfig:
     prefill_chunk: Optional[int]
     max_batch: Optional[int]
     prefill_batch: Optional[int]
+    prefill_together_max: Optional[int]  # --prefill-together-max (None: the device's default)
     memory_budget: Optional[int]
     pipeline: bool
     warm_up: str  # --warm-up: before-ready | behind | off (server.lane.warm)

@@ -323,5 +323,17 @@ class MtpProvider(DraftProvider):
         return AdaptiveDraftLength(max_len, stop_below=break_even_rate(self.cost_ratio),
                                    pause=16 if recurrent else None)
 
+    def trace_caches(self, caches: Optional[list], n: int) -> list:
+        """The heads' KV caches and the hidden-state cache after ``n`` more positions, traced
+        (DraftProvider.trace_caches): what a source holds beside the target's caches (``MtpSource.caches``)."""
+        caches = self.head.make_caches() + [KVCache()] if caches is None else caches
+        *kv, hid = caches
+        start = hid.offset
+        tokens = mx.array([[1] * n])
+        hidden = mx.zeros_like(self.head.embed(tokens))  # (1, n, hidden size) in the model's dtype
+        self.head.forward(tokens, hidden, kv, entry_mask(start, n))
+        hid.update_and_fetch(hidden.reshape(1, 1, n, -1), mx.zeros((1, 1, n, 1), hidden.dtype))
+        return caches
+
     def open(self, caches: Optional[list] = None, tokens: Sequence[int] = ()) -> MtpSource:
         return MtpSource(self.head, self.tap, caches, tokens)

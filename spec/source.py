@@ -116,6 +116,12 @@ class DraftProvider:
         """A fresh source; ``caches`` (from a prompt-cache hit) cover ``tokens``."""
         raise NotImplementedError
 
+    def trace_caches(self, caches: Optional[list], n: int) -> Optional[list]:
+        """What one source's caches hold after ``n`` more tokens (``caches`` None: fresh ones), only traced: MLX
+        builds the graph, so the arrays' shapes are known, and nothing runs. The server prices a speculating
+        sequence's memory from it (server.engine.slot.traced_price). None: the source keeps no caches."""
+        return None
+
     def policy(self, max_len: int):
         """The default adaptive draft-length policy for one request of this provider."""
         from spec.adaptive import AdaptiveDraftLength, break_even_rate

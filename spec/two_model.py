@@ -225,6 +225,12 @@ class TwoModelProvider(DraftProvider):
             draft_tokenizer=draft.tokenizer,
         )
 
+    def trace_caches(self, caches: Optional[list], n: int) -> list:
+        """The draft model's caches after ``n`` more tokens, traced (DraftProvider.trace_caches)."""
+        caches = make_prompt_cache(self.model) if caches is None else caches
+        self.model(mx.array([[1] * n]), cache=caches)
+        return caches
+
     def open(self, caches: Optional[list] = None, tokens: Sequence[int] = ()) -> TwoModelSource:
         if caches is not None and len(caches) != len(make_prompt_cache(self.model)):
             raise ValueError("draft caches do not match the draft model's layers")

@@ -28,11 +28,12 @@ from server.engine.decode import Decoder
 from server.engine.kv_layout import kv_scheme
 from server.engine.prefill import Prefiller
 from server.engine.sampling import build_sampler, repair_random_state, token_logprobs
-from server.engine.slot import ModelSlot
+from server.engine.slot import ModelSlot, traced_price
 from server.engine.speculation import Speculation
 from server.engine.store import CacheWriter, take_checkpoint
 from server.engine.warmup import check_kv_quantization, warm_up_steps
 from server.engine.work import SeqWork
+from server.lane.budget import KVPrice
 from server.lane.seam import Admitted, BatchStep, Emitted, Ended, Prefilled, SeqFacts, SeqView, WarmStep
 from server.lane.target import Slot, Target
 
@@ -285,8 +286,16 @@ class Engine:
         return weights_nbytes(self.base.model)
 
     def kv_price_estimate(self):
-        """What the base model's caches cost (server.lane.budget.KVPrice), measured on two short forwards."""
-        return self.base.measure_kv()
+        """What a sequence of the base model costs (server.lane.budget.KVPrice), traced on two short forwards: its
+        caches, and with speculation on, its draft source's too (a draft model's KV; MTP heads' KV and the hidden
+        states they read), which a speculating sequence holds beside them. Every sequence is priced as if it
+        speculates: a request that turns drafting off reserves a little more than it uses, never less."""
+        price = self.base.measure_kv()
+        if self.config.speculation is not None:
+            draft = traced_price(self.config.speculation.provider.trace_caches)
+            price = KVPrice(price.per_token + draft.per_token, price.per_sequence + draft.per_sequence)
+            self.base.kv_price = price
+        return price
 
     def kv_stats(self) -> dict:
         """The `kv_cache` block of /stats: the scheme and the measured bytes per cached token (all layers)."""

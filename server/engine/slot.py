@@ -13,7 +13,7 @@ the engine's own reference (``server.engine.work.SeqWork.model``) and finish wit
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
@@ -42,6 +42,19 @@ log = logging.getLogger("mlx_lane.engine")
 # 0.32 ignores the cache's lengths there), and an architecture the zoo has not checked is not trusted with it.
 _PADDED_STATE_EXACT = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid"})
 _PRICE_TOKENS = 8  # tokens of the second forward that prices one token (fewer than any sliding window)
+
+
+def traced_price(feed: Callable[[Optional[list], int], Optional[list]]) -> KVPrice:
+    """The price of the caches ``feed`` grows: ``feed(None, 1)`` returns fresh caches holding one token (None: it
+    keeps none, free), ``feed(caches, n)`` n tokens more, both only traced (lazy: shapes are known, nothing runs).
+    The bytes added by the second call are per token; what one token left beyond that, per sequence."""
+    caches = feed(None, 1)
+    if caches is None:
+        return KVPrice(0.0)
+    one = float(state_nbytes(caches))
+    feed(caches, _PRICE_TOKENS)
+    per_token = (float(state_nbytes(caches)) - one) / _PRICE_TOKENS
+    return KVPrice(per_token, max(0.0, one - per_token))
 
 
 def measure(model, *, base: bool, kv_bits: Optional[int] = None, kv_group_size: int = 64,
@@ -144,13 +157,12 @@ class ModelSlot:
         before the server could answer: 22-51 s of the H200's start-up, issue 45.)"""
         import mlx.core as mx
 
-        caches = self.new_caches()
-        self.model(mx.array([[1]]), cache=caches)
-        one = float(state_nbytes(caches))
-        self.model(mx.array([[1] * _PRICE_TOKENS]), cache=caches)
-        per_token = (float(state_nbytes(caches)) - one) / _PRICE_TOKENS
-        del caches  # the unevaluated graph goes with them
-        self.kv_price = KVPrice(per_token, max(0.0, one - per_token))
+        def feed(caches: Optional[list], n: int) -> list:
+            caches = self.new_caches() if caches is None else caches
+            self.model(mx.array([[1] * n]), cache=caches)
+            return caches
+
+        self.kv_price = traced_price(feed)
         return self.kv_price
 
     def detokenizer(self, keep_leading_space: bool = False):

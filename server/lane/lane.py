@@ -71,10 +71,11 @@ class LaneState(enum.Enum):
 class Lane:
     def __init__(self, engine: LaneEngine, prompt_cache, stats, *, max_queue: int = 0, max_batch: int = 8,
                  budget: Optional[MemoryBudget] = None, prefill_batch: int = 1, replay=None,
-                 warm_up: WarmMode | str = WarmMode.BEHIND):
+                 warm_up: WarmMode | str = WarmMode.BEHIND, prefill_together_max: int = 0):
         """``prompt_cache``: the prefix cache the scheduler asks index-only questions of (a
         ``cache.protocol.PrefixCache``); ``stats``: the serving counters (server.stats.ServingStats); ``warm_up``:
-        when the engine's warm-up runs (--warm-up; server.lane.warm)."""
+        when the engine's warm-up runs (--warm-up; server.lane.warm); ``prefill_together_max``: the longest chunk past
+        a long cache hit that joins a batched prefill forward (--prefill-together-max; server.lane.scheduler)."""
         self.engine = engine
         self.prompt_cache = prompt_cache
         self.stats = stats
@@ -91,7 +92,8 @@ class Lane:
         self.warm = WarmUp(warm_up)
         self.max_queue = max_queue  # 0 = unbounded
         self.scheduler = Scheduler(Limits(max_batch=max(1, max_batch), prefill_chunk=engine.prefill_chunk,
-                                          prefill_batch=max(1, prefill_batch)), budget)
+                                          prefill_batch=max(1, prefill_batch),
+                                          together_max=max(0, prefill_together_max)), budget)
         self._inbox: collections.deque[Sequence] = collections.deque()  # submitted, not yet seen by the thread
         self._waiting: list[Sequence] = []  # the queue (lane thread only)
         self._running_ids: tuple[str, ...] = ()  # a snapshot for readers on other threads

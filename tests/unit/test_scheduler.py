@@ -45,8 +45,9 @@ def starts(plan) -> list[tuple]:
     return [(st.group, names(st.batch), names(st.solo)) for st in plan.start]
 
 
-def sched(max_batch=8, chunk=4, prefill_batch=1, budget=None) -> Scheduler:
-    return Scheduler(Limits(max_batch=max_batch, prefill_chunk=chunk, prefill_batch=prefill_batch), budget)
+def sched(max_batch=8, chunk=4, prefill_batch=1, budget=None, together_max=0) -> Scheduler:
+    return Scheduler(Limits(max_batch=max_batch, prefill_chunk=chunk, prefill_batch=prefill_batch,
+                            together_max=together_max), budget)
 
 
 # -- admission ------------------------------------------------------------------------------------------------------
@@ -213,6 +214,18 @@ def test_prefill_batch_gathers_chunks_into_forwards_of_prompts_that_may_go_toget
     hit = seq("h", prompt_len=900)  # a long cached prefix: its rows would be copied in and out
     plan = sched(chunk=512, prefill_batch=2).schedule([seq("a", prompt_len=9), hit], [], lookup=lambda s: 600 * (s is hit))
     assert chunks(plan) == [[("a", 8)], [("h", 299)]]
+
+
+def test_short_chunks_past_long_hits_gather_up_to_together_max():
+    """An agent's next turn: a long cached conversation and a few hundred new tokens. Such chunks join one batched
+    forward when they are at most --prefill-together-max tokens; a longer one past a long hit still runs alone."""
+    turns = [seq(f"t{i}", prompt=[i] + [7] * 1000) for i in range(3)]  # distinct first tokens: no shared prefix
+    cached = {id(s): 700 for s in turns}  # 300 new tokens each, past a 700-token hit (longer than a 512 chunk)
+    plan = sched(chunk=512, prefill_batch=4, together_max=300).schedule(turns, [], lookup=lambda s: cached[id(s)])
+    assert chunks(plan) == [[("t0", 300), ("t1", 300), ("t2", 300)]]
+    plan = sched(chunk=512, prefill_batch=4, together_max=299).schedule(
+        [seq(f"u{i}", prompt=[i] + [7] * 1000) for i in range(3)], [], lookup=lambda s: 700)
+    assert chunks(plan) == [[("u0", 300)], [("u1", 300)], [("u2", 300)]]  # one token over: each alone
 
 
 def test_a_shared_prefix_is_computed_once_the_others_wait_for_it():

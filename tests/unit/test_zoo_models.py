@@ -62,7 +62,7 @@ def alone(model, prompt, n, caches=None):
         return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=caches)]
 
 
-def lane_of(model, cache=None, prefill_batch=1, **config):
+def lane_of(model, cache=None, prefill_batch=1, prefill_together_max=0, **config):
     from cache.prompt_cache import NullPromptCache
     from server.engine.engine import Engine, EngineConfig
     from server.lane.lane import Lane
@@ -73,7 +73,7 @@ def lane_of(model, cache=None, prefill_batch=1, **config):
     stats = ServingStats()
     engine = Engine(loaded, cache, stats, EngineConfig(prefill_chunk=16, **config))
     engine.bind_stream()
-    return Lane(engine, cache, stats, max_batch=8, prefill_batch=prefill_batch)
+    return Lane(engine, cache, stats, max_batch=8, prefill_batch=prefill_batch, prefill_together_max=prefill_together_max)
 
 
 def submit(lane, prompt, n, checkpoints=()):
@@ -177,7 +177,8 @@ def test_the_gpu_layout_prefills_arrivals_together_and_batches_every_row(arch):
     # the H200's layout: the fused attention kernel there, so every row decodes in the pipelined ragged batch
     # (hybrid rows join it from solo decoding and leave it only when they finish; window layers read their last
     # `window` columns)
-    lane = lane_of(model, PromptCache(1 << 28), prefill_batch=4, layout=Layout(gpu=True, fused_attention=True))
+    lane = lane_of(model, PromptCache(1 << 28), prefill_batch=4, prefill_together_max=16,
+                   layout=Layout(gpu=True, fused_attention=True))
     seqs = {i: submit(lane, PROMPTS[i], 10) for i in (0, 1, 2)}
     sizes = set()
     for tick in range(300):
@@ -201,8 +202,9 @@ def test_the_gpu_layout_prefills_arrivals_together_and_batches_every_row(arch):
     # windows and hybrids too (issue 43); mlx-vlm's models each alone
     assert lane.engine.batch_stats()["layout"] == ("solo" if name in VLM else "ragged"), name
 
-    # the next turns of the three conversations, together: each hit is longer than a chunk (16); a hybrid's
-    # prompts still prefill in one forward (its per-token cost dwarfs the copy of the cached prefix)
+    # the next turns of the three conversations, together: each hit is longer than a chunk (16), and their new
+    # chunks (16 tokens at most) are within --prefill-together-max: they prefill in one forward for every kind
+    # that prefills together (a hybrid would even with longer chunks: its per-token cost dwarfs the copy)
     nexts = [PROMPTS[i] + list(seqs[i][0].generated) + [60 + i, 61, 62, 63, 64, 65] for i in (0, 1, 2)]
     want = [alone(model, p, 6) for p in nexts]
     before = lane.stats.prefill_batches
@@ -212,7 +214,7 @@ def test_the_gpu_layout_prefills_arrivals_together_and_batches_every_row(arch):
     for i, (seq, events) in enumerate(turns):
         assert finished(events).cached_tokens > 16, (name, i)
         assert list(seq.generated) == want[i], (name, i)
-    if FAMILY[name] == "hybrid" and lane.engine.base.facts.prefills_together:
+    if lane.engine.base.facts.prefills_together:
         assert lane.stats.prefill_batches > before, name
 
 
@@ -277,6 +279,14 @@ def test_speculation_gives_plain_greedy_tokens_and_verifies_drafts(arch, kind):
         assert got == alone(model, prompt, 16), (name, kind)
         drafted += (done.spec or {}).get("drafted", 0)
     assert drafted > 0, (name, kind)  # drafts were verified, not skipped
+    if kind == "two-model":  # the memory budget prices the draft model's KV, which a speculating sequence holds too
+        from server.engine.kv_layout import state_nbytes
+
+        price = lane.engine.kv_price_estimate()
+        target_alone = lane.engine.base.measure_kv()
+        held = make_prompt_cache(provider.model)
+        mx.eval(provider.model(mx.array([list(range(3, 13))]), cache=held))
+        assert price.of(10) - target_alone.of(10) == pytest.approx(state_nbytes(held), abs=2), name
 
 
 # mlx-lm's MLA reads its cache's keys as arrays, not (data, scales, biases); its quantized attention has no sinks

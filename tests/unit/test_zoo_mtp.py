@@ -156,3 +156,26 @@ def test_requests_under_a_lora_adapter_do_not_draft_with_the_base_models_heads(m
     adapted = Target(engine.base, adapter=SimpleNamespace(name="lora", identity="a" * 64, model=model))
     assert engine.draft_tokens(adapted, params) == 0, name
     assert engine.namespace_for(adapted, params) != engine.namespace_for(engine.base_target(), params), name
+
+
+def test_the_memory_budget_prices_what_the_heads_hold_beside_the_target(mtp):
+    """A speculating sequence holds the heads' KV and the hidden states they read beside the target's caches: the
+    memory budget's price counts them (traced, not run), exactly as many bytes as a stored entry's MTP layers hold."""
+    from cache.prompt_cache import PromptCache
+    from server.engine.kv_layout import state_nbytes
+    from server.engine.slot import traced_price
+
+    name, model, head, speculation = mtp
+    cache = PromptCache(1 << 28)
+    lane = lane_of(model, cache, speculation=speculation)
+    alone_price = lane.engine.base.measure_kv()
+    price = lane.engine.kv_price_estimate()
+    heads = traced_price(speculation.provider.trace_caches)
+    assert heads.per_token > 0, name
+    assert price.per_token == pytest.approx(alone_price.per_token + heads.per_token), name
+    assert lane.engine.base.kv_price == price, name  # what admission reads
+
+    run(lane, TURN1, n=4)
+    _, key, caches = entry_caches(cache, TURN1)
+    mtp_layers = caches[-(head.layers + 1):]  # stored after the target's: the heads' KV, then the hidden states
+    assert heads.of(len(key)) == pytest.approx(state_nbytes(mtp_layers), rel=1e-6), name
