@@ -5,7 +5,11 @@ H200 the lane computed those at ~2k tok/s for gpt-oss-20b (bench/gpu_agents.py, 
 tokens) and ~1.7k for the Qwen3.5-9B hybrid, against 22.5k for one long cold prompt. This measures what the model
 itself does for such chunks, so the lane's share can be told from the model's:
 
-  solo L+N       one row: a cache of L tokens (computed untimed), then an N-token chunk over it (median of --reps)
+  solo L+N       one row: a cache of L tokens (computed untimed), then an N-token chunk over it (median of --reps;
+                 the first rep of a shape is left out: it pays that shape's one-time costs)
+  new shapes     the same, each rep a length (L + r, N + r) this process has not seen, as agents' turns are: what a
+                 shape's first forward costs (MLX's CUDA backend builds a cuDNN attention graph per (query, key)
+                 shape, mlx 0.32 ``scaled_dot_product_attention.cpp``; MLX_CUDA_USE_CUDNN_SDPA=0 turns that off)
   together B     B rows at once over their own caches of L + 37*i tokens (ragged, as agents are), the same N-token
                  chunk each, in one mlx-lm ``PromptProcessingBatch`` forward (left-padded, an array mask), vs the
                  same B chunks one row at a time
@@ -43,6 +47,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=8, help="B for the together case")
     ap.add_argument("--together-chunk", type=int, default=330)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tag", default="", help="appended to the result file's name")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -76,7 +81,7 @@ def main() -> int:
             mx.eval([c.state for c in caches])
         return caches
 
-    def solo(length: int, n: int, seed: int) -> float:
+    def solo(length: int, n: int, seed: int) -> float:  # seconds of the N-token chunk alone
         caches = cache_of(length, seed)
         mx.synchronize()
         t = time.perf_counter()
@@ -84,54 +89,72 @@ def main() -> int:
         mx.eval([c.state for c in caches])
         return time.perf_counter() - t
 
-    R: dict = {"model": what, "device": str(mx.default_device()), "context": args.context, "solo": {}, "together": {}}
+    import os
+
+    R: dict = {"cudnn_sdpa": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1"), "model": what, "device": str(mx.default_device()), "context": args.context, "solo": {}, "together": {}}
     solo(args.context, 64, 99)  # warm-up: the kernels of a chunk over a cache
     for n in [int(x) for x in args.chunks.split(",")]:
-        times = [solo(args.context, n, r) for r in range(args.reps)]
-        cold = [solo(0, n, r) for r in range(args.reps)]
-        R["solo"][str(n)] = {"after_hit_s": times, "after_hit_tok_s": round(n / statistics.median(times), 1),
-                             "cold_s": cold, "cold_tok_s": round(n / statistics.median(cold), 1)}
-        print(f"solo N={n}: after {args.context} cached {R['solo'][str(n)]['after_hit_tok_s']} tok/s, "
-              f"cold {R['solo'][str(n)]['cold_tok_s']} tok/s", flush=True)
+        first = solo(args.context, n, 0)  # this shape's first forward
+        times = [solo(args.context, n, r) for r in range(1, args.reps + 1)]
+        cold_first = solo(0, n, 0)
+        cold = [solo(0, n, r) for r in range(1, args.reps + 1)]
+        new = [solo(args.context + 3 + r, n + 1 + r, r) for r in range(args.reps)]  # shapes never seen
+        R["solo"][str(n)] = {"after_hit_first_s": first, "after_hit_s": times,
+                             "after_hit_tok_s": round(n / statistics.median(times), 1),
+                             "cold_first_s": cold_first, "cold_s": cold,
+                             "cold_tok_s": round(n / statistics.median(cold), 1),
+                             "new_shape_s": new, "new_shape_tok_s": round(n / statistics.median(new), 1)}
+        print(f"solo N={n}: after {args.context} cached {R['solo'][str(n)]['after_hit_tok_s']} tok/s "
+              f"(first {first * 1e3:.0f} ms, later {statistics.median(times) * 1e3:.0f} ms, each a new shape "
+              f"{statistics.median(new) * 1e3:.0f} ms), cold {R['solo'][str(n)]['cold_tok_s']} tok/s", flush=True)
 
     B, n = args.rows, args.together_chunk
     lengths = [args.context + 37 * i for i in range(B)]
 
-    def together() -> float:
-        rows = [cache_of(L, i) for i, L in enumerate(lengths)]
+    def together(shift: int = 0) -> float:  # shift > 0: lengths and chunk this process has not seen
+        rows = [cache_of(L + shift, i) for i, L in enumerate(lengths)]
+        m = n + shift
         mx.synchronize()
         t = time.perf_counter()
-        batch = PromptProcessingBatch(model, list(range(B)), rows, tokens=[[] for _ in rows], prefill_step_size=n)
-        batch.prompt([tokens(n, 50 + i) for i in range(B)])
+        batch = PromptProcessingBatch(model, list(range(B)), rows, tokens=[[] for _ in rows], prefill_step_size=m)
+        batch.prompt([tokens(m, 50 + i) for i in range(B)])
         caches = [batch.extract_cache(i) for i in range(B)]
         mx.eval([c.state for row in caches for c in row])
         return time.perf_counter() - t
 
-    def one_by_one() -> float:
-        rows = [cache_of(L, i) for i, L in enumerate(lengths)]
+    def one_by_one(shift: int = 0) -> float:
+        rows = [cache_of(L + shift, i) for i, L in enumerate(lengths)]
+        m = n + shift
         mx.synchronize()
         t = time.perf_counter()
         for i, caches in enumerate(rows):
-            model(mx.array(tokens(n, 50 + i))[None], cache=caches)
+            model(mx.array(tokens(m, 50 + i))[None], cache=caches)
             mx.eval([c.state for c in caches])
         return time.perf_counter() - t
 
-    together()  # warm-up: the masked kernels
-    tg, ob = [], []
+    together()  # warm-up: these shapes' one-time costs
+    one_by_one()
+    runs: dict = {"together": [], "one_by_one": [], "together_new": [], "one_by_one_new": []}
     for r in range(args.reps):
-        for name, fn, acc in ((("together", together, tg), ("one_by_one", one_by_one, ob))[::1 if r % 2 == 0 else -1]):
-            acc.append(fn())
-    R["together"] = {"rows": B, "chunk": n, "lengths": lengths, "together_s": tg, "one_by_one_s": ob,
-                     "together_tok_s": round(B * n / statistics.median(tg), 1),
-                     "one_by_one_tok_s": round(B * n / statistics.median(ob), 1),
-                     "together_over_one_by_one_time": round(statistics.median(tg) / statistics.median(ob), 3)}
-    print(f"together B={B} N={n}: {R['together']['together_tok_s']} tok/s vs one by one "
-          f"{R['together']['one_by_one_tok_s']} tok/s", flush=True)
+        for name in (["together", "one_by_one"] if r % 2 == 0 else ["one_by_one", "together"]):
+            fn = together if name == "together" else one_by_one
+            runs[name].append(fn())
+            runs[name + "_new"].append(fn(2 * r + 1 + (name == "together")))  # never the same shapes twice
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    R["together"] = {"rows": B, "chunk": n, "lengths": lengths, "seconds": runs,
+                     "together_tok_s": round(B * n / med["together"], 1),
+                     "one_by_one_tok_s": round(B * n / med["one_by_one"], 1),
+                     "together_over_one_by_one_time": round(med["together"] / med["one_by_one"], 3),
+                     "new_shapes_together_over_one_by_one_time": round(med["together_new"] / med["one_by_one_new"], 3)}
+    print(f"together B={B} N={n}: same shapes {med['together'] * 1e3:.0f} ms vs one by one "
+          f"{med['one_by_one'] * 1e3:.0f} ms; new shapes {med['together_new'] * 1e3:.0f} vs "
+          f"{med['one_by_one_new'] * 1e3:.0f} ms", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_prefill_after_hit.json").write_text(json.dumps(R, indent=1))
-    print(json.dumps({"solo": {k: (v["after_hit_tok_s"], v["cold_tok_s"]) for k, v in R["solo"].items()},
-                      "together": R["together"]["together_over_one_by_one_time"]}))
+    (out / f"gpu_prefill_after_hit{args.tag}.json").write_text(json.dumps(R, indent=1))
+    print(json.dumps({"solo": {k: (v["after_hit_tok_s"], v["new_shape_tok_s"], v["cold_tok_s"]) for k, v in R["solo"].items()},
+                      "together": R["together"]["together_over_one_by_one_time"],
+                      "together_new_shapes": R["together"]["new_shapes_together_over_one_by_one_time"]}))
     return 0
 
 
