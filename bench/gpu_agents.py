@@ -26,6 +26,9 @@ stops; servers one after the other, their order rotated per round and entry.
   ours_alone_after_hits
           `ours` with `--prefill-together-max 0`: a chunk past a long cache hit prefills in a forward of its own
           (the rule before 2026-12-05; hybrids gather anyway)
+  ours_no_cudnn_sdpa
+          `ours` with MLX_CUDA_USE_CUDNN_SDPA=0: prefill attention in MLX's unfused ops instead of a cuDNN graph built
+          per new (query, key) shape
 
 Measured per server and entry: wall (first request sent -> last reply done), mean / p95 TTFT, generated tok/s,
 cached prompt tokens (usage.prompt_tokens_details.cached_tokens; mlx_lm.server reports it too), and for ours the
@@ -68,6 +71,9 @@ OURS_VARIANTS = {
     "ours_mlx_kernels": (("--kernels", "mlx"), {}),  # mlx-lm's gated delta rule / Mamba-2 step, not models.kernels
     "ours_no_ssd": (("--no-ssd-cache",), {}),  # the write-behind's share of the wall (hybrid entries carry checkpoints)
     "ours_alone_after_hits": (("--prefill-together-max", "0"), {}),  # short chunks past a long hit: one forward each
+    # MLX's CUDA backend builds a cuDNN attention graph for every new (query, key) shape of a prefill forward;
+    # off, prefill attention takes MLX's unfused ops (no graph to build, more memory traffic)
+    "ours_no_cudnn_sdpa": ((), {"MLX_CUDA_USE_CUDNN_SDPA": "0"}),
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
                "--prompt-cache-bytes", "60000000000")
