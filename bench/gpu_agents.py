@@ -29,6 +29,9 @@ stops; servers one after the other, their order rotated per round and entry.
   ours_no_cudnn_sdpa
           `ours` with MLX_CUDA_USE_CUDNN_SDPA=0: prefill attention in MLX's unfused ops instead of a cuDNN graph built
           per new (query, key) shape
+  ours_no_composed
+          `ours` with `--debug-gpu-attention-composed-max 0`: chunks past a cache hit and verify steps attend through
+          cuDNN (the rule before 2026-12-05) instead of models.attention.composed's plain ops
 
 Measured per server and entry: wall (first request sent -> last reply done), mean / p95 TTFT, generated tok/s,
 cached prompt tokens (usage.prompt_tokens_details.cached_tokens; mlx_lm.server reports it too), and for ours the
@@ -74,6 +77,7 @@ OURS_VARIANTS = {
     # MLX's CUDA backend builds a cuDNN attention graph for every new (query, key) shape of a prefill forward;
     # off, prefill attention takes MLX's unfused ops (no graph to build, more memory traffic)
     "ours_no_cudnn_sdpa": ((), {"MLX_CUDA_USE_CUDNN_SDPA": "0"}),
+    "ours_no_composed": (("--debug-gpu-attention-composed-max", "0"), {}),  # every chunk past a hit through cuDNN
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
                "--prompt-cache-bytes", "60000000000")

@@ -13,7 +13,9 @@ itself does for such chunks, so the lane's share can be told from the model's:
   together B     B rows at once over their own caches of L + 37*i tokens (ragged, as agents are), the same N-token
                  chunk each, in one mlx-lm ``PromptProcessingBatch`` forward (left-padded, an array mask), vs the
                  same B chunks one row at a time
-Rates are new tokens per second of that chunk.
+Rates are new tokens per second of that chunk. ``--lane-attention N`` installs the server's CUDA attention
+(models.attention.gpu: the fused decode kernel, and steps of 2..N queries past cached keys composed of plain ops
+instead of cuDNN, models.attention.composed); without it the model runs mlx-lm's (cuDNN for every chunk).
 
     bash bench/gpu.sh bench/gpu_prefill_after_hit.py --model-dir /dev/shm/mlx-lane-agents-model   # after gpu_agents
     python bench/gpu_prefill_after_hit.py --shape gpt-oss-tiny --dtype float32 --context 300 --chunks 16,64 --rows 3
@@ -47,6 +49,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=8, help="B for the together case")
     ap.add_argument("--together-chunk", type=int, default=330)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--lane-attention", type=int, default=None, metavar="N",
+                    help="install models.attention.gpu with --debug-gpu-attention-composed-max N (0: cuDNN always)")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     args = ap.parse_args()
 
@@ -68,6 +72,12 @@ def main() -> int:
     from models import kernels
 
     kernels.install(model)  # as the server does: models.kernels' gated delta rule / Mamba-2 step on CUDA and the CPU
+    if args.lane_attention is not None:
+        from models.attention import gpu as lane_attention
+
+        lane_attention.configure(True, composed_max=args.lane_attention)
+        print(f"lane attention: {lane_attention.install(model)} modules switched, composed up to "
+              f"{args.lane_attention} queries", flush=True)
     mx.eval(model.parameters())
     print(f"model {what} ready in {time.perf_counter() - t0:.1f}s on {mx.default_device()}", flush=True)
 
@@ -91,7 +101,7 @@ def main() -> int:
 
     import os
 
-    R: dict = {"cudnn_sdpa": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1"), "model": what, "device": str(mx.default_device()), "context": args.context, "solo": {}, "together": {}}
+    R: dict = {"cudnn_sdpa": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1"), "lane_attention": args.lane_attention, "model": what, "device": str(mx.default_device()), "context": args.context, "solo": {}, "together": {}}
     solo(args.context, 64, 99)  # warm-up: the kernels of a chunk over a cache
     for n in [int(x) for x in args.chunks.split(",")]:
         first = solo(args.context, n, 0)  # this shape's first forward
@@ -107,6 +117,22 @@ def main() -> int:
         print(f"solo N={n}: after {args.context} cached {R['solo'][str(n)]['after_hit_tok_s']} tok/s "
               f"(first {first * 1e3:.0f} ms, later {statistics.median(times) * 1e3:.0f} ms, each a new shape "
               f"{statistics.median(new) * 1e3:.0f} ms), cold {R['solo'][str(n)]['cold_tok_s']} tok/s", flush=True)
+
+    if args.lane_attention:  # the composed path's logits against cuDNN's for the same chunk over the same cache
+        from models.attention import gpu as lane_attention
+
+        def logits(composed_max: int) -> mx.array:
+            lane_attention.COMPOSED_MAX = composed_max
+            caches = cache_of(args.context, 7)
+            out = model(mx.array(tokens(330, 8))[None], cache=caches)[0].astype(mx.float32)
+            mx.eval(out)
+            return out
+
+        ours, theirs = logits(args.lane_attention), logits(0)
+        lane_attention.COMPOSED_MAX = args.lane_attention
+        R["composed_vs_cudnn"] = {"max_abs_logit_diff": mx.abs(ours - theirs).max().item(),
+                                  "argmax_agree": mx.mean(ours.argmax(-1) == theirs.argmax(-1)).item()}
+        print(f"composed vs cuDNN, 330 tokens after {args.context}: {R['composed_vs_cudnn']}", flush=True)
 
     B, n = args.rows, args.together_chunk
     lengths = [args.context + 37 * i for i in range(B)]

@@ -81,6 +81,7 @@ class ServerConfig:
     debug_no_draft_batch: bool
     debug_gpu_attention_split: int
     debug_gpu_attention_unroll: int
+    debug_gpu_attention_composed_max: int
     debug_trace_collectives: bool
 
     @classmethod

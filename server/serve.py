@@ -54,7 +54,8 @@ def _configure_kernels(cfg: ServerConfig) -> None:
 
     attention.configure(cfg.attention != "mlx",
                         gpu_split=cfg.debug_gpu_attention_split,
-                        gpu_unroll=cfg.debug_gpu_attention_unroll)
+                        gpu_unroll=cfg.debug_gpu_attention_unroll,
+                        gpu_composed_max=cfg.debug_gpu_attention_composed_max)
     kernels.configure(cfg.kernels != "mlx")
     distributed.trace_collectives(cfg.debug_trace_collectives)
 

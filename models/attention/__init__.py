@@ -37,10 +37,11 @@ class RowRanges(Protocol):
         ...
 
 
-def configure(on: bool = True, *, gpu_split: int = 256, gpu_unroll: int = 4) -> None:
-    """``on`` False (`--attention mlx`): MLX's own attention everywhere. The CUDA kernel's two tuning knobs."""
+def configure(on: bool = True, *, gpu_split: int = 256, gpu_unroll: int = 4, gpu_composed_max: int = 512) -> None:
+    """``on`` False (`--attention mlx`): MLX's own attention everywhere. The CUDA kernel's two tuning knobs, and
+    up to how many queries per row a step past cached keys runs composed (composed.py) instead of cuDNN."""
     cpu.configure(on)
-    gpu.configure(on, gpu_split, gpu_unroll)
+    gpu.configure(on, gpu_split, gpu_unroll, gpu_composed_max)
 
 
 def fused_batch_attention() -> bool:

@@ -33,6 +33,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from models.attention import composed
 from models.hook import switch
 from models.mlx_compat import batch_index, right_padding
 
@@ -44,6 +45,7 @@ MAX_WIDTH = 8  # queries per row the kernel takes (a decode step: 1; a verify st
 SPLIT = 256  # key positions per block of the first pass
 UNROLL = 4  # key groups a warp loads per round (1: the first version's one at a time)
 _ON = True  # --attention mlx: MLX's own attention everywhere
+COMPOSED_MAX = 512  # queries per row up to which a multi-query step past cached keys runs composed.py, not cuDNN
 _QUERIES_PER_BLOCK = 4  # a block's queries of one KV head (registers: 4 queries x 8 floats of q and of o per lane)
 _HEAD_SIZES = (64, 128)  # D/8 elements per lane, loaded 8 at a time
 
@@ -385,6 +387,15 @@ def _applies(queries: mx.array, keys: mx.array, values: mx.array, cache) -> bool
             and keys.dtype == queries.dtype and values.dtype == queries.dtype)
 
 
+def _composes(queries: mx.array, keys: mx.array, cache) -> bool:
+    """A step of 2..COMPOSED_MAX queries per row over more keys than queries (a chunk past a cache hit, a single
+    sequence's verify step) whose scores fit: cuDNN would build a plan for its never-seen shape."""
+    if hasattr(cache, "bits") or queries.ndim != 4 or keys.ndim != 4:
+        return False
+    W = queries.shape[2]
+    return 1 < W <= COMPOSED_MAX and keys.shape[2] > W and composed.fits(queries, keys)
+
+
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if _applies(queries, keys, values, cache):
@@ -392,6 +403,8 @@ def _wrap(original):
             if ranges is not None:  # a window layer of the ragged batch says its window (0: none)
                 return ranged_attention(queries, keys, values, scale, *ranges,
                                         window=getattr(cache, "attention_window", 0), sinks=sinks)
+        if _composes(queries, keys, cache):
+            return composed.composed_attention(queries, keys, values, scale, mask, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.mlx_lane_original = original
@@ -399,13 +412,14 @@ def _wrap(original):
     return scaled_dot_product_attention
 
 
-def configure(on: bool = True, split: int = 256, unroll: int = 4) -> None:
+def configure(on: bool = True, split: int = 256, unroll: int = 4, composed_max: int = 512) -> None:
     """The process's settings (server.serve, from `--attention` and the `--debug-gpu-attention-*` flags); kernels
-    compiled before keep theirs."""
-    global _ON, SPLIT, UNROLL
-    if split < 32 or unroll < 1:
-        raise ValueError(f"GPU attention split {split} (at least 32) or unroll {unroll} (at least 1) out of range")
-    _ON, SPLIT, UNROLL = bool(on), int(split), int(unroll)
+    compiled before keep theirs. ``composed_max`` 0: every multi-query step goes to mlx-lm's (cuDNN)."""
+    global _ON, SPLIT, UNROLL, COMPOSED_MAX
+    if split < 32 or unroll < 1 or composed_max < 0:
+        raise ValueError(f"GPU attention split {split} (at least 32), unroll {unroll} (at least 1) or composed max "
+                         f"{composed_max} (at least 0) out of range")
+    _ON, SPLIT, UNROLL, COMPOSED_MAX = bool(on), int(split), int(unroll), int(composed_max)
 
 
 def enabled() -> bool:

@@ -1,0 +1,63 @@
+"""Attention of a short prompt chunk past a long cached prefix, in plain MLX ops (scores, masked softmax, a matmul).
+
+Why not ``mx.fast.scaled_dot_product_attention``: on CUDA it hands a prefill chunk (more than one query, head size
+up to 128) to cuDNN, which builds an execution plan for each exact shape it meets (queries, keys, mask: mlx 0.32,
+``backend/cuda/scaled_dot_product_attention.cpp``, a per-thread cache of 256 plans). An agent's next turn is a few
+hundred new tokens over a cache of a length never seen before, so every such forward builds new plans: on the H200
+a gpt-oss-20b chunk of 330 tokens after a 5k-token hit took 42 ms once its shapes were known and ~130 ms the first
+time (``bench/gpu_prefill_after_hit.py``). Here the same chunk is two matmuls and a softmax, kernels MLX compiles
+once per dtype, not per length; they read the cached keys once per query head group, which for a short chunk costs
+less than a plan. MLX's own composed fallback (``fast.cpp``) does the same, but only where cuDNN refuses.
+
+``composed_attention`` takes what the fast function takes (grouped heads, ``"causal"`` aligned to the last key, a
+boolean or additive array mask, gpt-oss's sinks) and computes it as MLX's fallback does: scores in the inputs'
+dtype, a precise (float32) softmax. ``fits`` says where it applies: the scores it holds at once stay under a cap.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import mlx.core as mx
+
+__all__ = ["composed_attention", "fits", "MAX_SCORES"]
+
+MAX_SCORES = 1 << 28  # score elements one call may hold (512 MiB in bf16): past that, the fused kernel's memory wins
+
+
+def fits(queries: mx.array, keys: mx.array) -> bool:
+    """Whether the chunk's scores (B x H x W x S) stay under ``MAX_SCORES``."""
+    B, H, W, _ = queries.shape
+    return B * H * W * keys.shape[2] <= MAX_SCORES
+
+
+def composed_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                       mask: Union[None, str, mx.array] = None, sinks: Optional[mx.array] = None) -> mx.array:
+    """``softmax(q k^T * scale + mask) v`` for ``queries`` (B, H, W, D) and ``keys``/``values`` (B, KV, S, D), H a
+    multiple of KV; ``mask`` None, ``"causal"`` (query i sees keys up to ``S - W + i``) or an array broadcastable to
+    (B, H, W, S), boolean (True: seen) or additive; ``sinks`` (H,): one more logit per query head, with no value."""
+    B, H, W, D = queries.shape
+    kv, S = keys.shape[1], keys.shape[2]
+    rep = H // kv
+    q = (queries * mx.array(scale, dtype=queries.dtype)).reshape(B, kv, rep, W, D)
+    scores = q @ mx.swapaxes(keys, -1, -2)[:, :, None]  # (B, KV, rep, W, S)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        seen = mx.arange(S)[None, :] <= (mx.arange(W) + (S - W))[:, None]
+        scores = mx.where(seen, scores, mx.array(-mx.inf, dtype=scores.dtype))
+    elif mask is not None:
+        m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape) if mask.ndim < 4 else mask
+        # (B|1, H|1, W, S) -> (B|1, KV|1, rep|1, W, S)
+        m = m.reshape(m.shape[0], 1, 1, *m.shape[2:]) if m.shape[1] == 1 else m.reshape(
+            m.shape[0], kv, rep, *m.shape[2:])
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, mx.array(-mx.inf, dtype=scores.dtype))
+        else:
+            scores = scores + m.astype(scores.dtype)
+    if sinks is not None:
+        sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, kv, rep, 1, 1), (B, kv, rep, W, 1))
+        weights = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)[..., 1:]
+    else:
+        weights = mx.softmax(scores, axis=-1, precise=True)
+    return (weights @ values[:, :, None]).reshape(B, H, W, D)
