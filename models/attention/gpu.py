@@ -23,8 +23,10 @@ the merge's softmax.
 ``install(model)`` swaps the attention function in the model's modules (as ``models.attention.cpu`` does on the
 CPU) for one that takes this path only where it applies (a CUDA device, 16-bit q/k/v, head size 64 or 128, grouped
 or plain heads, a batch cache whose ranges are known, a step of at most ``MAX_WIDTH`` tokens) and hands everything
-else to mlx-lm's own: prefill chunks (cuDNN takes those), single sequences (MLX's own vector kernel), quantized KV,
-mlx-lm's rotating batch caches. `--attention mlx` (``configure(on=False)``) leaves mlx-lm's path in place (to compare).
+else to mlx-lm's own: long prefill chunks (cuDNN takes those), single sequences (MLX's own vector kernel), quantized
+KV, mlx-lm's rotating batch caches. A step of 2..``COMPOSED_MAX`` queries past more cached keys than queries (a short
+chunk after a cache hit, a single sequence's verify step) runs ``composed.composed_attention`` instead of cuDNN:
+cuDNN plans every new shape, and those steps' shapes are all new. `--attention mlx` (``configure(on=False)``) leaves mlx-lm's path in place (to compare).
 """
 
 from __future__ import annotations
