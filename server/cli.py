@@ -261,10 +261,10 @@ def _serve_parser(sub) -> None:
                    help="key groups a warp of the CUDA attention kernel loads per round (default 4; 1: its first "
                         "version) [MLX_LANE_DEBUG_GPU_ATTENTION_UNROLL]")
     d.add_argument("--debug-gpu-attention-composed-max", type=int, metavar="N",
-                   default=int(_env("debug_gpu_attention_composed_max", "512")),
+                   default=int(_env("debug_gpu_attention_composed_max", "8")),
                    help="on CUDA, a step of 2..N queries per row over more cached keys (a short chunk past a cache "
                         "hit, a single sequence's verify step) runs as plain matmuls and a softmax instead of "
-                        "cuDNN, which plans each new shape anew (default 512; 0: cuDNN always) "
+                        "cuDNN, which plans each new shape anew (default 8: verify steps; 0: cuDNN always) "
                         "[MLX_LANE_DEBUG_GPU_ATTENTION_COMPOSED_MAX]")
     d.add_argument("--debug-trace-collectives", action="store_true", default=_env_flag("debug_trace_collectives"),
                    help="a model sharded over processes logs every collective of the lane's plans on every rank "

@@ -39,7 +39,7 @@ class RowRanges(Protocol):
         ...
 
 
-def configure(on: bool = True, *, gpu_split: int = 256, gpu_unroll: int = 4, gpu_composed_max: int = 512) -> None:
+def configure(on: bool = True, *, gpu_split: int = 256, gpu_unroll: int = 4, gpu_composed_max: int = 8) -> None:
     """``on`` False (`--attention mlx`): MLX's own attention everywhere. The CUDA kernel's two tuning knobs, and
     up to how many queries per row a step past cached keys runs composed (composed.py) instead of cuDNN."""
     cpu.configure(on)

@@ -1,13 +1,14 @@
-"""Attention of a short prompt chunk past a long cached prefix, in plain MLX ops (scores, masked softmax, a matmul).
+"""A few queries past a long cached prefix, in plain MLX ops (scores, a masked softmax, a matmul), on CUDA.
 
-Why not ``mx.fast.scaled_dot_product_attention``: on CUDA it hands a prefill chunk (more than one query, head size
-up to 128) to cuDNN, which builds an execution plan for each exact shape it meets (queries, keys, mask: mlx 0.32,
-``backend/cuda/scaled_dot_product_attention.cpp``, a per-thread cache of 256 plans). An agent's next turn is a few
-hundred new tokens over a cache of a length never seen before, so every such forward builds new plans: on the H200
-a gpt-oss-20b chunk of 330 tokens after a 5k-token hit took 42 ms once its shapes were known and ~130 ms the first
-time (``bench/gpu_prefill_after_hit.py``). Here the same chunk is two matmuls and a softmax, kernels MLX compiles
-once per dtype, not per length; they read the cached keys once per query head group, which for a short chunk costs
-less than a plan. MLX's own composed fallback (``fast.cpp``) does the same, but only where cuDNN refuses.
+Why not ``mx.fast.scaled_dot_product_attention``: on CUDA it hands any step of more than one query (head size up to
+128) to cuDNN, which builds an execution plan for each exact shape it meets (queries, keys, mask: mlx 0.32,
+``backend/cuda/scaled_dot_product_attention.cpp``, a per-thread cache of 256 plans). A single sequence's verify
+step (1 + k drafted tokens) meets a key length never seen before every step. Measured on the H200 with gpt-oss-20b
+(``bench/gpu_prefill_after_hit.py``, BENCHMARKS.md 2026-12-05): a 128-token chunk after a 5k-token hit took 27 ms
+through cuDNN once its shape was known, 89 ms when it was new, 46 ms here either way the first time (34 ms later).
+So by default (``models.attention.gpu.COMPOSED_MAX`` = 8) only verify-sized steps come here: for prompt chunks of
+hundreds of tokens cuDNN's plan pays once shapes repeat, and served agents were no faster with them here.
+MLX's own composed fallback (``fast.cpp``) computes the same, but only where cuDNN refuses.
 
 ``composed_attention`` takes what the fast function takes (grouped heads, ``"causal"`` aligned to the last key, a
 boolean or additive array mask, gpt-oss's sinks) and computes it as MLX's fallback does: scores in the inputs'

@@ -47,7 +47,11 @@ MAX_WIDTH = 8  # queries per row the kernel takes (a decode step: 1; a verify st
 SPLIT = 256  # key positions per block of the first pass
 UNROLL = 4  # key groups a warp loads per round (1: the first version's one at a time)
 _ON = True  # --attention mlx: MLX's own attention everywhere
-COMPOSED_MAX = 512  # queries per row up to which a multi-query step past cached keys runs composed.py, not cuDNN
+# Queries per row up to which a multi-query step past cached keys runs composed.py, not cuDNN: a verify step's few.
+# Measured on the H200 (BENCHMARKS.md, 2026-12-05): a gpt-oss chunk of 128-330 tokens after a 5k hit took 46-64 ms
+# composed vs 89-103 ms through cuDNN when its shape was new, but 34-63 vs 27-41 ms once seen, and served agents
+# (whose later turns prefill together) were no faster at 512 (34.5 vs 32.8 s, one run each): so not past 8 by default.
+COMPOSED_MAX = 8
 _QUERIES_PER_BLOCK = 4  # a block's queries of one KV head (registers: 4 queries x 8 floats of q and of o per lane)
 _HEAD_SIZES = (64, 128)  # D/8 elements per lane, loaded 8 at a time
 
@@ -414,7 +418,7 @@ def _wrap(original):
     return scaled_dot_product_attention
 
 
-def configure(on: bool = True, split: int = 256, unroll: int = 4, composed_max: int = 512) -> None:
+def configure(on: bool = True, split: int = 256, unroll: int = 4, composed_max: int = 8) -> None:
     """The process's settings (server.serve, from `--attention` and the `--debug-gpu-attention-*` flags); kernels
     compiled before keep theirs. ``composed_max`` 0: every multi-query step goes to mlx-lm's (cuDNN)."""
     global _ON, SPLIT, UNROLL, COMPOSED_MAX
