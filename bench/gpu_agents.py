@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -109,6 +110,21 @@ def stats_blocks(url: str) -> dict:
     except (httpx.HTTPError, ValueError) as exc:
         return {"error": repr(exc)}
     return {k: st.get(k) for k in ("lane", "prompt_cache", "ssd_cache", "device", "sizes") if k in st}
+
+
+def kernel_cache_files(ours: bool) -> int:
+    """Compiled kernels the server will find at start: MLX's CUDA backend JIT-compiles kernels at first use and keeps
+    them in MLX_PTX_CACHE_DIR (default <tmp>/mlx/<version>/ptx), so a peer started after anything that ran the same
+    model in this machine (an in-process benchmark, an earlier peer) skips compiles a fresh one pays during its
+    workload (mlx_lm.server's gpt-oss-20b wall: 72.6-76.0 s on a fresh machine, 40.9 s after
+    bench/gpu_prefill_after_hit.py, BENCHMARKS.md 2026-12-05). Ours starts with a fresh MLX_LANE_HOME (0) and
+    compiles in its warm-up, which the run waits for."""
+    if ours:
+        return 0
+    import mlx.core as mx
+
+    root = Path(os.environ.get("MLX_PTX_CACHE_DIR") or Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx")
+    return sum(1 for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
 
 
 def main() -> int:
@@ -174,7 +190,8 @@ def main() -> int:
                                              env=env)
                 else:
                     peer = peer_servers.MlxLm(workdir, model_dir, extra=extra["mlx_lm"])
-                run = {"round": rnd + 1, "k": K, "turns": T, "server": n}
+                run = {"round": rnd + 1, "k": K, "turns": T, "server": n,
+                       "kernel_cache_files_at_start": kernel_cache_files(n in OURS_VARIANTS)}
                 try:
                     t = time.perf_counter()
                     peer.start()
