@@ -29,6 +29,7 @@ from typing import Any
 from models.attention.cpu import install as install_cpu_attention
 from models.attention.gpu import install as install_gpu_attention
 from models.kernels import install as install_kernels
+from models.mamba_lengths import install as install_mamba_lengths
 from models.loading.default import DEFAULT_MODEL, ensure_default_model
 from models.errors import ModelLoadError
 from models.loading.fingerprint import fingerprint
@@ -213,6 +214,7 @@ def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, gr
     install_cpu_attention(model)  # on the CPU only: grouped-query attention without copying K/V per query head
     install_gpu_attention(model)  # on CUDA only: a decode batch's attention in one kernel, rows of their own lengths
     install_kernels(model)  # off Metal: the gated delta rule and Mamba-2's step as kernels / the chunked form
+    install_mamba_lengths(model)  # nemotron_h's batched prompts stop each row's state at its end
     fp = fingerprint(model_dir, dtype)
     vision = None
     if is_vision_config(config) and group is None:  # a model sharded over processes is served text-only

@@ -22,6 +22,7 @@ from models.attention.cpu import routes as routes_cpu_attention
 from models.errors import ModelLoadError
 from models.facts import CacheFacts, DraftHeads, ModelFacts
 from models.kernels import kernel_path
+from models.mamba_lengths import lengths_reach_state
 from models.loading.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from models.mlx_compat import keep_leading_space as keep_leading_space_of
 from models.vlm_caches import is_vlm_cache
@@ -38,9 +39,9 @@ log = logging.getLogger("mlx_lane.engine")
 
 # architectures with recurrent layers whose batched prompt forward keeps the right padding out of their state, as the
 # zoo checks (tests/unit/test_zoo_models.py: the GPU layout's prompts, prefilled together, give mlx-lm's alone
-# tokens). Any other hybrid prefills one prompt per forward: nemotron_h's Mamba-2 mixer lets the padding in (mlx-lm
-# 0.32 ignores the cache's lengths there), and an architecture the zoo has not checked is not trusted with it.
-_PADDED_STATE_EXACT = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid"})
+# tokens). nemotron_h's Mamba-2 mixer does once models.mamba_lengths hands it its rows' lengths (mlx-lm 0.32 does
+# not); an architecture the zoo has not checked is not trusted with it and prefills one prompt per forward.
+_PADDED_STATE_EXACT = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "granitemoehybrid", "nemotron_h"})
 _PRICE_TOKENS = 8  # tokens of the second forward that prices one token (fewer than any sliding window)
 
 
@@ -71,7 +72,7 @@ def measure(model, *, base: bool, kv_bits: Optional[int] = None, kv_group_size: 
     # recurrent ones where the architecture keeps the padding out of its state (_PADDED_STATE_EXACT); quantized KV
     # does not merge
     model_type = getattr(getattr(model, "args", None), "model_type", None)
-    exact_state = model_type in _PADDED_STATE_EXACT
+    exact_state = model_type in _PADDED_STATE_EXACT and lengths_reach_state(model)
     fresh = layers if kv_bits is None else quantize_fresh(make_prompt_cache(model), kv_bits, kv_group_size)
     # the ragged layout holds plain and sliding-window attention layers (and recurrent state beside them)
     attends = [type(c) is KVCache or is_window(c) for c in layers]

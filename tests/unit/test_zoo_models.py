@@ -22,7 +22,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import kernels
+from models import kernels, mamba_lengths
 from tests.fixtures import zoo, zoo_vlm
 from tests.fixtures.tiny_models import IdTokenizer
 
@@ -46,6 +46,7 @@ def arch(request):
         return
     model = zoo.build(request.param, VOCAB)
     kernels.install(model)
+    mamba_lengths.install(model)  # as the loader does: nemotron_h's mixer stops each batched row's state at its end
     yield request.param, model
     kernels.hook.restore(model, kernels.GATED_DELTA)
     kernels.hook.restore(model, kernels.SSM)
@@ -192,9 +193,9 @@ def test_the_gpu_layout_prefills_arrivals_together_and_batches_every_row(arch):
         finished(events)
         assert list(seq.generated) == want[i], (name, i)
     together = lane.stats.prefill_batches
-    # every architecture of the zoo but nemotron_h (its Mamba-2 mixer lets padding into its state) prefills together
-    # mlx-vlm's models prefill one prompt per forward (mlx-lm's batched prefill merges mlx-lm's classes only)
-    assert lane.engine.base.facts.prefills_together == (name != "nemotron_h" and name not in VLM), name
+    # every architecture of the zoo prefills together (nemotron_h once models.mamba_lengths tells its Mamba-2 mixer
+    # where rows end); mlx-vlm's models prefill one prompt per forward (mlx-lm's batched prefill merges its classes)
+    assert lane.engine.base.facts.prefills_together == (name not in VLM), name
     assert together >= (1 if lane.engine.base.facts.prefills_together else 0), (name, together)
     if FAMILY[name] == "window" and name not in VLM:
         assert together >= 1 and max(sizes) >= 3, (name, together, sizes)
@@ -308,3 +309,23 @@ def test_kv_bits_gives_mlx_lm_tokens_over_the_same_quantized_caches_or_refuses_a
     got, _ = run(lane, TURN1)
     want = alone(model, TURN1, 8, caches=quantize_fresh(make_prompt_cache(model), 8, 32))
     assert got == want, name
+
+
+def test_nemotron_h_prefills_together_only_once_its_mixer_is_told_where_rows_end():
+    """The engine's facts ask models.mamba_lengths: a nemotron_h whose mixer does not get its rows' lengths (mlx-lm's
+    own) would let a shorter row's state run through the padding, so it prefills one prompt per forward."""
+    from mlx_lm.models import nemotron_h
+
+    model = zoo.build("nemotron_h", VOCAB)
+    ours = nemotron_h.NemotronHMamba2Mixer._ssm
+    if getattr(ours, "mlx_lane_lengths", False):
+        nemotron_h.NemotronHMamba2Mixer._ssm = ours.mlx_lane_original
+    try:
+        assert not mamba_lengths.lengths_reach_state(model)
+        assert not lane_of(model).engine.base.facts.prefills_together
+        assert mamba_lengths.install(model) and mamba_lengths.lengths_reach_state(model)
+        assert lane_of(model).engine.base.facts.prefills_together
+        assert not mamba_lengths.install(zoo.build("llama", VOCAB))  # no such mixer: nothing to do
+        assert mamba_lengths.lengths_reach_state(zoo.build("llama", VOCAB))
+    finally:
+        nemotron_h.NemotronHMamba2Mixer._ssm = ours
