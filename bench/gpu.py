@@ -73,6 +73,19 @@ SHAPES["qwen3.5-tiny"] = {**SHAPES["qwen3.5-9b"], "hidden_size": 256, "num_hidde
 SHAPES["gpt-oss-tiny"] = {**SHAPES["gpt-oss-20b"], "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
                           "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "num_local_experts": 8,
                           "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"] * 2}
+# Nemotron-H-8B's shape (nvidia/Nemotron-H-8B-Base-8K): 52 layers, 24 Mamba-2 mixers, 4 attention layers, 24 MLPs
+# (squared ReLU); 128 Mamba heads of 64 (a mixer's in_proj is 18,560 x 4,096: 2 x 8,192 + 2 x 8 groups x 128 state +
+# 128 heads); ~8.1e9 parameters, ~16 GB in bf16. Not yet run on the device (its batched prefill: models.mamba_lengths)
+SHAPES["nemotron-h-8b"] = dict(model_type="nemotron_h", hidden_size=4096, intermediate_size=21504,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, attention_bias=False,
+                               mamba_num_heads=128, mamba_head_dim=64, mamba_proj_bias=False, ssm_state_size=128,
+                               conv_kernel=4, n_groups=8, mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False,
+                               use_conv_bias=True, rope_theta=10000.0, vocab_size=131072,
+                               hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")
+SHAPES["nemotron-h-tiny"] = {**SHAPES["nemotron-h-8b"], "hidden_size": 256, "intermediate_size": 512,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "mamba_num_heads": 8,
+                             "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2,
+                             "hybrid_override_pattern": "M-M*-M-"}
 PROMPT_VOCAB = 49152
 REQUEST_TIMEOUT = 120.0  # the SmolLM2 tokenizer's ids: prompts use ids in [3, 49152)
 T0 = time.monotonic()
