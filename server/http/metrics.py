@@ -47,13 +47,18 @@ class _CacheCollector:
 
 
 class _SpecCollector:
-    """Speculative decoding counters (vLLM's spec_decode names) read at scrape time."""
+    """Speculative decoding counters (vLLM's spec_decode names) read at scrape time, labelled by the process's draft
+    kind (``kind="mtp"``, ``"ngram"`` or ``"two-model"``: --draft-kind), so that runs of different kinds scraped
+    into one Prometheus stay apart."""
 
     def __init__(self, stats: dict):
         self.stats = stats
 
     def collect(self):
         s = self.stats
+        kind = {"kind": str(s.get("kind") or "none")}
+        _counter, _gauge = (lambda n, d, v: _labelled(CounterMetricFamily, n, d, v, kind),
+                            lambda n, d, v: _labelled(GaugeMetricFamily, n, d, v, kind))
         yield _counter("mlx_lane:spec_decode_num_drafts", "Verify rounds that carried drafts", s.get("rounds", 0))
         yield _counter("mlx_lane:spec_decode_num_draft_tokens", "Draft tokens proposed", s.get("drafted", 0))
         yield _counter("mlx_lane:spec_decode_num_accepted_tokens", "Draft tokens accepted", s.get("accepted", 0))
@@ -179,6 +184,12 @@ class _SSDCollector:
         m.add_metric(["restore"], float(cost.get("decisions_restore") or 0))
         m.add_metric(["recompute"], float(cost.get("decisions_recompute") or 0))
         yield m
+
+
+def _labelled(family, name, doc, value, labels: dict):
+    m = family(name, doc, labels=list(labels))
+    m.add_metric(list(labels.values()), float(value or 0))
+    return m
 
 
 def _counter(name, doc, value):

@@ -55,7 +55,9 @@ def test_ngram_stream_with_stop_and_stats(spec_server):
     assert stats["enabled"] and stats["kind"] == "ngram" and stats["requests"] >= 3
     assert stats["drafted"] >= stats["accepted"] > 0
     metrics = httpx.get(url + "/metrics").text
-    assert "mlx_lane:spec_decode_num_accepted_tokens_total" in metrics
+    accepted = next(line for line in metrics.splitlines()
+                    if line.startswith("mlx_lane:spec_decode_num_accepted_tokens_total"))
+    assert 'kind="ngram"' in accepted and float(accepted.split()[-1]) == stats["accepted"]
 
 
 def test_mismatched_draft_is_refused_at_start(tmp_path, default_model_dir):
