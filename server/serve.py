@@ -367,6 +367,9 @@ def _speculation(cfg: ServerConfig, loaded):
     from spec import DraftProvider, NgramProvider, SpecError, TwoModelProvider
 
     kind = cfg.draft_kind or ("two-model" if cfg.draft_model else None)
+    auto = kind == "auto"  # two-model with a draft model, else the checkpoint's own heads where it ships them
+    if auto:
+        kind = "two-model" if cfg.draft_model else "mtp"
     if kind is None:
         return None
     if kind == "mtp":
@@ -374,7 +377,13 @@ def _speculation(cfg: ServerConfig, loaded):
 
         if cfg.draft_model:
             raise ModelLoadError("--draft-kind mtp drafts with the model's own heads: drop --draft-model")
-        provider: DraftProvider = MtpProvider.from_loaded(loaded)  # ModelLoadError: no heads this server can run
+        try:
+            provider: DraftProvider = MtpProvider.from_loaded(loaded)  # no heads this server can run: ModelLoadError
+        except ModelLoadError as exc:
+            if not auto:
+                raise
+            log.info("speculative decoding off (--draft-kind auto finds no heads to draft with): %s", exc)
+            return None
         default_n = 3
     elif kind == "two-model":
         if not cfg.draft_model:

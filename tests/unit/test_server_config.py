@@ -44,5 +44,5 @@ def test_serve_help_lists_the_draft_kinds_mtp_included():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     serve = sub.choices["serve"]
     kinds = next(a for a in serve._actions if a.dest == "draft_kind").choices
-    assert list(kinds) == ["two-model", "ngram", "mtp"]
-    assert "{two-model,ngram,mtp}" in serve.format_help()
+    assert list(kinds) == ["two-model", "ngram", "mtp", "auto"]
+    assert "{two-model,ngram,mtp,auto}" in serve.format_help()

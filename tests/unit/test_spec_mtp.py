@@ -141,6 +141,29 @@ def test_a_family_without_heads_is_refused_with_what_to_do(default_model_dir):
         MtpProvider.from_loaded(load_model("default", "float32", progress=False))
 
 
+def test_draft_kind_auto_drafts_with_heads_where_the_checkpoint_ships_them_and_is_off_elsewhere(tmp_path,
+                                                                                                default_model_dir,
+                                                                                                monkeypatch):
+    from models import load_model
+    from server.cli import build_parser
+    from server.config import ServerConfig
+    from server.serve import _speculation
+
+    for name in list(__import__("os").environ):
+        if name.startswith("MLX_LANE_"):
+            monkeypatch.delenv(name)
+    cfg = ServerConfig.from_args(build_parser().parse_args(["serve", "--draft-kind", "auto"]))
+    written = zoo_mtp.write("qwen3_5", tmp_path / "qwen3_5", default_model_dir)
+    with_heads = _speculation(cfg, load_model(str(written), "float32", progress=False))
+    assert with_heads is not None and with_heads.kind == "mtp" and with_heads.draft_heads.family == "qwen"
+    plain = zoo_mtp.write("qwen3_5", tmp_path / "converted", default_model_dir, heads=False)
+    assert _speculation(cfg, load_model(str(plain), "float32", progress=False)) is None  # no heads: plain decoding
+    assert _speculation(cfg, load_model("default", "float32", progress=False)) is None  # a family without any
+    explicit = ServerConfig.from_args(build_parser().parse_args(["serve", "--draft-kind", "mtp"]))
+    with pytest.raises(Exception, match="ships no multi-token-prediction weights"):
+        _speculation(explicit, load_model(str(plain), "float32", progress=False))  # asked for: an error at start
+
+
 def test_the_heads_draft_for_many_rows_in_batched_forwards_what_each_row_drafts_alone(bound):
     """server.engine.batch.mtp_drafts: rows of different lengths, draft lengths and accepts draft together what each
     source drafts on its own caches, one forward per drafted position; a row that leaves goes on alone the same."""
