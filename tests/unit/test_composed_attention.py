@@ -62,3 +62,35 @@ def test_an_unknown_mask_name_is_an_error_and_fits_caps_the_scores():
         composed_attention(q, k, v, 0.25, "sliding")
     assert fits(q, k)
     assert not fits(mx.zeros((8, 64, 512, 1)), mx.zeros((8, 8, 8192, 1)))
+
+
+def test_the_cuda_wrapper_composes_verify_sized_steps_past_cached_keys_and_hands_on_the_rest(monkeypatch):
+    """models.attention.gpu's routing (the wrapper runs on any device; installed on CUDA only): a step of 2..8
+    queries over more keys composes, a one-token step, a cold prompt (keys == queries), a longer chunk, quantized
+    KV and COMPOSED_MAX 0 go to mlx-lm's function."""
+    from models.attention import gpu
+
+    calls = []
+
+    def original(q, k, v, cache=None, scale=1.0, mask=None, sinks=None):
+        calls.append(q.shape[2])
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+    attend = gpu._wrap(original)
+
+    class Quantized:
+        bits = 8
+
+    for W, S, cache, composes in [(5, 40, None, True), (8, 40, None, True), (1, 40, None, False),
+                                  (5, 5, None, False), (9, 40, None, False), (5, 40, Quantized(), False)]:
+        calls.clear()
+        q, k, v = _inputs(B=1, W=W, S=S)
+        got = attend(q, k, v, cache, 0.25, "causal" if W > 1 else None)
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal" if W > 1 else None)
+        _close(got, want)
+        assert (calls == []) == composes, (W, S, calls)
+    monkeypatch.setattr(gpu, "COMPOSED_MAX", 0)
+    calls.clear()
+    q, k, v = _inputs(B=1, W=5, S=40)
+    attend(q, k, v, None, 0.25, "causal")
+    assert calls == [5]
