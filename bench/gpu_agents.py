@@ -33,6 +33,11 @@ stops; servers one after the other, their order rotated per round and entry.
           `ours` with `--debug-gpu-attention-composed-max 0`: chunks past a cache hit and verify steps attend through
           cuDNN (the rule before 2026-12-05) instead of models.attention.composed's plain ops
 
+`--prime-peer` starts mlx_lm.server once before the measured runs for an unmeasured 4 x 2 workload of other
+conversations: MLX compiles its CUDA kernels at first use into a folder that outlives the process, so the measured
+peer starts with them compiled, as ours does after its warm-up (which the run waits for). Without it, whether the
+peer pays its compiles in the workload depends on what ran on the machine before (`kernel_cache_files_at_start`).
+
 Measured per server and entry: wall (first request sent -> last reply done), mean / p95 TTFT, generated tok/s,
 cached prompt tokens (usage.prompt_tokens_details.cached_tokens; mlx_lm.server reports it too), and for ours the
 /stats lane, prompt_cache and ssd_cache blocks after the run. Issue 22's target: ours' wall <= 0.4x mlx_lm.server's.
@@ -150,6 +155,10 @@ def main() -> int:
     ap.add_argument("--probe-every-ms", type=float, default=0.0,
                     help="also send a fully cached 2-token request this often during each run and report its TTFT "
                          "against ours' batched decode step (issue 22 item 7; concurrent_agents.run_probe)")
+    ap.add_argument("--prime-peer", action="store_true",
+                    help="before the measured runs, start mlx_lm.server once for an unmeasured 4 x 2 workload of other "
+                         "conversations, so that it starts the measured ones with its kernels compiled, as ours does "
+                         "(its warm-up) and as a server that has run before would (kernel_cache_files)")
     ap.add_argument("--ours-args", default="", help="extra `mlx-lane serve` arguments (one shell-quoted string)")
     args = ap.parse_args()
     out = Path(args.out)
@@ -178,6 +187,19 @@ def main() -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="gpu-agents-"))
     extra = {"ours": tuple(args.ours_args.split()), "mlx_lm": MLX_LM_ARGS}
+    if args.prime_peer and "mlx_lm" in names:
+        primer = peer_servers.MlxLm(workdir, model_dir, extra=extra["mlx_lm"])
+        before = kernel_cache_files(False)
+        other = argparse.Namespace(**{**vars(args), "seed": args.seed + 977})
+        tasks, chunks = conversations(tokenizer, 4, 2, other)
+        try:
+            primer.start()
+            _, wall = run_agents(primer.url, tasks, chunks, 4, 2, 16, args.stagger_ms / 1e3, system=system)
+        finally:
+            primer.stop()
+        R["peer_primed"] = {"wall_s": round(wall, 1), "kernel_cache_files_before": before,
+                            "kernel_cache_files_after": kernel_cache_files(False)}
+        print(f"peer primed: {R['peer_primed']}", flush=True)
     for rnd in range(args.rounds):
         for pi, (K, T) in enumerate(plan):
             tasks, chunks = conversations(tokenizer, K, T, args)
