@@ -73,7 +73,7 @@ def test_mtp_text_is_mlx_lm_greedy_and_the_next_turns_draft_from_ram_and_ssd(ser
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0 and usage["speculative"]["blind"] == 0, usage
     stats = httpx.get(url + "/stats").json()["speculative"]
     assert stats["kind"] == "mtp" and stats["heads"]["family"] == "deepseek" and stats["heads"]["layers"] == 1
-    assert "mlx_lane:spec_decode_blind_starts_total 0.0" in httpx.get(url + "/metrics").text
+    assert 'mlx_lane:spec_decode_blind_starts_total{kind="mtp"} 0.0' in httpx.get(url + "/metrics").text
     assert httpx.post(url + "/admin/cache/flush", timeout=120).status_code == 200
 
     again = ServerProc(*served.args)  # a restart: the next turn comes back from the SSD files, heads included
