@@ -119,17 +119,17 @@ def main() -> int:
               f"{statistics.median(new) * 1e3:.0f} ms), cold {R['solo'][str(n)]['cold_tok_s']} tok/s", flush=True)
 
     if args.lane_attention:  # the composed path's logits against cuDNN's for the same chunk over the same cache
-        from models.attention import gpu as lane_attention
+        from models.attention import composed
 
         def logits(composed_max: int) -> mx.array:
-            lane_attention.COMPOSED_MAX = composed_max
+            composed.configure(composed_max)
             caches = cache_of(args.context, 7)
             out = model(mx.array(tokens(330, 8))[None], cache=caches)[0].astype(mx.float32)
             mx.eval(out)
             return out
 
         ours, theirs = logits(args.lane_attention), logits(0)
-        lane_attention.COMPOSED_MAX = args.lane_attention
+        composed.configure(args.lane_attention)
         R["composed_vs_cudnn"] = {"max_abs_logit_diff": mx.abs(ours - theirs).max().item(),
                                   "argmax_agree": mx.mean(ours.argmax(-1) == theirs.argmax(-1)).item()}
         print(f"composed vs cuDNN, 330 tokens after {args.context}: {R['composed_vs_cudnn']}", flush=True)

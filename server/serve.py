@@ -1,7 +1,7 @@
 """Assemble model, cache, lane and app from the command line's settings (server.config.ServerConfig), then run
 uvicorn.
 
-(About 500 lines, one job: assembly and process lifecycle. Each part it wires (kernels, adapters, embedder, web
+(About 525 lines, one job: assembly and process lifecycle. Each part it wires (kernels, adapters, embedder, web
 policy, distributed group, tiered cache, memory budget, speculation, the on-demand models, graceful shutdown) is one
 small function; the parts themselves live elsewhere: the cost model's file in cache.rates, the kernel cache's
 directory in models.loading.home.)

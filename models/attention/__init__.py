@@ -9,8 +9,8 @@ place where one applies (``models.loading.load`` installs both at load; only one
     gpu.py            on CUDA: a decode batch's rows of different lengths in one fused kernel, no mask; it reads each
                       row's visible columns through the declared view ``RowRanges`` below (the ragged batch's layers,
                       server.engine.batch.ragged_kv, implement it) or mlx-lm's ``BatchKVCache``'s own fields
-    composed.py       on CUDA: a short step past cached keys (a chunk after a hit) in plain ops, where cuDNN would
-                      plan each new shape
+    composed.py       on CUDA: a step of a few queries past cached keys (a verify step) in plain ops, where cuDNN
+                      would plan each new shape
 
 ``configure(...)`` is the process's choice (server.serve, from `--attention` and the `--debug-gpu-attention-*`
 flags), made before a model is loaded; ``attention_path(model)`` says which path a loaded model runs (/stats).

@@ -6,13 +6,14 @@ Why not ``mx.fast.scaled_dot_product_attention``: on CUDA it hands any step of m
 step (1 + k drafted tokens) meets a key length never seen before every step. Measured on the H200 with gpt-oss-20b
 (``bench/gpu_prefill_after_hit.py``, BENCHMARKS.md 2026-12-05): a 128-token chunk after a 5k-token hit took 27 ms
 through cuDNN once its shape was known, 89 ms when it was new, 46 ms here either way the first time (34 ms later).
-So by default (``models.attention.gpu.COMPOSED_MAX`` = 8) only verify-sized steps come here: for prompt chunks of
+So by default (``MAX_QUERIES`` = 8) only verify-sized steps come here: for prompt chunks of
 hundreds of tokens cuDNN's plan pays once shapes repeat, and served agents were no faster with them here.
 MLX's own composed fallback (``fast.cpp``) computes the same, but only where cuDNN refuses.
 
 ``composed_attention`` takes what the fast function takes (grouped heads, ``"causal"`` aligned to the last key, a
 boolean or additive array mask, gpt-oss's sinks) and computes it as MLX's fallback does: scores in the inputs'
-dtype, a precise (float32) softmax. ``fits`` says where it applies: the scores it holds at once stay under a cap.
+dtype, a precise (float32) softmax. ``applies`` says where models.attention.gpu takes it: 2..``MAX_QUERIES``
+queries per row over more keys than queries, KV not quantized, and scores under ``MAX_SCORES`` at once.
 """
 
 from __future__ import annotations
@@ -21,15 +22,33 @@ from typing import Optional, Union
 
 import mlx.core as mx
 
-__all__ = ["composed_attention", "fits", "MAX_SCORES"]
+__all__ = ["composed_attention", "applies", "configure", "MAX_SCORES"]
 
 MAX_SCORES = 1 << 28  # score elements one call may hold (512 MiB in bf16): past that, the fused kernel's memory wins
+# Queries per row up to which a step past cached keys comes here (--debug-gpu-attention-composed-max; 0: never).
+# Measured on the H200 (BENCHMARKS.md, 2026-12-05): gpt-oss chunks of 128-330 tokens after a 5k hit took 46-64 ms
+# here vs 89-103 ms through cuDNN when their shape was new, but 34-63 vs 27-41 ms once seen, and served agents
+# (whose later turns prefill together) were no faster at 512 (34.5 vs 32.8 s, one run each): so not past 8.
+MAX_QUERIES = 8
 
 
-def fits(queries: mx.array, keys: mx.array) -> bool:
-    """Whether the chunk's scores (B x H x W x S) stay under ``MAX_SCORES``."""
+def configure(max_queries: int = 8) -> None:
+    """The process's setting (models.attention.gpu.configure, from --debug-gpu-attention-composed-max)."""
+    global MAX_QUERIES
+    if max_queries < 0:
+        raise ValueError(f"composed attention's max queries {max_queries} out of range (at least 0)")
+    MAX_QUERIES = int(max_queries)
+
+
+def applies(queries: mx.array, keys: mx.array, cache) -> bool:
+    """A step of 2..MAX_QUERIES queries per row over more keys than queries (a single sequence's verify step; a short
+    chunk past a cache hit with a larger MAX_QUERIES), KV not quantized, its scores (B x H x W x S) under MAX_SCORES:
+    cuDNN would build a plan for its never-seen shape."""
+    if hasattr(cache, "bits") or queries.ndim != 4 or keys.ndim != 4:
+        return False
     B, H, W, _ = queries.shape
-    return B * H * W * keys.shape[2] <= MAX_SCORES
+    S = keys.shape[2]
+    return 1 < W <= MAX_QUERIES and S > W and B * H * W * S <= MAX_SCORES
 
 
 def composed_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,

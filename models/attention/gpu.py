@@ -1,7 +1,7 @@
 """Attention of a decode batch on an NVIDIA GPU: one fused kernel over rows of different lengths, no mask.
 
 (About 430 lines, one job: the kernel's two CUDA sources are ~200 of them, kept beside the Python that launches them,
-their reference and the rule of where they apply.)
+their reference and the rule of where they apply; the composed path for verify steps is its own module, composed.py.)
 
 A decode batch holds rows of different lengths in one KV buffer: mlx-lm's ``BatchKVCache`` left-pads them to a
 common end, our ``RaggedKV`` left-aligns them and masks what lies past each row's end. Either way the model passes
@@ -24,9 +24,9 @@ the merge's softmax.
 CPU) for one that takes this path only where it applies (a CUDA device, 16-bit q/k/v, head size 64 or 128, grouped
 or plain heads, a batch cache whose ranges are known, a step of at most ``MAX_WIDTH`` tokens) and hands everything
 else to mlx-lm's own: long prefill chunks (cuDNN takes those), single sequences (MLX's own vector kernel), quantized
-KV, mlx-lm's rotating batch caches. A step of 2..``COMPOSED_MAX`` queries past more cached keys than queries (a short
-chunk after a cache hit, a single sequence's verify step) runs ``composed.composed_attention`` instead of cuDNN:
-cuDNN plans every new shape, and those steps' shapes are all new. `--attention mlx` (``configure(on=False)``) leaves mlx-lm's path in place (to compare).
+KV, mlx-lm's rotating batch caches. A step of a few queries past more cached keys than queries (a single sequence's
+verify step) runs ``composed.composed_attention`` instead of cuDNN (``composed.applies``): cuDNN plans every new
+shape, and those steps' shapes are all new. `--attention mlx` (``configure(on=False)``) leaves mlx-lm's path in place (to compare).
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ MAX_WIDTH = 8  # queries per row the kernel takes (a decode step: 1; a verify st
 SPLIT = 256  # key positions per block of the first pass
 UNROLL = 4  # key groups a warp loads per round (1: the first version's one at a time)
 _ON = True  # --attention mlx: MLX's own attention everywhere
-# Queries per row up to which a multi-query step past cached keys runs composed.py, not cuDNN: a verify step's few.
-# Measured on the H200 (BENCHMARKS.md, 2026-12-05): a gpt-oss chunk of 128-330 tokens after a 5k hit took 46-64 ms
-# composed vs 89-103 ms through cuDNN when its shape was new, but 34-63 vs 27-41 ms once seen, and served agents
-# (whose later turns prefill together) were no faster at 512 (34.5 vs 32.8 s, one run each): so not past 8 by default.
-COMPOSED_MAX = 8
 _QUERIES_PER_BLOCK = 4  # a block's queries of one KV head (registers: 4 queries x 8 floats of q and of o per lane)
 _HEAD_SIZES = (64, 128)  # D/8 elements per lane, loaded 8 at a time
 
@@ -393,15 +388,6 @@ def _applies(queries: mx.array, keys: mx.array, values: mx.array, cache) -> bool
             and keys.dtype == queries.dtype and values.dtype == queries.dtype)
 
 
-def _composes(queries: mx.array, keys: mx.array, cache) -> bool:
-    """A step of 2..COMPOSED_MAX queries per row over more keys than queries (a chunk past a cache hit, a single
-    sequence's verify step) whose scores fit: cuDNN would build a plan for its never-seen shape."""
-    if hasattr(cache, "bits") or queries.ndim != 4 or keys.ndim != 4:
-        return False
-    W = queries.shape[2]
-    return 1 < W <= COMPOSED_MAX and keys.shape[2] > W and composed.fits(queries, keys)
-
-
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if _applies(queries, keys, values, cache):
@@ -409,7 +395,7 @@ def _wrap(original):
             if ranges is not None:  # a window layer of the ragged batch says its window (0: none)
                 return ranged_attention(queries, keys, values, scale, *ranges,
                                         window=getattr(cache, "attention_window", 0), sinks=sinks)
-        if _composes(queries, keys, cache):
+        if composed.applies(queries, keys, cache):
             return composed.composed_attention(queries, keys, values, scale, mask, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -421,11 +407,11 @@ def _wrap(original):
 def configure(on: bool = True, split: int = 256, unroll: int = 4, composed_max: int = 8) -> None:
     """The process's settings (server.serve, from `--attention` and the `--debug-gpu-attention-*` flags); kernels
     compiled before keep theirs. ``composed_max`` 0: every multi-query step goes to mlx-lm's (cuDNN)."""
-    global _ON, SPLIT, UNROLL, COMPOSED_MAX
-    if split < 32 or unroll < 1 or composed_max < 0:
-        raise ValueError(f"GPU attention split {split} (at least 32), unroll {unroll} (at least 1) or composed max "
-                         f"{composed_max} (at least 0) out of range")
-    _ON, SPLIT, UNROLL, COMPOSED_MAX = bool(on), int(split), int(unroll), int(composed_max)
+    global _ON, SPLIT, UNROLL
+    if split < 32 or unroll < 1:
+        raise ValueError(f"GPU attention split {split} (at least 32) or unroll {unroll} (at least 1) out of range")
+    _ON, SPLIT, UNROLL = bool(on), int(split), int(unroll)
+    composed.configure(composed_max)
 
 
 def enabled() -> bool:

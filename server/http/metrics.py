@@ -57,23 +57,24 @@ class _SpecCollector:
     def collect(self):
         s = self.stats
         kind = {"kind": str(s.get("kind") or "none")}
-        _counter, _gauge = (lambda n, d, v: _labelled(CounterMetricFamily, n, d, v, kind),
-                            lambda n, d, v: _labelled(GaugeMetricFamily, n, d, v, kind))
-        yield _counter("mlx_lane:spec_decode_num_drafts", "Verify rounds that carried drafts", s.get("rounds", 0))
-        yield _counter("mlx_lane:spec_decode_num_draft_tokens", "Draft tokens proposed", s.get("drafted", 0))
-        yield _counter("mlx_lane:spec_decode_num_accepted_tokens", "Draft tokens accepted", s.get("accepted", 0))
+        yield _counter("mlx_lane:spec_decode_num_drafts", "Verify rounds that carried drafts", s.get("rounds", 0),
+                       kind)
+        yield _counter("mlx_lane:spec_decode_num_draft_tokens", "Draft tokens proposed", s.get("drafted", 0), kind)
+        yield _counter("mlx_lane:spec_decode_num_accepted_tokens", "Draft tokens accepted", s.get("accepted", 0), kind)
         yield _counter("mlx_lane:spec_decode_num_emitted_tokens", "Tokens emitted by speculative requests",
-                       s.get("emitted", 0))
-        yield _gauge("mlx_lane:spec_decode_acceptance_rate", "Accepted / drafted so far", s.get("acceptance_rate", 0))
+                       s.get("emitted", 0), kind)
+        yield _gauge("mlx_lane:spec_decode_acceptance_rate", "Accepted / drafted so far", s.get("acceptance_rate", 0),
+                     kind)
         yield _counter("mlx_lane:spec_decode_blind_starts", "Requests whose MTP heads started on a cached prefix "
-                       "whose entry kept none of their state", s.get("blind", 0))
+                       "whose entry kept none of their state", s.get("blind", 0), kind)
         b = s.get("in_batch") or {}
-        yield _counter("mlx_lane:spec_decode_batch_steps", "Verify steps of speculating batches", b.get("steps", 0))
-        yield _counter("mlx_lane:spec_decode_batch_row_steps", "Rows over those steps", b.get("row_steps", 0))
+        yield _counter("mlx_lane:spec_decode_batch_steps", "Verify steps of speculating batches", b.get("steps", 0),
+                       kind)
+        yield _counter("mlx_lane:spec_decode_batch_row_steps", "Rows over those steps", b.get("row_steps", 0), kind)
         yield _counter("mlx_lane:spec_decode_batch_draft_tokens", "Draft tokens verified in batches",
-                       b.get("drafted", 0))
+                       b.get("drafted", 0), kind)
         yield _counter("mlx_lane:spec_decode_batch_accepted_tokens", "Draft tokens accepted in batches",
-                       b.get("accepted", 0))
+                       b.get("accepted", 0), kind)
 
 
 class _AdapterCollector:
@@ -186,19 +187,15 @@ class _SSDCollector:
         yield m
 
 
-def _labelled(family, name, doc, value, labels: dict):
-    m = family(name, doc, labels=list(labels))
-    m.add_metric(list(labels.values()), float(value or 0))
-    return m
+def _counter(name, doc, value, labels: dict | None = None):
+    return _family(CounterMetricFamily, name, doc, value, labels)
 
 
-def _counter(name, doc, value):
-    m = CounterMetricFamily(name, doc)
-    m.add_metric([], float(value or 0))
-    return m
+def _gauge(name, doc, value, labels: dict | None = None):
+    return _family(GaugeMetricFamily, name, doc, value, labels)
 
 
-def _gauge(name, doc, value):
-    m = GaugeMetricFamily(name, doc)
-    m.add_metric([], float(value or 0))
+def _family(family, name, doc, value, labels: dict | None):
+    m = family(name, doc, labels=list(labels or {}))
+    m.add_metric(list((labels or {}).values()), float(value or 0))
     return m

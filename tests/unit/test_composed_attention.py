@@ -3,7 +3,8 @@
 import mlx.core as mx
 import pytest
 
-from models.attention.composed import composed_attention, fits
+from models.attention import composed
+from models.attention.composed import composed_attention
 
 
 def _inputs(B=2, H=8, kv=2, W=5, S=19, D=16, dtype=mx.float32, seed=0):
@@ -56,18 +57,19 @@ def test_bfloat16_inputs_keep_their_dtype_and_agree_to_bf16_precision():
     _close(got, want, tol=3e-2)
 
 
-def test_an_unknown_mask_name_is_an_error_and_fits_caps_the_scores():
+def test_an_unknown_mask_name_is_an_error_and_the_scores_are_capped(monkeypatch):
     q, k, v = _inputs()
     with pytest.raises(ValueError, match="unknown attention mask"):
         composed_attention(q, k, v, 0.25, "sliding")
-    assert fits(q, k)
-    assert not fits(mx.zeros((8, 64, 512, 1)), mx.zeros((8, 8, 8192, 1)))
+    monkeypatch.setattr(composed, "MAX_QUERIES", 512)
+    assert composed.applies(q, k, None)
+    assert not composed.applies(mx.zeros((8, 64, 512, 1)), mx.zeros((8, 8, 8192, 1)), None)
 
 
 def test_the_cuda_wrapper_composes_verify_sized_steps_past_cached_keys_and_hands_on_the_rest(monkeypatch):
     """models.attention.gpu's routing (the wrapper runs on any device; installed on CUDA only): a step of 2..8
     queries over more keys composes, a one-token step, a cold prompt (keys == queries), a longer chunk, quantized
-    KV and COMPOSED_MAX 0 go to mlx-lm's function."""
+    KV and MAX_QUERIES 0 go to mlx-lm's function."""
     from models.attention import gpu
 
     calls = []
@@ -89,7 +91,7 @@ def test_the_cuda_wrapper_composes_verify_sized_steps_past_cached_keys_and_hands
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal" if W > 1 else None)
         _close(got, want)
         assert (calls == []) == composes, (W, S, calls)
-    monkeypatch.setattr(gpu, "COMPOSED_MAX", 0)
+    monkeypatch.setattr(composed, "MAX_QUERIES", 0)
     calls.clear()
     q, k, v = _inputs(B=1, W=5, S=40)
     attend(q, k, v, None, 0.25, "causal")
