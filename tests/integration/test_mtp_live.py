@@ -89,3 +89,23 @@ def test_a_checkpoint_without_heads_is_refused_at_start(default_model_dir):
     with pytest.raises(RuntimeError) as info:
         ServerProc("--model", "default", "--draft-kind", "mtp", startup_timeout=120)
     assert "multi-token-prediction" in str(info.value) and "--draft-kind ngram" in str(info.value)
+
+
+def test_draft_kind_auto_drafts_with_the_heads_a_checkpoint_ships_and_serves_plainly_without(model_dir):
+    with_heads = ServerProc("--model", str(model_dir), "--draft-kind", "auto", "--no-ssd-cache")
+    try:
+        text, usage = chat(with_heads.url, TURN1)
+        assert text == oracle(model_dir, TURN1, 16)
+        assert usage["speculative"]["drafted"] > 0, usage
+        assert httpx.get(with_heads.url + "/stats").json()["speculative"]["kind"] == "mtp"
+    finally:
+        assert with_heads.stop() == 0, with_heads.log()
+    plain = ServerProc("--model", "default", "--draft-kind", "auto", "--no-ssd-cache")  # SmolLM2: no heads
+    try:
+        reply = httpx.post(plain.url + "/v1/chat/completions", timeout=120, json={
+            "model": "default", "messages": TURN1, "max_tokens": 4, "temperature": 0}).json()
+        assert reply["choices"][0]["message"]["content"] and "speculative" not in reply["usage"], reply
+        assert not httpx.get(plain.url + "/stats").json()["speculative"]["enabled"]
+        assert "speculative decoding off (--draft-kind auto" in plain.log()
+    finally:
+        assert plain.stop() == 0, plain.log()
