@@ -19,6 +19,18 @@ the server runs them; acceptance depends on the text (code and tool output echo 
 
 With --zoo the checkpoint is tests.fixtures.zoo_mtp's tiny random one (untrained heads: acceptance near 0, which is
 the point of nothing but checking the script).
+
+Fitting (--fit-steps N, bench/mtp_train.py): random weights give a head that never agrees with its model, so the head
+is first trained (alone) on the target's own greedy continuations of Python standard-library windows, acceptance
+measured before and after on the prompts above (which it never saw), and the fitted head written as the family's
+checkpoint tensors (--save DIR; in place for --shape) for bench/gpu_mtp.py to serve. --shape builds bench/gpu.py's
+random target of that shape with untrained heads first:
+
+    python bench/mtp_fit.py --shape qwen3.5-9b --model-dir /dev/shm/mtp-qwen --fit-steps 300 --rows 1
+    python bench/mtp_fit.py --shape qwen3.5-tiny --vocab 49152 --model-dir /tmp/mtp-tiny --fit-steps 200 --reps 3
+
+"speed_by_acceptance" maps an acceptance rate p (each draft holding with p, given the ones before it) to the speedup
+the measured step costs give, so a reader can place a real checkpoint's acceptance (a model, from measured costs).
 """
 
 from __future__ import annotations
@@ -70,6 +82,13 @@ def load(args):
     from spec.mtp import MtpProvider
 
     path = args.model
+    if args.shape:
+        from mtp_train import build_target_with_heads
+
+        path = str(Path(args.model_dir))
+        if not (args.reuse_model and (Path(path) / "config.json").is_file()):
+            build_target_with_heads(args.shape, Path(path), args.dtype or "bfloat16", Path(args.tokenizer_dir),
+                                    args.vocab)
     if args.zoo:
         from models import ensure_default_model
         from tests.fixtures import zoo_mtp
@@ -179,16 +198,32 @@ def acceptance(loaded, provider, prompts: list[list[int]], top: int, max_tokens:
 
     policy = Recording(top)
     same = 0
-    for ids in prompts:
-        caches, source = row_state(loaded, provider, ids)
-        got = [t for t, _, _ in speculative_decode(loaded.model, caches, ids[-1], source, max_tokens=max_tokens,
-                                                   num_draft_tokens=top, policy=policy, stats=SpecStats())]
-        want = [int(t) for t, _ in generate_step(mx.array(ids), loaded.model, max_tokens=max_tokens,
-                                                  prompt_cache=make_prompt_cache(loaded.model))]
+    spec_s = plain_s = 0.0
+    for i, ids in enumerate(prompts):
+        for timed_pass in (False, True):  # the first pass compiles; the second is timed (its rounds recorded)
+            caches, source = row_state(loaded, provider, ids)
+            rounds = len(policy.rounds)
+            t = time.perf_counter()
+            got = [t_ for t_, _, _ in speculative_decode(loaded.model, caches, ids[-1], source, max_tokens=max_tokens,
+                                                         num_draft_tokens=top, policy=policy, stats=SpecStats())]
+            t_spec = time.perf_counter() - t
+            if not timed_pass:
+                del policy.rounds[rounds:]
+            caches = make_prompt_cache(loaded.model)
+            for s in range(0, len(ids) - 1, 512):  # the same prefill as row_state's, then plain greedy steps
+                loaded.model(mx.array(ids[s: min(len(ids) - 1, s + 512)])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+            t = time.perf_counter()
+            want = [int(t_) for t_, _ in generate_step(mx.array(ids[-1:]), loaded.model, max_tokens=max_tokens,
+                                                       prompt_cache=caches)]
+            t_plain = time.perf_counter() - t
+        spec_s, plain_s = spec_s + t_spec, plain_s + t_plain
         same += got == want
     full = [(d, a) for d, a in policy.rounds if d == top]
     p = {k: (sum(1 for _, a in full if a >= k) / len(full) if full else 0.0) for k in range(1, top + 1)}
-    return {"rounds": len(full), "p_first_k_hold": p, "texts_equal_plain": same, "prompts": len(prompts)}
+    return {"rounds": len(full), "p_first_k_hold": p, "texts_equal_plain": same, "prompts": len(prompts),
+            "decode_s": {"mtp": round(spec_s, 4), "plain": round(plain_s, 4)},
+            "measured_speedup_over_plain": round(plain_s / spec_s, 3) if spec_s else None}
 
 
 def model_of(measured: dict, p: dict, top: int) -> dict:
@@ -208,7 +243,21 @@ def model_of(measured: dict, p: dict, top: int) -> dict:
                                                       "draft_d0_s": d0, "draft_d1_s": d1,
                                                       "cost_ratio": (d0 + d1) / a if a else None},
             "break_even_acceptance": round((m + d1) / a, 4) if a else None,
-            "by_draft_length": table, "best_draft_length": best}
+            "by_draft_length": table, "best_draft_length": best,
+            "speed_by_acceptance": speed_by_acceptance(measured, top)}
+
+
+def speed_by_acceptance(measured: dict, top: int, rates=(0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95)) -> dict:
+    """{p: {"best_draft_length", "speedup_over_plain"}}: each draft holding with probability p given the ones before
+    it (P(first k hold) = p^k), the measured step costs."""
+    plain = measured["verify_s"][1]
+    out = {}
+    for p in rates:
+        speed = {n: (1 + sum(p ** k for k in range(1, n + 1))) * plain
+                 / (measured["verify_s"][n + 1] + measured["draft_s"][n]) for n in range(1, top + 1)}
+        n = max(speed, key=lambda k: speed[k])
+        out[str(p)] = {"best_draft_length": n, "speedup_over_plain": round(speed[n], 3)}
+    return out
 
 
 def main() -> int:
@@ -217,6 +266,26 @@ def main() -> int:
     src.add_argument("--model", help="a checkpoint that ships MTP heads (what --model accepts)")
     src.add_argument("--zoo", choices=["qwen3_5", "glm4_moe_lite", "nemotron_h"],
                      help="tests.fixtures.zoo_mtp's tiny model")
+    src.add_argument("--shape", help="bench/gpu.py's random-weight shape with untrained heads, built into --model-dir "
+                                     "(qwen3_5 shapes: qwen3.5-9b, qwen3.5-tiny)")
+    ap.add_argument("--model-dir", default="/dev/shm/mlx-lane-mtp-model", help="where --shape builds (default %(default)s)")
+    ap.add_argument("--reuse-model", action="store_true", help="--shape: use the model in --model-dir if it is there")
+    ap.add_argument("--vocab", type=int, default=None, help="--shape: cut the vocabulary to this size")
+    ap.add_argument("--tokenizer-dir", default=str(ROOT / ".whl" / "tok"),
+                    help="--shape: tokenizer files to copy in (default .whl/tok, else the default model's)")
+    ap.add_argument("--fit-steps", type=int, default=0, help="train the head this many steps first (default 0: no)")
+    ap.add_argument("--fit-on", choices=["stdlib", "measured"], default="stdlib",
+                    help="stdlib: greedy continuations of Python standard-library windows, held out from the measured "
+                         "prompts; measured: the measured prompts' own continuations (a random-weight target's "
+                         "tokens follow no pattern a head could learn beyond the text it saw, so this is how a random "
+                         "target reaches a real head's acceptance: by memory; say so where the figure is used)")
+    ap.add_argument("--fit-lr", type=float, default=1e-3)
+    ap.add_argument("--fit-depth", type=int, default=2, choices=[1, 2])
+    ap.add_argument("--fit-sequences", type=int, default=64, help="greedy continuations to fit on (default 64)")
+    ap.add_argument("--fit-prompt-tokens", type=int, default=64)
+    ap.add_argument("--fit-new-tokens", type=int, default=192)
+    ap.add_argument("--fit-batch", type=int, default=4, help="sequences per training step (default 4)")
+    ap.add_argument("--save", default=None, help="write the fitted head's checkpoint here (--shape: in place)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--context", type=int, default=2048, help="tokens each row's caches hold (default 2048)")
     ap.add_argument("--max-draft", type=int, default=4)
@@ -225,18 +294,29 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from common import run_record, write_result
+    from common import ensure_blas_here, run_record, write_result
 
+    ensure_blas_here()  # on the CPU, MLX's matmuls run on OpenBLAS only when it is preloaded (ENVIRONMENT.md)
+
+    if args.shape and not Path(args.tokenizer_dir, "tokenizer.json").is_file():
+        from models import ensure_default_model
+
+        args.tokenizer_dir = str(ensure_default_model(progress=False))
     loaded, provider = load(args)
     tokenizer = loaded.tokenizer
     ids = context(tokenizer, args.context)
     prompts = [tokenizer.encode(t) for t in PROMPTS]
     result = {**run_record(), "args": vars(args), "heads": provider.facts.__dict__ if provider.facts else None,
-              "acceptance": acceptance(loaded, provider, prompts, args.max_draft, args.max_tokens), "rows": {}}
+              "rows": {}}
+    if args.fit_steps:
+        result["fit"] = fit_head(args, loaded, provider, prompts)
+    result["acceptance"] = acceptance(loaded, provider, prompts, args.max_draft, args.max_tokens)
     p = result["acceptance"]["p_first_k_hold"]
     print(f"acceptance (first k drafts hold, {result['acceptance']['rounds']} rounds): "
           + ", ".join(f"k={k} {v:.2f}" for k, v in p.items())
-          + f"; texts equal to plain greedy {result['acceptance']['texts_equal_plain']}/{len(prompts)}", flush=True)
+          + f"; texts equal to plain greedy {result['acceptance']['texts_equal_plain']}/{len(prompts)}; decode "
+          f"{result['acceptance']['decode_s']} s, measured speedup {result['acceptance']['measured_speedup_over_plain']}x",
+          flush=True)
     for rows in [int(x) for x in args.rows.split(",") if x]:
         if rows > 1 and not loaded_plain_kv(loaded):
             print(f"rows {rows}: skipped (recurrent or windowed layers: such a model's requests speculate solo)")
@@ -252,6 +332,32 @@ def main() -> int:
     if args.out:
         write_result(result, args.out)
     return 0
+
+
+def fit_head(args, loaded, provider, prompts) -> dict:
+    """Acceptance before, the fit (bench/mtp_train.py), and the head written where --save (or --shape) says."""
+    import mtp_train
+
+    before = acceptance(loaded, provider, prompts, args.max_draft, args.max_tokens)
+    print(f"before fitting: acceptance {before['p_first_k_hold']}", flush=True)
+    t = time.perf_counter()
+    if args.fit_on == "measured":  # the measured prompts' own continuations, each alone (see --fit-on)
+        sequences = []
+        for ids in prompts:
+            (seq,) = mtp_train.continuations(loaded.model, [ids], args.max_tokens + args.max_draft + 2)
+            sequences.append(seq)
+    else:
+        windows = mtp_train.fit_prompts(loaded.tokenizer, args.fit_sequences, args.fit_prompt_tokens)
+        sequences = mtp_train.continuations(loaded.model, windows, args.fit_new_tokens)
+    made_s = time.perf_counter() - t
+    print(f"{len(sequences)} greedy continuations of {args.fit_new_tokens} tokens in {made_s:.1f} s", flush=True)
+    fitted = mtp_train.fit(loaded, provider.head, provider.tap, sequences, args.fit_steps, lr=args.fit_lr,
+                           depth=args.fit_depth, batch=args.fit_batch)
+    out = args.save or (args.model_dir if args.shape else None)
+    if out:
+        mtp_train.write_heads(provider.head, loaded.model, Path(loaded.path), Path(out))
+        print(f"fitted head written to {out}", flush=True)
+    return {**fitted, "continuations_s": round(made_s, 1), "acceptance_before": before, "written_to": out}
 
 
 def loaded_plain_kv(loaded) -> bool:

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 import peers as peer_servers
 from common import ROOT, ensure_blas_here, preflight, run_record, spread, sse_chunks, write_result
 
@@ -63,12 +65,17 @@ def launch_to_first_answer(server, client) -> dict:
     server.start()
     healthy = time.perf_counter() - t0
     server.wait_warm = waits
+    phases = None
     try:
         first = stream(client, server.url, [{"role": "user", "content": "Say hi."}], 4)
+        try:  # ours says where its seconds before ready went (/stats "startup"); a peer has no such block
+            phases = client.get(server.url + "/stats", timeout=30).json().get("startup")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            phases = None
     finally:
         server.stop()
     return {"healthy_s": round(healthy, 3), "first_ttft_s": round(first["ttft_s"], 3),
-            "first_answer_s": round(healthy + first["ttft_s"], 3)}
+            "first_answer_s": round(healthy + first["ttft_s"], 3), **({"startup": phases} if phases else {})}
 
 
 def main() -> None:
@@ -84,7 +91,6 @@ def main() -> None:
     args = ap.parse_args()
     ensure_blas_here()
 
-    import httpx
     from mlx_lm.utils import load_tokenizer
 
     names = [n.strip() for n in args.servers.split(",") if n.strip()]

@@ -7,10 +7,11 @@ Public API::
     MtpHead: make_caches(), forward(tokens, hidden, caches, mask), logits(out)      models.mtp.heads
     tap(model) -> HiddenTap (.last: the latest forward's hidden states)            models.mtp.tap
     FAMILIES: model type -> head family
+    checkpoint_tensors(head, model) -> {name: array}   the head's weights as its family's checkpoints name them
 """
 
 from models.mtp.heads import MtpHead
-from models.mtp.load import FAMILIES, facts_of, load_heads
+from models.mtp.load import FAMILIES, checkpoint_tensors, facts_of, load_heads
 from models.mtp.tap import HiddenTap, tap, untap
 
-__all__ = ["MtpHead", "FAMILIES", "facts_of", "load_heads", "HiddenTap", "tap", "untap"]
+__all__ = ["MtpHead", "FAMILIES", "checkpoint_tensors", "facts_of", "load_heads", "HiddenTap", "tap", "untap"]

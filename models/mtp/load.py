@@ -33,7 +33,7 @@ from models.runtime import evaluate_all_arrays
 from models.facts import DraftHeads
 from models.mtp.heads import DEEPSEEK, NEMOTRON, QWEN, DeepseekStyleMtp, MtpHead, target_embed_and_head
 
-__all__ = ["load_heads", "FAMILIES", "facts_of", "mtp_config"]
+__all__ = ["load_heads", "FAMILIES", "facts_of", "mtp_config", "checkpoint_tensors"]
 
 FAMILIES: dict[str, str] = {"qwen3_5": QWEN, "qwen3_5_moe": QWEN, "qwen3_next": QWEN, "nemotron_h": NEMOTRON,
                             "deepseek_v3": DEEPSEEK, "glm4_moe_lite": DEEPSEEK}
@@ -177,3 +177,23 @@ def _load_deepseek(path: Path, config: dict, model) -> MtpHead:
     embed, head = target_embed_and_head(model)
     return MtpHead(family=DEEPSEEK, module=module, embed=embed, head=head, layers=1,
                    hidden_size=int(args.hidden_size))
+
+
+def checkpoint_tensors(head: MtpHead, model) -> dict[str, mx.array]:
+    """The head's weights named as its family's checkpoints name them (what ``load_heads`` reads back): ``mtp.*``
+    (qwen, nemotron: mlx-vlm's module names, an MLX-format file) or ``model.layers.<N>.*`` (deepseek, N the target's
+    layer count: the block's own names, the final norm as ``shared_head.norm``). Unquantized heads only."""
+    from mlx.utils import tree_flatten
+
+    own = dict(tree_flatten(head.module.parameters()))
+    if head.family != DEEPSEEK:
+        return {f"mtp.{k}": v for k, v in own.items()}
+    n = int(model.args.num_hidden_layers)
+    out = {}
+    for k, v in own.items():
+        if k.startswith("block."):
+            k = k[len("block."):]
+        elif k.startswith("norm."):
+            k = "shared_head." + k
+        out[f"model.layers.{n}.{k}"] = v
+    return out
