@@ -350,7 +350,8 @@ def fit_head(args, loaded, provider, prompts) -> dict:
         windows = mtp_train.fit_prompts(loaded.tokenizer, args.fit_sequences, args.fit_prompt_tokens)
         sequences = mtp_train.continuations(loaded.model, windows, args.fit_new_tokens)
     made_s = time.perf_counter() - t
-    print(f"{len(sequences)} greedy continuations of {args.fit_new_tokens} tokens in {made_s:.1f} s", flush=True)
+    print(f"{len(sequences)} greedy continuations ({args.fit_on}) of {min(map(len, sequences))}-{max(map(len, sequences))} "
+          f"tokens in {made_s:.1f} s", flush=True)
     fitted = mtp_train.fit(loaded, provider.head, provider.tap, sequences, args.fit_steps, lr=args.fit_lr,
                            depth=args.fit_depth, batch=args.fit_batch)
     out = args.save or (args.model_dir if args.shape else None)
