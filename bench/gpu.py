@@ -195,9 +195,26 @@ def pick_dirs(args) -> tuple[Path, Path, bool]:
     return model_dir, kv_dir, model_on_tmpfs
 
 
-def build_model(model_dir: Path, shape: str, dtype: str, tok_dir: Path):
+def random_weights(module, dtype: str, seed: int = 0) -> None:
+    """Give ``module`` the benchmarks' random weights: normal * 0.02, norms (1-D) 1, in ``dtype``, from ``seed``;
+    each evaluated as it is made, so a 20B model never holds two copies."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
+
+    mx.random.seed(seed)
+    dt = getattr(mx, dtype)
+    params = []
+    for name, p in tree_flatten(module.parameters()):
+        w = mx.ones(p.shape, dtype=dt) if p.ndim == 1 else mx.random.normal(p.shape, dtype=dt, scale=0.02)
+        mx.eval(w)
+        params.append((name, w))
+    module.update(tree_unflatten(params))
+    mx.eval(module.parameters())
+
+
+def build_model(model_dir: Path, shape: str, dtype: str, tok_dir: Path):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
     from mlx_lm.models.llama import Model, ModelArgs
     from mlx_lm.utils import save_model
 
@@ -218,18 +235,7 @@ def build_model(model_dir: Path, shape: str, dtype: str, tok_dir: Path):
                "bos_token_id": 1, "eos_token_id": 2}
         t = time.perf_counter()
         model = Model(ModelArgs.from_dict(cfg))
-    mx.random.seed(0)
-    dt = getattr(mx, dtype)
-    params = []
-    for name, p in tree_flatten(model.parameters()):
-        if p.ndim == 1:  # norms
-            w = mx.ones(p.shape, dtype=dt)
-        else:
-            w = mx.random.normal(p.shape, dtype=dt, scale=0.02)
-        mx.eval(w)
-        params.append((name, w))
-    model.update(tree_unflatten(params))
-    mx.eval(model.parameters())
+    random_weights(model, dtype)
     n_params = sum(p.size for _, p in tree_flatten(model.parameters()))
     t_init = time.perf_counter() - t
     shutil.rmtree(model_dir, ignore_errors=True)

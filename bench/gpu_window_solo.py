@@ -31,19 +31,12 @@ import gpu  # noqa: E402
 
 
 def build(shape: str, dtype: str):
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import _get_classes
 
     cfg = {**gpu.SHAPES[shape], "max_position_embeddings": 131072, "tie_word_embeddings": False}
     model_class, args_class = _get_classes(cfg)
     model = model_class(args_class.from_dict(cfg))
-    mx.random.seed(0)
-    dt = getattr(mx, dtype)
-    params = [(n, mx.ones(p.shape, dtype=dt) if p.ndim == 1 else mx.random.normal(p.shape, dtype=dt, scale=0.02))
-              for n, p in tree_flatten(model.parameters())]
-    model.update(tree_unflatten(params))
-    mx.eval(model.parameters())
+    gpu.random_weights(model, dtype)
     return model, cfg
 
 

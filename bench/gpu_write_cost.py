@@ -44,22 +44,16 @@ _KEYS = [0]  # a counter that keeps every scheduled entry's tokens unique across
 
 
 def build(shape: str, dtype: str):
-    from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.models.llama import Model, ModelArgs
 
-    from gpu import SHAPES
+    from gpu import SHAPES, random_weights
 
     s = SHAPES[shape]
     cfg = {"model_type": "llama", **s, "head_dim": s["hidden_size"] // s["num_attention_heads"], "rms_norm_eps": 1e-5,
            "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
            "attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
     model = Model(ModelArgs.from_dict(cfg))
-    mx.random.seed(0)
-    dt = getattr(mx, dtype)
-    params = [(n, mx.ones(p.shape, dtype=dt) if p.ndim == 1 else mx.random.normal(p.shape, dtype=dt, scale=0.02))
-              for n, p in tree_flatten(model.parameters())]
-    model.update(tree_unflatten(params))
-    mx.eval(model.parameters())
+    random_weights(model, dtype)
     return model, cfg
 
 

@@ -58,14 +58,7 @@ def build_target_with_heads(shape: str, out: Path, dtype: str, tokenizer_dir: Pa
     model = gpu.build_model(Path(out), shape, dtype, Path(tokenizer_dir))
     cfg = json.loads((Path(out) / "config.json").read_text())
     module = zoo_mtp.module_for(model_type, model, cfg)
-    mx.random.seed(44)
-    dt = getattr(mx, dtype)
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    params = [(k, mx.ones(p.shape, dtype=dt) if p.ndim == 1 else mx.random.normal(p.shape, dtype=dt, scale=0.02))
-              for k, p in tree_flatten(module.parameters())]
-    module.update(tree_unflatten(params))
-    mx.eval(module.parameters())
+    gpu.random_weights(module, dtype, seed=44)
     head = MtpHead(family=zoo_mtp.FAMILY[model_type], module=module, embed=None, head=None, layers=1,
                    hidden_size=int(cfg["hidden_size"]))
     write_heads(head, model, Path(out), Path(out))
