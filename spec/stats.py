@@ -19,6 +19,8 @@ class SpecStats:
     - ``stopped``: requests for which the policy turned drafting off because it did not pay;
     - ``cannot_rewind``: requests that decoded plainly because their model's caches cannot take back a rejected
       draft (recurrent state: linear attention, SSM);
+    - ``replayed``: rounds whose rejected drafts were taken back by feeding the kept tokens again (recurrent state
+      whose every-position values were not kept: spec.rewind); the rest cost nothing to take back;
     - ``blind``: requests whose MTP heads (spec.mtp) started on a cached prefix whose entry kept none of their state:
       they drafted from the new tokens' hidden states only.
     """
@@ -29,6 +31,7 @@ class SpecStats:
     emitted: int = 0
     stopped: int = 0
     cannot_rewind: int = 0
+    replayed: int = 0
     blind: int = 0
 
     @property
@@ -48,6 +51,7 @@ class SpecStats:
         self.emitted += other.emitted
         self.stopped += other.stopped
         self.cannot_rewind += other.cannot_rewind
+        self.replayed += other.replayed
         self.blind += other.blind
         return self
 

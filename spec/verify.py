@@ -108,11 +108,17 @@ def speculative_decode(
             cast(HearingDraftSource, source).heard(pos, tokens)
         pos += len(tokens)
 
+    def take_back() -> None:
+        nonlocal over
+        replays = rewinder.replays
+        rewinder.take_back(over, fed)
+        over = 0
+        stats.replayed += rewinder.replays - replays
+
     def settle() -> None:
         nonlocal over, open_round, unfed
         if over:
-            rewinder.take_back(over, fed)
-            over = 0
+            take_back()
         if open_round:
             open_round = False
             source.commit(drafts, walked)
@@ -152,8 +158,8 @@ def speculative_decode(
                         raise RuntimeError(f"draft source proposed {len(drafts)} tokens, asked for {n}")
                 open_round = bool(drafts)
                 walked = 0
-                rewinder.mark()
-                tokens, logprobs = _verify(model, caches, pending, drafts, history, sampler, processors)
+                with rewinder.verifying():
+                    tokens, logprobs = _verify(model, caches, pending, drafts, history, sampler, processors)
                 over, unfed, fed, unheard = len(drafts), False, [pending] + list(drafts), True
                 if drafts:
                     stats.rounds += 1
@@ -168,8 +174,7 @@ def speculative_decode(
                     yield tokens[i], logprobs[i], True
                 # correction (a < len(drafts)) or bonus (a == len(drafts)) from the target
                 if over:
-                    rewinder.take_back(over, fed)
-                    over = 0
+                    take_back()
                 if open_round:
                     open_round = False
                     source.commit(drafts, a)

@@ -5,6 +5,8 @@ and Mamba-2's decode step.
                      in plain MLX ops: a chunk of 64 tokens is a few matrix products)
     ssm.py           ``step``: Mamba-2's one-token state update as a CUDA kernel (mlx-lm's prompts already go
                      through its chunked SSD form)
+    positions.py     a verify forward's recurrent state at every position (``recording``), so rejected drafts are
+                     taken back by choosing a state (spec.rewind) instead of feeding the kept tokens again
 
 ``install(model)`` switches the model's modules (``models.hook``) to the dispatchers below, chosen once for this
 process's device: on CUDA every gated-delta call takes ``recurrent`` and every Mamba-2 decode step ``ssm.step``; on
@@ -22,7 +24,7 @@ from typing import Iterator, Optional
 import mlx.core as mx
 
 from models import hook
-from models.kernels import gated_delta, ssm
+from models.kernels import gated_delta, positions, ssm
 
 __all__ = ["configure", "install", "kernel_path", "mlx_lm_kernels", "CPU_CHUNKED_MIN"]
 
@@ -64,10 +66,15 @@ def _gated_delta_dispatch(original, device: str):
             beta = beta * 2.0
         g = compute_g(A_log, a, dt_bias) if lower_bound is None else compute_lower_bound_g(A_log, a, dt_bias,
                                                                                            lower_bound)
+        state_in = state
         if state is None:
             B, _, _, Dk = q.shape
             Hv, Dv = v.shape[-2:]
             state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+        if (rec := positions.active()) is not None:  # a verify forward: the state after every token too
+            y, state, states = _every_state(q, k, v, g, beta, state, mask, device)
+            rec.delta_rule(state_in, states)
+            return y, state
         if device == "cuda" and gated_delta.recurrent_applies(k):
             return gated_delta.recurrent(q, k, v, g, beta, state, mask)
         if device == "cpu" and g.ndim == 3 and q.shape[1] >= CPU_CHUNKED_MIN:
@@ -78,6 +85,21 @@ def _gated_delta_dispatch(original, device: str):
     gated_delta_update.mlx_lane_original = original
     gated_delta_update.mlx_lane_path = "cuda" if device == "cuda" else "chunked"
     return gated_delta_update
+
+
+def _every_state(q, k, v, g, beta, state, mask, device: str):
+    """The delta rule's output, final state and the state after each token (models.kernels.positions)."""
+    from mlx_lm.models.gated_delta import gated_delta_ops
+
+    if device == "cuda" and gated_delta.recurrent_applies(k):
+        return gated_delta.recurrent(q, k, v, g, beta, state, mask, every_state=True)
+    ys, states = [], []
+    for t in range(q.shape[1]):  # what gated_delta_ops does, one token a call, keeping each state
+        y, state = gated_delta_ops(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1],
+                                   beta[:, t : t + 1], state, None if mask is None else mask[:, t : t + 1])
+        ys.append(y)
+        states.append(state)
+    return mx.concatenate(ys, axis=1), state, mx.stack(states, axis=1)
 
 
 def _ssm_dispatch(original):
@@ -112,6 +134,8 @@ def install(model) -> int:
 
     switched = hook.switch(model, lambda fn: _gated_delta_dispatch(fn, device), name=GATED_DELTA,
                            original=mlx_gated_delta.gated_delta_update)
+    if switched:
+        positions.watch(model)
     if device == "cuda":
         switched += hook.switch(model, _ssm_dispatch, name=SSM, original=mlx_ssm.ssm_update)
     return switched

@@ -133,6 +133,7 @@ _RECURRENT = r"""
     } else if (lane == 0) {
       y_[(long)t * Hv * Dv] = static_cast<InT>(0.f);
     }
+    STORE_STATE
   }
 #pragma unroll
   for (int i = 0; i < NPT; ++i) {
@@ -140,17 +141,31 @@ _RECURRENT = r"""
   }
 """
 
+# with ``every_state``: the state after token t goes to states[b, t, hv, dv, lane*NPT ...] (what a verify forward's
+# rejected drafts are taken back to: models.kernels.positions)
+_STORE_STATE = r"""
+    {
+      StT* s_ = states + ((((long)b * T + t) * Hv + hv) * Dv + dv) * Dk + lane * NPT;
+#pragma unroll
+      for (int i = 0; i < NPT; ++i) {
+        s_[i] = static_cast<StT>(state[i]);
+      }
+    }
+"""
+
 _kernels: dict = {}
 
 
-def _recurrent_kernel(masked: bool):
-    if masked not in _kernels:
+def _recurrent_kernel(masked: bool, every_state: bool = False):
+    key = (masked, every_state)
+    if key not in _kernels:
         names = ["q", "k", "v", "g", "beta", "state_in"] + (["mask"] if masked else [])
-        _kernels[masked] = mx.fast.cuda_kernel(
-            name="mlx_lane_gated_delta" + ("_masked" if masked else ""), input_names=names,
-            output_names=["y", "state_out"],
-            source=_RECURRENT.replace("ON_TOKEN", "static_cast<bool>(mask[(long)b * T + t])" if masked else "true"))
-    return _kernels[masked]
+        source = _RECURRENT.replace("ON_TOKEN", "static_cast<bool>(mask[(long)b * T + t])" if masked else "true")
+        _kernels[key] = mx.fast.cuda_kernel(
+            name="mlx_lane_gated_delta" + ("_masked" if masked else "") + ("_states" if every_state else ""),
+            input_names=names, output_names=["y", "state_out"] + (["states"] if every_state else []),
+            source=source.replace("STORE_STATE", _STORE_STATE if every_state else ""))
+    return _kernels[key]
 
 
 def recurrent_applies(k: mx.array) -> bool:
@@ -159,22 +174,28 @@ def recurrent_applies(k: mx.array) -> bool:
 
 
 def recurrent(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array,
-              mask: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
+              mask: Optional[mx.array] = None, every_state: bool = False) -> tuple[mx.array, ...]:
     """The gated delta rule over all of ``q``'s tokens in one CUDA kernel (call it only on a CUDA device).
 
     q, k: (B, T, Hk, Dk); v: (B, T, Hv, Dv); g: (B, T, Hv) or (B, T, Hv, Dk); beta: (B, T, Hv); state: (B, Hv, Dv,
-    Dk); mask: (B, T) bool or None. Returns y (B, T, Hv, Dv) in q's dtype and the new state in state's dtype."""
+    Dk); mask: (B, T) bool or None. Returns y (B, T, Hv, Dv) in q's dtype and the new state in state's dtype; with
+    ``every_state`` also the state after each token, (B, T, Hv, Dv, Dk) (what ``states[:, -1]`` is, the new state
+    is)."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
     inputs = [q, k, v, g, beta, state]
     if mask is not None:
         inputs.append(mask.astype(mx.bool_))
-    return _recurrent_kernel(mask is not None)(
+    shapes, dtypes = [(B, T, Hv, Dv), state.shape], [q.dtype, state.dtype]
+    if every_state:
+        shapes.append((B, T, *state.shape[1:]))
+        dtypes.append(state.dtype)
+    return tuple(_recurrent_kernel(mask is not None, every_state)(
         inputs=inputs,
         template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk),
                   ("Hv", Hv), ("VEC", g.ndim == 4)],
         grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
-        output_shapes=[(B, T, Hv, Dv), state.shape], output_dtypes=[q.dtype, state.dtype])
+        output_shapes=shapes, output_dtypes=dtypes))
 
 
 def _unit_lower_inverse(m: mx.array) -> mx.array:

@@ -94,6 +94,69 @@ def test_a_hybrid_speculates_rewinding_its_recurrent_state_from_a_checkpoint():
     assert all(c.offset == len(prompt) + 24 for c in kv)  # prompt + every token yielded, as plain decoding leaves
 
 
+@pytest.mark.parametrize("choose", [True, False], ids=["chosen", "replayed"])
+def test_a_watched_hybrid_takes_drafts_back_by_choosing_a_recorded_state_not_replaying(choose):
+    """With this room's kernels installed (models.kernels: the gated delta rule switched, its convolution watched),
+    a verify forward keeps each recurrent layer's values at every position, and a round that rejected drafts sets the
+    layer to those after the kept tokens: no replay forward (``replayed`` 0). The same tokens either way, and they
+    are plain greedy decoding's."""
+    from models import kernels
+    from spec import rewind as rewind_module
+    from tests.unit.test_hybrid_batch import tiny_qwen3_next
+
+    model = tiny_qwen3_next(seed=1)
+    assert kernels.install(model) > 0 and kernels.positions.watch(model) == 2  # two gated-delta layers of four
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    caches = prefilled(model, prompt[:-1])
+    source = NgramSource()
+    source.prefill(prompt[:-1])
+    stats = SpecStats()
+    rewind_module.CHOOSE = choose
+    try:
+        got = [t for t, _, _ in speculative_decode(model, caches, prompt[-1], source, max_tokens=24,
+                                                   num_draft_tokens=4, stats=stats)]
+    finally:
+        rewind_module.CHOOSE = True
+    assert got == plain(model, prompt, 24)
+    assert stats.drafted > stats.accepted > 0
+    # a replay happens only in a round that rejected a draft (here: every round)
+    assert (stats.replayed == 0) if choose else (0 < stats.replayed <= stats.rounds), stats
+
+
+def test_a_chosen_state_is_the_state_a_forward_of_the_kept_tokens_leaves():
+    """Directly: after a 5-token verify forward inside ``verifying()``, taking 3 back leaves every layer (convolution
+    window, delta-rule state, attention KV) as a forward of the 2 kept tokens from the same prefix leaves it."""
+    from models import kernels
+    from spec.rewind import VerifyRewind
+    from tests.unit.test_hybrid_batch import tiny_qwen3_next
+
+    model = tiny_qwen3_next(seed=2)
+    kernels.install(model)
+    history = list(range(3, 40))
+    fed = [11, 12, 13, 14, 15]
+    caches = prefilled(model, history)
+    rewinder = VerifyRewind(model, caches, choose=True)
+    with rewinder.verifying():
+        mx.eval(model(mx.array([fed]), cache=caches))
+    rewinder.take_back(3, fed)
+    assert rewinder.replays == 0
+    want = prefilled(model, history + fed[:2])
+
+    def arrays(c):  # a recurrent layer's [conv window, state]; an attention layer's keys and values so far
+        if isinstance(c, ArraysCache):
+            return list(c.cache)
+        return [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+
+    assert {type(c) for c in caches} == {ArraysCache, KVCache}
+    for got_c, want_c in zip(caches, want):
+        assert len(arrays(got_c)) == len(arrays(want_c)) == 2
+        for a, b in zip(arrays(got_c), arrays(want_c)):
+            assert a.shape == b.shape and mx.allclose(a, b, atol=1e-5).item()
+    # and it goes on from there as the kept tokens' cache does
+    nxt = mx.array([[16]])
+    assert mx.allclose(model(nxt, cache=caches), model(nxt, cache=want), atol=1e-4).item()
+
+
 def test_recurrent_state_beside_a_wrapped_window_cannot_rewind_and_decodes_plainly_from_the_first_token(windowed):
     """Recurrent state rewinds from a checkpoint only beside attention layers that can drop a whole forward: beside
     a wrapped sliding window it cannot. No draft is verified, the tokens are plain greedy decoding's, and the
