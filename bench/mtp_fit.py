@@ -199,13 +199,16 @@ def acceptance(loaded, provider, prompts: list[list[int]], top: int, max_tokens:
     policy = Recording(top)
     same = 0
     spec_s = plain_s = 0.0
+    replayed = 0
+    margins = []  # where a text first differs from plain greedy: plain's top-1 minus top-2 logprob there
     for i, ids in enumerate(prompts):
         for timed_pass in (False, True):  # the first pass compiles; the second is timed (its rounds recorded)
             caches, source = row_state(loaded, provider, ids)
             rounds = len(policy.rounds)
+            stats = SpecStats()
             t = time.perf_counter()
             got = [t_ for t_, _, _ in speculative_decode(loaded.model, caches, ids[-1], source, max_tokens=max_tokens,
-                                                         num_draft_tokens=top, policy=policy, stats=SpecStats())]
+                                                         num_draft_tokens=top, policy=policy, stats=stats)]
             t_spec = time.perf_counter() - t
             if not timed_pass:
                 del policy.rounds[rounds:]
@@ -214,14 +217,21 @@ def acceptance(loaded, provider, prompts: list[list[int]], top: int, max_tokens:
                 loaded.model(mx.array(ids[s: min(len(ids) - 1, s + 512)])[None], cache=caches)
             mx.eval([c.state for c in caches])
             t = time.perf_counter()
-            want = [int(t_) for t_, _ in generate_step(mx.array(ids[-1:]), loaded.model, max_tokens=max_tokens,
-                                                       prompt_cache=caches)]
+            steps = [(int(t_), lp) for t_, lp in generate_step(mx.array(ids[-1:]), loaded.model,
+                                                                max_tokens=max_tokens, prompt_cache=caches)]
             t_plain = time.perf_counter() - t
+            want = [t_ for t_, _ in steps]
         spec_s, plain_s = spec_s + t_spec, plain_s + t_plain
+        replayed += stats.replayed
         same += got == want
+        if got != want:
+            at = next(j for j, (x, y) in enumerate(zip(got + [-1], want)) if x != y)
+            top2 = mx.sort(steps[at][1].reshape(-1).astype(mx.float32))[-2:].tolist()
+            margins.append({"prompt": i, "position": at, "plain_top1_minus_top2": round(top2[1] - top2[0], 5)})
     full = [(d, a) for d, a in policy.rounds if d == top]
     p = {k: (sum(1 for _, a in full if a >= k) / len(full) if full else 0.0) for k in range(1, top + 1)}
     return {"rounds": len(full), "p_first_k_hold": p, "texts_equal_plain": same, "prompts": len(prompts),
+            "first_difference": margins, "rounds_replayed": replayed,
             "decode_s": {"mtp": round(spec_s, 4), "plain": round(plain_s, 4)},
             "measured_speedup_over_plain": round(plain_s / spec_s, 3) if spec_s else None}
 
@@ -291,6 +301,9 @@ def main() -> int:
     ap.add_argument("--max-draft", type=int, default=4)
     ap.add_argument("--rows", default="1", help="rows measured at once, e.g. 1,16 (default 1)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rewind", default="choose",
+                    help="how a hybrid's rejected drafts are taken back, one or more of choose,replay (spec.rewind; "
+                         "the first one's acceptance feeds the model; default %(default)s)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -310,13 +323,21 @@ def main() -> int:
               "rows": {}}
     if args.fit_steps:
         result["fit"] = fit_head(args, loaded, provider, prompts)
-    result["acceptance"] = acceptance(loaded, provider, prompts, args.max_draft, args.max_tokens)
+    import spec.rewind
+
+    result["acceptance_by_rewind"] = {}
+    for mode in args.rewind.split(","):  # the same rounds, a hybrid's rejected drafts taken back one way or the other
+        spec.rewind.CHOOSE = mode == "choose"
+        got = result["acceptance_by_rewind"][mode] = acceptance(loaded, provider, prompts, args.max_draft,
+                                                                args.max_tokens)
+        print(f"[rewind {mode}] acceptance (first k drafts hold, {got['rounds']} rounds): "
+              + ", ".join(f"k={k} {v:.2f}" for k, v in got["p_first_k_hold"].items())
+              + f"; texts equal to plain greedy {got['texts_equal_plain']}/{len(prompts)} (first differences "
+              f"{got['first_difference']}); rounds replayed {got['rounds_replayed']}; decode {got['decode_s']} s, "
+              f"measured speedup {got['measured_speedup_over_plain']}x", flush=True)
+    spec.rewind.CHOOSE = True
+    result["acceptance"] = next(iter(result["acceptance_by_rewind"].values()))
     p = result["acceptance"]["p_first_k_hold"]
-    print(f"acceptance (first k drafts hold, {result['acceptance']['rounds']} rounds): "
-          + ", ".join(f"k={k} {v:.2f}" for k, v in p.items())
-          + f"; texts equal to plain greedy {result['acceptance']['texts_equal_plain']}/{len(prompts)}; decode "
-          f"{result['acceptance']['decode_s']} s, measured speedup {result['acceptance']['measured_speedup_over_plain']}x",
-          flush=True)
     for rows in [int(x) for x in args.rows.split(",") if x]:
         if rows > 1 and not loaded_plain_kv(loaded):
             print(f"rows {rows}: skipped (recurrent or windowed layers: such a model's requests speculate solo)")
