@@ -236,6 +236,99 @@ def acceptance(loaded, provider, prompts: list[list[int]], top: int, max_tokens:
             "measured_speedup_over_plain": round(plain_s / spec_s, 3) if spec_s else None}
 
 
+def echo_weights(model) -> None:
+    """Make the random target's greedy next token its current one by a wide margin (bench/gpu_spec_oracle.py's
+    ``echo``, for any family): every layer's output projections scaled by 1e-3, the output head the embedding. The
+    kernels run at their real shapes (speed does not depend on values), and the greedy text no longer flips with the
+    last bit, so a forced draft's acceptance is what it says."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = dict(tree_flatten(model.parameters()))
+    small = [(n, p * 1e-3) for n, p in params.items()
+             if n.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")) and ".mtp." not in f".{n}"]
+    embed = next(p for n, p in params.items() if n.endswith("embed_tokens.weight") and "mtp" not in n)
+    head = [(n, embed) for n, p in params.items() if n.endswith("lm_head.weight") and p.shape == embed.shape]
+    model.update(tree_unflatten(small + head))
+    mx.eval(model.parameters())
+
+
+def forced_speed(loaded, provider, prompts: list[list[int]], rates: list[float], top: int, max_tokens: int,
+                 seed: int = 0) -> dict:
+    """Greedy speculative decoding whose drafts are forced to hold with probability p each (given the ones before),
+    the heads still drafting (their cost paid) and the tokens then replaced: the plain greedy continuation, or a wrong
+    token. Call after ``echo_weights``. {p: measured acceptance, texts equal plain, decode s mtp / plain, speedup}."""
+    import random
+
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from spec import SpecStats, speculative_decode
+    from spec.adaptive import FixedDraftLength
+
+    class Forced:
+        hears_hidden = True
+
+        def __init__(self, inner, want: list[int], p: float, rng):
+            self.inner, self.want, self.p, self.rng, self.fed = inner, want, p, rng, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def draft(self, feed, n):
+            self.fed += len(feed)
+            drafts = self.inner.draft(feed, n)
+            out, holding = [], True
+            for j in range(len(drafts)):
+                i = self.fed - 1 + j  # the draft guesses the plain text's token i
+                holding = holding and self.rng.random() < self.p and i < len(self.want)
+                right = self.want[i] if i < len(self.want) else 0
+                out.append(right if holding else right ^ 1)  # another id of the vocabulary (its size is even)
+            if drafts:
+                self.inner._open = list(out)  # what it commits (the accepted ones join its sequence) are these
+            return out
+
+    rng = random.Random(seed)
+    out = {}
+    wants = []
+    plain_s = 0.0
+    for ids in prompts:
+        for _ in range(2):  # the first compiles
+            caches = make_prompt_cache(loaded.model)
+            for s in range(0, len(ids) - 1, 512):
+                loaded.model(mx.array(ids[s: min(len(ids) - 1, s + 512)])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+            t = time.perf_counter()
+            want = [int(t_) for t_, _ in generate_step(mx.array(ids[-1:]), loaded.model, max_tokens=max_tokens,
+                                                       prompt_cache=caches)]
+            dt = time.perf_counter() - t
+        wants.append(want)
+        plain_s += dt
+    for p in rates:
+        spec_s, same = 0.0, 0
+        stats_all = SpecStats()
+        for ids, want in zip(prompts, wants):
+            for timed_pass in (False, True):
+                caches, source = row_state(loaded, provider, ids)
+                stats = SpecStats()
+                t = time.perf_counter()
+                got = [t_ for t_, _, _ in speculative_decode(
+                    loaded.model, caches, ids[-1], Forced(source, want, p, rng), max_tokens=max_tokens,
+                    num_draft_tokens=top, policy=FixedDraftLength(top), stats=stats)]
+                dt = time.perf_counter() - t
+            spec_s += dt
+            same += got == want
+            stats_all += stats
+        out[str(p)] = {"acceptance": round(stats_all.acceptance_rate, 3),
+                       "mean_accepted_per_round": round(stats_all.mean_accepted_length, 3),
+                       "rounds_replayed": stats_all.replayed, "texts_equal_plain": same,
+                       "decode_s": {"mtp": round(spec_s, 4), "plain": round(plain_s, 4)},
+                       "measured_speedup_over_plain": round(plain_s / spec_s, 3)}
+        print(f"forced p={p}: acceptance {out[str(p)]['acceptance']}, texts equal {same}/{len(prompts)}, "
+              f"replayed {stats_all.replayed}, speedup over plain (pipelined) {out[str(p)]['measured_speedup_over_plain']}x",
+              flush=True)
+    return out
+
+
 def model_of(measured: dict, p: dict, top: int) -> dict:
     ws = sorted(measured["verify_s"])
     a, m = fit_line([w - 1 for w in ws], [measured["verify_s"][w] for w in ws])
@@ -301,6 +394,9 @@ def main() -> int:
     ap.add_argument("--max-draft", type=int, default=4)
     ap.add_argument("--rows", default="1", help="rows measured at once, e.g. 1,16 (default 1)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--forced", default="",
+                    help="then, with echo weights (see echo_weights), decode with drafts forced to hold with each "
+                         "of these probabilities, e.g. 0.5,0.7,0.9: the measured speed-vs-acceptance curve")
     ap.add_argument("--rewind", default="choose",
                     help="how a hybrid's rejected drafts are taken back, one or more of choose,replay (spec.rewind; "
                          "the first one's acceptance feeds the model; default %(default)s)")
@@ -350,6 +446,15 @@ def main() -> int:
               f"{fitted['break_even_acceptance']}; best n={fitted['best_draft_length']}: "
               + ", ".join(f"n={n} {v['speedup_over_plain']}x" for n, v in fitted["by_draft_length"].items()),
               flush=True)
+    if args.forced:
+        echo_weights(loaded.model)  # last: it changes the target
+        result["forced"] = {}
+        for mode in args.rewind.split(","):
+            spec.rewind.CHOOSE = mode == "choose"
+            print(f"[rewind {mode}] forced drafts, echo weights:", flush=True)
+            result["forced"][mode] = forced_speed(loaded, provider, prompts, [float(x) for x in args.forced.split(",")],
+                                                  args.max_draft, args.max_tokens)
+        spec.rewind.CHOOSE = True
     if args.out:
         write_result(result, args.out)
     return 0
