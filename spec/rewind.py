@@ -150,9 +150,12 @@ class VerifyRewind:
         rec, self._recorded = self._recorded, None
         if rec is None:
             return False
-        layers = [(self.caches[i], self._marked.get(i)) for i in self._states]
-        if not all(isinstance(c, ArraysCache) and isinstance(m, list) for c, m in layers):
-            return False
+        layers: list[tuple[ArraysCache, list]] = []
+        for i in self._states:
+            c, marked = self.caches[i], self._marked.get(i)
+            if not (isinstance(c, ArraysCache) and isinstance(marked, list)):
+                return False
+            layers.append((c, marked))
         before = [list(c.cache) for c, _ in layers]
         for j, (c, marked) in enumerate(layers):
             if not rec.select(c, marked, fed, fed - n):
