@@ -19,6 +19,7 @@ None) returns False, and the caller replays instead.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -28,7 +29,8 @@ import mlx.nn as nn
 
 __all__ = ["Recording", "recording", "active", "watch"]
 
-_ACTIVE: Optional["Recording"] = None
+# per thread: a forward another thread runs meanwhile (a prefill beside a solo decoder) is not recorded
+_local = threading.local()
 
 
 @dataclass
@@ -69,27 +71,28 @@ class Recording:
 
 
 def active() -> Optional[Recording]:
-    """The open recording, or None (the layers compute as usual)."""
-    return _ACTIVE
+    """This thread's open recording, or None (the layers compute as usual)."""
+    return getattr(_local, "recording", None)
 
 
 @contextmanager
 def recording() -> Iterator[Recording]:
-    """Within the block, the watched layers note their every-position values into the Recording yielded."""
-    global _ACTIVE
-    outer, _ACTIVE = _ACTIVE, Recording()
+    """Within the block, the watched layers note (in this thread) their every-position values into the Recording
+    yielded."""
+    outer = active()
+    _local.recording = rec = Recording()
     try:
-        yield _ACTIVE
+        yield rec
     finally:
-        _ACTIVE = outer
+        _local.recording = outer
 
 
 class _WatchedConv1d(nn.Conv1d):
     """mlx's Conv1d that hands its input to the open recording (the same parameters, the same output)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if _ACTIVE is not None:
-            _ACTIVE.conv(x)
+        if (rec := active()) is not None:
+            rec.conv(x)
         return super().__call__(x)
 
 
