@@ -253,10 +253,12 @@ def echo_weights(model) -> None:
 
 
 def forced_speed(loaded, provider, prompts: list[list[int]], rates: list[float], top: int, max_tokens: int,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, own_policy: bool = False) -> dict:
     """Greedy speculative decoding whose drafts are forced to hold with probability p each (given the ones before),
     the heads still drafting (their cost paid) and the tokens then replaced: the plain greedy continuation, or a wrong
-    token. Call after ``echo_weights``. {p: measured acceptance, texts equal plain, decode s mtp / plain, speedup}."""
+    token. Call after ``echo_weights``. ``own_policy``: the length the server's policy picks (the source's adaptive
+    ``policy``, which pauses where drafts do not pay), else always ``top``. {p: measured acceptance, texts equal
+    plain, decode s mtp / plain, speedup}."""
     import random
 
     from mlx_lm.generate import generate_step
@@ -313,7 +315,9 @@ def forced_speed(loaded, provider, prompts: list[list[int]], rates: list[float],
                 t = time.perf_counter()
                 got = [t_ for t_, _, _ in speculative_decode(
                     loaded.model, caches, ids[-1], Forced(source, want, p, rng), max_tokens=max_tokens,
-                    num_draft_tokens=top, policy=FixedDraftLength(top), stats=stats)]
+                    num_draft_tokens=top, stats=stats,
+                    policy=provider.policy(top, recurrent=not loaded_plain_kv(loaded)) if own_policy
+                    else FixedDraftLength(top))]
                 dt = time.perf_counter() - t
             spec_s += dt
             same += got == want
@@ -452,8 +456,12 @@ def main() -> int:
         for mode in args.rewind.split(","):
             spec.rewind.CHOOSE = mode == "choose"
             print(f"[rewind {mode}] forced drafts, echo weights:", flush=True)
-            result["forced"][mode] = forced_speed(loaded, provider, prompts, [float(x) for x in args.forced.split(",")],
-                                                  args.max_draft, args.max_tokens)
+            rates = [float(x) for x in args.forced.split(",")]
+            result["forced"][mode] = forced_speed(loaded, provider, prompts, rates, args.max_draft, args.max_tokens)
+            if mode == "choose":
+                print("[rewind choose] forced drafts, the server's adaptive policy:", flush=True)
+                result["forced"]["choose_adaptive"] = forced_speed(loaded, provider, prompts, rates, args.max_draft,
+                                                                   args.max_tokens, own_policy=True)
         spec.rewind.CHOOSE = True
     if args.out:
         write_result(result, args.out)
