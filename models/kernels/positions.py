@@ -27,6 +27,8 @@ from typing import Iterator, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from models.kernels.conv import DepthwiseConv1d
+
 __all__ = ["Recording", "recording", "active", "watch"]
 
 # per thread: a forward another thread runs meanwhile (a prefill beside a solo decoder) is not recorded
@@ -87,8 +89,9 @@ def recording() -> Iterator[Recording]:
         _local.recording = outer
 
 
-class _WatchedConv1d(nn.Conv1d):
-    """mlx's Conv1d that hands its input to the open recording (the same parameters, the same output)."""
+class _WatchedConv1d(DepthwiseConv1d):
+    """The layer's Conv1d that hands its input to the open recording (the same parameters, the same output; the
+    CUDA kernel where ``conv`` says it applies)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         if (rec := active()) is not None:
@@ -107,7 +110,7 @@ def watch(model) -> int:
         conv = m.get("conv1d") if isinstance(m, dict) else None
         if conv is None or "A_log" not in m or "dt_bias" not in m:
             continue
-        if type(conv) is nn.Conv1d:
+        if type(conv) in (nn.Conv1d, DepthwiseConv1d):
             conv.__class__ = _WatchedConv1d  # same layout, one more step in __call__: the weights stay where they are
         watched += isinstance(conv, _WatchedConv1d)
     return watched

@@ -141,3 +141,36 @@ def test_the_dispatcher_gives_mlx_lms_outputs_for_prompts_and_single_steps():
             y0, s0 = mlx_gated_delta.gated_delta_update(q, k, v, a, b, A_log, dt_bias, state)
             y1, s1 = dispatch(q, k, v, a, b, A_log, dt_bias, state)
             assert max_diff(y0, y1) < TOL and max_diff(s0, s1) < TOL, T
+
+
+def test_depthwise_convolutions_switch_class_and_compute_as_mlx_does_where_the_kernel_cannot_run():
+    """The class switch keeps every parameter and output; ``applies`` holds the kernel to what it computes exactly
+    (the kernel itself is compared with ``mx.conv1d`` on the device: bench/gpu_hybrid_parts.py)."""
+    import mlx.nn as nn
+
+    from models.kernels import conv, positions
+    from tests.fixtures import zoo
+
+    model = zoo.build("qwen3_5", 64)
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv1d)]
+    assert convs and all(conv.is_depthwise(c) for c in convs)
+    mx.random.seed(3)
+    x = mx.random.normal((2, 9, convs[0].weight.shape[0]))
+    before = convs[0](x)
+    assert conv.switch(model) == len(convs)
+    assert all(type(c) is conv.DepthwiseConv1d for c in convs)
+    assert positions.watch(model) == len(convs)  # a gated-delta layer's convolution is watched and keeps the kernel
+    assert all(isinstance(c, conv.DepthwiseConv1d) for c in convs)
+    assert max_diff(convs[0](x), before) == 0.0  # ENABLED is off here: mlx's own call
+    was = conv.ENABLED
+    try:
+        conv.ENABLED = True
+        assert conv.applies(convs[0], x)
+        assert not conv.applies(convs[0], x.astype(mx.bfloat16))  # another dtype than the weight's
+        assert not conv.applies(convs[0], x[:, :2])  # fewer positions than taps
+        assert not conv.applies(nn.Conv1d(8, 8, 3, groups=2), mx.zeros((1, 5, 8)))  # not one channel a group
+        padded = nn.Conv1d(8, 8, 3, padding=1, groups=8)
+        assert conv.is_depthwise(padded) and not conv.applies(padded, mx.zeros((1, 5, 8)))
+    finally:
+        conv.ENABLED = was
+    assert conv.switch(zoo.build("llama", 64)) == 0
