@@ -16,6 +16,8 @@ else mlx's own call. Checked against ``mx.conv1d`` on the device by ``bench/gpu_
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -45,7 +47,7 @@ _DEPTHWISE = r"""
   out[((long)b * (L - K + 1) + t) * C + c] = static_cast<InT>(acc);
 """
 
-_kernel = None
+_kernel: Any = None
 _MAX_GRID = 65535  # a CUDA grid's y and z extent: positions and rows a launch covers
 
 
