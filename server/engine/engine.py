@@ -310,6 +310,10 @@ class Engine:
         return {"enabled": self.base.vision is not None, "images_encoded": pre.images_encoded,
                 "encode_s": round(pre.encode_s, 4)}
 
+    def prefill_stats(self) -> dict:
+        """The lane's prompt chunks: forwards, tokens and where their seconds went (server.engine.prefill)."""
+        return self.prefiller.clock.as_dict()
+
     def batch_stats(self) -> dict:
         """The ``batch`` block of /stats: the base model's plain batch kind, its attention path, and every group's
         batch now."""

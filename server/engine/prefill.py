@@ -18,6 +18,7 @@ images the prefix cache did not serve), the rest as tokens. Such a prompt prefil
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -27,7 +28,41 @@ from server.engine.store import CacheWriter, take_checkpoint
 from server.engine.work import SeqWork
 from server.lane.seam import Prefilled, SeqView
 
-__all__ = ["Prefiller"]
+__all__ = ["Prefiller", "PrefillClock"]
+
+
+@dataclass
+class PrefillClock:
+    """Where the lane's prefill seconds go (/stats ``lane.prefill_parts``): the forwards (alone, or several prompts'
+    chunks together), the checkpoints of layers that cannot be cut back, the cache entries stored; and how many
+    distinct (rows, chunk length) forward shapes ran, since a GPU backend pays a shape's first forward more (cuDNN
+    plans, mlx 0.32's CUDA backend)."""
+
+    alone: int = 0
+    together: int = 0
+    together_rows: int = 0
+    tokens: int = 0
+    forward_s: float = 0.0
+    checkpoint_s: float = 0.0
+    store_s: float = 0.0
+    shapes: set = field(default_factory=set)
+
+    def forward(self, rows: int, length: int, tokens: int, seconds: float) -> None:
+        if rows > 1:
+            self.together += 1
+            self.together_rows += rows
+        else:
+            self.alone += 1
+        self.tokens += tokens
+        self.forward_s += seconds
+        if len(self.shapes) < 100_000:  # a count, bounded
+            self.shapes.add((rows, length))
+
+    def as_dict(self) -> dict:
+        return {"forwards": {"alone": self.alone, "together": self.together, "together_rows": self.together_rows},
+                "tokens": self.tokens, "forward_s": round(self.forward_s, 3),
+                "checkpoint_s": round(self.checkpoint_s, 3), "store_s": round(self.store_s, 3),
+                "forward_shapes": len(self.shapes)}
 
 
 class Prefiller:
@@ -40,6 +75,7 @@ class Prefiller:
         self._stream = stream_of  # the lane's MLX stream (made on the lane thread, after this object)
         self.encode_s = 0.0  # seconds the vision encoder ran (images' embeddings), for /stats
         self.images_encoded = 0
+        self.clock = PrefillClock()
 
     def run(self, chunks: Sequence[tuple[SeqView, int]], store_now: bool) -> list[Prefilled]:
         computing = [(s, n) for s, n in chunks if n > 0 and self._left(s) > 0]
@@ -48,10 +84,12 @@ class Prefiller:
             self._together(computing)
         elif computing:
             self._one(*computing[0])
+        t0 = time.monotonic()
         for seq, _ in computing:  # a model whose caches cannot be cut back keeps their state at each chunk's end
             work = self._work_of(seq)
             if work.slot.facts.needs_checkpoints:
                 take_checkpoint(seq, work, work.covered)
+        self.clock.checkpoint_s += time.monotonic() - t0
         for seq, _ in chunks:
             work = self._work_of(seq)
             ready = work.covered >= len(seq.prompt) - 1 and self._complete(seq, work, store_now)
@@ -87,6 +125,7 @@ class Prefiller:
                 mx.clear_cache()  # CPU that only costs page faults on the next chunk's buffers)
         work.covered += n
         work.prefill_cost_s += time.monotonic() - t0
+        self.clock.forward(1, n, n, time.monotonic() - t0)
 
     def _embeddings(self, seq, work: SeqWork) -> Optional[tuple]:
         """``(start, stop, array)``: the input embeddings of the prompt from ``start`` to the end of its last image
@@ -127,6 +166,7 @@ class Prefiller:
                 mx.clear_cache()
         dt = time.monotonic() - t0
         total = sum(n for _, n in items)
+        self.clock.forward(len(items), max(n for _, n in items), total, dt)
         for (seq, n), work, row in zip(items, works, caches):
             work.caches, work.covered = row, work.covered + n
             work.prefill_cost_s += dt * n / total if total else 0.0  # this machine's rate, not B times less
@@ -151,8 +191,10 @@ class Prefiller:
         return True
 
     def _store(self, tokens, seq, work: SeqWork, anchor: bool = False) -> None:
+        t0 = time.monotonic()
         with mx.stream(self._stream()):
             self._writer.store(tokens, _caches(work), seq, work, anchor=anchor)
+        self.clock.store_s += time.monotonic() - t0
 
 
 def _heard(work: SeqWork, start: int, tokens) -> None:

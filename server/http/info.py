@@ -174,6 +174,7 @@ def stats_body(state) -> dict:
                  "batch_layout": batches["layout"], "attention": batches["attention"],
                  "recurrent": batches["recurrent"], "batches": batches["groups"],
                  "state": state.lane.state.value,
+                 "prefill_parts": state.engine.prefill_stats(),  # forwards, tokens, forward/checkpoint/store seconds
                  "warm_up": state.lane.warm.as_dict()})  # --warm-up: its mode, state and steps (server.lane.warm)
     return {
         "version": server_version(),

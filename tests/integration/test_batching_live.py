@@ -256,10 +256,17 @@ def test_prompts_prefilled_together_in_one_batched_forward_give_their_alone_text
         bodies = [{"messages": msgs(t), "max_tokens": 8, "temperature": 0} for t in TOPICS[:4]]
         alone = [chat(url, b)["choices"][0]["message"]["content"] for b in bodies]
         httpx.post(url + "/admin/cache/clear")
-        before = httpx.get(url + "/stats").json()["lane"]["prefill_batches"]
+        before_lane = httpx.get(url + "/stats").json()["lane"]
+        before, parts_before = before_lane["prefill_batches"], before_lane["prefill_parts"]
         together = concurrently(lambda b: chat(url, b), [(b,) for b in bodies])
         lane = httpx.get(url + "/stats").json()["lane"]
         assert lane["prefill_batch"] == 4
+        # /stats' prefill parts count the same batched forwards, and every prompt token the lane computed
+        parts = lane["prefill_parts"]
+        assert parts["forwards"]["together"] - parts_before["forwards"]["together"] == (
+            lane["prefill_batches"]["forwards"] - before["forwards"])
+        assert parts["tokens"] - parts_before["tokens"] == sum(r["usage"]["prompt_tokens"] - 1 for r in together)
+        assert parts["forward_s"] > parts_before["forward_s"] and parts["forward_shapes"] >= 1
         # the prompts really went through mlx-lm's batch prefill, several rows per forward
         assert lane["prefill_batches"]["forwards"] > before["forwards"]
         assert lane["prefill_batches"]["rows"] - before["rows"] >= 2 * (lane["prefill_batches"]["forwards"]
