@@ -83,6 +83,7 @@ OURS_VARIANTS = {
     # MLX's CUDA backend builds a cuDNN attention graph for every new (query, key) shape of a prefill forward;
     # off, prefill attention takes MLX's unfused ops (no graph to build, more memory traffic)
     "ours_no_cudnn_sdpa": ((), {"MLX_CUDA_USE_CUDNN_SDPA": "0"}),
+    "ours_no_conv_kernel": (("--debug-no-conv-kernel",), {}),  # hybrids' convolutions through cuDNN (a plan a shape)
     "ours_no_composed": (("--debug-gpu-attention-composed-max", "0"), {}),  # every chunk past a hit through cuDNN
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",

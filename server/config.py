@@ -82,6 +82,7 @@ class ServerConfig:
     debug_gpu_attention_split: int
     debug_gpu_attention_unroll: int
     debug_gpu_attention_composed_max: int
+    debug_no_conv_kernel: bool
     debug_trace_collectives: bool
 
     @classmethod

@@ -56,7 +56,7 @@ def _configure_kernels(cfg: ServerConfig) -> None:
                         gpu_split=cfg.debug_gpu_attention_split,
                         gpu_unroll=cfg.debug_gpu_attention_unroll,
                         gpu_composed_max=cfg.debug_gpu_attention_composed_max)
-    kernels.configure(cfg.kernels != "mlx")
+    kernels.configure(cfg.kernels != "mlx", conv=not cfg.debug_no_conv_kernel)
     distributed.trace_collectives(cfg.debug_trace_collectives)
 
 

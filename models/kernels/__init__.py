@@ -36,12 +36,14 @@ SSM = "ssm_update"
 # about the same: tests/unit/test_kernels.py holds both to the same outputs, bench/cpu_kernels.py times them)
 CPU_CHUNKED_MIN = 16
 _ON = True
+_CONV = True
 
 
-def configure(on: bool = True) -> None:
-    """``on`` False (`--kernels mlx`): models keep mlx-lm's own functions (set before a model is loaded)."""
-    global _ON
-    _ON = on
+def configure(on: bool = True, conv: bool = True) -> None:
+    """``on`` False (`--kernels mlx`): models keep mlx-lm's own functions; ``conv`` False
+    (`--debug-no-conv-kernel`): depthwise convolutions keep mlx's conv1d (set before a model is loaded)."""
+    global _ON, _CONV
+    _ON, _CONV = on, conv
 
 
 def _device() -> str:
@@ -134,7 +136,7 @@ def install(model) -> int:
     from mlx_lm.models import gated_delta as mlx_gated_delta
     from mlx_lm.models import ssm as mlx_ssm
 
-    if device == "cuda":  # before ``watch``: a watched convolution keeps the kernel
+    if device == "cuda" and _CONV:  # before ``watch``: a watched convolution keeps the kernel
         conv.ENABLED = True
         conv.switch(model)
     switched = hook.switch(model, lambda fn: _gated_delta_dispatch(fn, device), name=GATED_DELTA,
