@@ -8,7 +8,8 @@ prefills the agents' later turns at ~1.5k tok/s where one long prompt runs at 22
             ``mx.conv1d`` (cuDNN on CUDA, a plan per input shape): max |diff| on random inputs, and the time of one
             call at a shape already seen and at shapes never seen (each rep a new length), decode and prompt shapes
   decode    a --rows decode step (mlx-lm's caches after a --decode-context-token prompt), the convolution kernel on vs off,
-            alternated; then each part of a step alone at that shape (one linear-attention layer's mixer, one full
+            alternated, and the host time of building a step's graph (the Python of the model's call, before any
+            evaluation: a pipelined step hides it only while it is shorter than the device's work); then each part of a step alone at that shape (one linear-attention layer's mixer, one full
             attention layer's, one MLP, the final norm + head), --parts-reps calls queued and evaluated once, times
             the model's count of each: what the step would cost if those parts were all it ran
   prefill   one --chunk-token chunk after a --context-token cache (each rep a length this process has not seen, as
@@ -106,15 +107,21 @@ def decode_part(model, rows: int, context: int, steps: int, rounds: int, parts_r
         mx.eval([c.state for c in caches])
         return caches
 
+    built: list[float] = []  # per round: the Python of building one step's graph (model() returning, lazy), ms
+
     def step_ms(kernel_on: bool) -> float:
         conv.ENABLED = kernel_on and kernel_was  # the kernel runs on CUDA only (install enabled it there)
         caches = fresh()
         tok = mx.zeros((rows, 1), dtype=mx.int32) + 5
         mx.synchronize()
         t = time.perf_counter()
+        building = 0.0
         for _ in range(steps):
+            b = time.perf_counter()
             tok = mx.argmax(model(tok, cache=caches)[:, -1:], axis=-1)
+            building += time.perf_counter() - b
             mx.eval(tok)
+        built.append(building * 1e3 / steps)
         return (time.perf_counter() - t) * 1e3 / steps
 
     out: dict = {"rows": rows, "context": context, "steps": steps, "step_ms": {"conv_kernel": [], "conv_cudnn": []}}
@@ -125,7 +132,8 @@ def decode_part(model, rows: int, context: int, steps: int, rounds: int, parts_r
             out["step_ms"]["conv_kernel" if on else "conv_cudnn"].append(round(step_ms(on), 3))
     conv.ENABLED = kernel_was
     out["median_ms"] = {k: statistics.median(v) for k, v in out["step_ms"].items() if v}
-    print(f"decode {rows} rows: {out['median_ms']}", flush=True)
+    out["graph_build_ms"] = round(statistics.median(built), 3)  # host time of a step's model() call, every round
+    print(f"decode {rows} rows: {out['median_ms']}, building a step's graph {out['graph_build_ms']} ms", flush=True)
 
     # each part alone at the decode shape, queued parts_reps deep and evaluated once
     inner = getattr(model, "language_model", model)
