@@ -3,11 +3,12 @@ mlx-lm's ``ArraysCache`` layers) in slots beside the attention layers' ``RaggedK
 
 A recurrent layer's state is a fixed-size summary of everything a row has seen: it has no positions, so rows of
 different lengths need no padding at all, and a decode step (every row feeds one token) advances every row's state
-exactly as it would alone. ``RaggedStates`` keeps, per recurrent layer, each state array of every live row stacked
-on a slot axis (free slots beyond the live rows, as ``RaggedKV``'s); the model's layer reads and writes them
-through ``_StateLayer``, which has what mlx-lm's recurrent layers use of an ``ArraysCache`` (``cache[i]`` get and
-set, ``lengths``, ``advance``, ``make_mask``). A join writes the row's state into a free slot; a leave copies it out
-and moves the last row into the hole, in the same order as ``RaggedKV.release``.
+exactly as it would alone. ``RaggedStates`` keeps, per recurrent layer, each state array of exactly the live rows
+stacked on a row axis (no free slots: a step's new state is the whole array, so keeping free slots beside it cost a
+copy of every state each step); the model's layer reads and writes them through ``_StateLayer``, which has what
+mlx-lm's recurrent layers use of an ``ArraysCache`` (``cache[i]`` get and set, ``lengths``, ``advance``,
+``make_mask``). A join appends the row's state (one copy of the arrays, at the join); a leave copies it out and
+moves the last row into the hole, in the same order as ``RaggedKV.release``.
 
 ``HybridRagged`` puts the two side by side under the model's layer order and answers the ``RaggedKV`` interface the
 ragged batch uses (``from_rows``, ``extend``, ``reserve``, ``layers``, ``commit``, ``extract``, ``release``,
@@ -36,39 +37,26 @@ def is_state(cache) -> bool:
 class RaggedStates:
     def __init__(self, sizes: list[int]):
         """``sizes``: the number of state arrays of each recurrent layer."""
-        self._arrays: list[list[Optional[mx.array]]] = [[None] * n for n in sizes]  # (slots, ...) per array
+        self._arrays: list[list[Optional[mx.array]]] = [[None] * n for n in sizes]  # (rows, ...) per array
         self.rows = 0
         self.layers = [_StateLayer(self, i) for i in range(len(sizes))]
-
-    @property
-    def slots(self) -> int:
-        for layer in self._arrays:
-            for a in layer:
-                if a is not None:
-                    return a.shape[0]
-        return 0
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for layer in self._arrays for a in layer if a is not None)
 
-    def extend(self, rows: list[list[ArraysCache]], slots: int) -> None:
-        """Write these rows' states into the slots after the live rows; the buffers hold ``slots`` slots after."""
-        first = self.rows
+    def extend(self, rows: list[list[ArraysCache]]) -> None:
+        """Append these rows' states after the live rows (one copy of each array, at the join)."""
         for layer, arrays in enumerate(self._arrays):
             for e in range(len(arrays)):
                 states = [row[layer].cache[e] for row in rows]
-                ref = next((s for s in states if s is not None), None)
-                if arrays[e] is None and ref is None:
+                ref = next((s for s in states if s is not None), arrays[e])
+                if ref is None:
                     continue
-                if arrays[e] is None:
-                    arrays[e] = mx.zeros((slots,) + ref.shape[1:], ref.dtype)
-                elif arrays[e].shape[0] < slots:
-                    a = arrays[e]
-                    arrays[e] = mx.concatenate([a, mx.zeros((slots - a.shape[0],) + a.shape[1:], a.dtype)])
-                for j, s in enumerate(states):
-                    if s is not None:
-                        arrays[e][first + j: first + j + 1] = s
+                zero = mx.zeros((1,) + ref.shape[1:], ref.dtype)  # a row that has no such array yet
+                parts = ([arrays[e]] if arrays[e] is not None else
+                         [mx.zeros((self.rows,) + ref.shape[1:], ref.dtype)] if self.rows else [])
+                arrays[e] = mx.concatenate(parts + [zero if s is None else s for s in states])
         self.rows += len(rows)
         mx.eval([a for layer in self._arrays for a in layer if a is not None])
 
@@ -83,18 +71,14 @@ class RaggedStates:
 
     def release(self, holes: list[int], movers: list[int], live: int) -> None:
         """The rows ``movers`` move into ``holes``; ``live`` rows remain (``RaggedKV.release``'s order)."""
+        order = list(range(live))
+        for h, mv in zip(holes, movers):
+            order[h] = mv
+        index = mx.array(order, dtype=mx.int32)
         for arrays in self._arrays:
             for e, a in enumerate(arrays):
-                if a is None or not holes:
-                    continue
-                parts = [mx.contiguous(a[mv: mv + 1]) + 0 for mv in movers]
-                mx.eval(parts)
-                for h, part in zip(holes, parts):
-                    a[h: h + 1] = part
-                arrays[e] = a
+                arrays[e] = None if a is None or not live else a[index]
         self.rows = live
-        if not live:
-            self._arrays = [[None] * len(arrays) for arrays in self._arrays]
         mx.eval([a for layer in self._arrays for a in layer if a is not None])
 
 
@@ -108,16 +92,10 @@ class _StateLayer:
         self._owner, self._index = owner, index
 
     def __getitem__(self, e: int):
-        a = self._owner._arrays[self._index][e]
-        return None if a is None else a[: self._owner.rows]
+        return self._owner._arrays[self._index][e]
 
     def __setitem__(self, e: int, value: mx.array) -> None:
-        arrays = self._owner._arrays[self._index]
-        a, rows = arrays[e], self._owner.rows
-        if a is None or a.shape[0] == rows:
-            arrays[e] = value
-        else:  # free slots keep what they hold (zeros or a departed row's state): never read
-            arrays[e] = mx.concatenate([value, a[rows:]])
+        self._owner._arrays[self._index][e] = value  # the step's new state of every live row
 
     def advance(self, n: int) -> None:
         pass
@@ -172,7 +150,7 @@ class HybridRagged:
         if not all(holds_kv(kv) for kv, _ in parts):
             raise TypeError("a hybrid row's attention layers must be plain KVCache layers")
         self._kv.extend([kv for kv, _ in parts])
-        self._states.extend([s for _, s in parts], self._kv.slots)
+        self._states.extend([s for _, s in parts])
 
     def reserve(self, width: int) -> None:
         if width != 1:
