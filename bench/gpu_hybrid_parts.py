@@ -8,7 +8,8 @@ prefills the agents' later turns at ~1.5k tok/s where one long prompt runs at 22
             ``mx.conv1d`` (cuDNN on CUDA, a plan per input shape): max |diff| on random inputs, and the time of one
             call at a shape already seen and at shapes never seen (each rep a new length), decode and prompt shapes
   decode    a --rows decode step (mlx-lm's caches after a --decode-context-token prompt), the convolution kernel on vs off,
-            alternated, and the host time of building a step's graph (the Python of the model's call, before any
+            alternated; then the server's decode batch (``RaggedBatch``, pipelined, with models.attention's fused
+            CUDA kernel installed as the server does) over the same rows, on vs off; and the host time of building a step's graph (the Python of the model's call, before any
             evaluation: a pipelined step hides it only while it is shorter than the device's work); then each part of a step alone at that shape (one linear-attention layer's mixer, one full
             attention layer's, one MLP, the final norm + head), --parts-reps calls queued and evaluated once, times
             the model's count of each: what the step would cost if those parts were all it ran
@@ -32,6 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -93,11 +95,29 @@ def conv_part(on_cuda: bool, channels: int, taps: int, reps: int) -> dict:
     return res
 
 
+def _clone(caches: list) -> list:
+    """New cache objects over the same (immutable) arrays: a batch that takes a row's caches takes these."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    out = []
+    for c in caches:
+        if isinstance(c, ArraysCache):
+            n = ArraysCache(len(c.cache))
+            n.cache = list(c.cache)
+        else:
+            n = KVCache()
+            n.keys, n.values, n.offset = c.keys, c.values, c.offset
+        out.append(n)
+    return out
+
+
 def decode_part(model, rows: int, context: int, steps: int, rounds: int, parts_reps: int) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     from models.kernels import conv
+    from server.engine.batch.protocol import Row
+    from server.engine.batch.ragged import RaggedBatch
 
     prompt = mx.array([[(7 * i + 3) % 40000 + 100 for i in range(context)]])
 
@@ -124,16 +144,43 @@ def decode_part(model, rows: int, context: int, steps: int, rounds: int, parts_r
         built.append(building * 1e3 / steps)
         return (time.perf_counter() - t) * 1e3 / steps
 
-    out: dict = {"rows": rows, "context": context, "steps": steps, "step_ms": {"conv_kernel": [], "conv_cudnn": []}}
+    one = make_prompt_cache(model)  # one row's caches of the same prompt, the lane batch's rows start from
+    model(prompt, cache=one)
+    mx.eval([c.state for c in one])
+
+    def lane_ms(kernel_on: bool) -> float:
+        """The server's decode batch (RaggedBatch, pipelined as on a GPU) of ``rows`` rows over ``one``'s caches."""
+        conv.ENABLED = kernel_on and kernel_was
+        lane = RaggedBatch(model, pipelined=True)
+        lane.add([Row(SimpleNamespace(id=r), _clone(one), list(range(context)) + [5]) for r in range(rows)])
+        lane.step(), lane.step()
+        mx.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            lane.step()
+        mx.synchronize()
+        return (time.perf_counter() - t) * 1e3 / steps
+
+    out: dict = {"rows": rows, "context": context, "steps": steps, "step_ms": {"conv_kernel": [], "conv_cudnn": []},
+                 "lane_step_ms": {"conv_kernel": [], "conv_cudnn": []}}
     kernel_was = conv.ENABLED
     step_ms(True), step_ms(False)  # warm-up: both paths' shapes
     for r in range(rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             out["step_ms"]["conv_kernel" if on else "conv_cudnn"].append(round(step_ms(on), 3))
+    from models.attention import gpu as lane_attention
+
+    out["lane_attention_modules"] = lane_attention.install(model)  # as the server does on CUDA: the fused kernel
+    lane_ms(True), lane_ms(False)
+    for r in range(rounds):
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            out["lane_step_ms"]["conv_kernel" if on else "conv_cudnn"].append(round(lane_ms(on), 3))
+    out["lane_median_ms"] = {k: statistics.median(v) for k, v in out["lane_step_ms"].items() if v}
     conv.ENABLED = kernel_was
     out["median_ms"] = {k: statistics.median(v) for k, v in out["step_ms"].items() if v}
     out["graph_build_ms"] = round(statistics.median(built), 3)  # host time of a step's model() call, every round
-    print(f"decode {rows} rows: {out['median_ms']}, building a step's graph {out['graph_build_ms']} ms", flush=True)
+    print(f"decode {rows} rows: mlx-lm's caches {out['median_ms']}, building a step's graph {out['graph_build_ms']} ms;"
+          f" the lane's ragged batch {out['lane_median_ms']}", flush=True)
 
     # each part alone at the decode shape, queued parts_reps deep and evaluated once
     inner = getattr(model, "language_model", model)
@@ -262,9 +309,9 @@ def main() -> int:
     ap.add_argument("--shape", default="qwen3.5-9b", choices=sorted(gpu.SHAPES))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rows", type=int, default=16, help="decode batch rows")
-    ap.add_argument("--decode-context", type=int, default=2048, help="each decode row's cached tokens")
+    ap.add_argument("--decode-context", type=int, default=5000, help="each decode row's cached tokens")
     ap.add_argument("--steps", type=int, default=32, help="decode steps a round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--parts-reps", type=int, default=20)
     ap.add_argument("--context", type=int, default=5000)
     ap.add_argument("--chunk", type=int, default=330)
