@@ -82,6 +82,9 @@ def part_check() -> dict:
         (16, 64, 8, 64, 1, [0] * 16, [5400 - 37 * r for r in range(16)], 128, True),
         (4, 64, 8, 64, 5, [0, 0, 0, 0], [4000, 100, 17, 129], 128, True),
         (4, 64, 8, 64, 1, [0, 0, 0, 0], [4000, 100, 17, 129], 0, True),  # full layers with sinks
+        # Qwen3.5's full-attention layers: 16 heads over 4 of size 256 (a whole warp per key); a verify step
+        (16, 16, 4, 256, 1, [0] * 16, [5400 - 37 * r for r in range(16)], 0, False),
+        (4, 16, 4, 256, 5, [0, 3, 0, 0], [4000, 100, 17, 129], 0, False),
     ]
     out = []
     for B, H, KV, D, W, starts, lasts, window, with_sinks in cases:
@@ -102,8 +105,10 @@ def part_check() -> dict:
 
 def part_attention(reps: int) -> list:
     rows = []
-    for B, ctx in ((8, 1024), (16, 1024), (32, 1024), (64, 1024), (16, 5500), (32, 5500), (8, 32000)):
-        H, KV, D, W = 32, 8, 128, 1
+    for B, ctx, (H, KV, D) in ((8, 1024, (32, 8, 128)), (16, 1024, (32, 8, 128)), (32, 1024, (32, 8, 128)),
+                               (64, 1024, (32, 8, 128)), (16, 5500, (32, 8, 128)), (32, 5500, (32, 8, 128)),
+                               (8, 32000, (32, 8, 128)), (16, 5500, (16, 4, 256))):  # the last: Qwen3.5's heads
+        W = 1
         lasts = [ctx - 1 - (37 * r) % 256 for r in range(B)]
         S = max(lasts) + W
         q, k, v = qkv(B, H, KV, S, D, W)
@@ -111,7 +116,7 @@ def part_attention(reps: int) -> list:
         mask = (mx.arange(S)[None, :] <= last[:, None])[:, None, None, :]  # (B, 1, 1, S), as RaggedKV's
         mx.eval(mask)
         scale = D ** -0.5
-        r = {"B": B, "context": ctx,
+        r = {"B": B, "context": ctx, "heads": [H, KV, D],
              "kernel_ms": median_ms(lambda: mx.eval(ga.ranged_attention(q, k, v, scale, start, last)), reps),
              "masked_sdpa_ms": median_ms(
                  lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)), reps),

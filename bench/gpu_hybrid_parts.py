@@ -148,9 +148,14 @@ def decode_part(model, rows: int, context: int, steps: int, rounds: int, parts_r
     model(prompt, cache=one)
     mx.eval([c.state for c in one])
 
-    def lane_ms(kernel_on: bool) -> float:
-        """The server's decode batch (RaggedBatch, pipelined as on a GPU) of ``rows`` rows over ``one``'s caches."""
+    from models.attention import gpu as lane_attention
+
+    def lane_ms(kernel_on: bool, attention_256: bool = True) -> float:
+        """The server's decode batch (RaggedBatch, pipelined as on a GPU) of ``rows`` rows over ``one``'s caches;
+        ``attention_256`` False: head size 256 (Qwen3.5's) left out of the fused attention kernel, as before it
+        took them (mlx's masked attention then)."""
         conv.ENABLED = kernel_on and kernel_was
+        lane_attention._HEAD_SIZES = (64, 128, 256) if attention_256 else (64, 128)
         lane = RaggedBatch(model, pipelined=True)
         lane.add([Row(SimpleNamespace(id=r), _clone(one), list(range(context)) + [5]) for r in range(rows)])
         lane.step(), lane.step()
@@ -162,19 +167,21 @@ def decode_part(model, rows: int, context: int, steps: int, rounds: int, parts_r
         return (time.perf_counter() - t) * 1e3 / steps
 
     out: dict = {"rows": rows, "context": context, "steps": steps, "step_ms": {"conv_kernel": [], "conv_cudnn": []},
-                 "lane_step_ms": {"conv_kernel": [], "conv_cudnn": []}}
+                 "lane_step_ms": {"conv_kernel": [], "conv_cudnn": [], "conv_kernel, attention 256 masked": []}}
     kernel_was = conv.ENABLED
     step_ms(True), step_ms(False)  # warm-up: both paths' shapes
     for r in range(rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             out["step_ms"]["conv_kernel" if on else "conv_cudnn"].append(round(step_ms(on), 3))
-    from models.attention import gpu as lane_attention
-
     out["lane_attention_modules"] = lane_attention.install(model)  # as the server does on CUDA: the fused kernel
-    lane_ms(True), lane_ms(False)
+    lane_variants = {"conv_kernel": (True, True), "conv_cudnn": (False, True),
+                     "conv_kernel, attention 256 masked": (True, False)}
+    for on, a256 in lane_variants.values():
+        lane_ms(on, a256)
     for r in range(rounds):
-        for on in ((True, False) if r % 2 == 0 else (False, True)):
-            out["lane_step_ms"]["conv_kernel" if on else "conv_cudnn"].append(round(lane_ms(on), 3))
+        for name in (list(lane_variants) if r % 2 == 0 else list(reversed(lane_variants))):
+            out["lane_step_ms"][name].append(round(lane_ms(*lane_variants[name]), 3))
+    lane_attention._HEAD_SIZES = (64, 128, 256)
     out["lane_median_ms"] = {k: statistics.median(v) for k, v in out["lane_step_ms"].items() if v}
     conv.ENABLED = kernel_was
     out["median_ms"] = {k: statistics.median(v) for k, v in out["step_ms"].items() if v}

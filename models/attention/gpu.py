@@ -21,7 +21,7 @@ slice below the first query's window is read), and gpt-oss's attention sinks (on
 the merge's softmax.
 
 ``install(model)`` swaps the attention function in the model's modules (as ``models.attention.cpu`` does on the
-CPU) for one that takes this path only where it applies (a CUDA device, 16-bit q/k/v, head size 64 or 128, grouped
+CPU) for one that takes this path only where it applies (a CUDA device, 16-bit q/k/v, head size 64, 128 or 256, grouped
 or plain heads, a batch cache whose ranges are known, a step of at most ``MAX_WIDTH`` tokens) and hands everything
 else to mlx-lm's own: long prefill chunks (cuDNN takes those), single sequences (MLX's own vector kernel), quantized
 KV, mlx-lm's rotating batch caches. A step of a few queries past more cached keys than queries (a single sequence's
@@ -48,7 +48,7 @@ SPLIT = 256  # key positions per block of the first pass
 UNROLL = 4  # key groups a warp loads per round (1: the first version's one at a time)
 _ON = True  # --attention mlx: MLX's own attention everywhere
 _QUERIES_PER_BLOCK = 4  # a block's queries of one KV head (registers: 4 queries x 8 floats of q and of o per lane)
-_HEAD_SIZES = (64, 128)  # D/8 elements per lane, loaded 8 at a time
+_HEAD_SIZES = (64, 128, 256)  # D/8 elements per lane, loaded 8 at a time (256: a whole warp per key, Qwen3.5's)
 
 # Pass 1. Grid: x = key slices (SPLIT each), y = KV head x query chunk, z = row. 4 warps; a key's D elements are
 # spread over D/8 lanes (one 16-byte load each), so a warp takes 256/D keys at a time and a score is a butterfly
