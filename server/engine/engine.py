@@ -16,6 +16,7 @@ lane learns comes back as the seam's records. Lane thread only, but for ``classi
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
@@ -71,6 +72,7 @@ class Engine:
             check_kv_quantization(self.base)
         self._work: dict[object, SeqWork] = {}
         self.writer = CacheWriter(prompt_cache)
+        self.leaves = {"rows": 0, "out_of_batch_s": 0.0, "store_s": 0.0}  # what rows ending cost (/stats)
         self.prefiller = Prefiller(self._work_of, self.writer, prompt_cache, gpu=config.layout.gpu,
                                    stream_of=lambda: self.stream)
         self.decoder = Decoder(self._work_of, config.layout, stats=stats, speculation=config.speculation,
@@ -256,7 +258,9 @@ class Engine:
         """Store what each sequence computed (also after a cancellation): out of its batch, or its own caches when
         it never decoded (cancelled while prefilling: what it covers of its prompt)."""
         out = []
+        t0 = time.perf_counter()
         covered_all = self.decoder.leave(seqs)
+        t1 = time.perf_counter()
         for seq, covered in zip(seqs, covered_all):
             work = self._work.pop(seq)
             try:
@@ -268,6 +272,9 @@ class Engine:
             except Exception:  # caching is an optimisation: never fail the request for it
                 log.exception("storing %s failed", seq.id)
             out.append(Ended(work.stored, work.spec.stats if work.spec is not None else None))
+        self.leaves["rows"] += len(seqs)
+        self.leaves["out_of_batch_s"] += t1 - t0  # a pipelined batch first waits for the step in flight
+        self.leaves["store_s"] += time.perf_counter() - t1
         return out
 
     def abandon(self, seq) -> None:
@@ -313,6 +320,10 @@ class Engine:
     def prefill_stats(self) -> dict:
         """The lane's prompt chunks: forwards, tokens and where their seconds went (server.engine.prefill)."""
         return self.prefiller.clock.as_dict()
+
+    def leave_stats(self) -> dict:
+        """Rows that ended: how many, the seconds taking them out of their batches and storing their entries."""
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.leaves.items()}
 
     def batch_stats(self) -> dict:
         """The ``batch`` block of /stats: the base model's plain batch kind, its attention path, and every group's

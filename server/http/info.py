@@ -175,6 +175,7 @@ def stats_body(state) -> dict:
                  "recurrent": batches["recurrent"], "batches": batches["groups"],
                  "state": state.lane.state.value,
                  "prefill_parts": state.engine.prefill_stats(),  # forwards, tokens, forward/checkpoint/store seconds
+                 "leave_parts": state.engine.leave_stats(),  # rows ended: out of their batch, entries stored (s)
                  "warm_up": state.lane.warm.as_dict()})  # --warm-up: its mode, state and steps (server.lane.warm)
     return {
         "version": server_version(),

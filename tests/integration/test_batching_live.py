@@ -267,6 +267,7 @@ def test_prompts_prefilled_together_in_one_batched_forward_give_their_alone_text
             lane["prefill_batches"]["forwards"] - before["forwards"])
         assert parts["tokens"] - parts_before["tokens"] == sum(r["usage"]["prompt_tokens"] - 1 for r in together)
         assert parts["forward_s"] > parts_before["forward_s"] and parts["forward_shapes"] >= 1
+        assert lane["leave_parts"]["rows"] - before_lane["leave_parts"]["rows"] == len(bodies)  # each ended once
         # the prompts really went through mlx-lm's batch prefill, several rows per forward
         assert lane["prefill_batches"]["forwards"] > before["forwards"]
         assert lane["prefill_batches"]["rows"] - before["rows"] >= 2 * (lane["prefill_batches"]["forwards"]
