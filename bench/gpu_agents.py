@@ -83,7 +83,12 @@ OURS_VARIANTS = {
     # MLX's CUDA backend builds a cuDNN attention graph for every new (query, key) shape of a prefill forward;
     # off, prefill attention takes MLX's unfused ops (no graph to build, more memory traffic)
     "ours_no_cudnn_sdpa": ((), {"MLX_CUDA_USE_CUDNN_SDPA": "0"}),
-    "ours_no_conv_kernel": (("--debug-no-conv-kernel",), {}),  # hybrids' convolutions through cuDNN (a plan a shape)
+    "ours_no_conv_kernel": (("--debug-no-conv-kernel",), {}),
+    # MLX's compiled kernels in one folder these variants share: the first started compiles what the workload's
+    # shapes need (each new batch size, chunk length), the ones after start with them, as a restarted server does
+    "ours_ptx_a": ((), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),
+    "ours_ptx_b": ((), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),
+    "ours_no_ssd_ptx": (("--no-ssd-cache",), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),  # hybrids' convolutions through cuDNN (a plan a shape)
     "ours_no_composed": (("--debug-gpu-attention-composed-max", "0"), {}),  # every chunk past a hit through cuDNN
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
