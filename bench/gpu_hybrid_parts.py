@@ -15,8 +15,10 @@ prefills the agents' later turns at ~1.5k tok/s where one long prompt runs at 22
             the model's count of each: what the step would cost if those parts were all it ran
   prefill   one --chunk-token chunk after a --context-token cache (each rep a length this process has not seen, as
             agents' turns are), alone and --together rows at once in mlx-lm's ``PromptProcessingBatch`` (what the
-            lane's gathered prefill runs), the convolution kernel on vs off; and the same with ``mx.clear_cache()``
-            after each (what the lane does on a GPU after every prefill forward) vs not
+            lane's gathered prefill runs), models.attention installed as the server does: the convolution kernel
+            on vs off, ``mx.clear_cache()`` after each forward (what the lane does on a GPU) vs not, composed
+            attention for chunks up to 512 queries (``--debug-gpu-attention-composed-max 512``) vs the default 8,
+            and the same lengths every rep (a shape seen) vs new ones
 
     bash bench/gpu.sh bench/gpu_hybrid_parts.py                       # the H200 (~3 min after the wheels)
     python bench/gpu_hybrid_parts.py --shape qwen3.5-tiny --dtype float32 --context 64 --chunk 16 --rows 4 \\
@@ -268,9 +270,11 @@ def prefill_part(model, context: int, chunk: int, together: int, reps: int) -> d
             mx.eval([c.state for c in caches])
         return caches
 
-    shift = [0]
+    shift, fixed = [0], [False]
 
     def new_shift() -> int:
+        if fixed[0]:  # the "shape seen" variant: the same lengths every rep
+            return 0
         shift[0] += 1
         return shift[0]
 
@@ -301,20 +305,34 @@ def prefill_part(model, context: int, chunk: int, together: int, reps: int) -> d
             mx.clear_cache()
         return time.perf_counter() - t
 
+    from models.attention import composed
+    from models.attention import gpu as lane_attention
+
+    lane_attention.install(model)  # as the server does on CUDA (composed attention for 2..8 queries past a cache)
     kernel_was = conv.ENABLED
-    variants = {"kernel, clear_cache": (True, True), "cudnn, clear_cache": (False, True),
-                "kernel, no clear": (True, False), "cudnn, no clear": (False, False)}
+    # name: (convolution kernel, clear_cache after, composed attention up to N queries, each rep a new shape)
+    variants = {"kernel": (True, True, 8, True), "cudnn conv": (False, True, 8, True),
+                "kernel, no clear_cache": (True, False, 8, True), "kernel, composed <= 512": (True, True, 512, True),
+                "kernel, shape seen": (True, True, 8, False)}
     res: dict = {"context": context, "chunk": chunk, "together": together, "solo_ms": {}, "together_ms": {}}
-    for name, (on, clear) in variants.items():  # warm-up: every variant's kernels
+
+    def use(name: str) -> tuple[bool, bool]:
+        on, clear, composed_max, new = variants[name]
         conv.ENABLED = on and kernel_was
+        composed.configure(composed_max)
+        fixed[0] = not new
+        return clear, new
+
+    for name in variants:  # warm-up: every variant's kernels
+        clear, _ = use(name)
         solo(clear), gathered(clear)
     for r in range(reps):
         names = list(variants) if r % 2 == 0 else list(reversed(variants))
         for name in names:
-            on, clear = variants[name]
-            conv.ENABLED = on and kernel_was
+            clear, _ = use(name)
             res["solo_ms"].setdefault(name, []).append(ms(solo(clear)))
             res["together_ms"].setdefault(name, []).append(ms(gathered(clear)))
+    composed.configure(8)
     conv.ENABLED = kernel_was
     res["median"] = {part: {k: statistics.median(v) for k, v in res[part].items()} for part in ("solo_ms", "together_ms")}
     res["tok_s"] = {"solo": {k: round(chunk / v * 1e3, 1) for k, v in res["median"]["solo_ms"].items()},
