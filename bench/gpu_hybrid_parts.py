@@ -7,12 +7,14 @@ prefills the agents' later turns at ~1.5k tok/s where one long prompt runs at 22
   conv      the short depthwise convolution every gated-delta layer runs: ``models.kernels.conv.depthwise`` vs
             ``mx.conv1d`` (cuDNN on CUDA, a plan per input shape): max |diff| on random inputs, and the time of one
             call at a shape already seen and at shapes never seen (each rep a new length), decode and prompt shapes
-  decode    a --rows decode step (mlx-lm's caches after a --decode-context-token prompt), the convolution kernel on vs off,
-            alternated; then the server's decode batch (``RaggedBatch``, pipelined, with models.attention's fused
-            CUDA kernel installed as the server does) over the same rows, on vs off; and the host time of building a step's graph (the Python of the model's call, before any
-            evaluation: a pipelined step hides it only while it is shorter than the device's work); then each part of a step alone at that shape (one linear-attention layer's mixer, one full
-            attention layer's, one MLP, the final norm + head), --parts-reps calls queued and evaluated once, times
-            the model's count of each: what the step would cost if those parts were all it ran
+  decode    a --rows decode step (mlx-lm's caches after a --decode-context-token prompt), the convolution kernel on
+            vs off, alternated, and the host time of building a step's graph (the Python of the model's call, before
+            any evaluation: a pipelined step hides it only while it is shorter than the device's work); then the
+            server's decode batch (``RaggedBatch``, pipelined, with models.attention's fused CUDA kernel installed as
+            the server does) over the same rows, on vs off; then each part of a step alone at that shape (one
+            linear-attention layer's mixer, one full attention layer's, one MLP, the final norm + head),
+            --parts-reps calls queued and evaluated once, times the model's count of each: what the step would cost
+            if those parts were all it ran
   prefill   one --chunk-token chunk after a --context-token cache (each rep a length this process has not seen, as
             agents' turns are), alone and --together rows at once in mlx-lm's ``PromptProcessingBatch`` (what the
             lane's gathered prefill runs), models.attention installed as the server does: the convolution kernel
@@ -22,7 +24,7 @@ prefills the agents' later turns at ~1.5k tok/s where one long prompt runs at 22
 
     bash bench/gpu.sh bench/gpu_hybrid_parts.py                       # the H200 (~3 min after the wheels)
     python bench/gpu_hybrid_parts.py --shape qwen3.5-tiny --dtype float32 --context 64 --chunk 16 --rows 4 \\
-        --decode-context 32 --together 3 --reps 2                                        # the CPU: the script's logic only
+        --decode-context 32 --together 3 --reps 2                   # the CPU: the script's logic only
 
 Writes OUT/gpu_hybrid_parts.json.
 """
@@ -84,8 +86,10 @@ def conv_part(on_cuda: bool, channels: int, taps: int, reps: int) -> dict:
     if not on_cuda:
         return res
     w = (0.3 * mx.random.normal((channels, taps, 1))).astype(mx.bfloat16)
-    for name, shape_of in (("decode 16 rows", lambda r: (16, taps)), ("decode, rows 1-16 new", lambda r: (1 + r % 16, taps)),
-                           ("chunk 330", lambda r: (1, 330 + taps - 1)), ("chunk, new lengths", lambda r: (1, 301 + 7 * r)),
+    for name, shape_of in (("decode 16 rows", lambda r: (16, taps)),
+                           ("decode, rows 1-16 new", lambda r: (1 + r % 16, taps)),
+                           ("chunk 330", lambda r: (1, 330 + taps - 1)),
+                           ("chunk, new lengths", lambda r: (1, 301 + 7 * r)),
                            ("8 rows x chunk, new lengths", lambda r: (8, 301 + 7 * r))):
         xs = [mx.random.normal((*shape_of(r), channels)).astype(mx.bfloat16) for r in range(reps)]
         mx.eval(xs)
@@ -334,7 +338,8 @@ def prefill_part(model, context: int, chunk: int, together: int, reps: int) -> d
             res["together_ms"].setdefault(name, []).append(ms(gathered(clear)))
     composed.configure(8)
     conv.ENABLED = kernel_was
-    res["median"] = {part: {k: statistics.median(v) for k, v in res[part].items()} for part in ("solo_ms", "together_ms")}
+    res["median"] = {part: {k: statistics.median(v) for k, v in res[part].items()}
+                     for part in ("solo_ms", "together_ms")}
     res["tok_s"] = {"solo": {k: round(chunk / v * 1e3, 1) for k, v in res["median"]["solo_ms"].items()},
                     "together": {k: round(together * chunk / v * 1e3, 1)
                                  for k, v in res["median"]["together_ms"].items()}}

@@ -268,9 +268,9 @@ def _serve_parser(sub) -> None:
                         "cuDNN, which plans each new shape anew (default 8: verify steps; 0: cuDNN always) "
                         "[MLX_LANE_DEBUG_GPU_ATTENTION_COMPOSED_MAX]")
     d.add_argument("--debug-no-conv-kernel", action="store_true", default=_env_flag("debug_no_conv_kernel"),
-                   help="on CUDA, hybrids' short depthwise convolutions go through mlx's conv1d (cuDNN, a plan per "
-                        "input shape) instead of models.kernels.conv's kernel, to compare "
-                        "[MLX_LANE_DEBUG_NO_CONV_KERNEL=1]")
+                   help="hybrids' short depthwise convolutions go through mlx's conv1d (on CUDA cuDNN, a plan per "
+                        "input shape; on the CPU a loop) instead of models.kernels.conv (a CUDA kernel; the CPU's "
+                        "shifted products), to compare [MLX_LANE_DEBUG_NO_CONV_KERNEL=1]")
     d.add_argument("--debug-trace-collectives", action="store_true", default=_env_flag("debug_trace_collectives"),
                    help="a model sharded over processes logs every collective of the lane's plans on every rank "
                         "[MLX_LANE_DEBUG_TRACE_COLLECTIVES=1]")

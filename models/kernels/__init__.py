@@ -6,16 +6,18 @@ and Mamba-2's decode step.
     ssm.py           ``step``: Mamba-2's one-token state update as a CUDA kernel (mlx-lm's prompts already go
                      through its chunked SSD form)
     conv.py          ``depthwise``: the short convolution every hybrid layer runs, as one CUDA kernel (mlx's CUDA
-                     backend builds a cuDNN plan per input shape for it)
+                     backend builds a cuDNN plan per input shape for it); ``shifted``, the same as K shifted products
+                     (the CPU's conv1d loops 2-3x slower)
     positions.py     a verify forward's recurrent state at every position (``recording``), so rejected drafts are
                      taken back by choosing a state (spec.rewind) instead of feeding the kept tokens again
 
 ``install(model)`` switches the model's modules (``models.hook``) to the dispatchers below, chosen once for this
 process's device: on CUDA every gated-delta call takes ``recurrent``, every Mamba-2 decode step ``ssm.step`` and
-every depthwise ``Conv1d`` ``conv.depthwise``; on the CPU a gated-delta prompt of at least ``CPU_CHUNKED_MIN``
-tokens takes ``chunked`` (scalar gates; vector gates and short steps stay on mlx-lm's ops); on Metal nothing is
-switched: mlx-lm's own kernels stay. ``configure(False)`` (`--kernels mlx`) leaves mlx-lm's functions everywhere, to
-compare. ``kernel_path(model)`` says what a loaded model runs (/stats, the start-up line).
+every depthwise ``Conv1d`` ``conv.depthwise``; on the CPU a float32 depthwise ``Conv1d`` takes ``conv.shifted``
+and a gated-delta prompt of at least ``CPU_CHUNKED_MIN`` tokens takes ``chunked`` (scalar gates; vector gates and
+short steps stay on mlx-lm's ops); on Metal nothing is switched: mlx-lm's own kernels stay. ``configure(False)``
+(`--kernels mlx`) leaves mlx-lm's functions everywhere, to compare. ``kernel_path(model)`` says what a loaded model
+runs (/stats, the start-up line).
 """
 
 from __future__ import annotations
@@ -136,8 +138,8 @@ def install(model) -> int:
     from mlx_lm.models import gated_delta as mlx_gated_delta
     from mlx_lm.models import ssm as mlx_ssm
 
-    if device == "cuda" and _CONV:  # before ``watch``: a watched convolution keeps the kernel
-        conv.ENABLED = True
+    if _CONV:  # before ``watch``: a watched convolution keeps the kernel
+        conv.ENABLED, conv.OPS = device == "cuda", device == "cpu"
         conv.switch(model)
     switched = hook.switch(model, lambda fn: _gated_delta_dispatch(fn, device), name=GATED_DELTA,
                            original=mlx_gated_delta.gated_delta_update)
@@ -162,10 +164,10 @@ def kernel_path(model) -> str:
 def mlx_lm_kernels(model) -> Iterator[None]:
     """Within the block ``model``'s modules run mlx-lm's own functions (an oracle computes with them this way)."""
     undone = hook.restore(model, GATED_DELTA) + hook.restore(model, SSM)
-    convolving, conv.ENABLED = conv.ENABLED, False
+    convolving, conv.ENABLED, conv.OPS = (conv.ENABLED, conv.OPS), False, False
     try:
         yield
     finally:
-        conv.ENABLED = convolving
+        conv.ENABLED, conv.OPS = convolving
         for module, ours in undone:
             setattr(module, getattr(ours, "__name__"), ours)

@@ -8,10 +8,16 @@ by the shapes): a decode batch whose row count changes, and every prompt chunk o
 each thread computes one (row, position, channel) output as the sum over the taps of input times weight, in float32,
 rounded once to the input's dtype.
 
+On the CPU, ``mx.conv1d`` with one channel a group is a loop 2-3x slower than the same sum written as K shifted
+products (``shifted``: a prompt chunk of 8 rows x 333 tokens of 8,192 channels 353 vs 1,044 ms on this CPU, and
+bit-identical in float32: the same products added in the same order), so there float32 calls take that form.
+
 ``applies(conv, x)`` says whether a module's call is such a convolution (stride 1, no padding or dilation, one
 channel a group, the input's dtype); ``DepthwiseConv1d`` is mlx's ``Conv1d`` that takes the kernel where it applies
-and runs on a CUDA device (``models.kernels.install`` switches the class of a model's depthwise convolutions there),
-else mlx's own call. Checked against ``mx.conv1d`` on the device by ``bench/gpu_kernels.py``.
+(``ENABLED``: a CUDA device), the shifted products where ``OPS`` (the CPU) and the input is float32, else mlx's own
+call; ``models.kernels.install`` switches the class of a model's depthwise convolutions and sets the flag of its
+device. Checked against ``mx.conv1d`` on the device by ``bench/gpu_hybrid_parts.py`` (bit-identical on every checked
+shape, float32 and bf16) and on the CPU by ``tests/unit/test_kernels.py``.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["DepthwiseConv1d", "applies", "depthwise", "is_depthwise", "switch", "ENABLED"]
+__all__ = ["DepthwiseConv1d", "applies", "depthwise", "is_depthwise", "shifted", "switch", "ENABLED", "OPS"]
 
-# set by models.kernels.install on a CUDA device (the kernel cannot run elsewhere)
+# set by models.kernels.install: ENABLED on a CUDA device (the kernel cannot run elsewhere), OPS on the CPU
 ENABLED = False
+OPS = False
 
 # One thread per (channel c, output position t, row b); grid (C, L - K + 1, B) in threads. The weight is mlx's
 # Conv1d layout (C, K, 1): tap k of channel c at c * K + k.
@@ -60,10 +67,25 @@ def is_depthwise(conv) -> bool:
 
 def applies(conv, x: mx.array) -> bool:
     """Does ``depthwise`` compute this module's call on ``x`` exactly as ``mx.conv1d`` would?"""
-    return (ENABLED and is_depthwise(conv) and conv.stride == 1 and conv.padding == 0 and conv.dilation == 1
-            and x.ndim == 3 and x.shape[2] == conv.weight.shape[0] and x.shape[1] >= conv.weight.shape[1]
-            and x.shape[1] - conv.weight.shape[1] < _MAX_GRID and x.shape[0] <= _MAX_GRID
-            and x.dtype == conv.weight.dtype and x.dtype in (mx.float32, mx.bfloat16, mx.float16))
+    return (ENABLED and _plain(conv, x) and x.shape[1] - conv.weight.shape[1] < _MAX_GRID
+            and x.shape[0] <= _MAX_GRID and x.dtype == conv.weight.dtype
+            and x.dtype in (mx.float32, mx.bfloat16, mx.float16))
+
+
+def _plain(conv, x: mx.array) -> bool:
+    return (is_depthwise(conv) and conv.stride == 1 and conv.padding == 0 and conv.dilation == 1 and x.ndim == 3
+            and x.shape[2] == conv.weight.shape[0] and x.shape[1] >= conv.weight.shape[1])
+
+
+def shifted(x: mx.array, weight: mx.array) -> mx.array:
+    """``mx.conv1d(x, weight, groups=C)`` as the sum over the K taps of x shifted by the tap times its weight, in
+    the order the convolution adds them. x (B, L, C), weight (C, K, 1)."""
+    L, K = x.shape[1], weight.shape[1]
+    taps = weight[:, :, 0].T  # (K, C)
+    out = x[:, 0: L - K + 1] * taps[0]
+    for k in range(1, K):
+        out = out + x[:, k: L - K + 1 + k] * taps[k]
+    return out
 
 
 def depthwise(x: mx.array, weight: mx.array) -> mx.array:
@@ -81,12 +103,15 @@ def depthwise(x: mx.array, weight: mx.array) -> mx.array:
 
 
 class DepthwiseConv1d(nn.Conv1d):
-    """mlx's Conv1d (the same parameters) that computes with ``depthwise`` where it applies."""
+    """mlx's Conv1d (the same parameters) that computes with ``depthwise`` or ``shifted`` where they apply."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not applies(self, x):
+        if applies(self, x):
+            y = depthwise(x, self.weight)
+        elif OPS and _plain(self, x) and x.dtype == mx.float32 and self.weight.dtype == mx.float32:
+            y = shifted(x, self.weight)
+        else:
             return super().__call__(x)
-        y = depthwise(x, self.weight)
         if "bias" in self:
             y = y + self.bias
         return y

@@ -161,9 +161,12 @@ def test_depthwise_convolutions_switch_class_and_compute_as_mlx_does_where_the_k
     assert all(type(c) is conv.DepthwiseConv1d for c in convs)
     assert positions.watch(model) == len(convs)  # a gated-delta layer's convolution is watched and keeps the kernel
     assert all(isinstance(c, conv.DepthwiseConv1d) for c in convs)
-    assert max_diff(convs[0](x), before) == 0.0  # ENABLED is off here: mlx's own call
-    was = conv.ENABLED
+    was, ops_was = conv.ENABLED, conv.OPS
     try:
+        conv.ENABLED, conv.OPS = False, False
+        assert max_diff(convs[0](x), before) == 0.0  # mlx's own call
+        conv.OPS = True  # the CPU's form: the same float32 sums, not only close
+        assert max_diff(convs[0](x), before) == 0.0
         conv.ENABLED = True
         assert conv.applies(convs[0], x)
         assert not conv.applies(convs[0], x.astype(mx.bfloat16))  # another dtype than the weight's
@@ -172,5 +175,14 @@ def test_depthwise_convolutions_switch_class_and_compute_as_mlx_does_where_the_k
         padded = nn.Conv1d(8, 8, 3, padding=1, groups=8)
         assert conv.is_depthwise(padded) and not conv.applies(padded, mx.zeros((1, 5, 8)))
     finally:
-        conv.ENABLED = was
+        conv.ENABLED, conv.OPS = was, ops_was
     assert conv.switch(zoo.build("llama", 64)) == 0
+
+
+@pytest.mark.parametrize("B,L,C,K", [(1, 4, 64, 4), (16, 4, 8192, 4), (3, 333, 512, 4), (2, 40, 96, 3), (1, 2, 8, 2)])
+def test_the_shifted_form_is_mlxs_depthwise_convolution_to_the_bit_in_float32(B, L, C, K):
+    from models.kernels import conv
+
+    mx.random.seed(B * L + C)
+    x, w = mx.random.normal((B, L, C)), mx.random.normal((C, K, 1))
+    assert max_diff(conv.shifted(x, w), mx.conv1d(x, w, groups=C)) == 0.0
