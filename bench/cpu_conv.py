@@ -5,9 +5,10 @@ recurrence. mlx's CPU ``conv1d`` runs that as a loop; the same float32 sums as K
 (tests/unit/test_kernels.py). This measures, alternating the two forms within one process:
 
   conv      one call at decode and prompt shapes of --channels channels (ms, median of --reps)
-  prefill   a Qwen3.5-shaped model of --layers layers (a multiple of 4: every 4th is full attention) with Qwen3.5-0.8B's linear-attention widths (16 key and 16
-            value heads of 128: 6,144 channels) and a 1,024 hidden size, random float32 weights: one --prompt-tokens
-            prompt prefilled in 512-token chunks (tokens/s), and the greedy tokens of --decode-tokens steps after
+  prefill   a Qwen3.5-shaped model of --layers layers (a multiple of 4: every 4th is full attention) with
+            Qwen3.5-0.8B's linear-attention widths (16 key and 16 value heads of 128: 6,144 channels) and a 1,024
+            hidden size, random float32 weights: one --prompt-tokens prompt prefilled in 512-token chunks
+            (tokens/s), and the greedy tokens of --decode-tokens steps after
             it, which must be the same both ways
 
     python bench/cpu_conv.py                  # quiet machine (no tests or builds beside it): ~2 min
