@@ -7,7 +7,7 @@ and Mamba-2's decode step.
                      through its chunked SSD form)
     conv.py          ``depthwise``: the short convolution every hybrid layer runs, as one CUDA kernel (mlx's CUDA
                      backend builds a cuDNN plan per input shape for it); ``shifted``, the same as K shifted products
-                     (the CPU's conv1d loops 2-3x slower)
+                     (the CPU's conv1d loops 4-6x slower)
     positions.py     a verify forward's recurrent state at every position (``recording``), so rejected drafts are
                      taken back by choosing a state (spec.rewind) instead of feeding the kept tokens again
 

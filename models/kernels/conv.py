@@ -8,9 +8,10 @@ by the shapes): a decode batch whose row count changes, and every prompt chunk o
 each thread computes one (row, position, channel) output as the sum over the taps of input times weight, in float32,
 rounded once to the input's dtype.
 
-On the CPU, ``mx.conv1d`` with one channel a group is a loop 2-3x slower than the same sum written as K shifted
-products (``shifted``: a prompt chunk of 8 rows x 333 tokens of 8,192 channels 353 vs 1,044 ms on this CPU, and
-bit-identical in float32: the same products added in the same order), so there float32 calls take that form.
+On the CPU, ``mx.conv1d`` with one channel a group is a loop 4-6x slower than the same sum written as K shifted
+products (``shifted``: 8 rows x 333 tokens of 6,144 channels 174 vs 637 ms on this CPU, bench/cpu_conv.py), and
+those are bit-identical in float32 (the same products added in the same order), so there float32 calls take that
+form.
 
 ``applies(conv, x)`` says whether a module's call is such a convolution (stride 1, no padding or dilation, one
 channel a group, the input's dtype); ``DepthwiseConv1d`` is mlx's ``Conv1d`` that takes the kernel where it applies
