@@ -71,6 +71,18 @@ def median_range(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def median_seconds(fn, reps: int, warm: int = 1) -> float:
+    """Median seconds of ``reps`` calls of ``fn`` (which evaluates what it computes), after ``warm`` calls."""
+    for _ in range(warm):
+        fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
 def ensure_blas_here() -> None:
     """Re-exec this script with OpenBLAS preloaded (same rule as the server)."""
     from models.runtime import ensure_blas

@@ -32,13 +32,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 def median_ms(fn, reps: int) -> float:
-    fn()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return round(statistics.median(out) * 1e3, 3)
+    from common import median_seconds
+
+    return round(median_seconds(fn, reps) * 1e3, 3)
 
 
 def main() -> int:
