@@ -4,7 +4,9 @@
 #
 # Wheels (made on the dev machine, git-ignored, carried with the call):
 #   .whl/*.whl                 mlx==0.32.4, mlx-lm==0.32.2 and the server deps missing on the device image
-#                              (+ prometheus_client; httpx comes from the device image)
+#                              (+ prometheus_client, websockets, llguidance==1.9.1: its wheel is tagged
+#                              manylinux_2_31, so `pip download --platform manylinux_2_31_x86_64`; without it the
+#                              server exits at start; httpx comes from the device image)
 #   .whl/tok/                  tokenizer.json + tokenizer_config.json of the default model (SmolLM2-135M-Instruct)
 #   .whl/mlx_cuda.part2, .whl/mlx_cuda.name, .whl/mlx_cuda.sha256
 #   $PART1_DIR/mlx_cuda.part1  first part of mlx_cuda_13-0.32.4 (90 MB > one call's 64 MiB), copied there by an
@@ -22,7 +24,7 @@ PART1_DIR=${PART1_DIR:-/tmp/w}
 OUT=${OUT:-$PWD/.bench/gpu-out}
 mkdir -p "$OUT"
 
-if ! PYTHONPATH="$SITE" python3 -c "import mlx.core, mlx_lm, fastapi, uvicorn, orjson, gguf, pydantic, prometheus_client, httpx" 2>/dev/null; then
+if ! PYTHONPATH="$SITE" python3 -c "import mlx.core, mlx_lm, fastapi, uvicorn, orjson, gguf, pydantic, prometheus_client, httpx, llguidance, websockets" 2>/dev/null; then
   cuda=$(ls "$WHL"/mlx_cuda_13-*.whl 2>/dev/null | head -1 || true)
   if [ -z "$cuda" ]; then
     cuda=/tmp/$(cat "$WHL/mlx_cuda.name")
