@@ -166,6 +166,9 @@ def main() -> int:
                          "conversations, so that it starts the measured ones with its kernels compiled, as ours does "
                          "(its warm-up) and as a server that has run before would (kernel_cache_files)")
     ap.add_argument("--ours-args", default="", help="extra `mlx-lane serve` arguments (one shell-quoted string)")
+    ap.add_argument("--peer-cache-bytes", type=int, default=None,
+                    help="mlx_lm.server's --prompt-cache-bytes instead of the issue's 60 GB (on an 80 GB H100 the "
+                         "Qwen3.5-9B peer lost its generation thread with 60 GB, 2026-12-06)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -182,17 +185,21 @@ def main() -> int:
         del model
     tokenizer = load_tokenizer(model_dir)
     system = system_prompt(tokenizer, args.system_tokens, args.seed)
+    peer_args = MLX_LM_ARGS
+    if args.peer_cache_bytes is not None:
+        i = peer_args.index("--prompt-cache-bytes")
+        peer_args = peer_args[:i + 1] + (str(args.peer_cache_bytes),) + peer_args[i + 2:]
     R: dict = {"script": "bench/gpu_agents.py", "argv": sys.argv[1:], "started_unix": int(time.time()),
                "gpu": gpu.sh("nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader"),
                "model": gpu.R.get("model", {"dir": str(model_dir), "reused": True}),
-               "system_prompt_tokens": len(tokenizer.encode(system)), "mlx_lm_args": list(MLX_LM_ARGS),
+               "system_prompt_tokens": len(tokenizer.encode(system)), "mlx_lm_args": list(peer_args),
                "build_s": round(time.perf_counter() - t0, 1), "runs": []}
 
     def save() -> None:
         (out / "gpu_agents.json").write_text(json.dumps(R, indent=1))
 
     workdir = Path(tempfile.mkdtemp(prefix="gpu-agents-"))
-    extra = {"ours": tuple(args.ours_args.split()), "mlx_lm": MLX_LM_ARGS}
+    extra = {"ours": tuple(args.ours_args.split()), "mlx_lm": peer_args}
     if args.prime_peer and "mlx_lm" in names:
         primer = peer_servers.MlxLm(workdir, model_dir, extra=extra["mlx_lm"])
         before = kernel_cache_files(False)
