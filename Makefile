@@ -118,8 +118,9 @@ cluster: venv blas model haproxy
 
 # The type checker first (mypy, [tool.mypy] in pyproject.toml: its cache in .mypy_cache), then the suite in
 # TEST_WORKERS pytest-xdist processes (0: one process), a test file per worker at a time: the module-scoped live
-# servers start once, and each test server takes its own free port and temporary folders. The last line says how long
-# the whole of `make test` took, the setup included.
+# servers start once, and each test server takes its own free port and temporary folders. The 15 slowest tests are
+# listed (the suite must stay under 15 minutes on 2 cores); the last line says how long the whole of `make test`
+# took, the setup included.
 TEST_WORKERS ?= 2
 test:
 	@start=$$(date +%s); $(MAKE) --no-print-directory test-suite; rc=$$?; \
@@ -129,7 +130,7 @@ typecheck: venv
 	$(BIN)/python -m mypy
 
 test-suite: venv blas browser haproxy model test-deps typecheck
-	$(BIN)/python -m pytest -q -ra $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # CPU benchmarks, each alternated against its peers in one run; each script writes its JSON (with a preflight of
 # the machine's load, memory and busiest processes) into bench/results/, then report.py regenerates the
