@@ -9,7 +9,12 @@ Snapshots. `schedule` captures the caches with `kvfile.encode` on the caller's t
 (views of the live part of each buffer, no copy of KV data) plus the integer state. MLX arrays never change
 after evaluation, but the lane keeps mutating its cache OBJECTS (`update_and_fetch` rebinds and assigns into
 `cache.keys`), so holding the objects themselves would write tokens that were never scheduled. The snapshot keeps
-the arrays alive: `max_pending_bytes` bounds that memory.
+the arrays alive: `max_pending_bytes` bounds that memory. Most pending snapshots share their arrays with the RAM
+tier's entries; a SPILL's (`schedule(..., sole=True)`: the RAM tier is dropping the entry) is the only thing keeping
+its arrays, memory outside the RAM tier's cap, so `max_sole_bytes` bounds those apart: over it the oldest sole
+snapshot is dropped (`spills_dropped`). On a GPU that memory is the device's: a disk slower than the entries come
+(an H100 writing ~0.25 GB/s while 16 Qwen3.5-9B agents stored ~0.6 GB entries) otherwise held up to another RAM
+tier's worth of evicted entries in device memory (2026-12-06: 30.8 GB pending beside a full 31 GB RAM tier).
 
 Debounce. Pending snapshots are keyed by (ns, tuple(tokens)); re-scheduling a key re-arms its timer (a
 conversation that pauses is written once per pause). A snapshot supersedes the pending ones the tiers' rule says it
@@ -56,6 +61,7 @@ class _Pending:
     due: float  # debounce deadline
     not_before: float = 0.0  # retry backoff deadline (flush does not skip it)
     attempts: int = 0
+    sole: bool = False  # a spill: nothing but this snapshot holds its arrays (the RAM tier dropped the entry)
     _ids: Any = None  # the tokens as a vector, made on the first comparison
 
     @property
@@ -77,11 +83,13 @@ class DurabilityCoordinator:
     """Debounced write-behind of prefix-cache entries to `store`. All public methods are thread-safe."""
 
     def __init__(self, store: Any, *, debounce_s: float = 1.0, max_pending_bytes: int = 2 << 30,
-                 retry_backoff: Sequence[float] = (0.1, 0.5, 2.0), clock: Callable[[], float] = time.monotonic,
+                 max_sole_bytes: int | None = None, retry_backoff: Sequence[float] = (0.1, 0.5, 2.0),
+                 clock: Callable[[], float] = time.monotonic,
                  capture: Callable[[Sequence[Any]], Any] = kvfile.encode) -> None:
         self._store = store
         self._debounce = float(debounce_s)
         self._max_bytes = int(max_pending_bytes)
+        self._max_sole = self._max_bytes if max_sole_bytes is None else int(max_sole_bytes)
         self._backoff = tuple(float(b) for b in retry_backoff)
         self._clock = clock
         self._capture = capture
@@ -89,9 +97,11 @@ class DurabilityCoordinator:
         self._pending: dict[tuple[str, tuple[int, ...]], _Pending] = {}
         self._inflight: _Pending | None = None
         self._bytes = 0  # pending + in flight
+        self._sole_bytes = 0  # of those, spills' (see the module docstring)
         self._flushing = 0
         self._closed = False
-        self._c = dict(written=0, dropped=0, failed=0, retries=0, superseded=0, coalesced=0, already_durable=0)
+        self._c = dict(written=0, dropped=0, failed=0, retries=0, superseded=0, coalesced=0, already_durable=0,
+                       spills_dropped=0)
         self._warned: set[str] = set()
         # Daemon: a forgotten close() must not hang interpreter exit; close() is what makes writes durable.
         self._thread = threading.Thread(target=self._run, name="mlx-lane-durability", daemon=True)
@@ -99,12 +109,14 @@ class DurabilityCoordinator:
 
     # ----------------------------------------------------------------------------------------------- public
 
-    def schedule(self, tokens: Sequence[int], caches: Sequence[Any], ns: str, *, delay: float | None = None) -> bool:
+    def schedule(self, tokens: Sequence[int], caches: Sequence[Any], ns: str, *, delay: float | None = None,
+                 sole: bool = False) -> bool:
         """Mark the entry (caches covering exactly `tokens`) dirty and (re)arm its debounce. Never blocks on I/O.
 
         `delay` overrides the debounce for this call (0: write as soon as the writer is free; used to spill an
-        entry the RAM tier is dropping). Returns False when nothing was scheduled (closed, unsupported cache
-        class, or over the budget by itself); True also when the store already covers the entry.
+        entry the RAM tier is dropping). `sole`: the caller keeps no reference to the caches (a spill), so the
+        snapshot's bytes count against `max_sole_bytes` too. Returns False when nothing was scheduled (closed,
+        unsupported cache class, or over the budget by itself); True also when the store already covers the entry.
         """
         key = (ns, tuple(int(t) for t in tokens))
         if self._closed or not key[1]:
@@ -124,11 +136,11 @@ class DurabilityCoordinator:
             return False
         now = self._clock()
         wait = self._debounce if delay is None else max(0.0, float(delay))
-        item = _Pending(ns, key[1], snap, int(snap.nbytes), snap.trimmable, now, now + wait)
+        item = _Pending(ns, key[1], snap, int(snap.nbytes), snap.trimmable, now, now + wait, sole=sole)
         with self._cond:
             old = self._pending.pop(key, None)
             if old is not None:
-                self._bytes -= old.nbytes
+                self._release_locked(old)
                 item.created = old.created  # the key keeps its age; only the timer re-arms
                 self._c["coalesced"] += 1
             for anc in [p for p in self._pending.values() if item.supersedes(p)]:  # strict ancestors, trimmable
@@ -136,12 +148,21 @@ class DurabilityCoordinator:
                 self._c["superseded"] += 1
             self._pending[key] = item
             self._bytes += item.nbytes
+            self._sole_bytes += item.nbytes if sole else 0
             # drop the oldest, but never the snapshot just scheduled: an entry bigger than the whole
             # budget is still written (its arrays are held by the RAM tier anyway)
             while self._bytes > self._max_bytes and len(self._pending) > 1:
                 oldest = min(self._pending.values(), key=lambda p: p.created)
                 self._remove_locked(oldest)
                 self._c["dropped"] += 1
+            while self._sole_bytes > self._max_sole:  # spills beyond their own bound: the oldest other one goes
+                spills = [p for p in self._pending.values() if p.sole and p is not item]
+                if not spills:
+                    break
+                oldest = min(spills, key=lambda p: p.created)
+                self._remove_locked(oldest)
+                self._c["dropped"] += 1
+                self._c["spills_dropped"] += 1
             scheduled = key in self._pending
             self._cond.notify_all()
         return scheduled
@@ -202,7 +223,7 @@ class DurabilityCoordinator:
     def stats(self) -> dict[str, Any]:
         with self._cond:
             n = len(self._pending) + (self._inflight is not None)
-            return {"pending": n, "pending_bytes": self._bytes, **self._c}
+            return {"pending": n, "pending_bytes": self._bytes, "sole_pending_bytes": self._sole_bytes, **self._c}
 
     # ---------------------------------------------------------------------------------------------- writer
 
@@ -243,16 +264,16 @@ class DurabilityCoordinator:
             self._inflight = None
             item.attempts += 1
             if ok:
-                self._bytes -= item.nbytes
+                self._release_locked(item)
                 self._c["written"] += 1
             elif self._redundant_locked(item):
-                self._bytes -= item.nbytes  # a newer snapshot of the same or a longer entry will be written
+                self._release_locked(item)  # a newer snapshot of the same or a longer entry will be written
             elif item.attempts <= len(self._backoff):
                 self._c["retries"] += 1
                 item.not_before = self._clock() + self._backoff[item.attempts - 1]
                 self._pending[item.key] = item
             else:
-                self._bytes -= item.nbytes
+                self._release_locked(item)
                 self._c["failed"] += 1
                 log.warning("durability: giving up on %d tokens after %d attempts", len(item.tokens), item.attempts)
             self._cond.notify_all()
@@ -262,7 +283,13 @@ class DurabilityCoordinator:
 
     def _remove_locked(self, item: _Pending) -> None:
         if self._pending.pop(item.key, None) is not None:
-            self._bytes -= item.nbytes
+            self._release_locked(item)
+
+    def _release_locked(self, item: _Pending) -> None:
+        """The snapshot no longer counts: written, dropped, replaced, given up on."""
+        self._bytes -= item.nbytes
+        if item.sole:
+            self._sole_bytes -= item.nbytes
 
     def _warn_once(self, kind: str, message: str) -> None:
         with self._cond:

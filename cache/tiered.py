@@ -21,9 +21,10 @@ Rules (DESIGN.md "RAM tier contract", "SSD tier contract", "Durability coordinat
   * `put` (lane thread): RAM put, and `schedule` on the durability coordinator (debounced). The lane only hands
     over array references; serialization and fsync run on the writer thread. An entry the cost model says could
     never be restored faster than recomputed on this machine is not written (`writes_declined`; an H200).
-  * RAM eviction of an entry (byte cap, or an entry larger than the whole RAM cap) spills it: `schedule(delay=0)`.
-    The pending snapshot holds the arrays until the writer has them on disk, so the lane never waits for fsync;
-    an entry already on disk costs one index lookup (`covers`).
+  * RAM eviction of an entry (byte cap, or an entry larger than the whole RAM cap) spills it: `schedule(delay=0,
+    sole=True)`. The pending snapshot holds the arrays until the writer has them on disk, so the lane never waits
+    for fsync; an entry already on disk costs one index lookup (`covers`). Spills waiting for the disk hold memory
+    beyond the RAM cap: the coordinator's `max_sole_bytes` bounds it (the oldest spill is dropped past it).
   * Idle demotion: entries unused for `demote_idle_s` are removed from RAM and spilled the same way (counted in
     `demotions`). A daemon timer checks every `min(demote_idle_s / 4, 30)` seconds; `demote_idle()` runs a check
     now (tests drive it with the RAM tier's injected clock). `demote_idle_s <= 0` turns demotion off.
@@ -269,6 +270,8 @@ class TieredCache:
             "pending": dur.get("pending", 0),
             "pending_bytes": dur.get("pending_bytes", 0),
             "dropped": dur.get("dropped", 0),
+            "spilled_pending_bytes": dur.get("sole_pending_bytes", 0),  # held only by the writer's queue
+            "spills_dropped": dur.get("spills_dropped", 0),
             "failed": store.get("failed", 0),
             "writes_abandoned": dur.get("failed", 0),
             "write_retries": dur.get("retries", 0),
@@ -335,7 +338,7 @@ class TieredCache:
         if not self._worth_writing(tokens, caches, ns):
             return
         try:
-            ok = self._durability.schedule(tokens, caches, ns, delay=0.0)
+            ok = self._durability.schedule(tokens, caches, ns, delay=0.0, sole=True)
         except Exception:
             log.exception("ssd cache: spilling an entry failed")
             ok = False

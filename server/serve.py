@@ -336,9 +336,11 @@ def build_tiered_cache(cfg: ServerConfig, fingerprint: str, ram_bytes: int, foll
     max_bytes = default_ssd_cache_bytes(root) if cfg.ssd_cache_bytes is None else cfg.ssd_cache_bytes
     store = SSDStore(root, fingerprint, max_bytes)
     # pending snapshots mostly share arrays with RAM entries: a budget below the RAM cap would drop writes of
-    # large prefixes (an 8B model's 16k-token entry is over 2 GiB) without saving memory
+    # large prefixes (an 8B model's 16k-token entry is over 2 GiB) without saving memory. Spills (entries the RAM
+    # tier evicted, waiting for the disk) share nothing: at most a quarter of the RAM cap beside it
     durability = DurabilityCoordinator(store, debounce_s=cfg.write_behind_debounce,
-                                       max_pending_bytes=max(2 << 30, ram_bytes))
+                                       max_pending_bytes=max(2 << 30, ram_bytes),
+                                       max_sole_bytes=max(1 << 30, ram_bytes // 4))
     restore = cfg.ssd_restore
     if follower:
         from cache.sharded import follower_restore_mode

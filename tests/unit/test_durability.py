@@ -136,6 +136,29 @@ def test_budget_drops_oldest(make):
     assert sorted(store.writes) == [(NS, (20, 1, 2, 3)), (NS, (30, 1, 2, 3))]
 
 
+def test_spills_have_a_bound_of_their_own_and_shared_snapshots_do_not_count_against_it(make):
+    """A spill (the RAM tier dropped the entry) is the only holder of its arrays: past max_sole_bytes the oldest
+    spill goes, while snapshots the RAM tier still holds stay within the larger pending budget."""
+    store = StubStore()
+    size = kvfile.encode(caches(4)).nbytes
+    # a long debounce: nothing is written before the flush, everything stays pending
+    d = make(store, debounce_s=60.0, max_pending_bytes=100 * size, max_sole_bytes=int(2.5 * size))
+    for first in (10, 20, 30, 40):  # shared with RAM: none dropped
+        assert d.schedule([first, 1, 2, 3], caches(4), NS)
+    assert d.stats()["sole_pending_bytes"] == 0 and d.stats()["dropped"] == 0
+    for first in (50, 60, 70):  # spills: the third pushes the oldest spill out
+        assert d.schedule([first, 1, 2, 3], caches(4), NS, delay=60.0, sole=True)
+    s = d.stats()
+    assert (s["spills_dropped"], s["dropped"], s["sole_pending_bytes"]) == (1, 1, 2 * size)
+    assert not d.is_pending([50, 1, 2, 3], NS) and d.is_pending([60, 1, 2, 3], NS)
+    # the RAM tier takes an entry back (a put of the same tokens): no longer a spill
+    assert d.schedule([60, 1, 2, 3], caches(4), NS, delay=60.0)
+    assert d.stats()["sole_pending_bytes"] == size
+    assert d.flush(timeout=10)  # the drop came before the flush: what it found pending is all written
+    assert d.stats()["sole_pending_bytes"] == 0 and d.stats()["pending_bytes"] == 0
+    assert (NS, (70, 1, 2, 3)) in store.writes and (NS, (50, 1, 2, 3)) not in store.writes
+
+
 def test_snapshot_larger_than_budget_is_still_written_and_evicts_older(make):
     store = StubStore()
     d = make(store, max_pending_bytes=10)

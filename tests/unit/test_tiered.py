@@ -212,12 +212,19 @@ def test_observe_prefill_feeds_the_cost_model(make):
 def test_eviction_spills_a_not_yet_durable_entry(make):
     tier, store = make(ram_bytes=entry_bytes(A) * 3 // 2)  # room for one entry
     B = list(range(100, 120))
+    calls = []
+    schedule = tier._durability.schedule
+    tier._durability.schedule = lambda *a, **k: calls.append((len(a[0]), k.get("sole", False))) or schedule(*a, **k)
     tier.put(A, kv(A), NS)
     tier.put(B, kv(B), NS)  # evicts A from RAM
     assert tier.stats()["entries"] == 1
     assert wait_for(lambda: store.covers(A, NS))  # written without a flush: the spill skips the debounce
     assert not store.covers(B, NS)  # B is still debounced
     assert tier.ssd_stats()["spills"] == 1
+    assert (len(A), True) in calls and (len(B), False) in calls  # the spill says it is the arrays' only holder
+    # written, A's spill holds nothing any more; B's pending snapshot shares its arrays with RAM's entry
+    assert wait_for(lambda: tier.ssd_stats()["spilled_pending_bytes"] == 0)
+    assert tier.ssd_stats()["pending_bytes"] > 0 and tier.ssd_stats()["spills_dropped"] == 0
     tier.clear()
     hit = tier.take(A + [1], NS)
     assert hit.source == "ssd" and hit.length == 20
