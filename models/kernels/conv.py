@@ -98,8 +98,11 @@ def depthwise(x: mx.array, weight: mx.array) -> mx.array:
                                       output_names=["out"], source=_DEPTHWISE)
     B, L, C = x.shape
     K = weight.shape[1]
+    block = 256
+    while C % block:  # a block size that divides the channels: no launch covers a partial block
+        block //= 2
     return _kernel(inputs=[x, weight], template=[("InT", x.dtype), ("K", K)],
-                   grid=(C, L - K + 1, B), threadgroup=(min(256, C), 1, 1),
+                   grid=(C, L - K + 1, B), threadgroup=(block, 1, 1),
                    output_shapes=[(B, L - K + 1, C)], output_dtypes=[x.dtype])[0]
 
 
