@@ -262,8 +262,8 @@ def main() -> int:
                     run["error"] = f"{type(exc).__name__}: {exc}"[:2000]
                 finally:
                     run["exit_code"] = peer.stop() if peer.pid() is not None else peer.exit_code()
-                    if n in OURS_VARIANTS and getattr(peer, "proc", None) is not None:  # warnings and errors
-                        run["log_tail"] = peer.proc.log()[-4000:]
+                    if getattr(peer, "proc", None) is not None:  # warnings and errors (the peer's too: on an
+                        run["log_tail"] = peer.proc.log()[-4000:]  # H100 it lost its generation thread, 12-06)
                 R["runs"].append(run)
                 save()
                 m = run.get("metrics")
