@@ -262,8 +262,11 @@ def main() -> int:
                     run["error"] = f"{type(exc).__name__}: {exc}"[:2000]
                 finally:
                     run["exit_code"] = peer.stop() if peer.pid() is not None else peer.exit_code()
-                    if getattr(peer, "proc", None) is not None:  # warnings and errors (the peer's too: on an
-                        run["log_tail"] = peer.proc.log()[-4000:]  # H100 it lost its generation thread, 12-06)
+                    # warnings and errors (the peer's too: on an H100 it lost its generation thread, 12-06)
+                    if n in OURS_VARIANTS and getattr(peer, "proc", None) is not None:
+                        run["log_tail"] = peer.proc.log()[-4000:]
+                    elif getattr(peer, "log_path", None) is not None and peer.log_path.exists():
+                        run["log_tail"] = peer.log_path.read_text(errors="replace")[-4000:]
                 R["runs"].append(run)
                 save()
                 m = run.get("metrics")
