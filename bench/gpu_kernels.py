@@ -36,14 +36,10 @@ R: dict = {"script": "bench/gpu_kernels.py"}
 
 
 def timed(fn, reps: int = 3) -> float:
-    """Median seconds of ``fn()`` (which evaluates its outputs) after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median seconds of ``fn()`` (which evaluates its outputs) after one warm-up call (common.median_seconds)."""
+    from common import median_seconds
+
+    return median_seconds(fn, reps)
 
 
 def gd_inputs(B, T, Hk, Hv, Dk, Dv, dtype, vector=False, seed=0):

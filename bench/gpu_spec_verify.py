@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,14 +30,10 @@ import mlx.core as mx  # noqa: E402
 
 
 def timed(fn, reps: int) -> float:
-    for _ in range(2):
-        fn()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    """Median seconds of ``fn`` (two warm-up calls first): bench/common.py's ``median_seconds``."""
+    from common import median_seconds
+
+    return median_seconds(fn, reps, warm=2)
 
 
 def main() -> int:

@@ -58,15 +58,10 @@ PROMPTS = [
 
 
 def timed(fn, reps: int) -> float:
-    """Median seconds of ``fn`` (two warm-up calls first)."""
-    for _ in range(2):
-        fn()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    """Median seconds of ``fn`` (two warm-up calls first): bench/common.py's ``median_seconds``."""
+    from common import median_seconds
+
+    return median_seconds(fn, reps, warm=2)
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
