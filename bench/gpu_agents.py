@@ -32,6 +32,9 @@ stops; servers one after the other, their order rotated per round and entry.
   ours_no_composed
           `ours` with `--debug-gpu-attention-composed-max 0`: chunks past a cache hit and verify steps attend through
           cuDNN (the rule before 2026-12-05) instead of models.attention.composed's plain ops
+  ours_ssd_host_copies
+          `ours` with `--debug-ssd-host-copies`: the SSD writer reads copies made on the device, not the RAM tier's
+          own arrays (which mlx 0.32 moves to managed memory at the host's first read)
 
 `--prime-peer` starts mlx_lm.server once before the measured runs for an unmeasured 4 x 2 workload of other
 conversations: MLX compiles its CUDA kernels at first use into a folder that outlives the process, so the measured
@@ -89,6 +92,7 @@ OURS_VARIANTS = {
     "ours_ptx_a": ((), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),
     "ours_ptx_b": ((), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),
     "ours_no_ssd_ptx": (("--no-ssd-cache",), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),  # hybrids' convolutions through cuDNN (a plan a shape)
+    "ours_ssd_host_copies": (("--debug-ssd-host-copies",), {}),  # the SSD writer reads device copies (kvfile)
     "ours_no_composed": (("--debug-gpu-attention-composed-max", "0"), {}),  # every chunk past a hit through cuDNN
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
@@ -169,6 +173,9 @@ def main() -> int:
     ap.add_argument("--peer-cache-bytes", type=int, default=None,
                     help="mlx_lm.server's --prompt-cache-bytes instead of the issue's 60 GB (on an 80 GB H100 the "
                          "Qwen3.5-9B peer lost its generation thread with 60 GB, 2026-12-06)")
+    ap.add_argument("--peer-prefill-step", type=int, default=None,
+                    help="mlx_lm.server's --prefill-step-size instead of its default 2048 (on an 80 GB H100 the "
+                         "Qwen3.5-9B peer ran out of device memory in its first batched prefill, 2026-12-06)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -189,6 +196,8 @@ def main() -> int:
     if args.peer_cache_bytes is not None:
         i = peer_args.index("--prompt-cache-bytes")
         peer_args = peer_args[:i + 1] + (str(args.peer_cache_bytes),) + peer_args[i + 2:]
+    if args.peer_prefill_step is not None:
+        peer_args = peer_args + ("--prefill-step-size", str(args.peer_prefill_step))  # its default: 2048
     R: dict = {"script": "bench/gpu_agents.py", "argv": sys.argv[1:], "started_unix": int(time.time()),
                "gpu": gpu.sh("nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader"),
                "model": gpu.R.get("model", {"dir": str(model_dir), "reused": True}),
@@ -266,7 +275,10 @@ def main() -> int:
                     if n in OURS_VARIANTS and getattr(peer, "proc", None) is not None:
                         run["log_tail"] = peer.proc.log()[-4000:]
                     elif getattr(peer, "log_path", None) is not None and peer.log_path.exists():
-                        run["log_tail"] = peer.log_path.read_text(errors="replace")[-4000:]
+                        text = peer.log_path.read_text(errors="replace")
+                        run["log_tail"] = text[-4000:]
+                        if (first := text.find("Traceback")) >= 0:  # the first failure, not its echoes
+                            run["log_first_traceback"] = text[first: first + 6000]
                 R["runs"].append(run)
                 save()
                 m = run.get("metrics")

@@ -271,6 +271,10 @@ def _serve_parser(sub) -> None:
                    help="hybrids' short depthwise convolutions go through mlx's conv1d (on CUDA cuDNN, a plan per "
                         "input shape; on the CPU a loop) instead of models.kernels.conv (a CUDA kernel; the CPU's "
                         "shifted products), to compare [MLX_LANE_DEBUG_NO_CONV_KERNEL=1]")
+    d.add_argument("--debug-ssd-host-copies", action="store_true", default=_env_flag("debug_ssd_host_copies"),
+                   help="on CUDA the SSD writer reads device copies of an entry instead of its own arrays (whose "
+                        "buffers MLX moves to managed memory at the host's first read), to compare "
+                        "[MLX_LANE_DEBUG_SSD_HOST_COPIES=1]")
     d.add_argument("--debug-trace-collectives", action="store_true", default=_env_flag("debug_trace_collectives"),
                    help="a model sharded over processes logs every collective of the lane's plans on every rank "
                         "[MLX_LANE_DEBUG_TRACE_COLLECTIVES=1]")

@@ -46,6 +46,7 @@ def _configure_kernels(cfg: ServerConfig) -> None:
     nothing: on the H200 a first start spent 36 of its 50 s compiling), unless MLX_PTX_CACHE_DIR says otherwise
     (MLX's own default is a temporary directory). MLX reads it at its first compile, so setting it here is in time.
     One directory per MLX version and device: a kernel compiled for one GPU architecture must not load on another."""
+    from cache import kvfile
     from models import attention, kernels, mlx_lane_home
     from models.loading.home import kernel_cache_dir
     from server.engine import distributed
@@ -57,6 +58,7 @@ def _configure_kernels(cfg: ServerConfig) -> None:
                         gpu_unroll=cfg.debug_gpu_attention_unroll,
                         gpu_composed_max=cfg.debug_gpu_attention_composed_max)
     kernels.configure(cfg.kernels != "mlx", conv=not cfg.debug_no_conv_kernel)
+    kvfile.configure(host_copies=cfg.debug_ssd_host_copies)
     distributed.trace_collectives(cfg.debug_trace_collectives)
 
 

@@ -18,6 +18,7 @@ images the prefix cache did not serve), the rest as tokens. Such a prompt prefil
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -28,7 +29,10 @@ from server.engine.store import CacheWriter, take_checkpoint
 from server.engine.work import SeqWork
 from server.lane.seam import Prefilled, SeqView
 
-__all__ = ["Prefiller", "PrefillClock"]
+__all__ = ["Prefiller", "PrefillClock", "forward_together"]
+
+
+RECENT_FORWARDS = 64  # the last forwards /stats lists, each (rows, length, tokens, cached, ms, new shape)
 
 
 @dataclass
@@ -36,7 +40,8 @@ class PrefillClock:
     """Where the lane's prefill seconds go (/stats ``lane.prefill_parts``): the forwards (alone, or several prompts'
     chunks together), the checkpoints of layers that cannot be cut back, the cache entries stored; and how many
     distinct (rows, chunk length) forward shapes ran, since a GPU backend pays a shape's first forward more (cuDNN
-    plans, mlx 0.32's CUDA backend)."""
+    plans, mlx 0.32's CUDA backend); and the last ``RECENT_FORWARDS`` forwards one by one (``recent``: rows, longest
+    chunk, tokens, the longest cached prefix they ran past, milliseconds, whether its shape was new)."""
 
     alone: int = 0
     together: int = 0
@@ -46,8 +51,12 @@ class PrefillClock:
     checkpoint_s: float = 0.0
     store_s: float = 0.0
     shapes: set = field(default_factory=set)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_FORWARDS))
 
-    def forward(self, rows: int, length: int, tokens: int, seconds: float) -> None:
+    def forward(self, rows: int, length: int, tokens: int, seconds: float, cached: int = 0) -> None:
+        """One forward of ``rows`` chunks, the longest ``length`` tokens, ``tokens`` in all, past at most ``cached``
+        tokens of a row's cache."""
+        self.recent.append((rows, length, tokens, cached, round(seconds * 1e3, 2), (rows, length) not in self.shapes))
         if rows > 1:
             self.together += 1
             self.together_rows += rows
@@ -62,7 +71,8 @@ class PrefillClock:
         return {"forwards": {"alone": self.alone, "together": self.together, "together_rows": self.together_rows},
                 "tokens": self.tokens, "forward_s": round(self.forward_s, 3),
                 "checkpoint_s": round(self.checkpoint_s, 3), "store_s": round(self.store_s, 3),
-                "forward_shapes": len(self.shapes)}
+                "forward_shapes": len(self.shapes),
+                "recent": [dict(zip(("rows", "length", "tokens", "cached", "ms", "new_shape"), r)) for r in self.recent]}
 
 
 class Prefiller:
@@ -104,6 +114,7 @@ class Prefiller:
     def _one(self, seq, n: int) -> None:
         work = self._work_of(seq)
         n = min(n, self._left(seq))
+        cached = work.covered
         t0 = time.monotonic()
         with mx.stream(self._stream()):
             start, end = work.covered, work.covered + n
@@ -125,7 +136,7 @@ class Prefiller:
                 mx.clear_cache()  # CPU that only costs page faults on the next chunk's buffers)
         work.covered += n
         work.prefill_cost_s += time.monotonic() - t0
-        self.clock.forward(1, n, n, time.monotonic() - t0)
+        self.clock.forward(1, n, n, time.monotonic() - t0, cached)
 
     def _embeddings(self, seq, work: SeqWork) -> Optional[tuple]:
         """``(start, stop, array)``: the input embeddings of the prompt from ``start`` to the end of its last image
@@ -154,19 +165,16 @@ class Prefiller:
         B forwards on a GPU (mlx-lm's --prompt-concurrency)."""
         works = [self._work_of(s) for s, _ in items]
         items = [(s, min(n, self._left(s))) for s, n in items]
+        cached = max(w.covered for w in works)
         t0 = time.monotonic()
         with mx.stream(self._stream()):
-            batch = PromptProcessingBatch(works[0].model, list(range(len(items))), [_caches(w) for w in works],
-                                          tokens=[[] for _ in items], prefill_step_size=max(n for _, n in items))
-            batch.prompt([list(s.prompt[w.covered: w.covered + n]) for (s, n), w in zip(items, works)])
-            caches = [batch.extract_cache(i) for i in range(len(items))]
-            mx.eval([c.state for row in caches for c in row])
-            del batch
+            caches = forward_together(works[0].model, [_caches(w) for w in works],
+                                      [list(s.prompt[w.covered: w.covered + n]) for (s, n), w in zip(items, works)])
             if self._gpu:
                 mx.clear_cache()
         dt = time.monotonic() - t0
         total = sum(n for _, n in items)
-        self.clock.forward(len(items), max(n for _, n in items), total, dt)
+        self.clock.forward(len(items), max(n for _, n in items), total, dt, cached)
         for (seq, n), work, row in zip(items, works, caches):
             work.caches, work.covered = row, work.covered + n
             work.prefill_cost_s += dt * n / total if total else 0.0  # this machine's rate, not B times less
@@ -201,6 +209,18 @@ def _heard(work: SeqWork, start: int, tokens) -> None:
     """A draft source that reads the target's hidden states (spec.mtp) hears the chunk just fed (spec.source)."""
     if work.spec is not None and getattr(work.spec.source, "hears_hidden", False):
         work.spec.source.heard(start, list(tokens))
+
+
+def forward_together(model, caches: list[list], chunks: list[list[int]]) -> list[list]:
+    """One batched forward of each row's next chunk over its own caches (any lengths, cached or not): mlx-lm's
+    ``PromptProcessingBatch`` merges the rows' caches (left-padded), right-pads the chunks and rolls the padding away;
+    returns each row's caches extracted after, evaluated. The lane's prefill and its warm-up run exactly this."""
+    batch = PromptProcessingBatch(model, list(range(len(chunks))), caches, tokens=[[] for _ in chunks],
+                                  prefill_step_size=max(len(c) for c in chunks))
+    batch.prompt(chunks)
+    out = [batch.extract_cache(i) for i in range(len(chunks))]
+    mx.eval([c.state for row in out for c in row])
+    return out
 
 
 def _caches(work: SeqWork) -> list:

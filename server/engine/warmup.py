@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.generate import PromptProcessingBatch
-from mlx_lm.models.cache import KVCache
 
 from server.engine.batch import BatchKind, Layout, Row, choose, make
+from server.engine.prefill import forward_together
 from server.engine.slot import ModelSlot
 from server.lane.seam import WarmStep
 
@@ -19,7 +18,8 @@ __all__ = ["warm_up_steps", "check_kv_quantization"]
 
 def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -> list[WarmStep]:
     """The steps, in order: the weights; a prefill; one-token steps over its cache; a batched step of two rows; on a
-    GPU a batched prefill of two padded rows. So the first requests pay none of it. On a GPU the prefill is two whole
+    GPU, for a model whose prompts prefill together, a batched prefill of two padded rows, cold and past cached
+    prefixes (a chunk, then a tail of a few tokens). So the first requests pay none of it. On a GPU the prefill is two whole
     --prefill-chunk chunks, the second over the first's cache (MLX compiles a kernel per shape: the first 2048-token
     chunk of a cold process cost 1.5-2x a warm one on the H200), one step each, so that no step is longer than one
     chunk's forward; on the CPU, where nothing is compiled, 8 tokens do. Each step runs on ``stream`` (the lane's);
@@ -63,12 +63,22 @@ def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -
         batch.remove(batch.sequences)
 
     def batched_prefill() -> None:
-        # batched prefill (--prefill-batch): padded rows attend through a mask, not the causal fast path: another
-        # kernel to compile before the first request
-        group = PromptProcessingBatch(model, [0, 1], [slot.new_caches(), slot.new_caches()],
-                                      tokens=[[], []], prefill_step_size=prefill_chunk)
-        group.prompt([list(range(1, 6)), list(range(1, 10))])
-        mx.eval([c.state for c in group.prompt_cache])
+        # batched prefill (--prefill-batch): padded rows attend through a mask, not the causal fast path: other
+        # kernels to compile before the first request
+        forward_together(model, [slot.new_caches(), slot.new_caches()], [list(range(1, 6)), list(range(1, 10))])
+
+    def batched_prefill_past_a_cache() -> None:
+        # agents' next turns: rows of different cached lengths (merged left-padded) take a chunk together, then the
+        # few tokens of a prompt's tail (the generation prompt; a chunk of up to 8 queries attends in
+        # models.attention.composed on CUDA). Each is new kernels: on the H100 a Qwen3.5-9B server's first such
+        # forwards took 6.1 s and 4.2 s against ~0.1 s later (bench/gpu_agents.py, 2026-12-06)
+        rows = []
+        for n in (6, 11):
+            c = slot.new_caches()
+            mx.eval(model(mx.array([list(range(1, n + 1))]), cache=c))
+            rows.append(c)
+        rows = forward_together(model, rows, [list(range(20, 32)), list(range(40, 61))])
+        forward_together(model, rows, [[7, 8, 9], [7, 8]])
 
     steps = [WarmStep("weights", weights)]
     steps += [WarmStep(f"prefill chunk {part + 1}", prefill(part)) for part in range(2 if gpu else 1)]
@@ -76,8 +86,9 @@ def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -
     kind = choose(layout, slot.facts.caches, speculating=False)
     if kind != BatchKind.SOLO:
         steps.append(WarmStep(f"batched step ({kind.value})", batched_step))
-    if gpu and all(type(c) is KVCache for c in slot.new_caches()):
+    if gpu and slot.facts.prefills_together:  # what the lane gathers into batched forwards (classify)
         steps.append(WarmStep("batched prefill", batched_prefill))
+        steps.append(WarmStep("batched prefill past a cache", batched_prefill_past_a_cache))
     # the warm-up's buffers back to the device: its caches are garbage by now
     steps.append(WarmStep("free buffers", mx.clear_cache))
     return [WarmStep(s.name, on_stream(s.run)) for s in steps]

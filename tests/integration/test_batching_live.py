@@ -267,6 +267,9 @@ def test_prompts_prefilled_together_in_one_batched_forward_give_their_alone_text
             lane["prefill_batches"]["forwards"] - before["forwards"])
         assert parts["tokens"] - parts_before["tokens"] == sum(r["usage"]["prompt_tokens"] - 1 for r in together)
         assert parts["forward_s"] > parts_before["forward_s"] and parts["forward_shapes"] >= 1
+        # the last forwards one by one: these prompts' batched forwards among them, their rows and tokens
+        mine = [f for f in parts["recent"] if f["rows"] > 1]
+        assert mine and all(f["tokens"] >= f["length"] > 0 and f["ms"] > 0 and f["cached"] >= 0 for f in mine)
         assert lane["leave_parts"]["rows"] - before_lane["leave_parts"]["rows"] == len(bodies)  # each ended once
         # the prompts really went through mlx-lm's batch prefill, several rows per forward
         assert lane["prefill_batches"]["forwards"] > before["forwards"]

@@ -303,3 +303,18 @@ def test_path_traversal_namespace_is_only_data(tmp_path):
     h = kvfile.read_header(p)
     assert h.ns_hash == kvfile.ns_hash("../../etc") and all(ch in "0123456789abcdef" for ch in h.ns_hash)
     _assert_bad(p, expect_ns=NS)
+
+
+def test_host_read_copies_are_new_arrays_with_the_same_bits():
+    """--debug-ssd-host-copies: the writer reads copies bit for bit equal to the entry (negative zero and NaN kept,
+    every dtype a cache holds), and by default, or off CUDA, the entry's own arrays."""
+    arrays = {"f": mx.array([-0.0, 1.5, float("nan"), -3.25], dtype=mx.bfloat16), "q": mx.array([7, 2**31], mx.uint32),
+              "b": mx.array([True, False])}
+    assert kvfile.host_read_copies(arrays) is arrays  # this process asked for none (and has no CUDA)
+    copies = kvfile.host_read_copies(arrays, own_memory=True)
+    assert set(copies) == set(arrays)
+    for k, x in arrays.items():
+        y = copies[k]
+        assert y is not x and y.dtype == x.dtype and y.shape == x.shape
+        bits = mx.uint16 if x.dtype == mx.bfloat16 else x.dtype
+        assert mx.array_equal(y.view(bits), x.view(bits)).item()

@@ -268,21 +268,29 @@ def test_a_sharded_lane_warms_up_before_ready_whatever_was_asked():
 
 
 # -- the real engine's steps, on a tiny model -------------------------------------------------------------------------
-@pytest.mark.parametrize("gpu, names", [
-    (False, ["weights", "prefill chunk 1", "one-token steps", "batched step (ragged)", "free buffers"]),
-    (True, ["weights", "prefill chunk 1", "prefill chunk 2", "one-token steps", "batched step (ragged)",
-            "batched prefill", "free buffers"]),
+GPU_STEPS = ["weights", "prefill chunk 1", "prefill chunk 2", "one-token steps", "batched step (ragged)",
+             "batched prefill", "batched prefill past a cache", "free buffers"]
+
+
+@pytest.mark.parametrize("arch, gpu, names", [
+    ("llama", False, ["weights", "prefill chunk 1", "one-token steps", "batched step (ragged)", "free buffers"]),
+    ("llama", True, GPU_STEPS),
+    # a hybrid prefills together too (its padding kept out of the state): its batched forwards past cached
+    # prefixes are warmed up like a plain model's
+    ("qwen3_5", True, GPU_STEPS),
 ])
-def test_the_engines_warm_up_is_its_old_work_in_steps_that_each_run(gpu, names):
+def test_the_engines_warm_up_is_its_old_work_in_steps_that_each_run(arch, gpu, names):
     from types import SimpleNamespace
 
     from cache.prompt_cache import NullPromptCache
     from server.engine.batch import Layout
     from server.engine.engine import Engine, EngineConfig
     from server.stats import ServingStats
+    from tests.fixtures import zoo
     from tests.fixtures.tiny_models import IdTokenizer, tiny_llama
 
-    loaded = SimpleNamespace(model=tiny_llama(seed=11), tokenizer=IdTokenizer(), fingerprint="0" * 16)
+    model = tiny_llama(seed=11) if arch == "llama" else zoo.build(arch, vocab=257, seed=11)
+    loaded = SimpleNamespace(model=model, tokenizer=IdTokenizer(), fingerprint="0" * 16)
     engine = Engine(loaded, NullPromptCache(), ServingStats(),
                     EngineConfig(prefill_chunk=16, layout=Layout(batch_layout="ragged", gpu=gpu)))
     engine.bind_stream()
