@@ -21,6 +21,13 @@ from tests.recorder import ENV, Records
 
 _RECORDS = pytest.StashKey[Records]()
 
+# The suite runs TEST_WORKERS pytest processes on a machine of few cores (CI: 2), each driving its own servers: one
+# OpenBLAS thread per process, theirs and the servers' (they inherit this environment). OpenBLAS's idle threads spin:
+# on 2 cores four of the slowest files took 114 s instead of 129 s, and half the kernel time. A test or a user that
+# sets these keeps its own.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_configure(config):
     folder = tempfile.mkdtemp(prefix="mlx-lane-records-")
