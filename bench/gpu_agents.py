@@ -176,6 +176,8 @@ def main() -> int:
     ap.add_argument("--peer-prefill-step", type=int, default=None,
                     help="mlx_lm.server's --prefill-step-size instead of its default 2048 (on an 80 GB H100 the "
                          "Qwen3.5-9B peer ran out of device memory in its first batched prefill, 2026-12-06)")
+    ap.add_argument("--peer-prompt-concurrency", type=int, default=None,
+                    help="mlx_lm.server's --prompt-concurrency instead of the issue's 8 (prompts it prefills at once)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,6 +200,9 @@ def main() -> int:
         peer_args = peer_args[:i + 1] + (str(args.peer_cache_bytes),) + peer_args[i + 2:]
     if args.peer_prefill_step is not None:
         peer_args = peer_args + ("--prefill-step-size", str(args.peer_prefill_step))  # its default: 2048
+    if args.peer_prompt_concurrency is not None:
+        i = peer_args.index("--prompt-concurrency")
+        peer_args = peer_args[:i + 1] + (str(args.peer_prompt_concurrency),) + peer_args[i + 2:]
     R: dict = {"script": "bench/gpu_agents.py", "argv": sys.argv[1:], "started_unix": int(time.time()),
                "gpu": gpu.sh("nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader"),
                "model": gpu.R.get("model", {"dir": str(model_dir), "reused": True}),
