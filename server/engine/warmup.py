@@ -25,7 +25,7 @@ def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -
     chunk's forward; on the CPU, where nothing is compiled, 8 tokens do. Each step runs on ``stream`` (the lane's);
     the prefill's cache is held from the first prefill step to the one-token steps, and dropped there."""
     gpu, model = layout.gpu, slot.model
-    held: dict = {}  # the prefill's caches, between the steps that grow them
+    held: dict = {}  # caches between the steps that grow them (the prefill's; the gathered rows past a cache)
 
     def on_stream(fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -77,8 +77,11 @@ def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -
             c = slot.new_caches()
             mx.eval(model(mx.array([list(range(1, n + 1))]), cache=c))
             rows.append(c)
-        rows = forward_together(model, rows, [list(range(20, 32)), list(range(40, 61))])
-        forward_together(model, rows, [[7, 8, 9], [7, 8]])
+        held["rows"] = forward_together(model, rows, [list(range(20, 32)), list(range(40, 61))])
+
+    def batched_tail_past_a_cache() -> None:
+        # a step of its own: each compiles for seconds on a GPU, and a request that comes waits for the step running
+        forward_together(model, held.pop("rows"), [[7, 8, 9], [7, 8]])
 
     steps = [WarmStep("weights", weights)]
     steps += [WarmStep(f"prefill chunk {part + 1}", prefill(part)) for part in range(2 if gpu else 1)]
@@ -89,6 +92,7 @@ def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -
     if gpu and slot.facts.prefills_together:  # what the lane gathers into batched forwards (classify)
         steps.append(WarmStep("batched prefill", batched_prefill))
         steps.append(WarmStep("batched prefill past a cache", batched_prefill_past_a_cache))
+        steps.append(WarmStep("batched tail past a cache", batched_tail_past_a_cache))
     # the warm-up's buffers back to the device: its caches are garbage by now
     steps.append(WarmStep("free buffers", mx.clear_cache))
     return [WarmStep(s.name, on_stream(s.run)) for s in steps]

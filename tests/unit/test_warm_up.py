@@ -269,7 +269,7 @@ def test_a_sharded_lane_warms_up_before_ready_whatever_was_asked():
 
 # -- the real engine's steps, on a tiny model -------------------------------------------------------------------------
 GPU_STEPS = ["weights", "prefill chunk 1", "prefill chunk 2", "one-token steps", "batched step (ragged)",
-             "batched prefill", "batched prefill past a cache", "free buffers"]
+             "batched prefill", "batched prefill past a cache", "batched tail past a cache", "free buffers"]
 
 
 @pytest.mark.parametrize("arch, gpu, names", [
