@@ -278,6 +278,7 @@ GPU_STEPS = ["weights", "prefill chunk 1", "prefill chunk 2", "one-token steps",
     # a hybrid prefills together too (its padding kept out of the state): its batched forwards past cached
     # prefixes are warmed up like a plain model's
     ("qwen3_5", True, GPU_STEPS),
+    ("gpt_oss", True, GPU_STEPS),  # sliding windows and sinks
 ])
 def test_the_engines_warm_up_is_its_old_work_in_steps_that_each_run(arch, gpu, names):
     from types import SimpleNamespace
