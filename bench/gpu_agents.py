@@ -35,6 +35,8 @@ stops; servers one after the other, their order rotated per round and entry.
   ours_ssd_host_copies
           `ours` with `--debug-ssd-host-copies`: the SSD writer reads copies made on the device, not the RAM tier's
           own arrays (which mlx 0.32 moves to managed memory at the host's first read)
+  ours_ssd_idle
+          `ours` with `--ssd-write-when idle`: entries reach the disk only while no request is queued or running
 
 `--prime-peer` starts mlx_lm.server once before the measured runs for an unmeasured 4 x 2 workload of other
 conversations: MLX compiles its CUDA kernels at first use into a folder that outlives the process, so the measured
@@ -93,6 +95,7 @@ OURS_VARIANTS = {
     "ours_ptx_b": ((), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),
     "ours_no_ssd_ptx": (("--no-ssd-cache",), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),  # hybrids' convolutions through cuDNN (a plan a shape)
     "ours_ssd_host_copies": (("--debug-ssd-host-copies",), {}),  # the SSD writer reads device copies (kvfile)
+    "ours_ssd_idle": (("--ssd-write-when", "idle"), {}),  # the SSD writer waits for an idle lane
     "ours_no_composed": (("--debug-gpu-attention-composed-max", "0"), {}),  # every chunk past a hit through cuDNN
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",

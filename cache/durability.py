@@ -22,6 +22,12 @@ makes redundant (`cache.prefix.supersedes`: a trimmable one its strict prefix-an
 prompts its file serves too; an untrimmable one none, so the prompt-boundary snapshot survives). Different
 conversations never cancel each other.
 
+Gate. `set_gate(may_write)` (None: always) lets the owner hold due snapshots back while `may_write()` is False:
+the writer then re-asks every `gate_poll_s` (a flush or close writes regardless). The server passes "the lane is
+idle" with --ssd-write-when idle, so a GPU's copies and page migrations for the disk never run beside its forwards;
+while they are held the byte budgets still apply (the oldest snapshots are dropped), and `gate_waits` counts the
+polls that found the lane busy.
+
 Writer. One thread takes the oldest due snapshot, calls `store.write(tokens, snapshot, ns)` (which serializes and
 fsyncs), and on failure (False or an exception) retries after `retry_backoff[i]`; when the backoff list is spent
 the snapshot counts as failed. Over the byte budget, the OLDEST pending snapshot is dropped and counted. The
@@ -85,7 +91,7 @@ class DurabilityCoordinator:
     def __init__(self, store: Any, *, debounce_s: float = 1.0, max_pending_bytes: int = 2 << 30,
                  max_sole_bytes: int | None = None, retry_backoff: Sequence[float] = (0.1, 0.5, 2.0),
                  clock: Callable[[], float] = time.monotonic,
-                 capture: Callable[[Sequence[Any]], Any] = kvfile.encode) -> None:
+                 capture: Callable[[Sequence[Any]], Any] = kvfile.encode, gate_poll_s: float = 0.05) -> None:
         self._store = store
         self._debounce = float(debounce_s)
         self._max_bytes = int(max_pending_bytes)
@@ -101,7 +107,9 @@ class DurabilityCoordinator:
         self._flushing = 0
         self._closed = False
         self._c = dict(written=0, dropped=0, failed=0, retries=0, superseded=0, coalesced=0, already_durable=0,
-                       spills_dropped=0)
+                       spills_dropped=0, gate_waits=0)
+        self._may_write: Callable[[], bool] | None = None
+        self._gate_poll = float(gate_poll_s)
         self._warned: set[str] = set()
         # Daemon: a forgotten close() must not hang interpreter exit; close() is what makes writes durable.
         self._thread = threading.Thread(target=self._run, name="mlx-lane-durability", daemon=True)
@@ -166,6 +174,13 @@ class DurabilityCoordinator:
             scheduled = key in self._pending
             self._cond.notify_all()
         return scheduled
+
+    def set_gate(self, may_write: Callable[[], bool] | None) -> None:
+        """Hold due snapshots back while ``may_write()`` is False (None: write whenever one is due). It is called on
+        the writer thread: it must be cheap and thread-safe; one that raises counts as True."""
+        with self._cond:
+            self._may_write = may_write
+            self._cond.notify_all()
 
     def is_durable(self, tokens: Sequence[int], ns: str) -> bool:
         """True when nothing is pending for these tokens and the store can serve all of them."""
@@ -245,6 +260,10 @@ class DurabilityCoordinator:
                 now = self._clock()
                 urgent = self._flushing > 0
                 ready = [p for p in self._pending.values() if p.not_before <= now and (urgent or p.due <= now)]
+                if ready and not urgent and not self._gate_open():
+                    self._c["gate_waits"] += 1
+                    self._cond.wait(self._gate_poll)
+                    continue
                 if ready:
                     item = min(ready, key=lambda p: p.created)
                     del self._pending[item.key]
@@ -253,6 +272,15 @@ class DurabilityCoordinator:
                 wakes = [max(p.not_before, 0.0 if urgent else p.due) for p in self._pending.values()]
                 self._cond.wait(max(0.0, min(wakes) - now) if wakes else None)
             return None
+
+    def _gate_open(self) -> bool:
+        gate = self._may_write
+        if gate is None:
+            return True
+        try:
+            return bool(gate())
+        except Exception:  # a broken gate must not stop the writes
+            return True
 
     def _write(self, item: _Pending) -> None:
         try:

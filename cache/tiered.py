@@ -250,6 +250,10 @@ class TieredCache:
     def entries_by_namespace(self) -> dict[str, int]:
         return self._ram.entries_by_namespace()
 
+    def set_write_gate(self, may_write) -> None:
+        """Writes to disk only while ``may_write()`` is True (None: whenever due): ``DurabilityCoordinator.set_gate``."""
+        self._durability.set_gate(may_write)
+
     def ssd_stats(self) -> dict[str, Any]:
         """The SSD tier, write-behind, prefetch and cost-model counters (the `ssd_cache` block of /stats)."""
         store = self._store.stats()
@@ -272,6 +276,7 @@ class TieredCache:
             "dropped": dur.get("dropped", 0),
             "spilled_pending_bytes": dur.get("sole_pending_bytes", 0),  # held only by the writer's queue
             "spills_dropped": dur.get("spills_dropped", 0),
+            "write_gate_waits": dur.get("gate_waits", 0),  # --ssd-write-when idle: polls that found the lane busy
             "failed": store.get("failed", 0),
             "writes_abandoned": dur.get("failed", 0),
             "write_retries": dur.get("retries", 0),

@@ -56,6 +56,7 @@ class ServerConfig:
     no_ssd_cache: bool
     ssd_cache_bytes: Optional[int]
     write_behind_debounce: float
+    ssd_write_when: str  # --ssd-write-when: always | idle
     ssd_restore: str
     demote_idle: float
     # -- speculation -----------------------------------------------------------------------------------------------

@@ -125,6 +125,8 @@ def build_state(cfg: ServerConfig):
                 prefill_batch=prefill_batch, replay=replay, warm_up=cfg.warm_up,
                 prefill_together_max=_prefill_together_max(cfg))
     TIMELINE.mark("kv price")
+    if tiered is not None and cfg.ssd_write_when == "idle":
+        tiered.set_write_gate(lane.idle)  # the disk waits for a lane with nothing queued or running
     lane.start()
     lane.ready.wait()
     # the warm-up is part of the start-up only when it ran before ready; behind the requests its seconds are in

@@ -1,8 +1,10 @@
 """The SSD tier on the real default model through live servers: restart, crash mid-write, corrupt files, an
-unwritable dir, the flush endpoint. Texts are compared with a cold server (RAM tier only, cleared each time)."""
+unwritable dir, the flush endpoint, writes held while the lane is busy (--ssd-write-when idle). Texts are compared
+with a cold server (RAM tier only, cleared each time)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 from pathlib import Path
@@ -70,7 +72,9 @@ def test_restart_restores_the_conversation_and_text_matches_cold(tmp_path, cold)
     assert first.stop() == 0, first.log()
     assert "ssd cache flushed" in first.log_path.read_text()
 
-    second = ServerProc("--model", "default", "--ssd-cache", str(kv))
+    # the second start writes only while the lane is idle (--ssd-write-when idle), entries due at once
+    second = ServerProc("--model", "default", "--ssd-cache", str(kv), "--ssd-write-when", "idle",
+                        "--write-behind-debounce", "0")
     try:
         assert ssd_stats(second.url)["entries"] >= 1
         msgs += [{"role": "assistant", "content": text2}, {"role": "user", "content": TURNS[2]}]
@@ -78,6 +82,7 @@ def test_restart_restores_the_conversation_and_text_matches_cold(tmp_path, cold)
         assert cached(usage3) >= usage2["prompt_tokens"]  # the whole previous context came back from disk
         s = ssd_stats(second.url)
         assert s["restores"] == 1 and s["ssd_hits"] == 1 and s["removed_at_scan"] == 0
+        _writes_wait_for_an_idle_lane(second.url)
     finally:
         assert second.stop() == 0, second.log()
     # the same conversation, cold, gives the same text at every turn
@@ -87,6 +92,40 @@ def test_restart_restores_the_conversation_and_text_matches_cold(tmp_path, cold)
     assert cold_chat(cold, ref) == text2
     ref += [{"role": "assistant", "content": text2}, {"role": "user", "content": TURNS[2]}]
     assert cold_chat(cold, ref) == text3
+
+
+def _settled(url, timeout=60):
+    deadline = time.monotonic() + timeout
+    while (s := ssd_stats(url))["pending"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert s["pending"] == 0, s
+    return s
+
+
+def _writes_wait_for_an_idle_lane(url):
+    """A short request ends while a long one runs: its entry (due at once) stays pending while the lane is busy,
+    the writer's polls counted, and is written once the lane is idle."""
+    before = _settled(url)
+    long = {"messages": [{"role": "user", "content": "Count from one to fifty in words."}], "max_tokens": 64,
+            "temperature": 0}
+    seen = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, url + "/v1/chat/completions", json=long, timeout=300)
+        while not httpx.get(url + "/stats").json()["lane"]["running"] and not running.done():
+            time.sleep(0.01)
+        chat(url, [{"role": "user", "content": "Name a prime number."}], max_tokens=2)
+        while not running.done():
+            stats = httpx.get(url + "/stats").json()
+            if stats["lane"]["running"]:  # the long one still generating (its response may lag its end)
+                seen.append(stats["ssd_cache"])
+            time.sleep(0.03)
+        assert running.result().status_code == 200
+    assert seen, "the long request ended before the short one"
+    brief = [(s["pending"], s["writes"], s["write_gate_waits"]) for s in seen]
+    assert all(s["writes"] == before["writes"] for s in seen), brief  # nothing written beside the forwards
+    assert any(s["pending"] >= 1 for s in seen), brief
+    after = _settled(url)
+    assert after["writes"] > before["writes"] and after["write_gate_waits"] > before["write_gate_waits"]
 
 
 def _plant_corrupt_files(folder: Path, fingerprint: str, ns: str) -> int:

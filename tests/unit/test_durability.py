@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -270,3 +271,33 @@ def test_process_exits_cleanly_after_background_writes(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "6", "6"]
     assert "terminate called" not in proc.stderr
+
+
+def test_a_closed_gate_holds_due_writes_until_it_opens_and_a_flush_writes_regardless(make):
+    """--ssd-write-when idle: while the gate says no (the lane is busy) a due snapshot waits, counted in gate_waits;
+    it is written once the gate opens; a flush (shutdown, /admin/cache/flush) does not wait for the gate."""
+    store = StubStore()
+    busy = threading.Event()
+    busy.set()
+    d = make(store, debounce_s=0.0, gate_poll_s=0.01)
+    d.set_gate(lambda: not busy.is_set())
+    assert d.schedule([1, 2, 3], caches(3), NS)
+    deadline = time.monotonic() + 5
+    while d.stats()["gate_waits"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert d.stats()["gate_waits"] >= 3 and store.writes == [] and d.is_pending([1, 2, 3], NS)
+    busy.clear()  # the lane went idle
+    deadline = time.monotonic() + 5
+    while not store.writes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.writes == [(NS, (1, 2, 3))]
+    busy.set()
+    assert d.schedule([4, 5, 6], caches(3), NS)
+    assert d.flush(timeout=5) and (NS, (4, 5, 6)) in store.writes
+    # a gate that raises counts as open: the writes never stop for it
+    d.set_gate(lambda: 1 / 0)
+    assert d.schedule([7, 8, 9], caches(3), NS)
+    deadline = time.monotonic() + 5
+    while (NS, (7, 8, 9)) not in store.writes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (NS, (7, 8, 9)) in store.writes
