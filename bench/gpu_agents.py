@@ -130,6 +130,23 @@ def stats_blocks(url: str) -> dict:
     return {k: st.get(k) for k in ("lane", "prompt_cache", "ssd_cache", "device", "sizes") if k in st}
 
 
+def lane_parts(stats: dict) -> dict:
+    """Where ours' lane spent the run, from /stats after it: seconds per tick phase, prefill per token and its slowest
+    forward (``prefill_parts.recent``: the last 64), leaves, and the SSD writer's backlog."""
+    lane, ssd = stats.get("lane") or {}, stats.get("ssd_cache") or {}
+    ticks, parts, leaves = lane.get("tick_seconds") or {}, lane.get("prefill_parts") or {}, lane.get("leave_parts") or {}
+    recent = parts.get("recent") or []
+    tokens = parts.get("tokens") or 0
+    return {"prefill_s": ticks.get("prefill"), "step_s": ticks.get("batch_step"), "leave_s": ticks.get("batch_leave"),
+            "ticks": lane.get("ticks"),
+            "prefill_ms_per_token": round(1e3 * parts.get("forward_s", 0.0) / tokens, 3) if tokens else None,
+            "slowest_forward_ms": max((f["ms"] for f in recent), default=None),
+            "leave_ms_per_row": round(1e3 * leaves.get("out_of_batch_s", 0.0) / leaves["rows"], 1)
+            if leaves.get("rows") else None,
+            "ssd_writes": ssd.get("writes"), "ssd_pending_bytes": ssd.get("pending_bytes"),
+            "warm_up_s": (lane.get("warm_up") or {}).get("seconds")}
+
+
 def kernel_cache_files(ours: bool) -> int:
     """Compiled kernels the server will find at start: MLX's CUDA backend JIT-compiles kernels at first use and keeps
     them in MLX_PTX_CACHE_DIR (default <tmp>/mlx/<version>/ptx), so a peer started after anything that ran the same
@@ -263,6 +280,8 @@ def main() -> int:
                                                probe_every_s=args.probe_every_ms / 1e3, probes=probes)
                     if n in OURS_VARIANTS:
                         run["stats_after"] = stats_blocks(peer.url)
+                        run["lane_parts"] = lane_parts(run["stats_after"])
+                        print(f"    {n} lane: {run['lane_parts']}", flush=True)
                     run["metrics"] = run_metrics(records, wall, K, T)
                     if args.probe_every_ms > 0:
                         run["probe"] = probe_metrics(probes, lane_before, (run.get("stats_after") or {}).get("lane"))
