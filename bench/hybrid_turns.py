@@ -108,8 +108,12 @@ def run_server(peer, turns: list[list[dict]], max_tokens: int) -> list[dict]:
                         usage = obj["usage"]
             prompt = usage["prompt_tokens"]
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            rows.append({"turn": t + 1, "prompt_tokens": prompt, "cached_tokens": cached,
-                         "recomputed": prompt - cached, "ttft_s": round(first or 0.0, 3)})
+            row = {"turn": t + 1, "prompt_tokens": prompt, "cached_tokens": cached,
+                   "recomputed": prompt - cached, "ttft_s": round(first or 0.0, 3)}
+            if peer.name != "mlx_lm":  # what our RAM tier holds after the turn (entries carry their checkpoints)
+                pc = client.get(peer.url + "/stats").json().get("prompt_cache") or {}
+                row.update(ram_entries=pc.get("entries"), ram_bytes=pc.get("bytes"))
+            rows.append(row)
             print(f"  {peer.name:6} turn {t + 1:2}: prompt {prompt:5}  cached {cached:5}  recomputed {prompt - cached:5}"
                   f"  TTFT {first or 0:.2f}s", flush=True)
     return rows
@@ -169,12 +173,13 @@ def main() -> int:
             peer.stop()
         later = rows[1:]
         result["servers"][name] = {"turns": rows, "recomputed_after_turn_1": sum(r["recomputed"] for r in later),
+                                   "ram_bytes_at_end": rows[-1].get("ram_bytes"),
                                    "prompt_after_turn_1": sum(r["prompt_tokens"] for r in later),
                                    "mean_ttft_after_turn_1": round(sum(r["ttft_s"] for r in later) / max(1, len(later)), 3)}
     print("\nprompt tokens recomputed over turns 2..N (of all prompt tokens sent):")
     for name, s in result["servers"].items():
         print(f"  {name:6} {s['recomputed_after_turn_1']:6} of {s['prompt_after_turn_1']:6}   mean TTFT "
-              f"{s['mean_ttft_after_turn_1']:.2f}s")
+              f"{s['mean_ttft_after_turn_1']:.2f}s   RAM tier at the end {s['ram_bytes_at_end']} bytes")
     write_result(result, args.out)
     shutil.rmtree(work, ignore_errors=True)
     return 0

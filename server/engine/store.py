@@ -30,7 +30,12 @@ from server.engine.work import SeqWork
 
 __all__ = ["CacheWriter", "take_checkpoint", "MAX_CHECKPOINTS"]
 
-MAX_CHECKPOINTS = 8  # per sequence: chunk ends beyond these are forgotten, oldest first
+# Per sequence: chunk ends beyond these are forgotten, oldest first (the positions asked for and the prompt's end
+# are always kept). 4, not 8: a Qwen3.5-9B checkpoint is ~50 MB beside ~190 MB of KV for a 6k-token entry, and
+# entries of agents' turns carried the cap of 8 (~640 MB each on the H100, 2026-12-06) while the older ones were
+# inherited from the hit, which older entries of the same conversation still hold. On this CPU the same cached tokens
+# at caps 8, 4 and 2 (4 agents x 4 turns; bench/hybrid_turns.py's 10 thinking turns at 8 and 4: BENCHMARKS.md)
+MAX_CHECKPOINTS = 4
 
 log = logging.getLogger("mlx_lane.engine")
 
