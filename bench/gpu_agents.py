@@ -94,7 +94,7 @@ OURS_VARIANTS = {
     "ours_ptx_a": ((), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),
     "ours_ptx_b": ((), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),
     "ours_no_ssd_ptx": (("--no-ssd-cache",), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),  # hybrids' convolutions through cuDNN (a plan a shape)
-    "ours_ssd_host_copies": (("--debug-ssd-host-copies",), {}),  # the SSD writer reads device copies (kvfile)
+    "ours_ssd_host_copies": (("--debug-ssd-host-copies",), {}),  # the SSD writer reads device copies (cache.host_copies)
     "ours_ssd_idle": (("--ssd-write-when", "idle"), {}),  # the SSD writer waits for an idle lane
     "ours_no_composed": (("--debug-gpu-attention-composed-max", "0"), {}),  # every chunk past a hit through cuDNN
 }

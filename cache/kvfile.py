@@ -1,6 +1,6 @@
 """The on-disk format of one prefix-cache entry: a safetensors file that cannot run code.
 
-(About 460 lines on purpose, one job, the format: the per-class codecs (plain, rotating, quantized, recurrent state,
+(About 465 lines on purpose, one job, the format: the per-class codecs (plain, rotating, quantized, recurrent state,
 and the checkpoints a hybrid or sliding-window entry carries) and the validation that must mirror them are one
 contract, and keeping them in one file keeps "what is written" and "what is accepted" reviewable side by side.)
 
@@ -45,11 +45,11 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
-from cache import filelocks, vlm_classes
+from cache import filelocks, host_copies, vlm_classes
 from cache.checkpoints import Checkpointed, reach_of
 
 __all__ = ["FORMAT", "VERSION", "KVFileError", "KVHeader", "KVFile", "Encoded", "encode", "save", "load",
-           "read_header", "ns_hash", "configure", "host_read_copies"]
+           "read_header", "ns_hash"]
 
 FORMAT = "mlx-lane-kv"
 VERSION = 1
@@ -321,40 +321,6 @@ def encode(caches: Sequence[Any]) -> Encoded:
     return Encoded(arrays, tuple(layers), trimmable, sum(x.nbytes for x in arrays.values()))
 
 
-# --debug-ssd-host-copies (serve.py sets it through `configure`): on CUDA the writer hands the host copies made on the
-# device instead of the entry's own arrays. Off by default: see the comment in `save`.
-_HOST_COPIES = False
-
-
-def configure(host_copies: bool = False) -> None:
-    """The process's setting: whether `save` reads device copies on CUDA (``host_read_copies``)."""
-    global _HOST_COPIES
-    _HOST_COPIES = bool(host_copies)
-
-
-def _device_has_own_memory() -> bool:
-    """True where the GPU's arrays live apart from the host's (MLX's CUDA backend); False on Metal and the CPU."""
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu)
-
-
-def host_read_copies(arrays: dict[str, mx.array], *, own_memory: bool | None = None) -> dict[str, mx.array]:
-    """What `save` hands the host to read: `arrays` themselves unless copies are asked for (`configure`) on a device
-    with its own memory (``own_memory`` overrides the check), else copies made on the device by the calling thread's
-    stream, evaluated. Values kept bit for bit (x * 1 in x's own dtype; booleans x & True).
-
-    Why copies: on CUDA the host's first read of an array (``Buffer::raw_ptr``) moves its buffer to managed memory for
-    good (mlx 0.32, ``move_to_unified_memory``): the RAM tier's entry and every fork sharing its buffers then reach
-    the GPU through page faults. A copy moves instead and dies with the write."""
-    if own_memory is None:
-        own_memory = _HOST_COPIES and _device_has_own_memory()
-    if not own_memory:
-        return arrays
-    out = {k: (x & True) if x.dtype == mx.bool_ else x * mx.array(1, dtype=x.dtype) for k, x in arrays.items()}
-    mx.eval(list(out.values()))
-    return out
-
-
 def save(path: str | os.PathLike, tokens: Sequence[int], caches: Sequence[Any] | Encoded, *, fingerprint: str,
          ns: str, extra_meta: dict | None = None, before_rename: Callable[[], None] | None = None) -> int:
     """Write `caches` covering `tokens` to `path` atomically; return the file size in bytes.
@@ -376,13 +342,11 @@ def save(path: str | os.PathLike, tokens: Sequence[int], caches: Sequence[Any] |
     tmp = path + ".tmp"
     f = open(tmp, "wb")
     try:
-        # On CUDA the host's first read of an array moves its buffer to managed memory for good (mlx 0.32), the RAM
-        # tier's entry with it. Device copies made for the write kept the entries in device memory but measured
-        # slower on the H200 (gpt-oss, 16 agents x 4 turns: 1.16x and 1.23x the wall, both orders), so by default
-        # the host reads the entry's own arrays (--debug-ssd-host-copies: the copies, to compare on other shapes).
         # held until after the rename: another replica's scan deletes only temp files whose writer is gone
         filelocks.writing(f)
-        mx.save_safetensors(f, host_read_copies(enc.arrays), {_META_KEY: json.dumps(meta, separators=(",", ":"))})
+        # the entry's own arrays, or device copies of them (cache.host_copies: why, and why not by default)
+        arrays = host_copies.host_read_copies(enc.arrays)
+        mx.save_safetensors(f, arrays, {_META_KEY: json.dumps(meta, separators=(",", ":"))})
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()

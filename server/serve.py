@@ -1,7 +1,7 @@
 """Assemble model, cache, lane and app from the command line's settings (server.config.ServerConfig), then run
 uvicorn.
 
-(About 525 lines, one job: assembly and process lifecycle. Each part it wires (kernels, adapters, embedder, web
+(About 530 lines, one job: assembly and process lifecycle. Each part it wires (kernels, adapters, embedder, web
 policy, distributed group, tiered cache, memory budget, speculation, the on-demand models, graceful shutdown) is one
 small function; the parts themselves live elsewhere: the cost model's file in cache.rates, the kernel cache's
 directory in models.loading.home.)
@@ -46,7 +46,7 @@ def _configure_kernels(cfg: ServerConfig) -> None:
     nothing: on the H200 a first start spent 36 of its 50 s compiling), unless MLX_PTX_CACHE_DIR says otherwise
     (MLX's own default is a temporary directory). MLX reads it at its first compile, so setting it here is in time.
     One directory per MLX version and device: a kernel compiled for one GPU architecture must not load on another."""
-    from cache import kvfile
+    from cache import host_copies
     from models import attention, kernels, mlx_lane_home
     from models.loading.home import kernel_cache_dir
     from server.engine import distributed
@@ -58,7 +58,7 @@ def _configure_kernels(cfg: ServerConfig) -> None:
                         gpu_unroll=cfg.debug_gpu_attention_unroll,
                         gpu_composed_max=cfg.debug_gpu_attention_composed_max)
     kernels.configure(cfg.kernels != "mlx", conv=not cfg.debug_no_conv_kernel)
-    kvfile.configure(host_copies=cfg.debug_ssd_host_copies)
+    host_copies.configure(host_copies=cfg.debug_ssd_host_copies)
     distributed.trace_collectives(cfg.debug_trace_collectives)
 
 

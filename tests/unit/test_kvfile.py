@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from cache import kvfile
+from cache import host_copies, kvfile
 from cache.kvfile import KVFileError
 
 FP = "0123abcd"
@@ -310,8 +310,8 @@ def test_host_read_copies_are_new_arrays_with_the_same_bits():
     every dtype a cache holds), and by default, or off CUDA, the entry's own arrays."""
     arrays = {"f": mx.array([-0.0, 1.5, float("nan"), -3.25], dtype=mx.bfloat16), "q": mx.array([7, 2**31], mx.uint32),
               "b": mx.array([True, False])}
-    assert kvfile.host_read_copies(arrays) is arrays  # this process asked for none (and has no CUDA)
-    copies = kvfile.host_read_copies(arrays, own_memory=True)
+    assert host_copies.host_read_copies(arrays) is arrays  # this process asked for none (and has no CUDA)
+    copies = host_copies.host_read_copies(arrays, own_memory=True)
     assert set(copies) == set(arrays)
     for k, x in arrays.items():
         y = copies[k]
