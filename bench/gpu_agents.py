@@ -37,6 +37,9 @@ stops; servers one after the other, their order rotated per round and entry.
           own arrays (which mlx 0.32 moves to managed memory at the host's first read)
   ours_ssd_idle
           `ours` with `--ssd-write-when idle`: entries reach the disk only while no request is queued or running
+          (the default since 2026-12-06: then the same as `ours`)
+  ours_ssd_always
+          `ours` with `--ssd-write-when always`: entries reach the disk as soon as they are due (the default before)
 
 `--prime-peer` starts mlx_lm.server once before the measured runs for an unmeasured 4 x 2 workload of other
 conversations: MLX compiles its CUDA kernels at first use into a folder that outlives the process, so the measured
@@ -95,7 +98,8 @@ OURS_VARIANTS = {
     "ours_ptx_b": ((), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),
     "ours_no_ssd_ptx": (("--no-ssd-cache",), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),  # hybrids' convolutions through cuDNN (a plan a shape)
     "ours_ssd_host_copies": (("--debug-ssd-host-copies",), {}),  # the SSD writer reads device copies (cache.host_copies)
-    "ours_ssd_idle": (("--ssd-write-when", "idle"), {}),  # the SSD writer waits for an idle lane
+    "ours_ssd_idle": (("--ssd-write-when", "idle"), {}),  # the SSD writer waits for an idle lane (the default since 12-06)
+    "ours_ssd_always": (("--ssd-write-when", "always"), {}),  # the SSD writer writes as soon as an entry is due
     "ours_no_composed": (("--debug-gpu-attention-composed-max", "0"), {}),  # every chunk past a hit through cuDNN
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
@@ -127,7 +131,7 @@ def stats_blocks(url: str) -> dict:
         st = httpx.get(url + "/stats", timeout=30).json()
     except (httpx.HTTPError, ValueError) as exc:
         return {"error": repr(exc)}
-    return {k: st.get(k) for k in ("lane", "prompt_cache", "ssd_cache", "device", "sizes") if k in st}
+    return {k: st.get(k) for k in ("lane", "prompt_cache", "ssd_cache", "device", "sizes", "memory") if k in st}
 
 
 def lane_parts(stats: dict) -> dict:
@@ -144,7 +148,9 @@ def lane_parts(stats: dict) -> dict:
             "leave_ms_per_row": round(1e3 * leaves.get("out_of_batch_s", 0.0) / leaves["rows"], 1)
             if leaves.get("rows") else None,
             "ssd_writes": ssd.get("writes"), "ssd_pending_bytes": ssd.get("pending_bytes"),
-            "warm_up_s": (lane.get("warm_up") or {}).get("seconds")}
+            "warm_up_s": (lane.get("warm_up") or {}).get("seconds"),
+            "peak_gb": round((stats.get("memory") or {}).get("peak_bytes", 0) / 1e9, 1),
+            "active_gb": round((stats.get("memory") or {}).get("active_bytes", 0) / 1e9, 1)}
 
 
 def kernel_cache_files(ours: bool) -> int:

@@ -24,7 +24,8 @@ conversations never cancel each other.
 
 Gate. `set_gate(may_write)` (None: always) lets the owner hold due snapshots back while `may_write()` is False:
 the writer then re-asks every `gate_poll_s` (a flush or close writes regardless). The server passes "the lane is
-idle" with --ssd-write-when idle, so a GPU's copies and page migrations for the disk never run beside its forwards;
+idle" (--ssd-write-when idle, its default), so a GPU's copies and page migrations for the disk never run beside its
+forwards;
 while they are held the byte budgets still apply (the oldest snapshots are dropped), and `gate_waits` counts the
 polls that found the lane busy.
 

@@ -133,11 +133,12 @@ def _serve_parser(sub) -> None:
                    help="seconds a cache entry must stay unchanged before it is written to SSD; a conversation "
                         "is written once per pause, never on the generation thread (default 1.0) "
                         "[MLX_LANE_WRITE_BEHIND_DEBOUNCE]")
-    p.add_argument("--ssd-write-when", choices=["always", "idle"], default=_env("ssd_write_when", "always"),
-                   help="when the write-behind writes to SSD: always (as soon as an entry is due), or idle (only "
-                        "while no request is queued or running: on a GPU the disk's copies then never run beside "
-                        "the forwards; under load the oldest pending entries are dropped past the byte budget) "
-                        "(default always) [MLX_LANE_SSD_WRITE_WHEN]")
+    p.add_argument("--ssd-write-when", choices=["always", "idle"], default=_env("ssd_write_when", "idle"),
+                   help="when the write-behind writes to SSD: idle (only while no request is queued or running: the "
+                        "disk's reads of the cache never run beside the forwards; under steady load the oldest "
+                        "pending entries are dropped past the byte budget, and a flush or shutdown writes them all), "
+                        "or always (as soon as an entry is due: more survives a crash under load, at the cost of "
+                        "the running requests' speed) (default idle) [MLX_LANE_SSD_WRITE_WHEN]")
     p.add_argument("--ssd-restore", choices=["auto", "always", "never"], default=_env("ssd_restore", "auto"),
                    help="when a longer prefix is on SSD: auto restores it only when reading is expected to beat "
                         "recomputing (measured rates; the answer differs per machine), always restores, never "

@@ -187,6 +187,7 @@ def stats_body(state) -> dict:
         "lane": lane,
         "prompt_cache": state.prompt_cache.stats(),
         "kv_cache": state.engine.kv_stats(),  # KV scheme + bytes per cached token (issue 8)
+        "memory": memory_block(),  # MLX's allocator: what arrays hold, its high-water mark, its buffer cache
         "vision": state.engine.vision_stats(),  # images in (issue 36): encoder runs and their time
         # one model over several processes: the group, and cache hits dropped because a rank lacked its shard
         **({"distributed": {**state.distributed, **state.prompt_cache.shard_stats()}} if state.distributed else {}),
@@ -200,6 +201,16 @@ def stats_body(state) -> dict:
         "next_turn": state.core.next_turns.stats() if state.core.next_turns is not None else {"enabled": False},
         "startup": TIMELINE.as_dict(),  # where the seconds before ready went (server.startup)
     }
+
+
+def memory_block() -> dict:
+    """MLX's allocator in bytes: ``active`` (arrays alive: weights, the RAM tier, the batch, snapshots the SSD writer
+    still holds), ``peak`` (the high-water mark since start) and ``cache`` (freed buffers MLX keeps for reuse). On the
+    CPU MLX may report 0 for all three (its allocator there does not count)."""
+    import mlx.core as mx
+
+    return {"active_bytes": int(mx.get_active_memory()), "peak_bytes": int(mx.get_peak_memory()),
+            "cache_bytes": int(mx.get_cache_memory())}
 
 
 def _models_block(state) -> dict:

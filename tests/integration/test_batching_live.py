@@ -273,6 +273,9 @@ def test_prompts_prefilled_together_in_one_batched_forward_give_their_alone_text
         mine = [f for f in parts["recent"] if f["rows"] > 1]
         assert mine and all(f["tokens"] >= f["length"] > 0 and f["ms"] > 0 and f["cached"] >= 0 for f in mine)
         assert lane["leave_parts"]["rows"] - before_lane["leave_parts"]["rows"] == len(bodies)  # each ended once
+        # MLX's allocator: the weights alone are live arrays, and the high-water mark is at least what is live now
+        memory = httpx.get(url + "/stats").json()["memory"]
+        assert 0 < memory["active_bytes"] <= memory["peak_bytes"] and memory["cache_bytes"] >= 0
         # the prompts really went through mlx-lm's batch prefill, several rows per forward
         assert lane["prefill_batches"]["forwards"] > before["forwards"]
         assert lane["prefill_batches"]["rows"] - before["rows"] >= 2 * (lane["prefill_batches"]["forwards"]

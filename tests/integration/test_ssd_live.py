@@ -61,7 +61,8 @@ def cold_chat(cold, messages):
 
 def test_restart_restores_the_conversation_and_text_matches_cold(tmp_path, cold):
     kv = tmp_path / "kv"
-    first = ServerProc("--model", "default", "--ssd-cache", str(kv), "--write-behind-debounce", "5")
+    first = ServerProc("--model", "default", "--ssd-cache", str(kv), "--write-behind-debounce", "5",
+                       "--ssd-write-when", "always")
     msgs = [SYSTEM, {"role": "user", "content": TURNS[0]}]
     text1, _ = chat(first.url, msgs)
     r = flush(first.url)
@@ -72,9 +73,8 @@ def test_restart_restores_the_conversation_and_text_matches_cold(tmp_path, cold)
     assert first.stop() == 0, first.log()
     assert "ssd cache flushed" in first.log_path.read_text()
 
-    # the second start writes only while the lane is idle (--ssd-write-when idle), entries due at once
-    second = ServerProc("--model", "default", "--ssd-cache", str(kv), "--ssd-write-when", "idle",
-                        "--write-behind-debounce", "0")
+    # the second start, at the default --ssd-write-when (idle), writes only while the lane is idle; entries due at once
+    second = ServerProc("--model", "default", "--ssd-cache", str(kv), "--write-behind-debounce", "0")
     try:
         assert ssd_stats(second.url)["entries"] >= 1
         msgs += [{"role": "assistant", "content": text2}, {"role": "user", "content": TURNS[2]}]
@@ -95,11 +95,19 @@ def test_restart_restores_the_conversation_and_text_matches_cold(tmp_path, cold)
 
 
 def _settled(url, timeout=60):
+    """The SSD tier's stats once nothing is pending, the lane is idle and two reads 0.3 s apart agree (a request's
+    response can reach the client before the lane schedules its entry for the disk: one quiet read is not enough)."""
     deadline = time.monotonic() + timeout
-    while (s := ssd_stats(url))["pending"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert s["pending"] == 0, s
-    return s
+    last = None
+    while time.monotonic() < deadline:
+        stats = httpx.get(url + "/stats").json()
+        s, lane = stats["ssd_cache"], stats["lane"]
+        quiet = not s["pending"] and not lane["running"] and not lane["queue_depth"]
+        if quiet and last is not None and last["writes"] == s["writes"]:
+            return s
+        last = s if quiet else None
+        time.sleep(0.3 if quiet else 0.05)
+    raise AssertionError(f"the SSD tier did not settle in {timeout} s: {s}")
 
 
 def _writes_wait_for_an_idle_lane(url):
