@@ -134,23 +134,35 @@ def stats_blocks(url: str) -> dict:
     return {k: st.get(k) for k in ("lane", "prompt_cache", "ssd_cache", "device", "sizes", "memory") if k in st}
 
 
-def lane_parts(stats: dict) -> dict:
-    """Where ours' lane spent the run, from /stats after it: seconds per tick phase, prefill per token and its slowest
-    forward (``prefill_parts.recent``: the last 64), leaves, and the SSD writer's backlog."""
+def lane_parts(stats: dict, before: dict | None = None) -> dict:
+    """Where ours' lane spent the run, from /stats after it less its lane block ``before`` it (the warm-up's forwards,
+    steps and leaves are in both, so the run's own are the difference): seconds per tick phase, prefill per token and
+    its slowest forward (``prefill_parts.recent``: the last 64, the run's own when it ran that many), leaves, the SSD
+    writer's backlog, MLX's memory."""
     lane, ssd = stats.get("lane") or {}, stats.get("ssd_cache") or {}
-    ticks, parts, leaves = lane.get("tick_seconds") or {}, lane.get("prefill_parts") or {}, lane.get("leave_parts") or {}
+    before = before or {}
+
+    def less(block: str, key: str) -> float:
+        after_v = (lane.get(block) or {}).get(key) or 0.0
+        before_v = (before.get(block) or {}).get(key) or 0.0
+        return round(after_v - before_v, 3)
+
+    parts, leaves = lane.get("prefill_parts") or {}, lane.get("leave_parts") or {}
     recent = parts.get("recent") or []
-    tokens = parts.get("tokens") or 0
-    return {"prefill_s": ticks.get("prefill"), "step_s": ticks.get("batch_step"), "leave_s": ticks.get("batch_leave"),
-            "ticks": lane.get("ticks"),
-            "prefill_ms_per_token": round(1e3 * parts.get("forward_s", 0.0) / tokens, 3) if tokens else None,
+    tokens = (parts.get("tokens") or 0) - ((before.get("prefill_parts") or {}).get("tokens") or 0)
+    rows = less("leave_parts", "rows")
+    memory = stats.get("memory") or {}
+    return {"prefill_s": less("tick_seconds", "prefill"), "step_s": less("tick_seconds", "batch_step"),
+            "leave_s": less("tick_seconds", "batch_leave"), "ticks": (lane.get("ticks") or 0) - (before.get("ticks") or 0),
+            "prefill_ms_per_token": round(1e3 * less("prefill_parts", "forward_s") / tokens, 3) if tokens else None,
             "slowest_forward_ms": max((f["ms"] for f in recent), default=None),
-            "leave_ms_per_row": round(1e3 * leaves.get("out_of_batch_s", 0.0) / leaves["rows"], 1)
-            if leaves.get("rows") else None,
+            "leave_rows": rows,
+            "leave_ms_per_row": round(1e3 * less("leave_parts", "out_of_batch_s") / rows, 1) if rows else None,
+            "leave_store_ms_per_row": round(1e3 * less("leave_parts", "store_s") / rows, 1) if rows else None,
             "ssd_writes": ssd.get("writes"), "ssd_pending_bytes": ssd.get("pending_bytes"),
             "warm_up_s": (lane.get("warm_up") or {}).get("seconds"),
-            "peak_gb": round((stats.get("memory") or {}).get("peak_bytes", 0) / 1e9, 1),
-            "active_gb": round((stats.get("memory") or {}).get("active_bytes", 0) / 1e9, 1)}
+            "peak_gb": round(memory.get("peak_bytes", 0) / 1e9, 1),
+            "active_gb": round(memory.get("active_bytes", 0) / 1e9, 1)}
 
 
 def kernel_cache_files(ours: bool) -> int:
@@ -286,7 +298,7 @@ def main() -> int:
                                                probe_every_s=args.probe_every_ms / 1e3, probes=probes)
                     if n in OURS_VARIANTS:
                         run["stats_after"] = stats_blocks(peer.url)
-                        run["lane_parts"] = lane_parts(run["stats_after"])
+                        run["lane_parts"] = lane_parts(run["stats_after"], lane_before)
                         print(f"    {n} lane: {run['lane_parts']}", flush=True)
                     run["metrics"] = run_metrics(records, wall, K, T)
                     if args.probe_every_ms > 0:
