@@ -75,7 +75,7 @@ def build_state(cfg: ServerConfig):
     from server.lane.warm import WarmMode
     from server.pool.build import build_model_pool, model_alias_rules
     from server.pool.flags import parse_model_flags
-    from server.sizes import default_cache_bytes
+    from server.sizes import apply_allocator_limits, default_cache_bytes
     from server.stats import ServingStats
 
     from server.startup import TIMELINE
@@ -121,6 +121,10 @@ def build_state(cfg: ServerConfig):
     prefill_batch = cfg.prefill_batch or (1 if device_name() == "cpu" else 8)
     pool_box: list = []  # the model pool, once built: the budget counts its loaded models' weights
     budget = _memory_budget(cfg, engine, prompt_cache, extra_weights=lambda: pool_box[0].loaded_bytes() if pool_box else 0)
+    limits = apply_allocator_limits(budget.budget_bytes)  # a GPU: MLX's cache of freed buffers yields at the budget
+    if limits is not None:
+        log.info("MLX allocator: memory limit %.1f GiB, buffer cache at most %.1f GiB", limits["limit_bytes"] / (1 << 30),
+                 limits["cache_limit_bytes"] / (1 << 30))
     lane = Lane(engine, prompt_cache, stats, max_queue=cfg.max_queue, max_batch=max_batch, budget=budget,
                 prefill_batch=prefill_batch, replay=replay, warm_up=cfg.warm_up,
                 prefill_together_max=_prefill_together_max(cfg))

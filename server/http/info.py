@@ -205,12 +205,16 @@ def stats_body(state) -> dict:
 
 def memory_block() -> dict:
     """MLX's allocator in bytes: ``active`` (arrays alive: weights, the RAM tier, the batch, snapshots the SSD writer
-    still holds), ``peak`` (the high-water mark since start) and ``cache`` (freed buffers MLX keeps for reuse). On the
-    CPU MLX may report 0 for all three (its allocator there does not count)."""
+    still holds), ``peak`` (the high-water mark since start), ``cache`` (freed buffers MLX keeps for reuse), ``limit``
+    (where MLX starts giving its cache back) and ``cache_limit`` (the cache's own cap: set on a CUDA GPU by
+    ``server.sizes.apply_allocator_limits``, else None)."""
     import mlx.core as mx
 
+    from server.sizes import CACHE_LIMIT_SET
+
     return {"active_bytes": int(mx.get_active_memory()), "peak_bytes": int(mx.get_peak_memory()),
-            "cache_bytes": int(mx.get_cache_memory())}
+            "cache_bytes": int(mx.get_cache_memory()), "limit_bytes": int(mx.get_memory_limit()),
+            "cache_limit_bytes": CACHE_LIMIT_SET}
 
 
 def _models_block(state) -> dict:

@@ -1,0 +1,44 @@
+"""server.sizes.allocator_limits / apply_allocator_limits: on a CUDA GPU MLX's allocator gives its cache of freed
+buffers back at the admission budget and keeps that cache small; on the CPU (and Metal) nothing is set. The CUDA
+branch runs here against a stand-in for ``mlx.core`` that records the calls (CI has no GPU)."""
+
+from __future__ import annotations
+
+import types
+
+import mlx.core as mx
+
+from server import sizes
+
+GB = 10**9
+
+
+def test_the_limit_is_the_budget_and_the_cache_a_twentieth_of_the_card():
+    assert sizes.allocator_limits(72 * GB, 80 * GB) == (72 * GB, 4 * GB)
+    # --memory-budget 0 (admission unchecked): MLX still gives its cache back at 90% of the card
+    assert sizes.allocator_limits(0, 80 * GB) == (72 * GB, 4 * GB)
+    # a small card keeps a cache of at least 1 GiB
+    assert sizes.allocator_limits(7 * GB, 8 * GB)[1] == 1 << 30
+
+
+def test_nothing_is_set_on_the_cpu():
+    before = mx.get_memory_limit()
+    assert sizes.apply_allocator_limits(1 << 30) is None
+    assert mx.get_memory_limit() == before
+
+
+def test_on_cuda_both_limits_reach_mlx(monkeypatch):
+    calls = {}
+    fake = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(is_available=lambda: True), gpu="gpu", default_device=lambda: "gpu",
+        set_memory_limit=lambda n: calls.setdefault("memory", n), set_cache_limit=lambda n: calls.setdefault("cache", n))
+    monkeypatch.setattr(mx, "cuda", fake.cuda, raising=False)
+    monkeypatch.setattr(mx, "gpu", fake.gpu)
+    monkeypatch.setattr(mx, "default_device", fake.default_device)
+    monkeypatch.setattr(mx, "set_memory_limit", fake.set_memory_limit)
+    monkeypatch.setattr(mx, "set_cache_limit", fake.set_cache_limit)
+    monkeypatch.setattr(sizes, "device_memory", lambda: (80 * GB, "device memory_size"))
+    monkeypatch.setattr(sizes, "CACHE_LIMIT_SET", None)
+    got = sizes.apply_allocator_limits(70 * GB)
+    assert got == {"limit_bytes": 70 * GB, "cache_limit_bytes": 4 * GB}
+    assert calls == {"memory": 70 * GB, "cache": 4 * GB} and sizes.CACHE_LIMIT_SET == 4 * GB
