@@ -176,6 +176,28 @@ class DurabilityCoordinator:
             self._cond.notify_all()
         return scheduled
 
+    def sole_pending_bytes(self) -> int:
+        """Bytes of the pending spills (snapshots whose arrays nothing else holds), the one in flight included."""
+        with self._cond:
+            return self._sole_bytes
+
+    def drop_spills(self, nbytes: int) -> int:
+        """Drop pending spills, oldest first, until at least `nbytes` are given back (never the one in flight);
+        returns the bytes dropped. For memory wanted now: a spill's snapshot is the only holder of its arrays."""
+        dropped = 0
+        with self._cond:
+            while dropped < nbytes:
+                spills = [p for p in self._pending.values() if p.sole]
+                if not spills:
+                    break
+                oldest = min(spills, key=lambda p: p.created)
+                self._remove_locked(oldest)
+                dropped += oldest.nbytes
+                self._c["dropped"] += 1
+                self._c["spills_dropped"] += 1
+            self._cond.notify_all()
+        return dropped
+
     def set_gate(self, may_write: Callable[[], bool] | None) -> None:
         """Hold due snapshots back while ``may_write()`` is False (None: write whenever one is due). It is called on
         the writer thread: it must be cheap and thread-safe; one that raises counts as True."""

@@ -197,8 +197,20 @@ class TieredCache:
         return self._ram.peek(tokens, ns, session)
 
     def make_room(self, nbytes: int) -> int:
-        """The RAM tier yields `nbytes` (LRU entries spill to SSD as on any eviction). Returns bytes freed."""
-        return self._ram.make_room(nbytes)
+        """The RAM tier yields `nbytes` for the running requests (admission by memory). LRU entries leave as on any
+        eviction, but the memory is wanted now: as many bytes of pending spills as the eviction made are dropped
+        (oldest first), since a spill's snapshot would go on holding its arrays until the disk takes it (with
+        --ssd-write-when idle, not while anything runs). Returns bytes freed."""
+        before = self._durability.sole_pending_bytes()
+        freed = self._ram.make_room(nbytes)
+        spilled = self._durability.sole_pending_bytes() - before
+        if spilled > 0:
+            self._durability.drop_spills(spilled)
+        return freed
+
+    def held_bytes(self) -> int:
+        """Memory this cache holds: the RAM tier's entries and the pending spills (what admission counts)."""
+        return int(self._ram.stats().get("bytes", 0) or 0) + self._durability.sole_pending_bytes()
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The lane prefilled `tokens` in `seconds`: feeds the cost model's prefill rate."""

@@ -88,7 +88,8 @@ def build_state(cfg: ServerConfig):
     loaded = load_model(flags.base, cfg.dtype, progress=True, group=group, source=cfg.model_source)
     loaded = _with_kv_scheme(loaded, cfg)
     TIMELINE.mark("weights")
-    cache_bytes = default_cache_bytes(weights_nbytes(loaded.model)) if cfg.cache_bytes is None else cfg.cache_bytes
+    cache_bytes = (default_cache_bytes(weights_nbytes(loaded.model), cfg.memory_budget) if cfg.cache_bytes is None
+                   else cfg.cache_bytes)
     tiered = build_tiered_cache(cfg, loaded.fingerprint, cache_bytes, follower=group is not None and not group.leader)
     if tiered is not None and group is not None:
         _write_shard_manifest(tiered, group, loaded.model_fingerprint)
@@ -306,8 +307,17 @@ def _memory_budget(cfg: ServerConfig, engine, prompt_cache, extra_weights=lambda
                  "request waits until its KV for prompt + max_tokens fits", budget / (1 << 30), why,
                  weights / (1 << 30), price.per_token / 1024, price.per_sequence / (1 << 20))
     return MemoryBudget(budget, price, fixed_bytes=lambda: weights + extra_weights(),
-                        cache_bytes=lambda: int(prompt_cache.stats().get("bytes", 0) or 0),
+                        cache_bytes=_held_bytes(prompt_cache),
                         make_room=prompt_cache.make_room)
+
+
+def _held_bytes(prompt_cache):
+    """What the prefix cache holds in memory, for admission: the RAM tier and, with an SSD tier, its pending spills
+    (``TieredCache.held_bytes``); a cache without them (no SSD tier, a sharded wrapper) counts its RAM entries."""
+    held = getattr(prompt_cache, "held_bytes", None)
+    if held is not None:
+        return held
+    return lambda: int(prompt_cache.stats().get("bytes", 0) or 0)
 
 
 def _with_kv_scheme(loaded, cfg: ServerConfig):

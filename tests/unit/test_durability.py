@@ -301,3 +301,21 @@ def test_a_closed_gate_holds_due_writes_until_it_opens_and_a_flush_writes_regard
     while (NS, (7, 8, 9)) not in store.writes and time.monotonic() < deadline:
         time.sleep(0.01)
     assert (NS, (7, 8, 9)) in store.writes
+
+
+def test_drop_spills_gives_back_the_oldest_spills_and_never_a_shared_snapshot(make):
+    """Memory wanted now (admission): the oldest pending spills go until the bytes asked for are given back; a
+    snapshot the RAM tier still holds frees nothing and stays."""
+    store = StubStore()
+    size = kvfile.encode(caches(4)).nbytes
+    d = make(store, debounce_s=60.0, max_pending_bytes=100 * size)
+    assert d.schedule([10, 1, 2, 3], caches(4), NS)  # shared with RAM
+    for first in (50, 60, 70):
+        assert d.schedule([first, 1, 2, 3], caches(4), NS, delay=60.0, sole=True)
+    assert d.sole_pending_bytes() == 3 * size
+    assert d.drop_spills(size + 1) == 2 * size  # whole snapshots: two to give back more than one's bytes
+    assert d.sole_pending_bytes() == size and d.stats()["spills_dropped"] == 2
+    assert not d.is_pending([50, 1, 2, 3], NS) and not d.is_pending([60, 1, 2, 3], NS)
+    assert d.is_pending([70, 1, 2, 3], NS) and d.is_pending([10, 1, 2, 3], NS)
+    assert d.drop_spills(10 * size) == size and d.drop_spills(1) == 0  # nothing left to drop but the shared one
+    assert d.is_pending([10, 1, 2, 3], NS)

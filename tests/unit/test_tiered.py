@@ -230,6 +230,33 @@ def test_eviction_spills_a_not_yet_durable_entry(make):
     assert hit.source == "ssd" and hit.length == 20
 
 
+def test_room_made_for_running_requests_is_not_kept_as_pending_spills(make):
+    """Admission asks the RAM tier for memory (make_room): the entries it evicts are not held as pending spills
+    (with the disk's writes held back they would keep every byte); held_bytes counts RAM and spills alike."""
+    tier, store = make(ram_bytes=1 << 30)
+    tier.set_write_gate(lambda: False)  # the lane is busy: nothing reaches the disk
+    B = list(range(100, 120))
+    tier.put(A, kv(A), NS)
+    tier.put(B, kv(B), NS)
+    ram = tier.stats()["bytes"]
+    assert tier.held_bytes() == ram and tier.ssd_stats()["pending"] == 2  # pending snapshots RAM shares: no extra
+    freed = tier.make_room(1)  # the least recent entry, A, leaves RAM
+    assert freed >= entry_bytes(A) and tier.stats()["entries"] == 1
+    # A's spill was dropped at once: its memory went back, and nothing was written
+    assert tier.held_bytes() == tier.stats()["bytes"] == ram - freed
+    s = tier.ssd_stats()
+    assert s["spills"] == 1 and s["spills_dropped"] == 1 and s["spilled_pending_bytes"] == 0 and s["writes"] == 0
+    assert not store.covers(A, NS)
+    # an eviction of the RAM tier's own (its cap, not admission) still spills and holds the spill for the disk
+    C = list(range(200, 220))
+    small, _ = make(ram_bytes=entry_bytes(A) * 3 // 2)
+    small.set_write_gate(lambda: False)
+    small.put(A, kv(A), NS)
+    small.put(C, kv(C), NS)  # evicts A
+    assert small.ssd_stats()["spilled_pending_bytes"] > 0
+    assert small.held_bytes() == small.stats()["bytes"] + small.ssd_stats()["spilled_pending_bytes"]
+
+
 def test_entry_larger_than_ram_goes_to_ssd_only(make):
     tier, store = make(ram_bytes=entry_bytes(A) // 2)
     tier.put(A, kv(A), NS)

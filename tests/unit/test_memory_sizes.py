@@ -1,4 +1,4 @@
-"""server.sizes.allocator_limits / apply_allocator_limits: on a CUDA GPU MLX's allocator gives its cache of freed
+"""server.sizes: the RAM tier's default cap against the memory budget; allocator_limits / apply_allocator_limits: on a CUDA GPU MLX's allocator gives its cache of freed
 buffers back at the admission budget and keeps that cache small; on the CPU (and Metal) nothing is set. The CUDA
 branch runs here against a stand-in for ``mlx.core`` that records the calls (CI has no GPU)."""
 
@@ -42,3 +42,15 @@ def test_on_cuda_both_limits_reach_mlx(monkeypatch):
     got = sizes.apply_allocator_limits(70 * GB)
     assert got == {"limit_bytes": 70 * GB, "cache_limit_bytes": 4 * GB}
     assert calls == {"memory": 70 * GB, "cache": 4 * GB} and sizes.CACHE_LIMIT_SET == 4 * GB
+
+
+def test_the_ram_tier_default_is_half_of_what_the_budget_leaves_beside_the_weights(monkeypatch):
+    monkeypatch.setattr(sizes, "device_memory", lambda: (80 * GB, "device memory_size"))
+    assert sizes.default_cache_bytes(16 * GB) == 28 * GB  # 90% of the card, less the weights, halved
+    assert sizes.default_cache_bytes(16 * GB, 60 * GB) == 22 * GB  # --memory-budget 60G
+    assert sizes.default_cache_bytes(16 * GB, 120 * GB) == 28 * GB  # a budget never raises it
+    assert sizes.default_cache_bytes(16 * GB, 17 * GB) == 1 << 30  # at least 1 GiB
+    monkeypatch.setattr(sizes, "device_memory", lambda: (32 * GB, "physical RAM"))
+    monkeypatch.setattr(sizes, "physical_ram", lambda: 64 * GB)
+    assert sizes.default_cache_bytes(1 * GB) == 8 << 30  # the CPU: min(8 GiB, a quarter of RAM)
+    assert sizes.default_cache_bytes(1 * GB, 9 * GB) == 4 * GB
