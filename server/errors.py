@@ -32,6 +32,7 @@ __all__ = [
     "PayloadTooLarge",
     "QueueFull",
     "ShuttingDown",
+    "DeviceLost",
     "PermissionDenied",
     "error_body",
 ]
@@ -127,6 +128,19 @@ class ShuttingDown(QueueFull):
     status_code = 503
     type = "server_error"
     code = "server_shutting_down"
+
+
+class DeviceLost(APIError):
+    """503: the GPU reported an error that leaves it unusable for this process (server.lane.device_loss); no retry
+    helps until the server restarts, so no Retry-After."""
+
+    status_code = 503
+    type = "server_error"
+    code = "device_lost"
+
+    def __init__(self, message: str, *, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

@@ -19,6 +19,7 @@ import uvicorn
 
 from cache.rates import save_cost_model
 from server.config import ServerConfig
+from server.lane.device_loss import EXIT_CODE as DEVICE_LOST_EXIT_CODE
 
 log = logging.getLogger("mlx_lane")
 
@@ -504,8 +505,15 @@ def serve(args: argparse.Namespace) -> int:
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
         timeout_graceful_shutdown=cfg.shutdown_timeout + _CUT_GRACE_S,  # type: ignore[arg-type]  # uvicorn takes s access_log=cfg.log_level == "debug",
     )
-    GracefulServer(config, state.lane, cfg.shutdown_timeout).run()
-    if state.ssd is not None:
+    server = GracefulServer(config, state.lane, cfg.shutdown_timeout)
+    state.lane.on_device_lost = lambda: _shut_down_after_device_loss(server)
+    server.run()
+    code = 0
+    if state.lane.executor.device_lost is not None:
+        code = DEVICE_LOST_EXIT_CODE
+        log.critical("exiting with status %d: the GPU reported %s; start the server again", code,
+                     state.lane.executor.device_lost)
+    elif state.ssd is not None:
         save_cost_model(_rates_path(state.loaded.fingerprint), state.ssd.cost_model)
     # Shutdown is complete: the lane has stopped and the SSD tier was flushed (fsynced) in the lifespan.
     # Exit now, skipping interpreter teardown: MLX's static destructors can abort ("terminate called
@@ -513,7 +521,14 @@ def serve(args: argparse.Namespace) -> int:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
+
+
+def _shut_down_after_device_loss(server: GracefulServer) -> None:
+    """The lane lost its GPU (server.lane.device_loss) and ended every request: stop as a SIGTERM would (from the
+    lane thread: uvicorn's loop sees ``should_exit`` at its next tick), so the process exits for its supervisor to
+    restart it."""
+    server.should_exit = True
 
 
 def follow(state) -> int:

@@ -11,6 +11,9 @@ environment of the test that starts the server (tests/serverproc.py uses this la
                                          delete it and the space is back
     MLX_LANE_FAULT_MARKER=<text>         a prompt containing <text> makes its admission raise inside the lane (a
                                          500 for that request; the lane serves on)
+    MLX_LANE_DEVICE_LOSS_MARKER=<text>   a prompt containing <text> makes its admission raise the error MLX raised on an
+                                         H100 once CUDA's context was poisoned ("... an illegal memory access was
+                                         encountered"): the lane's device-loss path (server.lane.device_loss)
     MLX_LANE_TEST_RECORD=<dir>           every response under /v1/ is recorded in <dir> as it leaves, for the
                                          suite's check of each body and event against the published API schemas
                                          (tests/recorder.py; tests/conftest.py sets it for every test server)
@@ -25,7 +28,7 @@ import sys
 import time
 
 SEAMS = ("MLX_LANE_TEST_TOKEN_DELAY", "MLX_LANE_TEST_WRITE_DELAY", "MLX_LANE_TEST_DISK_FULL", "MLX_LANE_FAULT_MARKER",
-         "MLX_LANE_TEST_RECORD")
+         "MLX_LANE_DEVICE_LOSS_MARKER", "MLX_LANE_TEST_RECORD")
 
 log = logging.getLogger("mlx_lane.test_seams")
 
@@ -43,6 +46,7 @@ def install(env=os.environ) -> None:
 
     delay = float(env.get("MLX_LANE_TEST_TOKEN_DELAY") or 0)
     marker = env.get("MLX_LANE_FAULT_MARKER")
+    lost_marker = env.get("MLX_LANE_DEVICE_LOSS_MARKER")
     write_delay = float(env.get("MLX_LANE_TEST_WRITE_DELAY") or 0)
     full_flag = env.get("MLX_LANE_TEST_DISK_FULL")
     if env.get("MLX_LANE_TEST_RECORD"):
@@ -53,14 +57,16 @@ def install(env=os.environ) -> None:
         def admit(self, seq):
             if marker and marker in seq.target.tokenizer.decode(seq.prompt):
                 raise RuntimeError("injected fault (MLX_LANE_FAULT_MARKER)")
+            if lost_marker and lost_marker in seq.target.tokenizer.decode(seq.prompt):
+                raise RuntimeError("cudaMallocManaged(&data, size) failed: an illegal memory access was encountered")
             admitted = super().admit(seq)
             if delay:
                 seq.sink = _slowed(seq.sink, delay, Delta)
             return admitted
 
-    if delay or marker:
+    if delay or marker or lost_marker:
         engine_module.Engine = SeamedEngine
-        log.warning("test seams: token delay %.2fs, fault marker %r", delay, marker)
+        log.warning("test seams: token delay %.2fs, fault marker %r, device-loss marker %r", delay, marker, lost_marker)
 
     if write_delay or full_flag:
         base_store = ssd_store.SSDStore

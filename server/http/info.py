@@ -20,6 +20,9 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request):
     state = request.app.state.lane_state
+    lost = state.lane.executor.device_lost
+    if lost is not None:  # the GPU is unusable (server.lane.device_loss): the server is on its way out
+        return json_response({"status": "device_lost", "reason": lost, "lane": state.lane.state.value}, status=503)
     # the port opens once the lane thread serves (server.serve waits for lane.ready): "ok" means requests are
     # served; "warm": no warm-up step is left to run (with --warm-up behind they run after ready: server.lane.warm)
     return {"status": "ok", "warm": state.lane.warm.finished, "lane": state.lane.state.value,

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Optional
 
+from server.lane.device_loss import device_lost_error, device_lost_reason
 from server.lane.events import Failed, Finished, Progress
 from server.lane.plan import Start, TickPlan
 from server.lane.seam import Admitted, Emitted, LaneEngine
@@ -31,6 +32,7 @@ class Executor:
         self.prompt_cache = prompt_cache  # make_room before admissions (a cache.protocol.PrefixCache)
         self.stats = stats  # server.stats.ServingStats
         self.running: list[Sequence] = []  # admitted, in admission order (lane thread only)
+        self.device_lost: Optional[str] = None  # the GPU's sticky error, once one is seen (server.lane.device_loss)
 
     def execute(self, plan: TickPlan) -> None:
         """Run one plan (see server.lane.plan for the order)."""
@@ -234,7 +236,17 @@ class Executor:
         self._fail(seq, exc)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        """The sequence's model work raised: it ends with ``Failed`` (a 500); the lane serves on."""
+        """The sequence's model work raised: it ends with ``Failed`` (a 500); the lane serves on. An error that leaves
+        the GPU unusable is remembered (``device_lost``: the lane stops taking work after this tick) and the
+        sequence is told so (a 503 ``device_lost``). A sequence already ended is left alone."""
+        if seq.phase == Phase.FINISHED:
+            return
+        reason = device_lost_reason(exc)
+        if reason is not None:
+            if self.device_lost is None:
+                log.critical("the GPU is lost to this process: %s", reason)
+                self.device_lost = reason
+            exc = device_lost_error(reason)
         self._drop(seq)
         try:
             self.engine.abandon(seq)

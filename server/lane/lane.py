@@ -41,10 +41,11 @@ import enum
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from server.errors import InvalidRequest, QueueFull, ShuttingDown
 from server.lane.budget import MemoryBudget
+from server.lane.device_loss import device_lost_error, device_lost_reason
 from server.lane.executor import Executor
 from server.lane.plan import TickPlan
 from server.lane.scheduler import Limits, Scheduler
@@ -66,6 +67,7 @@ class LaneState(enum.Enum):
     DRAINING = "draining"  # refuses new sequences; running ones go on
     ABORTED = "aborted"  # draining ran out of time: every sequence was cancelled
     STOPPED = "stopped"
+    DEVICE_LOST = "device_lost"  # the GPU reported a sticky error: nothing more is served (server.lane.device_loss)
 
 
 class Lane:
@@ -104,6 +106,8 @@ class Lane:
         self.aborted = False  # set by abort(): a cancelled sequence was ended by the shutdown, not by its client
         self._thread = threading.Thread(target=self._run, name="mlx-lane", daemon=True)
         self.ready = threading.Event()  # set once the lane serves (warm only with --warm-up before-ready)
+        # called once, on the lane thread, after a device loss has ended every request (server.serve: shut down)
+        self.on_device_lost: Optional[Callable[[], None]] = None
 
     # -- control --------------------------------------------------------------------
     def start(self) -> None:
@@ -143,6 +147,8 @@ class Lane:
         """Queue ``seq`` (any thread). Raises ``ShuttingDown`` (503) once draining, ``QueueFull`` (429) when
         ``max_queue`` sequences wait already. O(1) under a lock the lane thread never holds while it works."""
         with self._cond:
+            if self.state == LaneState.DEVICE_LOST:
+                raise device_lost_error(self.executor.device_lost or "unknown")
             if self.state not in (LaneState.STARTING, LaneState.SERVING):
                 raise ShuttingDown("The server is shutting down and accepts no new requests; retry in a moment.",
                                    retry_after_s=5)
@@ -194,6 +200,30 @@ class Lane:
             self._fail_waiting(seq, exc)
         for seq in list(self.executor.running):
             self.executor.fail(seq, exc)
+
+    def _lose_device(self) -> None:
+        """The GPU is unusable (server.lane.device_loss): refuse new work, end every request in the lane with
+        ``DeviceLost`` (a 503), then tell the server (``on_device_lost``: it shuts down and exits non-zero)."""
+        exc = device_lost_error(self.executor.device_lost or "unknown")
+        with self._cond:
+            self.state = LaneState.DEVICE_LOST
+            waiting = [*self._inbox, *self._waiting]
+            self._inbox.clear()
+            while self._tasks:  # model work other than sequences (embeddings): its callers get the error
+                future = self._tasks.popleft()[1]
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(exc)
+        self._waiting = []
+        log.critical("ending the %d requests in the lane: %s", len(waiting) + len(self.executor.running), exc.message)
+        for seq in waiting:
+            self._fail_waiting(seq, exc)
+        for seq in list(self.executor.running):
+            self.executor.fail(seq, exc)
+        if self.on_device_lost is not None:
+            try:
+                self.on_device_lost()
+            except Exception:
+                log.exception("reporting the device loss failed")
 
     def _cancel_all_locked(self) -> int:
         seqs = [*self._inbox, *list(self._waiting), *list(self.executor.running)]
@@ -249,10 +279,16 @@ class Lane:
                 # row, the requests in the lane end with an error (a 500) and the lane starts clean.
                 log.exception("lane tick failed")
                 failed_ticks += 1
+                reason = device_lost_reason(exc)
+                if reason is not None and self.executor.device_lost is None:
+                    self.executor.device_lost = reason
                 if failed_ticks >= FAILED_TICKS_BEFORE_RESET:
                     self._fail_everything(exc)
                     failed_ticks = 0
                 busy = False
+            if self.executor.device_lost is not None and self.state != LaneState.DEVICE_LOST:
+                self._lose_device()
+                continue
             if busy:
                 self.warm.worked()
             else:
@@ -346,6 +382,8 @@ class Lane:
         of work). The future holds its result or exception. Raises ``ShuttingDown`` once the lane drains."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
+            if self.state == LaneState.DEVICE_LOST:
+                raise device_lost_error(self.executor.device_lost or "unknown")
             if self.state not in (LaneState.STARTING, LaneState.SERVING):
                 raise ShuttingDown("The server is shutting down and accepts no new requests; retry in a moment.",
                                    retry_after_s=5)

@@ -13,7 +13,7 @@ import pytest
 from cache.prompt_cache import NullPromptCache, PromptCache
 from server.engine.batch import Layout
 from server.engine.engine import Engine, EngineConfig
-from server.errors import InvalidRequest, QueueFull, ShuttingDown
+from server.errors import DeviceLost, InvalidRequest, QueueFull, ShuttingDown
 from server.lane.budget import MemoryBudget
 from server.lane.events import Delta, Failed, Finished, SamplingParams
 from server.lane.lane import Lane, LaneState
@@ -256,6 +256,44 @@ def test_a_failing_step_fails_its_sequence_and_the_lane_serves_on(models):
     assert isinstance(bad[-1], Failed) and finished(eg).finish_reason == "length"
     assert len(good.generated) == 3
     assert not lane.engine._work  # the failed sequence's engine state went with it
+
+
+class LostDeviceEngine(Engine):
+    """The real engine, whose admission of a sequence named "lost" raises CUDA's sticky error."""
+
+    def admit(self, seq):
+        admitted = super().admit(seq)
+        if seq.id == "lost":
+            raise RuntimeError("cudaMallocManaged(&data, size) failed: an illegal memory access was encountered")
+        return admitted
+
+
+def test_a_lost_device_ends_every_request_with_a_503_and_refuses_new_ones(models):
+    """server.lane.device_loss: the sequence that hit the error and every other one in the lane end with
+    ``DeviceLost``; later submissions and tasks are refused with it; the server's hook is called once."""
+    lane = make_lane(models, engine_class=LostDeviceEngine, max_batch=2)
+    calls = []
+    lane.on_device_lost = lambda: calls.append(1)
+    running, er = submit(lane, "first", PROMPTS["b"], 50)
+    lane.tick()
+    _, el = submit(lane, "lost", PROMPTS["a"], 3)
+    _, ew = submit(lane, "waiting", PROMPTS["c"], 3)  # behind the batch limit of 2
+    for _ in range(200):
+        if lane.executor.device_lost is not None:
+            break
+        lane.tick()
+    assert "illegal memory access" in lane.executor.device_lost
+    lane._lose_device()  # what the lane thread does after the tick that saw it
+    assert lane.state == LaneState.DEVICE_LOST and calls == [1]
+    for events in (er, el, ew):
+        assert isinstance(events[-1], Failed) and isinstance(events[-1].error, DeviceLost), events[-1]
+        assert sum(isinstance(e, Failed) for e in events) == 1  # one end each
+        assert events[-1].error.status_code == 503 and events[-1].error.code == "device_lost"
+    with pytest.raises(DeviceLost):
+        submit(lane, "later", PROMPTS["d"], 3)
+    with pytest.raises(DeviceLost):
+        lane.call(lambda: None)
+    assert lane.idle()
 
 
 def test_an_anchor_is_stored_as_an_entry_of_its_own_and_what_was_written_is_reported(models):
