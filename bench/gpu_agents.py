@@ -165,6 +165,42 @@ def lane_parts(stats: dict, before: dict | None = None) -> dict:
             "active_gb": round(memory.get("active_bytes", 0) / 1e9, 1)}
 
 
+class CardMemory:
+    """The GPU's used memory as nvidia-smi reports it, sampled each second on a thread until ``stop``: everything on
+    the card (MLX's arrays and buffer cache, CUDA's pools and graphs, libraries' workspaces), to set beside /stats
+    ``memory`` (MLX's own counters). An H100 ran out at 81 GB used while MLX counted 64 (BENCHMARKS.md, 2026-12-06)."""
+
+    def __init__(self, every_s: float = 1.0):
+        import subprocess
+        import threading
+
+        self._samples: list[int] = []
+        self._stop = threading.Event()
+        self._subprocess = subprocess
+        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every_s: float) -> None:
+        while not self._stop.is_set():
+            try:
+                out = self._subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total",
+                                            "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                           timeout=10).stdout.split("\n")[0]
+                used, total = (int(x) for x in out.split(","))
+                self._samples.append(used)
+                self.total_mib = total
+            except (OSError, ValueError, self._subprocess.SubprocessError):
+                return  # no nvidia-smi here (a CPU run): nothing to sample
+            self._stop.wait(every_s)
+
+    def stop(self) -> dict:
+        """``{"max_mib", "total_mib", "samples"}`` (empty samples where nvidia-smi is missing)."""
+        self._stop.set()
+        self._thread.join(15)
+        return {"max_mib": max(self._samples, default=None), "total_mib": getattr(self, "total_mib", None),
+                "samples": len(self._samples)}
+
+
 def kernel_cache_files(ours: bool) -> int:
     """Compiled kernels the server will find at start: MLX's CUDA backend JIT-compiles kernels at first use and keeps
     them in MLX_PTX_CACHE_DIR (default <tmp>/mlx/<version>/ptx), so a peer started after anything that ran the same
@@ -293,13 +329,17 @@ def main() -> int:
                             stream_chat(c, peer.url, PROBE, 2)  # the probe's prompt, cached from now on
                     lane_before = lane_block(peer.url) if n in OURS_VARIANTS else None
                     probes: list[dict] = []
-                    records, wall = run_agents(peer.url, tasks, chunks, K, T, args.max_tokens,
-                                               args.stagger_ms / 1e3, system=system,
-                                               probe_every_s=args.probe_every_ms / 1e3, probes=probes)
+                    card = CardMemory()  # the whole card's memory while the agents run (nvidia-smi, each second)
+                    try:
+                        records, wall = run_agents(peer.url, tasks, chunks, K, T, args.max_tokens,
+                                                   args.stagger_ms / 1e3, system=system,
+                                                   probe_every_s=args.probe_every_ms / 1e3, probes=probes)
+                    finally:
+                        run["card_memory"] = card.stop()
                     if n in OURS_VARIANTS:
                         run["stats_after"] = stats_blocks(peer.url)
                         run["lane_parts"] = lane_parts(run["stats_after"], lane_before)
-                        print(f"    {n} lane: {run['lane_parts']}", flush=True)
+                        print(f"    {n} lane: {run['lane_parts']}; card {run['card_memory']}", flush=True)
                     run["metrics"] = run_metrics(records, wall, K, T)
                     if args.probe_every_ms > 0:
                         run["probe"] = probe_metrics(probes, lane_before, (run.get("stats_after") or {}).get("lane"))
