@@ -309,7 +309,19 @@ def _memory_budget(cfg: ServerConfig, engine, prompt_cache, extra_weights=lambda
                  weights / (1 << 30), price.per_token / 1024, price.per_sequence / (1 << 20))
     return MemoryBudget(budget, price, fixed_bytes=lambda: weights + extra_weights(),
                         cache_bytes=_held_bytes(prompt_cache),
-                        make_room=prompt_cache.make_room)
+                        make_room=prompt_cache.make_room, measured_bytes=_measured_bytes())
+
+
+def _measured_bytes():
+    """On a GPU, MLX's active memory: admission checks its accounting against it (server.lane.budget); None on the
+    CPU, whose RAM the OS shares with everything else (the accounting alone decides there)."""
+    from server.sizes import device_memory
+
+    if device_memory()[1] == "physical RAM":
+        return None
+    import mlx.core as mx
+
+    return lambda: int(mx.get_active_memory())
 
 
 def _held_bytes(prompt_cache):

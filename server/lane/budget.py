@@ -8,6 +8,12 @@ weights; a callable when models load and unload, server.pool), and two hooks of 
 budget). A sequence reserves the KV of its prompt + ``max_tokens``, plus its model's bytes per sequence. The RAM
 tier yields first: a sequence that fits once the cache shrinks is admitted, and the plan asks the cache to make
 that room.
+
+``measured_bytes()`` (optional; on a GPU, MLX's active memory) checks the accounting against what is really held:
+while sequences run, what it reports beyond fixed + reserved + cache (``unaccounted``: the ragged batch's spare
+room, pending snapshots, arrays the accounting does not know of) is not free either. On an H100 MLX held 70.9 GB under
+a 64.4 GB budget and prefills ran out of device memory (BENCHMARKS.md, 2026-12-06, third session). With nothing
+running it is ignored, so the queue always moves.
 """
 
 from __future__ import annotations
@@ -34,12 +40,15 @@ class KVPrice:
 
 class MemoryBudget:
     def __init__(self, budget_bytes: int, price: Union[KVPrice, float], *, fixed_bytes: int | Callable[[], int] = 0,
-                 cache_bytes: Callable[[], int] = lambda: 0, make_room: Callable[[int], int] = lambda n: 0):
+                 cache_bytes: Callable[[], int] = lambda: 0, make_room: Callable[[int], int] = lambda n: 0,
+                 measured_bytes: Optional[Callable[[], int]] = None):
         self.budget_bytes = budget_bytes
         self.price = price if isinstance(price, KVPrice) else KVPrice(float(price))
         self._fixed = fixed_bytes
         self.cache_bytes = cache_bytes
         self.make_room = make_room
+        self.measured_bytes = measured_bytes
+        self.unaccounted = 0  # the last admission's measured bytes beyond the accounting (0 with nothing running)
 
     @property
     def fixed_bytes(self) -> int:
@@ -68,7 +77,11 @@ class MemoryBudget:
         if not self.budget_bytes:
             return sum(1 for _ in needs), 0
         cache = max(0, int(self.cache_bytes()))
-        free = self.budget_bytes - self.fixed_bytes - reserved - cache  # may be negative: the cache is over
+        accounted = self.fixed_bytes + reserved + cache
+        self.unaccounted = 0
+        if self.measured_bytes is not None and reserved > 0:
+            self.unaccounted = max(0, int(self.measured_bytes()) - accounted)
+        free = self.budget_bytes - accounted - self.unaccounted  # may be negative: the cache is over
         count = yield_ = 0
         for need in needs:
             if need <= free:

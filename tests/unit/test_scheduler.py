@@ -126,6 +126,27 @@ def test_the_decode_batches_buffers_count_when_they_hold_more_than_their_rows_ne
     assert names(plan.admit) == list(admitted)
 
 
+@pytest.mark.parametrize("measured,cache,admitted,make_room,unaccounted", [
+    # budget 400, weights 100, a running row reserving 100, 10 bytes per token; a (100) asks to join
+    (150, 0, "a", 0, 0),  # the device holds less than the accounting says: the accounting decides
+    (350, 0, "", 0, 150),  # 150 held beyond fixed + reserved (200): 50 free, no cache to yield: a waits
+    (350, 100, "a", 50, 50),  # 350 measured vs 300 accounted: 50 free, and the cache yields the 50 a lacks
+    (500, 0, "", 0, 300),  # the device is over the budget: nothing more joins
+])
+def test_memory_the_device_holds_beyond_the_accounting_is_not_free(measured, cache, admitted, make_room, unaccounted):
+    budget = MemoryBudget(400, 10.0, fixed_bytes=100, cache_bytes=lambda: cache, measured_bytes=lambda: measured)
+    running = [seq("r", prompt_len=2, max_tokens=8, phase=Phase.SOLO, prefilled=True, generated=1)]  # 100
+    plan = sched(budget=budget).schedule([seq("a", prompt_len=2, max_tokens=8)], running)
+    assert names(plan.admit) == list(admitted) and plan.make_room == make_room
+    assert budget.unaccounted == unaccounted
+
+
+def test_with_nothing_running_the_measured_memory_never_holds_the_queue_up():
+    budget = MemoryBudget(400, 10.0, fixed_bytes=100, measured_bytes=lambda: 10_000)
+    plan = sched(budget=budget).schedule([seq("a", prompt_len=2, max_tokens=8)], [])
+    assert names(plan.admit) == ["a"] and budget.unaccounted == 0
+
+
 # -- prefill --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("chunk,prompts,expected", [
     (4, [31], [[("a", 4)]]),  # a long prompt: one chunk per tick
