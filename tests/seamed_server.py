@@ -14,6 +14,8 @@ environment of the test that starts the server (tests/serverproc.py uses this la
     MLX_LANE_DEVICE_LOSS_MARKER=<text>   a prompt containing <text> makes its admission raise the error MLX raised on an
                                          H100 once CUDA's context was poisoned ("... an illegal memory access was
                                          encountered"): the lane's device-loss path (server.lane.device_loss)
+    MLX_LANE_OOM_MARKER=<text>           the process's first prefill of a prompt containing <text> raises CUDA's out-of-memory
+                                         error (the lane sends the prompt back to its queue: server.lane.device_loss)
     MLX_LANE_TEST_RECORD=<dir>           every response under /v1/ is recorded in <dir> as it leaves, for the
                                          suite's check of each body and event against the published API schemas
                                          (tests/recorder.py; tests/conftest.py sets it for every test server)
@@ -28,7 +30,7 @@ import sys
 import time
 
 SEAMS = ("MLX_LANE_TEST_TOKEN_DELAY", "MLX_LANE_TEST_WRITE_DELAY", "MLX_LANE_TEST_DISK_FULL", "MLX_LANE_FAULT_MARKER",
-         "MLX_LANE_DEVICE_LOSS_MARKER", "MLX_LANE_TEST_RECORD")
+         "MLX_LANE_DEVICE_LOSS_MARKER", "MLX_LANE_OOM_MARKER", "MLX_LANE_TEST_RECORD")
 
 log = logging.getLogger("mlx_lane.test_seams")
 
@@ -47,6 +49,8 @@ def install(env=os.environ) -> None:
     delay = float(env.get("MLX_LANE_TEST_TOKEN_DELAY") or 0)
     marker = env.get("MLX_LANE_FAULT_MARKER")
     lost_marker = env.get("MLX_LANE_DEVICE_LOSS_MARKER")
+    oom_marker = env.get("MLX_LANE_OOM_MARKER")
+    oom_done: set = set()
     write_delay = float(env.get("MLX_LANE_TEST_WRITE_DELAY") or 0)
     full_flag = env.get("MLX_LANE_TEST_DISK_FULL")
     if env.get("MLX_LANE_TEST_RECORD"):
@@ -64,9 +68,17 @@ def install(env=os.environ) -> None:
                 seq.sink = _slowed(seq.sink, delay, Delta)
             return admitted
 
-    if delay or marker or lost_marker:
+        def prefill(self, chunks, store_now):
+            for seq, _ in chunks:
+                if oom_marker and not oom_done and oom_marker in seq.target.tokenizer.decode(seq.prompt):
+                    oom_done.add(seq.id)
+                    raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+            return super().prefill(chunks, store_now)
+
+    if delay or marker or lost_marker or oom_marker:
         engine_module.Engine = SeamedEngine
-        log.warning("test seams: token delay %.2fs, fault marker %r, device-loss marker %r", delay, marker, lost_marker)
+        log.warning("test seams: token delay %.2fs, fault marker %r, device-loss marker %r, out-of-memory marker %r",
+                    delay, marker, lost_marker, oom_marker)
 
     if write_delay or full_flag:
         base_store = ssd_store.SSDStore

@@ -6,7 +6,9 @@ memory ran out mid-prefill, MLX's next allocation failed that way and every requ
 process was restarted (BENCHMARKS.md, 2026-12-06, third session). A lane that sees one stops taking work: the
 requests in it end with ``DeviceLost`` (a 503 that says to restart), ``/health`` answers 503, and the server exits
 non-zero (``EXIT_CODE``) so that whatever supervises it (systemd, Docker's restart policy, Kubernetes) starts a
-fresh process. Out-of-memory alone is not sticky: a request that ran out of memory fails, the lane serves on.
+fresh process. Out-of-memory alone is not sticky (``is_out_of_memory``): a prompt whose prefill ran out of memory goes
+back to the front of the queue after the RAM tier yields a quarter of what it holds (``MAX_OOM_RETRIES`` times at most,
+nothing of it having reached the client yet), and the lane serves on.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from typing import Optional
 
 from server.errors import DeviceLost
 
-__all__ = ["EXIT_CODE", "device_lost_reason", "device_lost_error"]
+__all__ = ["EXIT_CODE", "MAX_OOM_RETRIES", "device_lost_reason", "device_lost_error", "is_out_of_memory"]
 
 EXIT_CODE = 3  # `mlx-lane serve`'s exit status after a device loss (2: the model did not load)
+MAX_OOM_RETRIES = 2  # a prompt's prefill runs out of memory this many times before its request fails
 
 # CUDA's sticky errors, as cudaGetErrorString words them (what MLX's RuntimeError carries)
 _STICKY = (
@@ -47,3 +50,9 @@ def device_lost_error(reason: str) -> DeviceLost:
     return DeviceLost(f"The GPU reported an error this process cannot recover from ({reason}); the server is "
                       f"restarting (it exits with status {EXIT_CODE} for its supervisor to start it again).",
                       reason=reason)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """MLX could not allocate (CUDA's ``out of memory``, MLX's own ``Unable to allocate``) and the device is not lost."""
+    text = str(exc)
+    return device_lost_reason(exc) is None and ("out of memory" in text or "Unable to allocate" in text)

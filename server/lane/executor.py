@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Optional
 
-from server.lane.device_loss import device_lost_error, device_lost_reason
+from server.lane.device_loss import MAX_OOM_RETRIES, device_lost_error, device_lost_reason, is_out_of_memory
 from server.lane.events import Failed, Finished, Progress
 from server.lane.plan import Start, TickPlan
 from server.lane.seam import Admitted, Emitted, LaneEngine
@@ -33,6 +33,8 @@ class Executor:
         self.stats = stats  # server.stats.ServingStats
         self.running: list[Sequence] = []  # admitted, in admission order (lane thread only)
         self.device_lost: Optional[str] = None  # the GPU's sticky error, once one is seen (server.lane.device_loss)
+        self.requeued: list[Sequence] = []  # prompts whose prefill ran out of memory: back to the queue's front
+        self.may_requeue = True  # False on rank 0 of a sharded model (its followers replay plans, not retries)
 
     def execute(self, plan: TickPlan) -> None:
         """Run one plan (see server.lane.plan for the order)."""
@@ -115,8 +117,13 @@ class Executor:
             done = self.engine.prefill([(seq, n) for seq, n, _ in items], store_now)
         except Exception as exc:
             log.exception("prefill of %s failed", ", ".join(seq.id for seq, *_ in items))
+            if is_out_of_memory(exc) and self.may_requeue:
+                self._relieve_memory()
             for seq, *_ in items:
-                self._fail(seq, exc)
+                if is_out_of_memory(exc) and self.may_requeue and seq.oom_retries < MAX_OOM_RETRIES:
+                    self._requeue(seq)
+                else:
+                    self._fail(seq, exc)
             return 0
         if sum(1 for _, n, _ in items if n > 0) > 1:
             self.stats.on_prefill_together(sum(1 for _, n, _ in items if n > 0))
@@ -262,6 +269,29 @@ class Executor:
         except Exception as exc:
             log.exception("%s of %s failed", fn.__name__, seq.id)
             self._fail(seq, exc)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """A prompt whose prefill ran out of memory (nothing of it reached the client yet): its engine state goes,
+        and it waits again at the front of the queue (the lane takes ``requeued``), to take its prefix afresh."""
+        self._drop(seq)
+        try:
+            self.engine.abandon(seq)
+        except Exception:
+            log.exception("abandoning %s failed", seq.id)
+        seq.phase, seq.covered, seq.cached = Phase.WAITING, 0, 0
+        seq.oom_retries += 1
+        log.warning("%s ran out of memory in its prefill: back to the queue (try %d of %d)", seq.id,
+                    seq.oom_retries + 1, MAX_OOM_RETRIES + 1)
+        self.requeued.append(seq)
+
+    def _relieve_memory(self) -> None:
+        """After an out-of-memory: the RAM tier yields a quarter of what it holds (the running requests need it)."""
+        try:
+            held = int(self.prompt_cache.stats().get("bytes", 0) or 0)
+            if held:
+                self.prompt_cache.make_room(max(1, held // 4))
+        except Exception:
+            log.exception("making room after an out-of-memory failed")
 
     def _drop(self, seq: Sequence) -> None:
         self.running = [s for s in self.running if s is not seq]

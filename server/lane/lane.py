@@ -240,6 +240,7 @@ class Lane:
         if self.replay is not None:  # the group's collectives run on the stream that runs the model
             self.replay.group.bind(self.engine.stream)
             self.replay.group.same_seed()
+        self.executor.may_requeue = self.replay is None  # a sharded model's ranks replay plans, not retries
         self._plan_warm_up()
         if self.warm.mode == WarmMode.BEFORE_READY:
             self.warm.run_all()  # a step that fails is logged; serving goes on
@@ -357,9 +358,13 @@ class Lane:
 
     # -- executing a plan -------------------------------------------------------------
     def execute(self, plan: TickPlan) -> None:
-        """Run one plan (server.lane.executor); every rank of a sharded model runs the same one."""
+        """Run one plan (server.lane.executor); every rank of a sharded model runs the same one. Prompts whose
+        prefill ran out of memory go back to the front of the queue."""
         self.executor.execute(plan)
         self._running_ids = tuple(s.id for s in self.executor.running)
+        if self.executor.requeued:
+            self._waiting[:0] = self.executor.requeued
+            self.executor.requeued = []
 
     # -- a follower of a sharded model (server.lane.replay) ------------------------------------
     def _follow(self) -> None:

@@ -106,6 +106,7 @@ class Sequence:
     covered: int = 0  # prompt tokens its caches cover (during prefill)
     cached: int = 0  # prompt tokens served by the prefix cache
     stored: int = 0  # prompt tokens covered by what it put in the prefix cache so far
+    oom_retries: int = 0  # times its prefill ran out of memory and it went back to the queue (server.lane.device_loss)
 
     # -- output side ---------------------------------------------------------------------------------------------
     generated: list = field(default_factory=list)

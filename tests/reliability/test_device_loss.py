@@ -2,7 +2,9 @@
 default model behind a real uvicorn. MLX_LANE_DEVICE_LOSS_MARKER (a test seam, tests/seamed_server.py) makes one
 prompt's admission raise the error MLX raised there; MLX_LANE_TEST_TOKEN_DELAY keeps another stream in flight
 meanwhile. Expected: every request in the lane ends with a 503 ``device_lost`` that says to restart (a stream with an
-error event and ``[DONE]``), and the process exits with status 3 for its supervisor to start it again."""
+error event and ``[DONE]``), and the process exits with status 3 for its supervisor to start it again. An
+out-of-memory alone (MLX_LANE_OOM_MARKER: a prompt's first prefill raises it) is not that: the prompt goes back to
+the queue and its request is served, with the text the same request gets from the cache afterwards."""
 
 from __future__ import annotations
 
@@ -45,3 +47,19 @@ def test_a_lost_gpu_ends_every_request_with_a_503_and_the_server_exits_for_a_res
     log = srv.log_path.read_text(errors="replace")
     assert code == EXIT_CODE == 3, log
     assert "the GPU is lost to this process" in log and f"exiting with status {EXIT_CODE}" in log
+
+
+def test_a_prefill_out_of_memory_is_retried_and_the_request_served(default_model_dir):
+    srv = ServerProc("--model", "default", env={"MLX_LANE_OOM_MARKER": "MEM-TIGHT-8090"})
+    try:
+        body = {"messages": [{"role": "user", "content": "Repeat MEM-TIGHT-8090 twice."}], "max_tokens": 8,
+                "temperature": 0}
+        first = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+        assert first.status_code == 200, first.text
+        again = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+        assert again.status_code == 200 and again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert first.json()["choices"][0]["message"]["content"] == again.json()["choices"][0]["message"]["content"]
+        assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+        assert "ran out of memory in its prefill: back to the queue" in srv.log()
+    finally:
+        assert srv.stop() == 0, srv.log()

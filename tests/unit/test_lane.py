@@ -296,6 +296,44 @@ def test_a_lost_device_ends_every_request_with_a_503_and_refuses_new_ones(models
     assert lane.idle()
 
 
+class OutOfMemoryEngine(Engine):
+    """The real engine, whose prefill of a sequence named "oom" runs out of memory its first ``fails`` times."""
+
+    fails = 1
+
+    def prefill(self, chunks, store_now):
+        if any(seq.id == "oom" for seq, _ in chunks) and self.fails > 0:
+            self.fails -= 1
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        return super().prefill(chunks, store_now)
+
+
+def test_a_prefill_out_of_memory_sends_the_prompt_back_to_the_queue_and_it_makes_its_tokens(models):
+    want, _ = alone(models, "a", 5)
+    lane = make_lane(models, engine_class=OutOfMemoryEngine, cache_bytes=1 << 26)
+    other, eo = submit(lane, "other", PROMPTS["b"], 5)
+    run_until_idle(lane)  # an entry in the RAM tier: it yields a quarter of its bytes after the failure
+    evicted = lane.prompt_cache.stats()["evictions"]
+    seq, events = submit(lane, "oom", PROMPTS["a"], 5)
+    run_until_idle(lane)
+    assert finished(events).finish_reason == "length" and list(seq.generated) == want
+    assert seq.oom_retries == 1 and not any(isinstance(e, Failed) for e in events)
+    assert lane.prompt_cache.stats()["evictions"] > evicted and lane.executor.device_lost is None
+
+
+def test_a_prompt_that_keeps_running_out_of_memory_fails_after_its_retries(models):
+    from server.lane.device_loss import MAX_OOM_RETRIES
+
+    lane = make_lane(models, engine_class=OutOfMemoryEngine)
+    lane.engine.fails = 100
+    seq, events = submit(lane, "oom", PROMPTS["a"], 5)
+    good, eg = submit(lane, "good", PROMPTS["b"], 3)
+    run_until_idle(lane)
+    assert isinstance(events[-1], Failed) and "out of memory" in str(events[-1].error)
+    assert seq.oom_retries == MAX_OOM_RETRIES and lane.engine.fails == 100 - MAX_OOM_RETRIES - 1
+    assert finished(eg).finish_reason == "length" and len(good.generated) == 3  # the lane served on
+
+
 def test_an_anchor_is_stored_as_an_entry_of_its_own_and_what_was_written_is_reported(models):
     lane = make_lane(models, cache_bytes=1 << 26, chunk=8)
     prompt = list(range(20, 60))
