@@ -29,7 +29,7 @@ def test_a_lost_gpu_ends_every_request_with_a_503_and_the_server_exits_for_a_res
         assert ok.status_code == 200, ok.text  # the device is fine until the fault
         # a stream that is surely still generating when the device is lost (40 tokens at >= 0.2 s each)
         stream = start_stream(srv.url, [{"role": "user", "content": "Count to a hundred."}], max_tokens=40,
-                              logit_bias={"2": -100})  # (the default model's end of turn: no early stop)
+                              logit_bias={"2": -100, "0": -100})  # (the default model's two EOS ids: no early stop)
         assert stream.first_token.wait(120) and stream.text, srv.log()
         lost = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
                           json={"messages": [{"role": "user", "content": f"Echo {MARKER}."}], "max_tokens": 4})
