@@ -76,7 +76,8 @@ def build_state(cfg: ServerConfig):
     from server.lane.warm import WarmMode
     from server.pool.build import build_model_pool, model_alias_rules
     from server.pool.flags import parse_model_flags
-    from server.sizes import apply_allocator_limits, default_cache_bytes
+    from server.memory import build_memory_budget
+    from server.sizes import default_cache_bytes
     from server.stats import ServingStats
 
     from server.startup import TIMELINE
@@ -122,11 +123,8 @@ def build_state(cfg: ServerConfig):
     max_batch = cfg.max_batch or (16 if device_name() == "cpu" else 32)  # BENCHMARKS.md: 16 agents on the CPU
     prefill_batch = cfg.prefill_batch or (1 if device_name() == "cpu" else 8)
     pool_box: list = []  # the model pool, once built: the budget counts its loaded models' weights
-    budget = _memory_budget(cfg, engine, prompt_cache, extra_weights=lambda: pool_box[0].loaded_bytes() if pool_box else 0)
-    limits = apply_allocator_limits(budget.budget_bytes)  # a GPU: MLX's cache of freed buffers yields at the budget
-    if limits is not None:
-        log.info("MLX allocator: memory limit %.1f GiB, buffer cache at most %.1f GiB", limits["limit_bytes"] / (1 << 30),
-                 limits["cache_limit_bytes"] / (1 << 30))
+    budget = build_memory_budget(cfg, engine, prompt_cache,
+                                 extra_weights=lambda: pool_box[0].loaded_bytes() if pool_box else 0)
     lane = Lane(engine, prompt_cache, stats, max_queue=cfg.max_queue, max_batch=max_batch, budget=budget,
                 prefill_batch=prefill_batch, replay=replay, warm_up=cfg.warm_up,
                 prefill_together_max=_prefill_together_max(cfg))
@@ -289,48 +287,6 @@ def _prefill_together_max(cfg: ServerConfig) -> int:
     if cfg.prefill_together_max is not None:
         return cfg.prefill_together_max
     return 0 if device_name() == "cpu" else 512
-
-
-def _memory_budget(cfg: ServerConfig, engine, prompt_cache, extra_weights=lambda: 0):
-    """Admission by memory (server.lane.budget.MemoryBudget): --memory-budget, or the device's default.
-    ``extra_weights()``: the weights of the on-demand models loaded now (server.pool)."""
-    from server.lane.budget import MemoryBudget
-    from server.sizes import default_memory_budget
-
-    if cfg.memory_budget is None:
-        budget, why = default_memory_budget()
-    else:
-        budget, why = cfg.memory_budget, "--memory-budget"
-    weights = engine.weights_nbytes()
-    price = engine.kv_price_estimate()
-    if budget:
-        log.info("memory budget %.2f GiB (%s): weights %.2f GiB, KV %.1f KiB per token + %.1f MiB per sequence; a "
-                 "request waits until its KV for prompt + max_tokens fits", budget / (1 << 30), why,
-                 weights / (1 << 30), price.per_token / 1024, price.per_sequence / (1 << 20))
-    return MemoryBudget(budget, price, fixed_bytes=lambda: weights + extra_weights(),
-                        cache_bytes=_held_bytes(prompt_cache),
-                        make_room=prompt_cache.make_room, measured_bytes=_measured_bytes())
-
-
-def _measured_bytes():
-    """On a GPU, MLX's active memory: admission checks its accounting against it (server.lane.budget); None on the
-    CPU, whose RAM the OS shares with everything else (the accounting alone decides there)."""
-    from server.sizes import device_memory
-
-    if device_memory()[1] == "physical RAM":
-        return None
-    import mlx.core as mx
-
-    return lambda: int(mx.get_active_memory())
-
-
-def _held_bytes(prompt_cache):
-    """What the prefix cache holds in memory, for admission: the RAM tier and, with an SSD tier, its pending spills
-    (``TieredCache.held_bytes``); a cache without them (no SSD tier, a sharded wrapper) counts its RAM entries."""
-    held = getattr(prompt_cache, "held_bytes", None)
-    if held is not None:
-        return held
-    return lambda: int(prompt_cache.stats().get("bytes", 0) or 0)
 
 
 def _with_kv_scheme(loaded, cfg: ServerConfig):
