@@ -65,8 +65,10 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -171,34 +173,29 @@ class CardMemory:
     ``memory`` (MLX's own counters). An H100 ran out at 81 GB used while MLX counted 64 (BENCHMARKS.md, 2026-12-06)."""
 
     def __init__(self, every_s: float = 1.0):
-        import subprocess
-        import threading
-
         self._samples: list[int] = []
+        self.total_mib: int | None = None
         self._stop = threading.Event()
-        self._subprocess = subprocess
         self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
         self._thread.start()
 
     def _run(self, every_s: float) -> None:
         while not self._stop.is_set():
             try:
-                out = self._subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total",
-                                            "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                                           timeout=10).stdout.split("\n")[0]
-                used, total = (int(x) for x in out.split(","))
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total",
+                                      "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                     timeout=10).stdout.split("\n")[0]
+                used, self.total_mib = (int(x) for x in out.split(","))
                 self._samples.append(used)
-                self.total_mib = total
-            except (OSError, ValueError, self._subprocess.SubprocessError):
+            except (OSError, ValueError, subprocess.SubprocessError):
                 return  # no nvidia-smi here (a CPU run): nothing to sample
             self._stop.wait(every_s)
 
     def stop(self) -> dict:
-        """``{"max_mib", "total_mib", "samples"}`` (empty samples where nvidia-smi is missing)."""
+        """``{"max_mib", "total_mib", "samples"}`` (no samples where nvidia-smi is missing)."""
         self._stop.set()
         self._thread.join(15)
-        return {"max_mib": max(self._samples, default=None), "total_mib": getattr(self, "total_mib", None),
-                "samples": len(self._samples)}
+        return {"max_mib": max(self._samples, default=None), "total_mib": self.total_mib, "samples": len(self._samples)}
 
 
 def kernel_cache_files(ours: bool) -> int:

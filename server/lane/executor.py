@@ -117,10 +117,11 @@ class Executor:
             done = self.engine.prefill([(seq, n) for seq, n, _ in items], store_now)
         except Exception as exc:
             log.exception("prefill of %s failed", ", ".join(seq.id for seq, *_ in items))
-            if is_out_of_memory(exc) and self.may_requeue:
+            retry = is_out_of_memory(exc) and self.may_requeue
+            if retry:
                 self._relieve_memory()
             for seq, *_ in items:
-                if is_out_of_memory(exc) and self.may_requeue and seq.oom_retries < MAX_OOM_RETRIES:
+                if retry and seq.oom_retries < MAX_OOM_RETRIES:
                     self._requeue(seq)
                 else:
                     self._fail(seq, exc)
@@ -248,11 +249,8 @@ class Executor:
         sequence is told so (a 503 ``device_lost``). A sequence already ended is left alone."""
         if seq.phase == Phase.FINISHED:
             return
-        reason = device_lost_reason(exc)
+        reason = self.note_device_loss(exc)
         if reason is not None:
-            if self.device_lost is None:
-                log.critical("the GPU is lost to this process: %s", reason)
-                self.device_lost = reason
             exc = device_lost_error(reason)
         self._drop(seq)
         try:
@@ -269,6 +267,14 @@ class Executor:
         except Exception as exc:
             log.exception("%s of %s failed", fn.__name__, seq.id)
             self._fail(seq, exc)
+
+    def note_device_loss(self, exc: BaseException) -> Optional[str]:
+        """Remember (and log, once) CUDA's sticky error when ``exc`` is one; return its words, else None."""
+        reason = device_lost_reason(exc)
+        if reason is not None and self.device_lost is None:
+            log.critical("the GPU is lost to this process: %s", reason)
+            self.device_lost = reason
+        return reason
 
     def _requeue(self, seq: Sequence) -> None:
         """A prompt whose prefill ran out of memory (nothing of it reached the client yet): its engine state goes,

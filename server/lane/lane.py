@@ -1,5 +1,9 @@
 """The lane: one thread that owns all model compute and runs one tick plan after another.
 
+(About 420 lines, one job: the thread and its control. The inbox, the run loop, draining, tasks and a lost device
+are all the lane's state machine, changed under one lock; what a tick decides and does lives in server.lane.scheduler
+and server.lane.executor already.)
+
 What a tick does is decided in server.lane.scheduler, executed by server.lane.executor through the engine's verbs
 (server.lane.seam.LaneEngine); what stays here is the thread, its inbox, its control and its tasks.
 
@@ -31,6 +35,9 @@ Shutdown, in three steps (server.serve.GracefulServer drives the first two):
                with ``Finished("cancelled")``, and ``aborted`` tells the HTTP layer to end its response with a
                shutdown error, not a cut.
   ``stop()``   cancel whatever is left and join the thread (its last cache put is done by then).
+
+A lost device (server.lane.device_loss): after the tick that saw CUDA's sticky error, every request in the lane ends
+with ``DeviceLost`` (a 503), new ones are refused with it, and ``on_device_lost`` tells the server to exit.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from typing import Callable, Optional
 
 from server.errors import InvalidRequest, QueueFull, ShuttingDown
 from server.lane.budget import MemoryBudget
-from server.lane.device_loss import device_lost_error, device_lost_reason
+from server.lane.device_loss import device_lost_error
 from server.lane.executor import Executor
 from server.lane.plan import TickPlan
 from server.lane.scheduler import Limits, Scheduler
@@ -147,11 +154,7 @@ class Lane:
         """Queue ``seq`` (any thread). Raises ``ShuttingDown`` (503) once draining, ``QueueFull`` (429) when
         ``max_queue`` sequences wait already. O(1) under a lock the lane thread never holds while it works."""
         with self._cond:
-            if self.state == LaneState.DEVICE_LOST:
-                raise device_lost_error(self.executor.device_lost or "unknown")
-            if self.state not in (LaneState.STARTING, LaneState.SERVING):
-                raise ShuttingDown("The server is shutting down and accepts no new requests; retry in a moment.",
-                                   retry_after_s=5)
+            self._check_open_locked()
             depth = self.queue_depth
             if self.max_queue and depth >= self.max_queue:
                 raise QueueFull(f"too many requests waiting ({depth}); retry later", retry_after_s=1)
@@ -159,6 +162,15 @@ class Lane:
             self._inbox.append(seq)
             self.stats.on_queued(seq.id)
             self._cond.notify()
+
+    def _check_open_locked(self) -> None:
+        """Raise what a new sequence or task is told once the lane takes no more: ``DeviceLost`` (503, restart) or
+        ``ShuttingDown`` (503, retry)."""
+        if self.state == LaneState.DEVICE_LOST:
+            raise device_lost_error(self.executor.device_lost or "unknown")
+        if self.state not in (LaneState.STARTING, LaneState.SERVING):
+            raise ShuttingDown("The server is shutting down and accepts no new requests; retry in a moment.",
+                               retry_after_s=5)
 
     # -- introspection --------------------------------------------------------------
     @property
@@ -280,9 +292,7 @@ class Lane:
                 # row, the requests in the lane end with an error (a 500) and the lane starts clean.
                 log.exception("lane tick failed")
                 failed_ticks += 1
-                reason = device_lost_reason(exc)
-                if reason is not None and self.executor.device_lost is None:
-                    self.executor.device_lost = reason
+                self.executor.note_device_loss(exc)
                 if failed_ticks >= FAILED_TICKS_BEFORE_RESET:
                     self._fail_everything(exc)
                     failed_ticks = 0
@@ -387,11 +397,7 @@ class Lane:
         of work). The future holds its result or exception. Raises ``ShuttingDown`` once the lane drains."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            if self.state == LaneState.DEVICE_LOST:
-                raise device_lost_error(self.executor.device_lost or "unknown")
-            if self.state not in (LaneState.STARTING, LaneState.SERVING):
-                raise ShuttingDown("The server is shutting down and accepts no new requests; retry in a moment.",
-                                   retry_after_s=5)
+            self._check_open_locked()
             self._tasks.append((fn, future))
             self._cond.notify()
         return future
