@@ -164,7 +164,9 @@ def lane_parts(stats: dict, before: dict | None = None) -> dict:
             "ssd_writes": ssd.get("writes"), "ssd_pending_bytes": ssd.get("pending_bytes"),
             "warm_up_s": (lane.get("warm_up") or {}).get("seconds"),
             "peak_gb": round(memory.get("peak_bytes", 0) / 1e9, 1),
-            "active_gb": round(memory.get("active_bytes", 0) / 1e9, 1)}
+            "active_gb": round(memory.get("active_bytes", 0) / 1e9, 1),
+            "pool_reserved_high_gb": round(((memory.get("device") or {}).get("pool_reserved_high_bytes") or 0) / 1e9, 1),
+            "pool_used_high_gb": round(((memory.get("device") or {}).get("pool_used_high_bytes") or 0) / 1e9, 1)}
 
 
 class CardMemory:

@@ -119,7 +119,7 @@ def _serve_parser(sub) -> None:
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU/Metal)")
     p.add_argument("--cache-bytes", type=parse_bytes, default=_env("cache_bytes"),
                    help="RAM prefix-cache cap, e.g. 2G; 0 disables (default: min(8 GiB, 25%% of RAM) on the CPU; on a "
-                        "GPU half of what 90%% of its memory leaves beside the weights) [MLX_LANE_CACHE_BYTES]")
+                        "GPU half of what the default budget leaves beside the weights) [MLX_LANE_CACHE_BYTES]")
     p.add_argument("--ssd-cache", metavar="DIR", default=_env("ssd_cache"),
                    help="SSD cold tier of the prefix cache: KV files that survive restarts, under "
                         "DIR/<model fingerprint>/ (default: $MLX_LANE_HOME/kv, i.e. ~/.cache/mlx-lane/kv) "
@@ -233,7 +233,8 @@ def _serve_parser(sub) -> None:
                    help="bytes the model, the running sequences' KV and the RAM prefix cache may use together: a "
                         "request joins only when its KV for prompt + max_tokens fits (the RAM cache yields first), "
                         "else it waits; one that can never fit is a 400. 0 turns the check off. Default: 75%% of "
-                        "RAM on the CPU, 90%% of the GPU's memory [MLX_LANE_MEMORY_BUDGET]")
+                        "RAM on the CPU, 70%% of a CUDA GPU's memory (its pool fragments), 90%% on Metal "
+                        "[MLX_LANE_MEMORY_BUDGET]")
     p.add_argument("--pipeline", action="store_true", default=_env_flag("pipeline"),
                    help="under mlx.launch with several processes: shard the model by layers (pipeline-parallel) "
                         "instead of by heads (tensor-parallel, the default); no effect in one process "

@@ -30,15 +30,15 @@ def physical_ram() -> int:
 def default_cache_bytes(weights_bytes: int = 0, budget_bytes: Optional[int] = None) -> int:
     """RAM prefix-cache cap. On the CPU (and Apple's unified memory): min(8 GiB, 25% of RAM), leaving the rest to
     the OS, the running requests and the SSD tier's buffers. On a GPU, whose own memory holds the cached KV: half
-    of what the default memory budget (90% of it) leaves beside the weights, so the running sequences keep the
-    other half (the cache yields to them under admission anyway): ~62 GiB for an 8B bf16 model on an H200, where a
+    of what the default memory budget (``gpu_budget_share``) leaves beside the weights, so the running sequences keep
+    the other half (the cache yields to them under admission anyway): ~41 GiB for an 8B bf16 model on an H200, where a
     fixed 8 GiB held 10 agents' entries of 5k tokens. A --memory-budget (``budget_bytes``) caps it at half of what
     that budget leaves beside the weights, on any device (on an H100 a 60G budget left the cache at 31 GB before)."""
     total, source = device_memory()
     if source == "physical RAM":
         size = min(8 << 30, physical_ram() // 4)
     else:
-        size = max(1 << 30, int((total * 0.90 - weights_bytes) / 2))
+        size = max(1 << 30, int((total * gpu_budget_share() - weights_bytes) / 2))
     if budget_bytes:
         size = min(size, max(1 << 30, int((budget_bytes - weights_bytes) / 2)))
     return size
@@ -74,12 +74,39 @@ def device_memory() -> tuple[int, str]:
     return physical_ram(), "physical RAM"
 
 
+CUDA_BUDGET_SHARE = 0.70
+OTHER_GPU_BUDGET_SHARE = 0.90
+
+
+def gpu_budget_share() -> float:
+    """The share of a GPU's memory the default budget gives MLX's arrays: 70% on CUDA, 90% elsewhere (Metal).
+
+    Why less on CUDA: MLX allocates from the driver's stream-ordered memory pool (``cudaMallocAsync``), and that pool
+    fragments. On an H100 80GB (85.0 GB) prefills of many shapes beside 45 GB of kept KV caches left the pool 80.8 GB
+    reserved for 62.4 GB in use, the card full at 82.3 GB, and the next prefill out of memory; only ~1.5 GB of the
+    card was outside the pool (``bench/gpu_memory_probe.py``, BENCHMARKS.md 2026-12-06, fourth session). So MLX's
+    arrays get about 1/1.3 of what the pool can reach (the card less the CUDA context and libraries' kernels)."""
+    return CUDA_BUDGET_SHARE if on_cuda() else OTHER_GPU_BUDGET_SHARE
+
+
+def on_cuda() -> bool:
+    """MLX computes on a CUDA GPU."""
+    try:
+        import mlx.core as mx
+
+        cuda = getattr(mx, "cuda", None)
+        return bool(cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu)
+    except Exception:  # noqa: BLE001 - no MLX backend to ask: not CUDA
+        return False
+
+
 def default_memory_budget() -> tuple[int, str]:
-    """--memory-budget default: 90% of a GPU's memory, 75% of RAM on a CPU (the OS, the HTTP layer and the SSD
-    tier's write-behind buffers need the rest; an OOM kill loses every stream at once)."""
+    """--memory-budget default: ``gpu_budget_share`` of a GPU's memory (70% on CUDA, 90% on Metal), 75% of RAM on a
+    CPU (the OS, the HTTP layer and the SSD tier's write-behind buffers need the rest; an OOM kill loses every
+    stream at once)."""
     total, source = device_memory()
-    share = 0.75 if source == "physical RAM" else 0.90
-    return int(total * share), f"{int(share * 100)}% of {source}"
+    share = 0.75 if source == "physical RAM" else gpu_budget_share()
+    return int(total * share), f"{int(round(share * 100))}% of {source}"
 
 
 def allocator_limits(budget_bytes: int, device_bytes: int) -> tuple[int, int]:
@@ -90,9 +117,9 @@ def allocator_limits(budget_bytes: int, device_bytes: int) -> tuple[int, int]:
     its own limit, 95% of the card; the CUDA context, cuBLAS' workspaces and the memory pool's own slack live in the
     last 5%. On an H100 80GB with 16 agents of a Llama-3-8B shape the cache held 7-11.5 GB beside 54-59 GB of arrays
     and prefills failed with ``cudaMallocAsync ... out of memory`` (BENCHMARKS.md, 2026-12-06, third session). At the
-    budget (90% of the card by default) the cache yields before the card is full, and a small cache keeps it from
-    sitting on what the next prefill needs."""
-    memory = int(budget_bytes) if budget_bytes else int(device_bytes * 0.90)
+    budget (``gpu_budget_share`` of the card by default) the cache yields before the card is full, and a small cache
+    keeps it from sitting on what the next prefill needs."""
+    memory = int(budget_bytes) if budget_bytes else int(device_bytes * CUDA_BUDGET_SHARE)
     return memory, max(1 << 30, int(device_bytes * 0.05))
 
 
@@ -101,8 +128,7 @@ def apply_allocator_limits(budget_bytes: int) -> Optional[dict]:
     None (nothing set) on the CPU and on Metal, whose allocator sizes itself against the machine's unified memory."""
     import mlx.core as mx
 
-    cuda = getattr(mx, "cuda", None)
-    if cuda is None or not cuda.is_available() or mx.default_device() != mx.gpu:
+    if not on_cuda():
         return None
     total, _ = device_memory()
     memory, cache = allocator_limits(budget_bytes, total)

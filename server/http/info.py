@@ -211,14 +211,17 @@ def memory_block() -> dict:
     """MLX's allocator in bytes: ``active`` (arrays alive: weights, the RAM tier, the batch, snapshots the SSD writer
     still holds), ``peak`` (the high-water mark since start), ``cache`` (freed buffers MLX keeps for reuse), ``limit``
     (where MLX starts giving its cache back) and ``cache_limit`` (the cache's own cap: set on a CUDA GPU by
-    ``server.sizes.apply_allocator_limits``, else None)."""
+    ``server.sizes.apply_allocator_limits``, else None); ``device``: on a CUDA GPU, the card as the driver counts it
+    (server.device_memory.snapshot: the whole card's use, the memory pool MLX allocates from, what lies outside it),
+    else None."""
     import mlx.core as mx
 
+    from server.device_memory import snapshot
     from server.sizes import CACHE_LIMIT_SET
 
     return {"active_bytes": int(mx.get_active_memory()), "peak_bytes": int(mx.get_peak_memory()),
             "cache_bytes": int(mx.get_cache_memory()), "limit_bytes": int(mx.get_memory_limit()),
-            "cache_limit_bytes": CACHE_LIMIT_SET}
+            "cache_limit_bytes": CACHE_LIMIT_SET, "device": snapshot()}
 
 
 def _models_block(state) -> dict:

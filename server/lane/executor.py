@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Optional
 
+from server.device_memory import trim_pool
 from server.lane.device_loss import MAX_OOM_RETRIES, device_lost_error, device_lost_reason, is_out_of_memory
 from server.lane.events import Failed, Finished, Progress
 from server.lane.plan import Start, TickPlan
@@ -291,11 +292,15 @@ class Executor:
         self.requeued.append(seq)
 
     def _relieve_memory(self) -> None:
-        """After an out-of-memory: the RAM tier yields a quarter of what it holds (the running requests need it)."""
+        """After an out-of-memory: the RAM tier yields a quarter of what it holds (the running requests need it), then
+        MLX's cache of freed buffers and, on a CUDA GPU, the memory pool's unused reserve go back to the card
+        (server.device_memory.trim_pool): the pool fragments, and what it keeps reserved the next prefill may not fit
+        in."""
         try:
             held = int(self.prompt_cache.stats().get("bytes", 0) or 0)
             if held:
                 self.prompt_cache.make_room(max(1, held // 4))
+            trim_pool()
         except Exception:
             log.exception("making room after an out-of-memory failed")
 
