@@ -12,7 +12,8 @@ after evaluation, but the lane keeps mutating its cache OBJECTS (`update_and_fet
 the arrays alive: `max_pending_bytes` bounds that memory. Most pending snapshots share their arrays with the RAM
 tier's entries; a SPILL's (`schedule(..., sole=True)`: the RAM tier is dropping the entry) is the only thing keeping
 its arrays, memory outside the RAM tier's cap, so `max_sole_bytes` bounds those apart: over it the oldest sole
-snapshot is dropped (`spills_dropped`). On a GPU that memory is the device's: a disk slower than the entries come
+snapshot is dropped (`spills_dropped`). A snapshot of an entry the RAM tier superseded without an eviction
+(`disown`) counts as a spill from then on. On a GPU that memory is the device's: a disk slower than the entries come
 (an H100 writing ~0.25 GB/s while 16 Qwen3.5-9B agents stored ~0.6 GB entries) otherwise held up to another RAM
 tier's worth of evicted entries in device memory (2026-12-06: 30.8 GB pending beside a full 31 GB RAM tier).
 
@@ -164,17 +165,27 @@ class DurabilityCoordinator:
                 oldest = min(self._pending.values(), key=lambda p: p.created)
                 self._remove_locked(oldest)
                 self._c["dropped"] += 1
-            while self._sole_bytes > self._max_sole:  # spills beyond their own bound: the oldest other one goes
-                spills = [p for p in self._pending.values() if p.sole and p is not item]
-                if not spills:
-                    break
-                oldest = min(spills, key=lambda p: p.created)
-                self._remove_locked(oldest)
-                self._c["dropped"] += 1
-                self._c["spills_dropped"] += 1
+            self._bound_spills_locked(keep=item)
             scheduled = key in self._pending
             self._cond.notify_all()
         return scheduled
+
+    def disown(self, tokens: Sequence[int], ns: str) -> bool:
+        """The RAM tier let go of this entry without spilling it (a longer entry superseded it, and that one's write
+        was declined, so it did not supersede this snapshot here): its pending snapshot, if any, is now the only holder of its arrays and counts as a
+        spill from here on (``max_sole_bytes``, ``sole_pending_bytes``, ``drop_spills``). Without this, snapshots of
+        entries the RAM tier had superseded, waiting for an idle lane, held ~16 GB of an H100 uncounted while 16
+        Llama-3-8B agents ran (2026-12-06, fourth session). True when a snapshot was disowned."""
+        key = (ns, tuple(int(t) for t in tokens))
+        with self._cond:
+            item = self._pending.get(key)
+            if item is None or item.sole:
+                return False
+            item.sole = True
+            self._sole_bytes += item.nbytes
+            self._bound_spills_locked(keep=item)
+            self._cond.notify_all()
+            return True
 
     def sole_pending_bytes(self) -> int:
         """Bytes of the pending spills (snapshots whose arrays nothing else holds), the one in flight included."""
@@ -328,6 +339,17 @@ class DurabilityCoordinator:
                 self._c["failed"] += 1
                 log.warning("durability: giving up on %d tokens after %d attempts", len(item.tokens), item.attempts)
             self._cond.notify_all()
+
+    def _bound_spills_locked(self, keep: _Pending) -> None:
+        """Spills beyond their own bound: the oldest other than `keep` goes, until they fit or only it is left."""
+        while self._sole_bytes > self._max_sole:
+            spills = [p for p in self._pending.values() if p.sole and p is not keep]
+            if not spills:
+                break
+            oldest = min(spills, key=lambda p: p.created)
+            self._remove_locked(oldest)
+            self._c["dropped"] += 1
+            self._c["spills_dropped"] += 1
 
     def _redundant_locked(self, item: _Pending) -> bool:
         return any(p.supersedes(item) for p in self._pending.values())

@@ -13,7 +13,8 @@ Public verbs (what the lane and the HTTP layer call):
     only). Hooks for a tier below (cache.tiered): `pop_idle(idle_s)` (remove and return entries unused for `idle_s`), and `on_evict`, called
     OUTSIDE the lock with (ns, tokens, caches) for every entry the byte cap pushes out (LRU eviction, or a new
     entry larger than the whole cap). Supersede, replace and clear do not call it: what they drop is either
-    served by a newer entry or dropped on purpose.
+    served by a newer entry or dropped on purpose. `on_let_go`, also outside the lock, gets (ns, tokens) of each
+    entry a longer one superseded: a write of it still pending below is then the only holder of its arrays.
 
 Matching rules (DESIGN.md "RAM tier contract"; the rule itself is `cache.prefix.usable`, shared with the SSD tier):
   * usable prefix p = min(common prefix, len(prompt) - 1); the longest usable p wins (ties: the smaller trim, then
@@ -90,12 +91,14 @@ class PromptCache:
     """The RAM tier. See the module docstring for the contract; thread-safe as described there."""
 
     def __init__(self, max_bytes: int, *, clock: Callable[[], float] = time.monotonic,
-                 on_evict: Callable[[str, tuple[int, ...], list], None] | None = None) -> None:
+                 on_evict: Callable[[str, tuple[int, ...], list], None] | None = None,
+                 on_let_go: Callable[[str, tuple[int, ...]], None] | None = None) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes} (use NullPromptCache to disable caching)")
         self._max_bytes = int(max_bytes)
         self._clock = clock
         self._on_evict = on_evict
+        self._on_let_go = on_let_go  # an entry dropped without eviction: a longer one superseded it
         self._lock = threading.Lock()
         self._by_ns: dict[str, dict[tuple[int, ...], _Entry]] = {}
         self._sessions: dict[tuple[str, str], _Entry] = {}
@@ -171,7 +174,10 @@ class PromptCache:
             anchor=anchor,
         )
         with self._lock:
-            evicted = self._insert(entry, session)
+            evicted, let_go = self._insert(entry, session)
+        if self._on_let_go is not None:
+            for gone in let_go:
+                self._on_let_go(gone.ns, gone.tokens)
         if self._on_evict is not None:
             for victim in evicted:
                 self._on_evict(victim.ns, victim.tokens, victim.caches)
@@ -296,20 +302,23 @@ class PromptCache:
             return None
         return found[0], found[1].length, "ram"
 
-    def _insert(self, entry: _Entry, session: str | None) -> list[_Entry]:
-        """Index `entry`; return the entries the byte cap evicted (possibly `entry` itself)."""
+    def _insert(self, entry: _Entry, session: str | None) -> tuple[list[_Entry], list[_Entry]]:
+        """Index `entry`; return the entries the byte cap evicted (possibly `entry` itself) and those let go without
+        an eviction (the ancestors it supersedes)."""
         # Drop first, index after: _drop removes a namespace's dict once it empties.
         existing = self._by_ns.get(entry.ns, {})
         names: set[str] = set()
+        let_go = []
         old = existing.get(entry.tokens)
         if old is not None:
             names |= old.sessions  # same tokens: the new entry serves those sessions exactly as the old one did
-            self._drop(old)
+            self._drop(old)  # not let go: the new entry holds these tokens
         if old is not None and old.anchor:
             entry.anchor = True  # the same prefix, stored again: it stays an anchor
         for other in list(existing.values()):
             if supersedes(entry.ids, entry.trimmable, other.ids, other.anchor, other.trimmable):  # strict ancestors, when trimmable
                 self._drop(other)
+                let_go.append(other)
                 self._superseded += 1
         self._by_ns.setdefault(entry.ns, {})[entry.tokens] = entry
         self._bytes += entry.nbytes
@@ -328,7 +337,7 @@ class PromptCache:
             self._drop(gone)
             evicted.append(gone)
             self._evictions += 1
-        return evicted
+        return evicted, let_go
 
     def _bind(self, entry: _Entry, session: str) -> None:
         """Point `session` at `entry` (already indexed), moving it off its previous entry."""

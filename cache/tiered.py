@@ -118,7 +118,8 @@ class TieredCache:
         """A TieredCache over a new RAM tier of `ram_bytes` (LRU times from `clock`) whose evictions spill."""
         box: list[TieredCache] = []
         ram = PromptCache(ram_bytes, clock=clock,
-                          on_evict=lambda ns, tokens, caches: box[0].spill(ns, tokens, caches))
+                          on_evict=lambda ns, tokens, caches: box[0].spill(ns, tokens, caches),
+                          on_let_go=lambda ns, tokens: box[0]._durability.disown(tokens, ns))
         box.append(cls(ram, store, durability, cost, **kw))
         return box[0]
 
@@ -200,12 +201,15 @@ class TieredCache:
         """The RAM tier yields `nbytes` for the running requests (admission by memory). LRU entries leave as on any
         eviction, but the memory is wanted now: as many bytes of pending spills as the eviction made are dropped
         (oldest first), since a spill's snapshot would go on holding its arrays until the disk takes it (with
-        --ssd-write-when idle, not while anything runs). Returns bytes freed."""
+        --ssd-write-when idle, not while anything runs). When RAM alone cannot give `nbytes`, the oldest pending
+        spills give the rest (``held_bytes`` counts them, so admission may ask for them). Returns bytes freed."""
         before = self._durability.sole_pending_bytes()
         freed = self._ram.make_room(nbytes)
         spilled = self._durability.sole_pending_bytes() - before
         if spilled > 0:
             self._durability.drop_spills(spilled)
+        if freed < nbytes:
+            freed += self._durability.drop_spills(nbytes - freed)
         return freed
 
     def held_bytes(self) -> int:

@@ -319,3 +319,20 @@ def test_drop_spills_gives_back_the_oldest_spills_and_never_a_shared_snapshot(ma
     assert d.is_pending([70, 1, 2, 3], NS) and d.is_pending([10, 1, 2, 3], NS)
     assert d.drop_spills(10 * size) == size and d.drop_spills(1) == 0  # nothing left to drop but the shared one
     assert d.is_pending([10, 1, 2, 3], NS)
+
+
+def test_a_disowned_snapshot_counts_as_a_spill(make):
+    """The RAM tier superseded an entry whose write is pending (the longer one's write was declined): the snapshot
+    is the only holder of its arrays now, bounded and dropped like a spill; an unknown or sole one is unchanged."""
+    store = StubStore()
+    size = kvfile.encode(caches(4)).nbytes
+    d = make(store, debounce_s=60.0, max_pending_bytes=100 * size, max_sole_bytes=size)
+    assert d.schedule([10, 1, 2, 3], caches(4), NS)
+    assert d.schedule([20, 1, 2, 3], caches(4), NS)
+    assert d.sole_pending_bytes() == 0
+    assert d.disown([10, 1, 2, 3], NS) and d.sole_pending_bytes() == size
+    assert not d.disown([10, 1, 2, 3], NS) and not d.disown([99], NS)  # already sole / nothing pending
+    assert d.disown([20, 1, 2, 3], NS)  # past the spills' bound: the older one goes
+    assert d.sole_pending_bytes() == size and d.stats()["spills_dropped"] == 1
+    assert not d.is_pending([10, 1, 2, 3], NS) and d.is_pending([20, 1, 2, 3], NS)
+    assert d.drop_spills(1) == size and not d.is_pending([20, 1, 2, 3], NS)

@@ -154,6 +154,17 @@ def test_supersede_only_when_trimmable(new_trimmable, entries_after, superseded)
     assert cache.take((1, 2, 7, 8), "m").length == 3
 
 
+def test_superseded_entries_are_let_go_through_the_hook_and_replaced_ones_are_not():
+    gone = []
+    cache = PromptCache(1 << 30, on_let_go=lambda ns, tokens: gone.append((ns, tokens)))
+    put(cache, (1, 2))
+    put(cache, (1, 2))  # the same tokens again: the new entry holds them
+    put(cache, (1, 2, 7), trimmable=False)  # untrimmable: supersedes nothing
+    assert gone == []
+    put(cache, (1, 2, 3, 4))
+    assert gone == [("m", (1, 2))] and cache.stats()["superseded"] == 1
+
+
 def test_lru_eviction_by_bytes():
     cache = PromptCache(3 * 4 * PER_TOKEN * 2)  # room for three 4-token entries
     for first in (1, 2, 3):

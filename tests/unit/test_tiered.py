@@ -257,6 +257,25 @@ def test_room_made_for_running_requests_is_not_kept_as_pending_spills(make):
     assert small.held_bytes() == small.stats()["bytes"] + small.ssd_stats()["spilled_pending_bytes"]
 
 
+def test_a_pending_write_of_an_entry_ram_superseded_is_held_memory(make, monkeypatch):
+    """A longer entry supersedes A in RAM but its own write is declined (the cost model): A's pending snapshot is
+    the only holder of A's arrays, so held_bytes counts it and admission's make_room can give it back."""
+    tier, _ = make(ram_bytes=1 << 30)
+    tier.set_write_gate(lambda: False)  # the lane is busy: nothing reaches the disk
+    tier.put(A, kv(A), NS)
+    assert tier.held_bytes() == tier.stats()["bytes"]
+    longer = A + [7, 8, 9]
+    monkeypatch.setattr(tier, "_worth_writing", lambda tokens, caches, ns: list(tokens) != longer)
+    tier.put(longer, kv(longer), NS)
+    s = tier.ssd_stats()
+    assert tier.stats()["entries"] == 1 and s["pending"] == 1
+    assert s["spilled_pending_bytes"] == s["pending_bytes"] > 0  # A's snapshot, counted as a spill now
+    assert tier.held_bytes() == tier.stats()["bytes"] + s["pending_bytes"]
+    tier.make_room(1)  # admission wants memory: the longer entry leaves RAM, its spill is dropped, A's stays
+    assert tier.stats()["entries"] == 0 and tier.held_bytes() == s["pending_bytes"]
+    assert tier.make_room(1) == s["pending_bytes"] and tier.held_bytes() == 0  # RAM is empty: the spill gives it
+
+
 def test_entry_larger_than_ram_goes_to_ssd_only(make):
     tier, store = make(ram_bytes=entry_bytes(A) // 2)
     tier.put(A, kv(A), NS)
