@@ -187,6 +187,19 @@ class DurabilityCoordinator:
             self._cond.notify_all()
             return True
 
+    def forget(self, tokens: Sequence[int], ns: str) -> bool:
+        """Drop this entry's pending snapshot (not one in flight): its owner decided it is not worth writing after
+        all. Counted as dropped. True when one was pending."""
+        key = (ns, tuple(int(t) for t in tokens))
+        with self._cond:
+            item = self._pending.get(key)
+            if item is None:
+                return False
+            self._remove_locked(item)
+            self._c["dropped"] += 1
+            self._cond.notify_all()
+            return True
+
     def sole_pending_bytes(self) -> int:
         """Bytes of the pending spills (snapshots whose arrays nothing else holds), the one in flight included."""
         with self._cond:

@@ -354,9 +354,12 @@ class TieredCache:
         """The RAM tier is dropping this entry: make sure it reaches disk (writer thread, no debounce).
 
         Called by the RAM tier's on_evict hook (outside its lock) and by demotion. Cheap when already durable. An
-        entry that could never be restored faster than recomputed here is dropped instead (`_worth_writing`).
+        entry that could never be restored faster than recomputed here is dropped instead (`_worth_writing`), and so
+        is a write of it still pending from before the cost model knew better: that snapshot would be the only
+        holder of the entry's arrays, uncounted, until the disk took it.
         """
         if not self._worth_writing(tokens, caches, ns):
+            self._durability.forget(tokens, ns)
             return
         try:
             ok = self._durability.schedule(tokens, caches, ns, delay=0.0, sole=True)

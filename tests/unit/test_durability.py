@@ -336,3 +336,12 @@ def test_a_disowned_snapshot_counts_as_a_spill(make):
     assert d.sole_pending_bytes() == size and d.stats()["spills_dropped"] == 1
     assert not d.is_pending([10, 1, 2, 3], NS) and d.is_pending([20, 1, 2, 3], NS)
     assert d.drop_spills(1) == size and not d.is_pending([20, 1, 2, 3], NS)
+
+
+def test_forget_drops_a_pending_snapshot(make):
+    store = StubStore()
+    d = make(store, debounce_s=60.0)
+    assert d.schedule([10, 1, 2, 3], caches(4), NS)
+    assert d.forget([10, 1, 2, 3], NS) and not d.is_pending([10, 1, 2, 3], NS)
+    assert not d.forget([10, 1, 2, 3], NS)
+    assert d.stats()["dropped"] == 1 and d.stats()["pending_bytes"] == 0

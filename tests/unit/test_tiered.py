@@ -276,6 +276,20 @@ def test_a_pending_write_of_an_entry_ram_superseded_is_held_memory(make, monkeyp
     assert tier.make_room(1) == s["pending_bytes"] and tier.held_bytes() == 0  # RAM is empty: the spill gives it
 
 
+def test_an_evicted_entry_no_longer_worth_writing_takes_its_pending_write_with_it(make, monkeypatch):
+    """Scheduled while the cost model still said yes, evicted after it learned better: the pending snapshot would
+    be the only holder of the entry's arrays, so it goes with the entry."""
+    tier, _ = make(ram_bytes=1 << 30)
+    tier.set_write_gate(lambda: False)
+    tier.put(A, kv(A), NS)
+    assert tier.ssd_stats()["pending"] == 1
+    monkeypatch.setattr(tier, "_worth_writing", lambda tokens, caches, ns: False)
+    tier.make_room(1)
+    s = tier.ssd_stats()
+    assert tier.stats()["entries"] == 0 and s["pending"] == 0 and s["spills"] == 0
+    assert tier.held_bytes() == 0
+
+
 def test_entry_larger_than_ram_goes_to_ssd_only(make):
     tier, store = make(ram_bytes=entry_bytes(A) // 2)
     tier.put(A, kv(A), NS)
