@@ -29,6 +29,9 @@ stops; servers one after the other, their order rotated per round and entry.
   ours_no_cudnn_sdpa
           `ours` with MLX_CUDA_USE_CUDNN_SDPA=0: prefill attention in MLX's unfused ops instead of a cuDNN graph built
           per new (query, key) shape
+  ours_no_cuda_graphs
+          `ours` with MLX_USE_CUDA_GRAPHS=0: MLX launches its kernels one by one instead of in CUDA graphs (whose
+          own memory is outside MLX's counters and its memory pool)
   ours_no_composed
           `ours` with `--debug-gpu-attention-composed-max 0`: chunks past a cache hit and verify steps attend through
           cuDNN (the rule before 2026-12-05) instead of models.attention.composed's plain ops
@@ -94,6 +97,7 @@ OURS_VARIANTS = {
     # off, prefill attention takes MLX's unfused ops (no graph to build, more memory traffic)
     "ours_no_cudnn_sdpa": ((), {"MLX_CUDA_USE_CUDNN_SDPA": "0"}),
     "ours_no_conv_kernel": (("--debug-no-conv-kernel",), {}),
+    "ours_no_cuda_graphs": ((), {"MLX_USE_CUDA_GRAPHS": "0"}),  # MLX launches kernels one by one, no CUDA graphs
     # MLX's compiled kernels in one folder these variants share: the first started compiles what the workload's
     # shapes need (each new batch size, chunk length), the ones after start with them, as a restarted server does
     "ours_ptx_a": ((), {"MLX_PTX_CACHE_DIR": "/tmp/mlx-lane-agents-ptx"}),
@@ -166,7 +170,10 @@ def lane_parts(stats: dict, before: dict | None = None) -> dict:
             "peak_gb": round(memory.get("peak_bytes", 0) / 1e9, 1),
             "active_gb": round(memory.get("active_bytes", 0) / 1e9, 1),
             "pool_reserved_high_gb": round(((memory.get("device") or {}).get("pool_reserved_high_bytes") or 0) / 1e9, 1),
-            "pool_used_high_gb": round(((memory.get("device") or {}).get("pool_used_high_bytes") or 0) / 1e9, 1)}
+            "pool_used_high_gb": round(((memory.get("device") or {}).get("pool_used_high_bytes") or 0) / 1e9, 1),
+            "outside_pool_gb": round(((memory.get("device") or {}).get("outside_pool_bytes") or 0) / 1e9, 1),
+            "graph_reserved_high_gb": round(((memory.get("device") or {}).get("graph_reserved_high_bytes") or 0) / 1e9,
+                                            1)}
 
 
 class CardMemory:

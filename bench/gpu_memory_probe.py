@@ -11,6 +11,7 @@ runs in a process of its own:
   default       MLX as the server runs it
   no_cudnn_sdpa MLX_CUDA_USE_CUDNN_SDPA=0 (prefill attention in MLX's own ops, no cuDNN graph per shape)
   graphs_small  MLX_CUDA_GRAPH_CACHE_SIZE=16 (fewer cached CUDA graphs)
+  from_disk     the weights saved as safetensors first (--model-dir) and loaded by mlx_lm.load, as the server does
 
     bash bench/gpu.sh bench/gpu_memory_probe.py --shape llama3-8b --forwards 100 --held-gb 45
 """
@@ -31,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 VARIANTS = {"default": {}, "no_cudnn_sdpa": {"MLX_CUDA_USE_CUDNN_SDPA": "0"},
-            "graphs_small": {"MLX_CUDA_GRAPH_CACHE_SIZE": "16"}}
+            "graphs_small": {"MLX_CUDA_GRAPH_CACHE_SIZE": "16"}, "from_disk": {}}
 GB = 1e9
 
 
@@ -60,7 +61,12 @@ def probe(args) -> dict:
 
     t0 = time.perf_counter()
     rows = [reading("start", t0)]
-    model, cfg = build(args.shape, "bfloat16")
+    if args.one == "from_disk":
+        from mlx_lm import load
+
+        model = load(args.model_dir)[0]
+    else:
+        model = build(args.shape, "bfloat16")[0]
     mx.eval(model.parameters())
     rows.append(reading("weights", t0))
     if args.server_limits:
@@ -112,11 +118,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default="default,no_cudnn_sdpa")
     ap.add_argument("--server-limits", action="store_true", help="MLX's allocator limits as the server sets them")
+    ap.add_argument("--model-dir", default="/tmp/gpu-memory-probe-model", help="from_disk: where the model is saved")
+    ap.add_argument("--tokenizer-dir", default=str(ROOT / ".whl" / "tok"))
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant in this process
     args = ap.parse_args()
+    if args.one == "build":  # in a process of its own, so that no variant shares the card with its arrays
+        import gpu
+
+        gpu.build_model(Path(args.model_dir), args.shape, "bfloat16", Path(args.tokenizer_dir))
+        return
     if args.one:
         print("RESULT " + json.dumps(probe(args)), flush=True)
         return
+    if "from_disk" in args.variants.split(",") and not (Path(args.model_dir) / "config.json").exists():
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", "build"], check=True)
     out: dict = {"script": "gpu_memory_probe.py", "argv": sys.argv[1:], "variants": {}}
     for name in args.variants.split(","):
         env = {**os.environ, **VARIANTS[name]}

@@ -27,6 +27,10 @@ _RESERVED_MEM_CURRENT = 5
 _RESERVED_MEM_HIGH = 6
 _USED_MEM_CURRENT = 7
 _USED_MEM_HIGH = 8
+# CUgraphMem_attribute (cuda.h): the memory CUDA graphs' own allocation nodes hold (a pool apart from the one above)
+_GRAPH_USED_MEM_CURRENT = 0
+_GRAPH_RESERVED_MEM_CURRENT = 2
+_GRAPH_RESERVED_MEM_HIGH = 3
 
 
 class DeviceMemory:
@@ -38,7 +42,7 @@ class DeviceMemory:
         self._lock = threading.Lock()
         self._ctx = ctypes.c_void_p()
         self._pool = ctypes.c_void_p()
-        dev = ctypes.c_int()
+        dev = self._dev = ctypes.c_int()
         self._ok = (lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(dev), ordinal) == 0
                     and lib.cuDevicePrimaryCtxRetain(ctypes.byref(self._ctx), dev) == 0)
         self._has_pool = self._ok and lib.cuDeviceGetDefaultMemPool(ctypes.byref(self._pool), dev) == 0
@@ -64,12 +68,23 @@ class DeviceMemory:
                 return None
         return value.value
 
+    def graph_memory(self, attribute: int) -> Optional[int]:
+        """One attribute of the memory CUDA graphs allocate for themselves on this device, in bytes."""
+        value = ctypes.c_uint64()
+        with self._lock:
+            if not self._bind() or self._lib.cuDeviceGetGraphMemAttribute(self._dev, attribute,
+                                                                          ctypes.byref(value)) != 0:
+                return None
+        return value.value
+
     def trim_pool(self, keep_bytes: int = 0) -> bool:
         """Give the pool's unused reserved memory back to the card, down to ``keep_bytes`` (``cuMemPoolTrimTo``)."""
         with self._lock:
             if not self._has_pool or not self._bind():
                 return False
-            return self._lib.cuMemPoolTrimTo(self._pool, ctypes.c_size_t(keep_bytes)) == 0
+            trimmed = self._lib.cuMemPoolTrimTo(self._pool, ctypes.c_size_t(keep_bytes)) == 0
+            self._lib.cuDeviceGraphMemTrim(self._dev)  # graphs' allocations no graph in flight holds
+            return trimmed
 
 
 @functools.lru_cache(maxsize=1)
@@ -91,8 +106,9 @@ def driver() -> Optional[DeviceMemory]:
 def snapshot(dm: Optional[DeviceMemory] = None) -> Optional[dict]:
     """The card's memory in bytes, for /stats ``memory.device``: ``used`` / ``total`` (the whole card),
     ``pool_reserved`` / ``pool_used`` (and their high-water marks) of the memory pool MLX allocates from, and
-    ``outside_pool`` (used less the pool's reserve: the CUDA context, libraries' kernels and workspaces, other
-    processes). None without a CUDA driver."""
+    ``outside_pool`` (used less the pool's reserve: the CUDA context, libraries' kernels and workspaces, CUDA
+    graphs' own memory, other processes), ``graph_reserved`` / ``graph_used`` (what CUDA graphs' allocation nodes
+    hold, part of ``outside_pool``). None without a CUDA driver."""
     dm = dm if dm is not None else driver()
     if dm is None:
         return None
@@ -104,7 +120,10 @@ def snapshot(dm: Optional[DeviceMemory] = None) -> Optional[dict]:
     return {"used_bytes": used, "total_bytes": total, "pool_reserved_bytes": reserved,
             "pool_used_bytes": dm.pool(_USED_MEM_CURRENT), "pool_reserved_high_bytes": dm.pool(_RESERVED_MEM_HIGH),
             "pool_used_high_bytes": dm.pool(_USED_MEM_HIGH),
-            "outside_pool_bytes": None if reserved is None else used - reserved}
+            "outside_pool_bytes": None if reserved is None else used - reserved,
+            "graph_reserved_bytes": dm.graph_memory(_GRAPH_RESERVED_MEM_CURRENT),
+            "graph_reserved_high_bytes": dm.graph_memory(_GRAPH_RESERVED_MEM_HIGH),
+            "graph_used_bytes": dm.graph_memory(_GRAPH_USED_MEM_CURRENT)}
 
 
 def trim_pool(keep_bytes: int = 0) -> bool:

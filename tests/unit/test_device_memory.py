@@ -52,6 +52,14 @@ class FakeDriver:
         value._obj.value = self.attrs[attr]
         return self._status("cuMemPoolGetAttribute")
 
+    def cuDeviceGetGraphMemAttribute(self, dev, attr, value):
+        value._obj.value = {0: 1 * GB, 2: 2 * GB, 3: 3 * GB}[attr]
+        return self._status("cuDeviceGetGraphMemAttribute")
+
+    def cuDeviceGraphMemTrim(self, dev):
+        self.graphs_trimmed = True
+        return self._status("cuDeviceGraphMemTrim")
+
     def cuMemPoolTrimTo(self, pool, keep):
         self.trimmed_to = keep.value if isinstance(keep, ctypes.c_size_t) else keep
         return self._status("cuMemPoolTrimTo")
@@ -62,14 +70,15 @@ def test_a_snapshot_splits_the_card_into_the_pool_and_what_lies_outside_it():
     snap = device_memory.snapshot(device_memory.DeviceMemory(fake))
     assert snap == {"used_bytes": 65 * GB, "total_bytes": 85 * GB, "pool_reserved_bytes": 60 * GB,
                     "pool_used_bytes": 50 * GB, "pool_reserved_high_bytes": 60 * GB + 1,
-                    "pool_used_high_bytes": 50 * GB + 1, "outside_pool_bytes": 5 * GB}
+                    "pool_used_high_bytes": 50 * GB + 1, "outside_pool_bytes": 5 * GB,
+                    "graph_reserved_bytes": 2 * GB, "graph_reserved_high_bytes": 3 * GB, "graph_used_bytes": 1 * GB}
     assert fake.bound >= 5  # every call binds MLX's primary context to the calling thread first
 
 
 def test_trim_asks_the_driver_to_keep_what_it_is_told():
     fake = FakeDriver()
     assert device_memory.DeviceMemory(fake).trim_pool(3 * GB) is True
-    assert fake.trimmed_to == 3 * GB
+    assert fake.trimmed_to == 3 * GB and fake.graphs_trimmed
 
 
 def test_a_driver_without_pools_still_reads_the_card():
