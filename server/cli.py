@@ -233,7 +233,7 @@ def _serve_parser(sub) -> None:
                    help="bytes the model, the running sequences' KV and the RAM prefix cache may use together: a "
                         "request joins only when its KV for prompt + max_tokens fits (the RAM cache yields first), "
                         "else it waits; one that can never fit is a 400. 0 turns the check off. Default: 75%% of "
-                        "RAM on the CPU, 70%% of a CUDA GPU's memory (its pool fragments), 90%% on Metal "
+                        "RAM on the CPU, 60%% of a CUDA GPU's memory (its pool fragments), 90%% on Metal "
                         "[MLX_LANE_MEMORY_BUDGET]")
     p.add_argument("--pipeline", action="store_true", default=_env_flag("pipeline"),
                    help="under mlx.launch with several processes: shard the model by layers (pipeline-parallel) "

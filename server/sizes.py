@@ -74,18 +74,20 @@ def device_memory() -> tuple[int, str]:
     return physical_ram(), "physical RAM"
 
 
-CUDA_BUDGET_SHARE = 0.70
+CUDA_BUDGET_SHARE = 0.60
 OTHER_GPU_BUDGET_SHARE = 0.90
 
 
 def gpu_budget_share() -> float:
-    """The share of a GPU's memory the default budget gives MLX's arrays: 70% on CUDA, 90% elsewhere (Metal).
+    """The share of a GPU's memory the default budget gives MLX's arrays: 60% on CUDA, 90% elsewhere (Metal).
 
-    Why less on CUDA: MLX allocates from the driver's stream-ordered memory pool (``cudaMallocAsync``), and that pool
-    fragments. On an H100 80GB (85.0 GB) prefills of many shapes beside 45 GB of kept KV caches left the pool 80.8 GB
-    reserved for 62.4 GB in use, the card full at 82.3 GB, and the next prefill out of memory; only ~1.5 GB of the
-    card was outside the pool (``bench/gpu_memory_probe.py``, BENCHMARKS.md 2026-12-06, fourth session). So MLX's
-    arrays get about 1/1.3 of what the pool can reach (the card less the CUDA context and libraries' kernels)."""
+    Why less on CUDA: the card holds more than MLX counts. MLX allocates from the driver's stream-ordered memory pool
+    (``cudaMallocAsync``), and that pool fragments: in-process, prefills of many shapes beside 45 GB of kept KV
+    caches left it 80.8 GB reserved for 62.4 GB in use on an H100 80GB (85.0 GB), and the next prefill ran out of
+    memory (``bench/gpu_memory_probe.py``). Served, a further 17-33 GB of the card lay outside that pool (``/stats``
+    ``memory.device.outside_pool_bytes``; not CUDA graphs' memory, not yet explained). 16 Llama-3-8B agents with the
+    SSD tier lost 30-32 of 64 requests to out-of-memory at a 70% budget and none at 50 GiB (63%); Qwen3.5-9B's ran
+    whole at 60% (BENCHMARKS.md, 2026-12-06, fourth session)."""
     return CUDA_BUDGET_SHARE if on_cuda() else OTHER_GPU_BUDGET_SHARE
 
 
@@ -101,7 +103,7 @@ def on_cuda() -> bool:
 
 
 def default_memory_budget() -> tuple[int, str]:
-    """--memory-budget default: ``gpu_budget_share`` of a GPU's memory (70% on CUDA, 90% on Metal), 75% of RAM on a
+    """--memory-budget default: ``gpu_budget_share`` of a GPU's memory (60% on CUDA, 90% on Metal), 75% of RAM on a
     CPU (the OS, the HTTP layer and the SSD tier's write-behind buffers need the rest; an OOM kill loses every
     stream at once)."""
     total, source = device_memory()

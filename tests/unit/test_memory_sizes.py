@@ -16,7 +16,7 @@ GB = 10**9
 def test_the_limit_is_the_budget_and_the_cache_a_twentieth_of_the_card():
     assert sizes.allocator_limits(72 * GB, 80 * GB) == (72 * GB, 4 * GB)
     # --memory-budget 0 (admission unchecked): MLX still gives its cache back at the CUDA share of the card
-    assert sizes.allocator_limits(0, 80 * GB) == (56 * GB, 4 * GB)
+    assert sizes.allocator_limits(0, 80 * GB) == (48 * GB, 4 * GB)
     # a small card keeps a cache of at least 1 GiB
     assert sizes.allocator_limits(7 * GB, 8 * GB)[1] == 1 << 30
 
@@ -59,8 +59,8 @@ def test_the_ram_tier_default_is_half_of_what_the_budget_leaves_beside_the_weigh
 def test_on_cuda_the_default_budget_leaves_room_for_the_memory_pools_slack(monkeypatch):
     monkeypatch.setattr(sizes, "device_memory", lambda: (80 * GB, "device memory_size"))
     monkeypatch.setattr(sizes, "on_cuda", lambda: True)
-    assert sizes.gpu_budget_share() == 0.70
-    assert sizes.default_memory_budget() == (56 * GB, "70% of device memory_size")
-    assert sizes.default_cache_bytes(16 * GB) == 20 * GB  # (56 - 16) / 2
+    assert sizes.gpu_budget_share() == 0.60
+    assert sizes.default_memory_budget() == (48 * GB, "60% of device memory_size")
+    assert sizes.default_cache_bytes(16 * GB) == 16 * GB  # (48 - 16) / 2
     monkeypatch.setattr(sizes, "on_cuda", lambda: False)  # Metal keeps 90%
     assert sizes.default_memory_budget() == (72 * GB, "90% of device memory_size")
