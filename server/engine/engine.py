@@ -241,9 +241,15 @@ class Engine:
     def step_solo(self, seq) -> Optional[Emitted]:
         return self.decoder.step_solo(seq)
 
-    def reset_batch(self, group: GroupKey) -> None:
-        """A batch whose step raised: its rows were abandoned; start the group afresh."""
+    def reset_batch(self, group: GroupKey, seqs=()) -> None:
+        """A batch whose step raised goes whole, before its rows (``seqs``) are abandoned: none of them is copied out
+        of it (its state is not to be trusted, and on a GPU that ran out of memory a row's copy would ask for more);
+        the group starts afresh."""
         self.decoder.reset(group)
+        for seq in seqs:
+            work = self._work.get(seq)
+            if work is not None:
+                work.batched = False
         _repair_after_failure()
 
     def batch_rows(self) -> int:

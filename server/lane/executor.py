@@ -185,9 +185,10 @@ class Executor:
             stepped = self.engine.step_batch(group)
         except Exception as exc:
             log.exception("batched decode step failed; failing its sequences")
-            for seq in [s for s in self.running if s.phase == Phase.BATCHED and s.group == group]:
+            members = [s for s in self.running if s.phase == Phase.BATCHED and s.group == group]
+            self.engine.reset_batch(group, members)  # first: no row is copied out of a batch whose step failed
+            for seq in members:
                 self._fail(seq, exc)
-            self.engine.reset_batch(group)
             return 0
         for seq, facts in stepped.regrouped:  # its rows decode in another group from now on
             seq.facts = facts

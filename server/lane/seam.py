@@ -232,8 +232,9 @@ class LaneEngine(Protocol):
     def abandon(self, seq: SeqView) -> None:
         """A sequence whose model work raised: release what the engine holds for it (nothing is stored)."""
 
-    def reset_batch(self, group: GroupKey) -> None:
-        """A batch whose step raised (its rows were abandoned): start the group afresh."""
+    def reset_batch(self, group: GroupKey, seqs: Sequence[SeqView] = ()) -> None:
+        """A batch whose step raised goes whole, before its rows (``seqs``) are abandoned (nothing is copied out of
+        it): start the group afresh."""
 
     def batch_rows(self) -> int:
         """Rows in all decode batches."""

@@ -258,6 +258,41 @@ def test_a_failing_step_fails_its_sequence_and_the_lane_serves_on(models):
     assert not lane.engine._work  # the failed sequence's engine state went with it
 
 
+class FailingStepEngine(Engine):
+    """The real engine, whose third batched decode step raises as a GPU out of memory does; it counts the rows
+    copied out of a batch (``decoder.leave``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps = self.copied_out = 0
+        leave = self.decoder.leave
+
+        def counted(seqs):
+            self.copied_out += 1
+            return leave(seqs)
+
+        self.decoder.leave = counted
+
+    def step_batch(self, group):
+        self.steps += 1
+        if self.steps == 3:
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        return super().step_batch(group)
+
+
+def test_a_batch_whose_step_failed_goes_whole_and_the_lane_serves_on(models):
+    """No row is copied out of a batch whose step raised (its state is not to be trusted; on a GPU out of memory a
+    copy asks for more): its rows fail, the engine holds nothing of them, and the next requests are served."""
+    lane = make_lane(models, engine_class=FailingStepEngine, max_batch=4)
+    sent = [submit(lane, name, PROMPTS[p], 8) for name, p in (("x", "a"), ("y", "b"))]
+    run_until_idle(lane)
+    assert all(isinstance(events[-1], Failed) for _, events in sent)
+    assert lane.engine.copied_out == 0 and not lane.engine._work and lane.engine.batch_rows() == 0
+    again, events = submit(lane, "again", PROMPTS["c"], 3)
+    run_until_idle(lane)
+    assert finished(events).finish_reason == "length" and len(again.generated) == 3
+
+
 class LostDeviceEngine(Engine):
     """The real engine, whose admission of a sequence named "lost" raises CUDA's sticky error."""
 

@@ -113,8 +113,8 @@ class FakeEngine:
             if seq in rows:
                 rows.remove(seq)
 
-    def reset_batch(self, group) -> None:
-        self.calls.append(("reset", group))
+    def reset_batch(self, group, seqs=()) -> None:
+        self.calls.append(("reset", group, tuple(s.id for s in seqs)))
         self.batches.pop(group, None)
 
     def batch_rows(self) -> int:
@@ -209,8 +209,11 @@ def test_a_batch_step_that_raises_fails_its_rows_and_starts_the_group_afresh():
     for seq, events in ((a, ea), (b, eb)):
         assert isinstance(events[-1], Failed) and not any(isinstance(e, Finished) for e in events)
         assert seq.phase == Phase.FINISHED
-    assert ("reset", GROUP) in engine.calls
-    assert {c[1] for c in engine.calls if c[0] == "abandon"} == {"a", "b"}
+    resets = [i for i, c in enumerate(engine.calls) if c[0] == "reset"]
+    assert [engine.calls[i][1:] for i in resets] == [(GROUP, ("a", "b"))]
+    abandons = [i for i, c in enumerate(engine.calls) if c[0] == "abandon"]
+    assert {engine.calls[i][1] for i in abandons} == {"a", "b"}
+    assert resets[0] < min(abandons)  # the batch went whole before its rows were abandoned
     assert lane.stats.requests_failed == 2
 
 
