@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.serverproc import entry_module, free_port, server_env, without_embeddings_unless_asked
+from tests.serverproc import entry_module, free_port, free_port_run, server_env, without_embeddings_unless_asked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ class LaunchedServer:
         threads = str(max(1, (os.cpu_count() or 1) // n))
         full_env = server_env({"OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", threads),
                                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads), **(env or {})})
-        ports = ["--starting-port", str(free_port())] if backend == "ring" else ["--nccl-port", str(free_port())]
+        ports = ["--starting-port", str(free_port_run(n))] if backend == "ring" else ["--nccl-port", str(free_port())]
         cmd = [*mlx_launch(), "-n", str(n), "--backend", backend, *ports,
                "--python", sys.executable, "--", "-m", entry_module(full_env), "serve", "--port", str(self.port),
                *without_embeddings_unless_asked(args, full_env)]  # as ServerProc (tests/serverproc.py)

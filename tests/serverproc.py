@@ -20,6 +20,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(n: int, low: int = 20000, high: int = 32000) -> int:
+    """The first of ``n`` consecutive free loopback ports (MLX's ring backend listens on ``--starting-port`` + rank).
+
+    Drawn below the kernel's ephemeral range (32768-60999 on Linux), where ``free_port`` and every outgoing
+    connection get theirs: a run that began at an ephemeral ``free_port()`` once found rank 1's port taken by a
+    concurrent test ("[ring] Couldn't bind socket (error: 98)"). Every port of the run is bound at once to check it."""
+    import random
+
+    for _ in range(200):
+        start = random.randrange(low, high - n)
+        socks = []
+        try:
+            for port in range(start, start + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return start
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports between {low} and {high}")
+
+
 NO_TORCH = Path(__file__).resolve().parent / "fixtures" / "no_torch"
 
 

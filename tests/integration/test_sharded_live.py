@@ -22,7 +22,7 @@ import pytest
 
 from tests.fixtures.tiny_models import write_shardable_model
 from tests.launchproc import ROOT, LaunchedServer, mlx_launch
-from tests.serverproc import ServerProc, free_port, server_env
+from tests.serverproc import ServerProc, free_port, free_port_run, server_env
 
 pytestmark = pytest.mark.model
 
@@ -210,7 +210,7 @@ def test_default_model_tensor_parallel_over_3_processes_matches_one_process(defa
 
 
 def test_default_model_over_2_processes_says_what_to_do(default_model_dir):
-    cmd = [*mlx_launch(), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--python",
+    cmd = [*mlx_launch(), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_run(2)), "--python",
            sys.executable, "--", "-m", "server.cli", "serve", "--port", str(free_port()), "--model", "default",
            "--no-ssd-cache"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
