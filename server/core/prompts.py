@@ -18,6 +18,7 @@ from server.core.grammar import (
 from server.core.media import ImageLimits, PromptMedia, cache_key, decode, image_spans
 from server.core.request import ROOM, GenerationRequest, MaxTokens
 from server.core.template_input import template_messages, template_variables, writes_hermes
+from server.core.token_cache import encoder_for
 
 __all__ = ["render", "render_media", "chat_prompt", "render_chat", "render_chat_text", "template_variables",
            "breakpoint_positions", "breakpoint_marks", "BreakpointMarks", "NO_BREAKPOINTS", "history_end",
@@ -99,9 +100,23 @@ def _apply_template(tokenizer, req: GenerationRequest, extra: dict, add_generati
         kwargs["tools"] = tools
     messages = template_messages(tokenizer, req.messages)
     try:
-        return tokenizer.apply_chat_template(messages, **kwargs)
+        return _templated(tokenizer, messages, kwargs)
     except Exception as exc:  # jinja raises for roles/orders a template refuses
         raise InvalidRequest(f"the chat template rejected these messages: {exc}", param=req.param("messages")) from exc
+
+
+def _templated(tokenizer, messages: list[dict], kwargs: dict):
+    """``tokenizer.apply_chat_template(messages, **kwargs)``; tokenized (the default), the text is rendered and then
+    tokenized from the pieces earlier prompts already tokenized (server.core.token_cache: the same ids)."""
+    if kwargs.get("tokenize", True) is False:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    encoder = encoder_for(tokenizer)
+    if encoder is None or not encoder.enabled:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    text = tokenizer.apply_chat_template(messages, **{**kwargs, "tokenize": False})
+    if not isinstance(text, str):
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    return encoder.encode(text)
 
 
 def breakpoint_positions(tokenizer, req: GenerationRequest, prompt: list[int]) -> tuple[int, ...]:
@@ -140,7 +155,7 @@ def breakpoint_marks(tokenizer, req: GenerationRequest, prompt: list[int]) -> Br
             positions[n] = end
             continue
         try:
-            ids = tokenizer.apply_chat_template(messages, **kwargs)
+            ids = _templated(tokenizer, messages, kwargs)
         except Exception:  # noqa: BLE001 - a template may refuse a conversation cut short: no breakpoint then
             continue
         if isinstance(ids, dict):

@@ -204,7 +204,17 @@ def stats_body(state) -> dict:
         # the next turn's cache entries computed ahead (server.core.next_turn)
         "next_turn": state.core.next_turns.stats() if state.core.next_turns is not None else {"enabled": False},
         "startup": TIMELINE.as_dict(),  # where the seconds before ready went (server.startup)
+        "prompt_tokens": _prompt_tokens_block(state),  # chat prompts tokenized from cached pieces (token_cache)
     }
+
+
+def _prompt_tokens_block(state) -> dict:
+    """The base model's tokenizer's piece cache (server.core.token_cache): whether it is on, the pieces and tokens
+    it holds, and how many pieces (and their tokens) later prompts found there instead of tokenizing them again."""
+    from server.core.token_cache import encoder_for
+
+    enc = encoder_for(state.loaded.tokenizer)
+    return enc.stats() if enc is not None else {"enabled": False}
 
 
 def memory_block() -> dict:

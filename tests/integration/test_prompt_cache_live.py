@@ -83,7 +83,12 @@ def test_five_turn_conversation_identical_with_and_without_cache(server, tokeniz
         return out, msgs
 
     clear(server.url)
+    before = httpx.get(server.url + "/stats").json()["prompt_tokens"]
     cached_run, _ = converse()
+    # each turn's earlier messages were tokenized from the server's piece cache (server.core.token_cache) ...
+    after = httpx.get(server.url + "/stats").json()["prompt_tokens"]
+    assert after["enabled"] and after["hits"] - before["hits"] >= 2 * (len(questions) - 1)
+    assert after["tokens_reused"] > before["tokens_reused"]
     # cold reference: clear before every turn
     msgs, cold_texts = [SYSTEM], []
     for q, (text, _) in zip(questions, cached_run):
@@ -100,6 +105,7 @@ def test_five_turn_conversation_identical_with_and_without_cache(server, tokeniz
     for q, (text, usage) in zip(questions, cached_run):
         msgs.append({"role": "user", "content": q})
         ids = prompt_ids(tokenizer, msgs)
+        assert usage["prompt_tokens"] == len(ids)  # ... and came out as the template's own tokenization
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         if prev is not None:
             assert len(prev) <= cached <= len(ids) - 1
