@@ -1,6 +1,6 @@
 """The prefix cache the lane sees: the RAM tier over the SSD cold tier, with write-behind and read-ahead.
 
-(About 475 lines, one job: the composition of the tiers and the rules between them (which tier a take uses, what a
+(About 485 lines, one job: the composition of the tiers and the rules between them (which tier a take uses, what a
 put schedules, what a flush must leave durable). Each tier and the writer are their own modules, listed below; what
 stays here is the policy that needs all of them at once.)
 

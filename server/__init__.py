@@ -8,6 +8,8 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
     catalog.py           what the server serves: model names, --model-alias patterns, LoRA adapters
     pool/                the on-demand models (--model NAME=PATH, --models-dir): residency policy, loads, leases
     stats.py             serving counters (/stats, /metrics); errors.py: the APIError hierarchy; sizes.py
+                         (byte sizes and the device's defaults); memory.py (the admission budget's assembly);
+                         device_memory.py (a CUDA card's memory as the driver counts it)
 
     http/                the doors and the app around them
       app.py             the FastAPI app: state, routes, lifespan, error mapping
@@ -24,6 +26,7 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
       request.py         the internal request (GenerationRequest): no wire types below this line
       context.py         what the core may use of the running server (CoreContext), not the whole ServerState
       prompts.py         chat template / raw prompt -> token ids; lengths and sampling -> SamplingParams
+      token_cache.py     a rendered chat prompt tokenized from the pieces earlier prompts tokenized (exact)
       grammar.py         constrained decoding (llguidance): response_format, forced and strict tool calls
       output_parse.py    a reply -> text, reasoning and tool calls, per model family (mlx-lm's parsers)
       generation.py      one request's generation: submit, events (text, reasoning, done, error), collect
