@@ -512,7 +512,8 @@ def test_a_step_that_raised_inside_the_compiled_sampler_leaves_the_next_sampled_
         run_until_idle(lane)
         results[name] = events
     assert isinstance(results["bad"][-1], Failed)
-    assert finished(results["next"]).completion_tokens == 4, results["next"][-1]
+    done = finished(results["next"])  # sampled from a random model: it may meet its EOS before 4 tokens
+    assert 1 <= done.completion_tokens <= 4 and done.finish_reason in ("length", "stop"), results["next"][-1]
     assert finished(results["greedy-too"]).completion_tokens == 4
 
 
