@@ -130,11 +130,15 @@ def _writes_wait_for_an_idle_lane(url):
                 seen.append(stats["ssd_cache"])
             time.sleep(0.03)
         assert running.result().status_code == 200
+    # the last look may straddle the lane's end: /stats reads the lane (still running) before the SSD tier, and the
+    # writer may take its chance in between (a fresh-clone run saw that write): it is left out
+    seen = seen[:-1]
     assert seen, "the long request ended before the short one"
     brief = [(s["pending"], s["writes"], s["write_gate_waits"]) for s in seen]
     # nothing written beside the forwards (from the first look on: an entry of the server's own work, due before the
     # long request came, may have gone out in the moment the lane was idle between them)
-    assert all(s["writes"] == seen[0]["writes"] for s in seen), brief
+    odd = [(i, b) for i, b in enumerate(brief) if b[1] != brief[0][1]]
+    assert not odd, f"writes while the lane ran, at looks {odd} of {len(brief)}: {brief[:3]}..."
     assert any(s["pending"] >= 1 for s in seen), brief
     after = _settled(url)
     assert after["writes"] > seen[-1]["writes"] and after["write_gate_waits"] > before["write_gate_waits"]
