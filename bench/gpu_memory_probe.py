@@ -14,6 +14,7 @@ runs in a process of its own:
   from_disk     the weights saved as safetensors first (--model-dir) and loaded by mlx_lm.load, as the server does
 
     bash bench/gpu.sh bench/gpu_memory_probe.py --shape llama3-8b --forwards 100 --held-gb 45
+    bash bench/gpu.sh bench/gpu_memory_probe.py --shape llama3-8b --forwards 0 --events 5000 --variants default
 """
 
 from __future__ import annotations
@@ -51,6 +52,30 @@ def reading(label: str, t0: float) -> dict:
     return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}
 
 
+def events_phase(n: int, t0: float) -> list:
+    """A lead for the memory outside the pool in the server (BENCHMARKS.md 2026-12-06, fourth session): MLX's CUDA
+    event (``AtomicEvent``, mlx/backend/cuda/event.cu) is 4 bytes of managed memory, and ``mx.async_eval`` attaches
+    one to every array it evaluates until something reads that array again. ``n`` tiny arrays evaluated one
+    ``async_eval`` each and kept untouched hold ``n`` events: the card's reading beside them, then after a plain
+    ``mx.eval`` of them all (which lets their events go)."""
+    import mlx.core as mx
+
+    kept = []
+    for i in range(n):
+        a = mx.full((4,), float(i))
+        mx.async_eval(a)
+        kept.append(a)
+    mx.synchronize()
+    out = [reading(f"{n} async_eval'd arrays kept", t0)]
+    mx.eval(kept)
+    out.append(reading("after mx.eval of them", t0))
+    del kept
+    out.append(reading("after they are let go", t0))
+    for r in out:
+        print(json.dumps(r), flush=True)
+    return out
+
+
 def probe(args) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -71,6 +96,8 @@ def probe(args) -> dict:
     rows.append(reading("weights", t0))
     if args.server_limits:
         apply_allocator_limits(default_memory_budget()[0])
+    if args.events:
+        rows.extend(events_phase(args.events, t0))
     rng = random.Random(args.seed)
     held: list = []
     held_bytes = 0
@@ -118,6 +145,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default="default,no_cudnn_sdpa")
     ap.add_argument("--server-limits", action="store_true", help="MLX's allocator limits as the server sets them")
+    ap.add_argument("--events", type=int, default=0, help="first, this many async_eval'd arrays kept (events_phase)")
     ap.add_argument("--model-dir", default="/tmp/gpu-memory-probe-model", help="from_disk: where the model is saved")
     ap.add_argument("--tokenizer-dir", default=str(ROOT / ".whl" / "tok"))
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant in this process
