@@ -4,9 +4,9 @@
 right before each special token (``<|im_start|>``, ``<|eot_id|>``, ...): a fast tokenizer splits its input at its
 added tokens before anything else, so the pieces between them are tokenized apart, and a piece that begins with a
 special token (which absorbs no whitespace to its left) tokenizes the same wherever it stands. Each piece's ids are
-kept in a bounded LRU, so a conversation's earlier messages cost a dictionary lookup on the next turn: a 32k-token
-conversation took ~57 ms to tokenize whole on this CPU (SmolLM2's tokenizer), against ~5 ms of template rendering
-for the text, on every request, where a GPU's +1-token forward after a 32k cache hit is a few ms (issue 45).
+kept in a bounded LRU, so a conversation's earlier messages cost a dictionary lookup on the next turn. A 32k-token
+conversation took ~68 ms to tokenize whole on this CPU (SmolLM2's tokenizer), on every request, and ~2.4 ms rendered
+and looked up here (bench/prompt_tokens.py); a GPU's +1-token forward after a 32k cache hit is a few ms (issue 45).
 
 Exactness is checked, not assumed: a tokenizer whose pieces do not add up (a SentencePiece-style pre-tokenizer that
 marks only the first word of the whole text, say) is found by a probe when the encoder is made, and the first
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from array import array
 import weakref
 from collections import OrderedDict
 from typing import Optional
@@ -38,7 +39,7 @@ class SegmentEncoder:
         self._tokenizer = tokenizer
         self._max_tokens = int(max_tokens)
         self._lock = threading.Lock()
-        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._pieces: OrderedDict[str, array] = OrderedDict()  # 4 bytes a token, not a tuple of int objects
         self._held = 0
         self._verify_left = int(verify_first)
         self.hits = self.misses = self.tokens_reused = 0
@@ -66,7 +67,7 @@ class SegmentEncoder:
             return {"enabled": self.enabled, "pieces": len(self._pieces), "tokens_held": self._held,
                     "hits": self.hits, "misses": self.misses, "tokens_reused": self.tokens_reused}
 
-    def _piece(self, piece: str) -> tuple[int, ...]:
+    def _piece(self, piece: str) -> array:
         with self._lock:
             ids = self._pieces.get(piece)
             if ids is not None:
@@ -74,7 +75,7 @@ class SegmentEncoder:
                 self.hits += 1
                 self.tokens_reused += len(ids)
                 return ids
-        ids = tuple(self._whole(piece))
+        ids = array("I", self._whole(piece))
         with self._lock:
             self.misses += 1
             if piece not in self._pieces and len(ids) <= self._max_tokens:
