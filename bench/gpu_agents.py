@@ -158,6 +158,7 @@ def lane_parts(stats: dict, before: dict | None = None) -> dict:
     tokens = (parts.get("tokens") or 0) - ((before.get("prefill_parts") or {}).get("tokens") or 0)
     rows = less("leave_parts", "rows")
     memory = stats.get("memory") or {}
+    card = memory.get("device") or {}  # the CUDA driver's reading (server.device_memory), none on the CPU
     return {"prefill_s": less("tick_seconds", "prefill"), "step_s": less("tick_seconds", "batch_step"),
             "leave_s": less("tick_seconds", "batch_leave"), "ticks": (lane.get("ticks") or 0) - (before.get("ticks") or 0),
             "prefill_ms_per_token": round(1e3 * less("prefill_parts", "forward_s") / tokens, 3) if tokens else None,
@@ -169,11 +170,8 @@ def lane_parts(stats: dict, before: dict | None = None) -> dict:
             "warm_up_s": (lane.get("warm_up") or {}).get("seconds"),
             "peak_gb": round(memory.get("peak_bytes", 0) / 1e9, 1),
             "active_gb": round(memory.get("active_bytes", 0) / 1e9, 1),
-            "pool_reserved_high_gb": round(((memory.get("device") or {}).get("pool_reserved_high_bytes") or 0) / 1e9, 1),
-            "pool_used_high_gb": round(((memory.get("device") or {}).get("pool_used_high_bytes") or 0) / 1e9, 1),
-            "outside_pool_gb": round(((memory.get("device") or {}).get("outside_pool_bytes") or 0) / 1e9, 1),
-            "graph_reserved_high_gb": round(((memory.get("device") or {}).get("graph_reserved_high_bytes") or 0) / 1e9,
-                                            1)}
+            **{f"{name}_gb": round((card.get(f"{name}_bytes") or 0) / 1e9, 1)
+               for name in ("pool_reserved_high", "pool_used_high", "outside_pool", "graph_reserved_high")}}
 
 
 class CardMemory:

@@ -87,6 +87,11 @@ class _Pending:
         return supersedes(self._ids, self.trimmable, other._ids, old_trimmable=other.trimmable)
 
 
+def _key(tokens: Sequence[int], ns: str) -> tuple[str, tuple[int, ...]]:
+    """A pending snapshot's key; the RAM tier's own token tuples are taken as they are (no 32k-int copy)."""
+    return ns, tokens if isinstance(tokens, tuple) else tuple(int(t) for t in tokens)
+
+
 class DurabilityCoordinator:
     """Debounced write-behind of prefix-cache entries to `store`. All public methods are thread-safe."""
 
@@ -176,9 +181,10 @@ class DurabilityCoordinator:
         spill from here on (``max_sole_bytes``, ``sole_pending_bytes``, ``drop_spills``). Without this, snapshots of
         entries the RAM tier had superseded, waiting for an idle lane, held ~16 GB of an H100 uncounted while 16
         Llama-3-8B agents ran (2026-12-06, fourth session). True when a snapshot was disowned."""
-        key = (ns, tuple(int(t) for t in tokens))
         with self._cond:
-            item = self._pending.get(key)
+            if not self._pending:  # the usual case on the lane's put: nothing to look up
+                return False
+            item = self._pending.get(_key(tokens, ns))
             if item is None or item.sole:
                 return False
             item.sole = True
@@ -190,9 +196,10 @@ class DurabilityCoordinator:
     def forget(self, tokens: Sequence[int], ns: str) -> bool:
         """Drop this entry's pending snapshot (not one in flight): its owner decided it is not worth writing after
         all. Counted as dropped. True when one was pending."""
-        key = (ns, tuple(int(t) for t in tokens))
         with self._cond:
-            item = self._pending.get(key)
+            if not self._pending:
+                return False
+            item = self._pending.get(_key(tokens, ns))
             if item is None:
                 return False
             self._remove_locked(item)

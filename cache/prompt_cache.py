@@ -1,5 +1,9 @@
 """RAM tier of the prefix cache: per-namespace entries of (token ids -> per-layer KV caches), reused by prefix.
 
+(About 405 lines, one job: the RAM tier's index and its rules (take, put, supersede, evict, sessions, anchors). The
+eviction order is cache.policy's, the copying cache.copying's, the prefix arithmetic cache.prefix's; what is left is
+the contract below, and splitting the index from its verbs would only pass the lock between two modules.)
+
 Public verbs (what the lane and the HTTP layer call):
   * `take(tokens, ns, session=None) -> CacheHit | None` (lane thread). Non-consuming: the donor entry stays in the
     cache untouched; the caller OWNS `hit.caches` (new objects, zero-copy views of the donor's arrays, trimmed to

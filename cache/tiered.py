@@ -1,6 +1,6 @@
 """The prefix cache the lane sees: the RAM tier over the SSD cold tier, with write-behind and read-ahead.
 
-(About 485 lines, one job: the composition of the tiers and the rules between them (which tier a take uses, what a
+(About 490 lines, one job: the composition of the tiers and the rules between them (which tier a take uses, what a
 put schedules, what a flush must leave durable). Each tier and the writer are their own modules, listed below; what
 stays here is the policy that needs all of them at once.)
 
@@ -119,7 +119,7 @@ class TieredCache:
         box: list[TieredCache] = []
         ram = PromptCache(ram_bytes, clock=clock,
                           on_evict=lambda ns, tokens, caches: box[0].spill(ns, tokens, caches),
-                          on_let_go=lambda ns, tokens: box[0]._durability.disown(tokens, ns))
+                          on_let_go=lambda ns, tokens: box[0].let_go(ns, tokens))
         box.append(cls(ram, store, durability, cost, **kw))
         return box[0]
 
@@ -368,6 +368,11 @@ class TieredCache:
             ok = False
         with self._lock:
             self._c["spills" if ok else "spill_failed"] += 1
+
+    def let_go(self, ns: str, tokens: tuple[int, ...]) -> None:
+        """The RAM tier superseded this entry (its on_let_go hook): a write of it still pending is now the only holder
+        of its arrays and counts as a spill (``DurabilityCoordinator.disown``)."""
+        self._durability.disown(tokens, ns)
 
     def demote_idle(self) -> int:
         """Move entries idle longer than `demote_idle_s` from RAM to SSD now; return how many."""
