@@ -220,6 +220,46 @@ def kernel_cache_files(ours: bool) -> int:
     return sum(1 for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
 
 
+class Profiler:
+    """One ``GET /admin/profile`` of ours, ``after`` seconds into the run, for ``seconds``, on a thread of its own."""
+
+    def __init__(self, url: str, after: float, seconds: float):
+        import threading
+
+        self.url, self.after, self.seconds = url, after, seconds
+        self.body: dict = {}
+        self._thread = threading.Thread(target=self._take, daemon=True)
+        self._thread.start()
+
+    def _take(self) -> None:
+        import httpx
+
+        time.sleep(self.after)
+        try:
+            r = httpx.get(f"{self.url}/admin/profile", params={"seconds": self.seconds, "interval_ms": 2, "top": 30},
+                          timeout=self.seconds + 60)
+            self.body = r.json()
+        except Exception as exc:
+            self.body = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def result(self, folded_path: Path) -> dict:
+        """The hottest lines and functions per thread (printed too); the folded stacks go to ``folded_path``."""
+        self._thread.join(self.seconds + 90)
+        body = dict(self.body)
+        threads = body.get("threads") or {}
+        lines = []
+        for name, t in threads.items():
+            lines += [f"{name};{stack}" for stack in t.pop("folded", [])]  # the thread as the outermost frame
+            print(f"    profile {name}: {t['samples']} samples", flush=True)
+            for row in t["top_total"][:20]:
+                print(f"      total {row['share']:6.1%}  {row['function']}", flush=True)
+            for row in t["top_self"][:20]:
+                print(f"      self  {row['share']:6.1%}  {row['line']}", flush=True)
+        if lines:
+            folded_path.write_text("\n".join(lines) + "\n")
+        return body
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(gpu.ROOT / ".bench" / "gpu-out"))
@@ -247,6 +287,11 @@ def main() -> int:
                     help="before the measured runs, start mlx_lm.server once for an unmeasured 4 x 2 workload of other "
                          "conversations, so that it starts the measured ones with its kernels compiled, as ours does "
                          "(its warm-up) and as a server that has run before would (kernel_cache_files)")
+    ap.add_argument("--profile-ours", type=float, default=0.0, metavar="SECONDS",
+                    help="sample where ours' threads spend SECONDS of the run (GET /admin/profile), starting "
+                         "--profile-after seconds into it; the hottest lines go into the JSON and the log, the folded "
+                         "stacks into OUT/profile_<server>.folded")
+    ap.add_argument("--profile-after", type=float, default=3.0)
     ap.add_argument("--ours-args", default="", help="extra `mlx-lane serve` arguments (one shell-quoted string)")
     ap.add_argument("--peer-cache-bytes", type=int, default=None,
                     help="mlx_lm.server's --prompt-cache-bytes instead of the issue's 60 GB (on an 80 GB H100 the "
@@ -334,12 +379,16 @@ def main() -> int:
                     lane_before = lane_block(peer.url) if n in OURS_VARIANTS else None
                     probes: list[dict] = []
                     card = CardMemory()  # the whole card's memory while the agents run (nvidia-smi, each second)
+                    profiler = (Profiler(peer.url, args.profile_after, args.profile_ours)
+                                if n in OURS_VARIANTS and args.profile_ours > 0 else None)
                     try:
                         records, wall = run_agents(peer.url, tasks, chunks, K, T, args.max_tokens,
                                                    args.stagger_ms / 1e3, system=system,
                                                    probe_every_s=args.probe_every_ms / 1e3, probes=probes)
                     finally:
                         run["card_memory"] = card.stop()
+                        if profiler is not None:
+                            run["profile"] = profiler.result(out / f"profile_{n}.folded")
                     if n in OURS_VARIANTS:
                         run["stats_after"] = stats_blocks(peer.url)
                         run["lane_parts"] = lane_parts(run["stats_after"], lane_before)

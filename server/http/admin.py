@@ -9,6 +9,11 @@ otherwise, 409 when the SSD tier is off.
 first request would) or unload one (409 while requests hold it). Only models the server was started with
 (``--model NAME=PATH``, ``--models-dir``) can be named: no path is read from the request.
 
+``/admin/profile?seconds=S&interval_ms=I&threads=NAMES`` samples where the server's threads spend their time for S
+seconds (server.stack_sampler; default 10 s every 5 ms, the lane thread ``mlx-lane``, the event loop ``MainThread``
+and the SSD writer ``mlx-lane-durability``) and answers each thread's hottest lines, hottest functions and folded
+stacks (for flamegraph.pl or speedscope). One profile at a time (409 while one runs); requests go on meanwhile.
+
 ``/admin/adapters`` loads or unloads a LoRA adapter while the server runs. Body: ``{"action": "load", "name": NAME, "path": DIR}`` (``path`` may be left out with ``--adapter-dir``: then
 ``DIR/NAME``) or ``{"action": "unload", "name": NAME}``. Who may load what is ``server.catalog.load_refusal``
 (a path from an unauthenticated client is never read). Loading runs on the lane thread (``Lane.call``: it owns
@@ -131,6 +136,29 @@ async def admin_model_unload(request: Request):
     except ModelInUse as exc:
         raise Conflict(str(exc), code="model_in_use") from None
     return {"object": "model", "id": entry.name, "state": entry.state, "was": "loaded" if unloaded else "not_loaded"}
+
+
+_DEFAULT_PROFILED = "mlx-lane,MainThread,mlx-lane-durability"
+_profiling = asyncio.Lock()
+
+
+@router.get("/admin/profile")
+async def admin_profile(request: Request, seconds: float = 10.0, interval_ms: float = 5.0,
+                        threads: str = _DEFAULT_PROFILED, top: int = 25):
+    from server.stack_sampler import MAX_SECONDS, sample
+
+    if not 0 < seconds <= MAX_SECONDS:
+        raise InvalidRequest(f"seconds must be in (0, {MAX_SECONDS:g}]", param="seconds")
+    if not 0.5 <= interval_ms <= 1000:
+        raise InvalidRequest("interval_ms must be in [0.5, 1000]", param="interval_ms")
+    names = [n.strip() for n in threads.split(",") if n.strip()]
+    if not names:
+        raise InvalidRequest("name at least one thread (e.g. threads=mlx-lane)", param="threads")
+    if _profiling.locked():
+        raise Conflict("a profile is being taken already; retry when it ends", code="profile_running")
+    async with _profiling:
+        profile = await asyncio.to_thread(sample, names, seconds, interval_ms / 1e3)
+    return json_response({"object": "profile", **profile.as_dict(top=max(1, min(top, 500)))})
 
 
 @router.post("/admin/cache/clear")

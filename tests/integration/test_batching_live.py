@@ -290,3 +290,30 @@ def test_prompts_prefilled_together_in_one_batched_forward_give_their_alone_text
             assert r["usage"]["completion_tokens"] >= 1
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def test_admin_profile_shows_the_lane_thread_stepping_the_batch_while_streams_run(batch_server):
+    url = batch_server.url
+    bodies = [{"messages": msgs(t), "max_tokens": 40, "temperature": 0,
+               "logit_bias": {"2": -100}} for t in TOPICS[:4]]  # no early end: the lane stays busy
+    got: dict = {}
+
+    def profile():
+        got["r"] = httpx.get(url + "/admin/profile", params={"seconds": 2.0, "interval_ms": 2,
+                                                              "threads": "mlx-lane,MainThread"}, timeout=60)
+
+    sampler = threading.Thread(target=profile)
+    sampler.start()
+    concurrently(stream_chat, [(url, b) for b in bodies])
+    sampler.join(60)
+    r = got["r"]
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "profile" and body["samples"] > 50 and body["missing_threads"] == []
+    lane = body["threads"]["mlx-lane"]
+    functions = {row["function"] for row in lane["top_total"]}
+    assert "server/lane/lane.py _run" in functions
+    assert "server/engine/batch/ragged.py step" in functions  # the batched decode step ran while it sampled
+    assert sum(int(line.rsplit(" ", 1)[1]) for line in lane["folded"]) == lane["samples"]
+    bad = httpx.get(url + "/admin/profile", params={"seconds": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "seconds"
