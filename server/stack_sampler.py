@@ -92,7 +92,7 @@ def _label(frame: FrameType, root: str) -> str:
 
 
 def _stack(frame: Optional[FrameType], root: str) -> tuple[str, ...]:
-    out = []
+    out: list[str] = []
     while frame is not None and len(out) < _DEPTH:
         out.append(_label(frame, root))
         frame = frame.f_back
@@ -107,8 +107,8 @@ def sample(thread_names: list[str], seconds: float, interval_s: float = 0.005,
     seconds = min(max(seconds, 0.0), MAX_SECONDS)
     interval_s = min(max(interval_s, 0.0005), 1.0)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the repository's root
-    by_name = {t.name: t.ident for t in threading.enumerate()}
-    wanted = {name: by_name[name] for name in thread_names if by_name.get(name) is not None}
+    by_name = {t.name: t.ident for t in threading.enumerate() if t.ident is not None}
+    wanted = {name: by_name[name] for name in thread_names if name in by_name}
     profile = Profile(interval_s=interval_s, missing=[n for n in thread_names if n not in wanted])
     profile.stacks = {name: collections.Counter() for name in wanted}
     t0 = time.perf_counter()
