@@ -1,7 +1,8 @@
 """A request's ``model`` name, resolved once into the ``Target`` that computes it (server.lane.target).
 
 ``resolve(state, requested) -> Resolution`` decides what the name means, without loading anything; names resolve in
-this order: a LoRA adapter of the base model, the base model's own names, an on-demand model's (server.pool), then
+this order: a LoRA adapter of the base model, the base model's own names (its id, the NAME it was given and
+``default``, whatever the base model is), an on-demand model's (server.pool), then
 the ``--model-alias`` patterns in the order given (``PATTERN=NAME`` onto the on-demand model NAME, a bare ``PATTERN``
 onto the base model). A name the server does not answer to is a 404 (``ModelNotFound``, shaped by each API); an
 absent name is the base model. ``await acquire(state, resolution)`` makes it a ``Target``: for an on-demand model,
@@ -42,7 +43,7 @@ def resolve(state, requested: Optional[str]) -> Resolution:
     adapter = state.adapters.get(requested)
     if adapter is not None:
         return Resolution(adapter=adapter)
-    if requested in state.model_names:
+    if requested in state.model_names or requested == "default":  # "default" names the base model, whatever it is
         return Resolution()
     pool = state.models
     if pool is not None and pool.knows(requested):

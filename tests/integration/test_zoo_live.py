@@ -112,7 +112,7 @@ def test_thinking_turns_reuse_the_conversation_and_give_mlx_lm_text(served, orac
     assert first == oracle(served.name, TURN1, 12), served.name
     assert u1["prompt_tokens"] > zoo.WINDOW * 2  # a sliding window wrapped within it
     turn2 = TURN1 + [{"role": "assistant", "content": first}, {"role": "user", "content": "Now in Rust."}]
-    warm, u2 = chat(url, turn2)
+    warm, u2 = chat(url, turn2, model="default")  # "default" names the base model, whatever it is: same cache
     # the stored turn parts from this one where the conversation ended (the think block); the server computed the
     # conversation as this turn renders it (server.core.next_turn), from a checkpoint there (the recurrent state or
     # the wrapped window cannot be cut back): reused through the reply
