@@ -253,3 +253,42 @@ def test_a_turn_that_parts_inside_the_last_entry_reuses_its_checkpoint_and_gives
     fresh.put(list(back.tokens), back.caches, first.ns)
     again, done = run(lane_of(fresh), turn2, checkpoints=(len(history) + 4,))
     assert done.cached_tokens == len(history) and list(again.generated) == list(cold.generated)
+
+
+@pytest.mark.parametrize("sync_leaves", [False, True])
+def test_pipelined_hybrid_rows_leaving_mid_run_keep_everyones_tokens_and_their_caches_continue_alone(model,
+                                                                                                      sync_leaves):
+    """The GPU's mode: a row leaves while a forward is in flight, its copies and the move of the last row into its
+    hole queued behind that forward (or, --debug-sync-leaves, waited for). The rows that stay make their alone
+    tokens, and the caches a leaver takes away continue with its alone tokens."""
+    from server.engine.batch import ragged_kv
+
+    ragged_kv.configure(sync_leaves=sync_leaves)
+    try:
+        n = 14
+        want = {i: alone(model, p, n) for i, p in enumerate(PROMPTS)}
+        batch = RaggedBatch(model, pipelined=True)
+        seqs = [Seq(p) for p in PROMPTS]
+        batch.add([Row(s, own_caches(model, p[:-1]), p) for s, p in zip(seqs, PROMPTS)])
+        left = {}
+        for step in range(40):
+            for out in batch.step():
+                out.seq.generated.append(out.token)
+            if step == 4:  # rows 0 and 1 leave mid-run: the last rows move into their holes
+                for s, cov in zip(seqs[:2], batch.remove(seqs[:2])):
+                    left[id(s)] = (s, cov)
+            done = [s for s in seqs[2:] if s in batch and len(s.generated) >= n]
+            batch.remove(done)
+            if not len(batch):
+                break
+        for i, s in enumerate(seqs[2:], 2):
+            assert s.generated[:n] == want[i], i
+        for i, (s, cov) in enumerate(left.values()):
+            history = s.prompt + s.generated
+            assert cov.tokens == history  # pipelined: the forward in flight had fed its last token
+            assert len(s.generated) >= 4
+            nxt = 11  # any next input: the caches continue exactly as caches computed over the history alone
+            got = [int(t) for t, _ in generate_step(mx.array([nxt]), model, max_tokens=6, prompt_cache=cov.caches)]
+            assert got == alone(model, history + [nxt], 6), i
+    finally:
+        ragged_kv.configure(sync_leaves=False)

@@ -24,7 +24,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from server.engine.batch.ragged_kv import RaggedKV, holds_kv, window_of
+from server.engine.batch.ragged_kv import RaggedKV, holds_kv, settle, window_of
 
 __all__ = ["HybridRagged", "RaggedStates", "is_state"]
 
@@ -66,7 +66,7 @@ class RaggedStates:
             c = ArraysCache(len(arrays))
             c.cache = [mx.contiguous(a[i: i + 1]) + 0 if a is not None else None for a in arrays]
             out.append(c)
-        mx.eval([a for c in out for a in c.cache if a is not None])
+        settle([a for c in out for a in c.cache if a is not None])
         return out
 
     def release(self, holes: list[int], movers: list[int], live: int) -> None:
@@ -79,7 +79,7 @@ class RaggedStates:
             for e, a in enumerate(arrays):
                 arrays[e] = None if a is None or not live else a[index]
         self.rows = live
-        mx.eval([a for layer in self._arrays for a in layer if a is not None])
+        settle([a for layer in self._arrays for a in layer if a is not None])
 
 
 class _StateLayer:
