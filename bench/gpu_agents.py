@@ -110,11 +110,12 @@ OURS_VARIANTS = {
     "ours_ssd_idle": (("--ssd-write-when", "idle"), {}),  # the SSD writer waits for an idle lane (the default since 12-06)
     "ours_ssd_always": (("--ssd-write-when", "always"), {}),  # the SSD writer writes as soon as an entry is due
     "ours_sync_leaves": (("--debug-sync-leaves",), {}),  # a leave waits for the forward in flight and its copies
-    # MLX's CUDA backend launches a CUDA graph every 100 operations on an H100/H200 (MLX_MAX_OPS_PER_BUFFER) and an
-    # eval waits once more than 10 graphs are in flight (mlx/transforms.cpp MAX_ACTIVE_TASKS): a decode step of
-    # more than ~1,000 operations cannot be queued whole while the host builds the next one
-    "ours_graph_ops_400": ((), {"MLX_MAX_OPS_PER_BUFFER": "400"}),
-    "ours_graph_ops_1600": ((), {"MLX_MAX_OPS_PER_BUFFER": "1600"}),
+    # MLX's CUDA backend closes a CUDA graph every 100 operations or 1,000 MB of inputs on an H100/H200
+    # (MLX_MAX_OPS_PER_BUFFER, MLX_MAX_MB_PER_BUFFER; a step reading 15-19 GB of weights and KV is ~20 graphs) and an
+    # eval waits once more than 10 graphs are in flight (mlx/transforms.cpp MAX_ACTIVE_TASKS): a decode step cannot
+    # be queued whole while the host builds the next one. Bigger graphs: a step in 4-5 or 1-2 of them
+    "ours_graph_4g": ((), {"MLX_MAX_OPS_PER_BUFFER": "400", "MLX_MAX_MB_PER_BUFFER": "4000"}),
+    "ours_graph_16g": ((), {"MLX_MAX_OPS_PER_BUFFER": "1600", "MLX_MAX_MB_PER_BUFFER": "16000"}),
     "ours_no_composed": (("--debug-gpu-attention-composed-max", "0"), {}),  # every chunk past a hit through cuDNN
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
