@@ -73,6 +73,10 @@ class Engine:
         self._work: dict[object, SeqWork] = {}
         self.writer = CacheWriter(prompt_cache)
         self.leaves = {"rows": 0, "out_of_batch_s": 0.0, "store_s": 0.0}  # what rows ending cost (/stats)
+        # forwards started while MLX's active memory was above its memory limit (/stats memory.over_limit): in such
+        # an evaluation MLX waits for the device after every operation (mlx/transforms.cpp, eval_impl), so nothing
+        # is pipelined. On a CUDA GPU the limit is the admission budget (server.sizes.allocator_limits)
+        self.over_limit = {"decode_steps": 0, "prefill_forwards": 0}
         self.prefiller = Prefiller(self._work_of, self.writer, prompt_cache, gpu=config.layout.gpu,
                                    stream_of=lambda: self.stream)
         self.decoder = Decoder(self._work_of, config.layout, stats=stats, speculation=config.speculation,
@@ -226,6 +230,8 @@ class Engine:
         return caches
 
     def prefill(self, chunks: Sequence[tuple[object, int]], store_now: bool) -> list[Prefilled]:
+        if _over_memory_limit():
+            self.over_limit["prefill_forwards"] += 1
         return self.prefiller.run(chunks, store_now)
 
     # -- decoding ------------------------------------------------------------------------------------------------
@@ -236,9 +242,13 @@ class Engine:
         self.decoder.go_solo(seq)
 
     def step_batch(self, group: GroupKey) -> BatchStep:
+        if _over_memory_limit():
+            self.over_limit["decode_steps"] += 1
         return self.decoder.step(group)
 
     def step_solo(self, seq) -> Optional[Emitted]:
+        if _over_memory_limit():
+            self.over_limit["decode_steps"] += 1
         return self.decoder.step_solo(seq)
 
     def reset_batch(self, group: GroupKey, seqs=()) -> None:
@@ -327,6 +337,10 @@ class Engine:
         """The lane's prompt chunks: forwards, tokens and where their seconds went (server.engine.prefill)."""
         return self.prefiller.clock.as_dict()
 
+    def over_limit_stats(self) -> dict:
+        """Decode steps (batched or solo) and prefill forwards that began with MLX's active memory above its limit."""
+        return dict(self.over_limit)
+
     def leave_stats(self) -> dict:
         """Rows that ended: how many, the seconds taking them out of their batches and storing their entries."""
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.leaves.items()}
@@ -369,3 +383,8 @@ def weights_nbytes(model) -> int:
     from mlx.utils import tree_flatten
 
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def _over_memory_limit() -> bool:
+    """MLX's arrays hold more than its memory limit (``mx.set_memory_limit``): its next evaluation is unpipelined."""
+    return mx.get_active_memory() > mx.get_memory_limit()

@@ -191,7 +191,8 @@ def stats_body(state) -> dict:
         "prompt_cache": state.prompt_cache.stats(),
         "kv_cache": state.engine.kv_stats(),  # KV scheme + bytes per cached token (issue 8)
         # MLX's allocator: what arrays hold, its high-water mark, its buffer cache; what admission found unaccounted
-        "memory": {**memory_block(), "unaccounted_bytes": state.lane.scheduler.budget.unaccounted},
+        "memory": {**memory_block(), "unaccounted_bytes": state.lane.scheduler.budget.unaccounted,
+                   "over_limit": state.engine.over_limit_stats()},  # forwards begun above MLX's limit: unpipelined
         "vision": state.engine.vision_stats(),  # images in (issue 36): encoder runs and their time
         # one model over several processes: the group, and cache hits dropped because a rank lacked its shard
         **({"distributed": {**state.distributed, **state.prompt_cache.shard_stats()}} if state.distributed else {}),

@@ -278,6 +278,7 @@ def test_prompts_prefilled_together_in_one_batched_forward_give_their_alone_text
         assert 0 < memory["active_bytes"] <= memory["peak_bytes"] and memory["cache_bytes"] >= 0
         assert memory["limit_bytes"] > 0 and memory["cache_limit_bytes"] is None  # the CPU: MLX's own limits
         assert memory["unaccounted_bytes"] == 0  # the CPU: admission is by the accounting alone
+        assert memory["over_limit"] == {"decode_steps": 0, "prefill_forwards": 0}  # far below MLX's own limit
         assert "device" in memory and memory["device"] is None  # no CUDA driver to read a card from
         # the prompts really went through mlx-lm's batch prefill, several rows per forward
         assert lane["prefill_batches"]["forwards"] > before["forwards"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 from types import SimpleNamespace
 
+import mlx.core as mx
 import pytest
 
 from cache.prompt_cache import NullPromptCache, PromptCache
@@ -571,3 +572,24 @@ def test_a_speculating_batch_whose_drafts_do_not_pay_hands_its_rows_to_the_plain
         assert finished(events).finish_reason in ("length", "stop")
         assert list(seq.generated) == alone_tokens[name], name
         assert not seq.group.speculating and seq.group.adapter is None  # the base model's plain group
+
+
+def test_forwards_begun_above_mlxs_memory_limit_are_counted_and_still_make_their_tokens(models):
+    """Above MLX's memory limit every evaluation waits for the device after each operation (slow, not wrong): the
+    engine counts the batched steps and prefill forwards that began there (/stats memory.over_limit)."""
+    want = {n: alone(models, n, 5) for n in "ab"}
+    lane = make_lane(models)
+    assert lane.engine.over_limit_stats() == {"decode_steps": 0, "prefill_forwards": 0}
+    before = mx.set_memory_limit(1)  # every live array is over it
+    try:
+        runs = {n: submit(lane, n, PROMPTS[n], 5) for n in "ab"}
+        run_until_idle(lane)
+    finally:
+        mx.set_memory_limit(before)
+    counts = lane.engine.over_limit_stats()
+    assert counts["prefill_forwards"] >= 2 and counts["decode_steps"] >= 3, counts
+    for n, (seq, events) in runs.items():
+        assert (list(seq.generated), text(events)) == want[n], n
+    runs = {n: submit(lane, n, PROMPTS[n], 5) for n in "ab"}  # back under the limit: nothing more is counted
+    run_until_idle(lane)
+    assert lane.engine.over_limit_stats() == counts
