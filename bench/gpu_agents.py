@@ -43,9 +43,6 @@ stops; servers one after the other, their order rotated per round and entry.
           (the default since 2026-12-06: then the same as `ours`)
   ours_ssd_always
           `ours` with `--ssd-write-when always`: entries reach the disk as soon as they are due (the default before)
-  ours_sync_leaves
-          `ours` with `--debug-sync-leaves`: a row leaving the ragged batch waits for the forward in flight and for
-          its copies (before 2026-12-06) instead of queueing them and going on
 
 `--prime-peer` starts mlx_lm.server once before the measured runs for an unmeasured 4 x 2 workload of other
 conversations: MLX compiles its CUDA kernels at first use into a folder that outlives the process, so the measured
@@ -109,7 +106,6 @@ OURS_VARIANTS = {
     "ours_ssd_host_copies": (("--debug-ssd-host-copies",), {}),  # the SSD writer reads device copies (cache.host_copies)
     "ours_ssd_idle": (("--ssd-write-when", "idle"), {}),  # the SSD writer waits for an idle lane (the default since 12-06)
     "ours_ssd_always": (("--ssd-write-when", "always"), {}),  # the SSD writer writes as soon as an entry is due
-    "ours_sync_leaves": (("--debug-sync-leaves",), {}),  # a leave waits for the forward in flight and its copies
     # MLX's CUDA backend closes a CUDA graph every 100 operations or 1,000 MB of inputs on an H100/H200
     # (MLX_MAX_OPS_PER_BUFFER, MLX_MAX_MB_PER_BUFFER; a step reading 15-19 GB of weights and KV is ~20 graphs) and an
     # eval waits once more than 10 graphs are in flight (mlx/transforms.cpp MAX_ACTIVE_TASKS): a decode step cannot

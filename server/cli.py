@@ -278,10 +278,6 @@ def _serve_parser(sub) -> None:
                    help="hybrids' short depthwise convolutions go through mlx's conv1d (on CUDA cuDNN, a plan per "
                         "input shape; on the CPU a loop) instead of models.kernels.conv (a CUDA kernel; the CPU's "
                         "shifted products), to compare [MLX_LANE_DEBUG_NO_CONV_KERNEL=1]")
-    d.add_argument("--debug-sync-leaves", action="store_true", default=_env_flag("debug_sync_leaves"),
-                   help="a row leaving a ragged decode batch waits for the forward in flight and for its copies, as "
-                        "before 2026-12-06, instead of queueing them on the device and going on, to compare "
-                        "[MLX_LANE_DEBUG_SYNC_LEAVES=1]")
     d.add_argument("--debug-ssd-host-copies", action="store_true", default=_env_flag("debug_ssd_host_copies"),
                    help="on CUDA the SSD writer reads device copies of an entry instead of its own arrays (whose "
                         "buffers MLX moves to managed memory at the host's first read), to compare "

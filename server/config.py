@@ -84,7 +84,6 @@ class ServerConfig:
     debug_gpu_attention_unroll: int
     debug_gpu_attention_composed_max: int
     debug_no_conv_kernel: bool
-    debug_sync_leaves: bool
     debug_ssd_host_copies: bool
     debug_trace_collectives: bool
 

@@ -48,7 +48,6 @@ def _configure_kernels(cfg: ServerConfig) -> None:
     (MLX's own default is a temporary directory). MLX reads it at its first compile, so setting it here is in time.
     One directory per MLX version and device: a kernel compiled for one GPU architecture must not load on another."""
     from cache import host_copies
-    from server.engine.batch import ragged_kv
     from models import attention, kernels, mlx_lane_home
     from models.loading.home import kernel_cache_dir
     from server.engine import distributed
@@ -61,7 +60,6 @@ def _configure_kernels(cfg: ServerConfig) -> None:
                         gpu_composed_max=cfg.debug_gpu_attention_composed_max)
     kernels.configure(cfg.kernels != "mlx", conv=not cfg.debug_no_conv_kernel)
     host_copies.configure(host_copies=cfg.debug_ssd_host_copies)
-    ragged_kv.configure(sync_leaves=cfg.debug_sync_leaves)
     distributed.trace_collectives(cfg.debug_trace_collectives)
 
 

@@ -255,40 +255,60 @@ def test_a_turn_that_parts_inside_the_last_entry_reuses_its_checkpoint_and_gives
     assert done.cached_tokens == len(history) and list(again.generated) == list(cold.generated)
 
 
-@pytest.mark.parametrize("sync_leaves", [False, True])
-def test_pipelined_hybrid_rows_leaving_mid_run_keep_everyones_tokens_and_their_caches_continue_alone(model,
-                                                                                                      sync_leaves):
-    """The GPU's mode: a row leaves while a forward is in flight, its copies and the move of the last row into its
-    hole queued behind that forward (or, --debug-sync-leaves, waited for). The rows that stay make their alone
-    tokens, and the caches a leaver takes away continue with its alone tokens."""
-    from server.engine.batch import ragged_kv
+def test_pipelined_hybrid_rows_leaving_mid_run_keep_everyones_tokens_and_their_caches_continue_alone(model):
+    """The GPU's mode: rows leave while a forward is in flight, and the last rows move into their holes. The rows that
+    stay make their alone tokens, and the caches a leaver takes away continue as caches computed over its history
+    alone do."""
+    n = 14
+    want = {i: alone(model, p, n) for i, p in enumerate(PROMPTS)}
+    batch = RaggedBatch(model, pipelined=True)
+    seqs = [Seq(p) for p in PROMPTS]
+    batch.add([Row(s, own_caches(model, p[:-1]), p) for s, p in zip(seqs, PROMPTS)])
+    left = []
+    for step in range(40):
+        for out in batch.step():
+            out.seq.generated.append(out.token)
+        if step == 4:  # rows 0 and 1 leave mid-run: the last rows move into their holes
+            left = list(zip(seqs[:2], batch.remove(seqs[:2])))
+        batch.remove([s for s in seqs[2:] if s in batch and len(s.generated) >= n])
+        if not len(batch):
+            break
+    for i, s in enumerate(seqs[2:], 2):
+        assert s.generated[:n] == want[i], i
+    for i, (s, cov) in enumerate(left):
+        history = s.prompt + s.generated
+        assert cov.tokens == history  # pipelined: the forward in flight had fed its last token
+        assert len(s.generated) >= 4
+        nxt = 11  # any next input: the caches continue exactly as caches computed over the history alone
+        got = [int(t) for t, _ in generate_step(mx.array([nxt]), model, max_tokens=6, prompt_cache=cov.caches)]
+        assert got == alone(model, history + [nxt], 6), i
 
-    ragged_kv.configure(sync_leaves=sync_leaves)
-    try:
-        n = 14
-        want = {i: alone(model, p, n) for i, p in enumerate(PROMPTS)}
-        batch = RaggedBatch(model, pipelined=True)
-        seqs = [Seq(p) for p in PROMPTS]
-        batch.add([Row(s, own_caches(model, p[:-1]), p) for s, p in zip(seqs, PROMPTS)])
-        left = {}
-        for step in range(40):
-            for out in batch.step():
-                out.seq.generated.append(out.token)
-            if step == 4:  # rows 0 and 1 leave mid-run: the last rows move into their holes
-                for s, cov in zip(seqs[:2], batch.remove(seqs[:2])):
-                    left[id(s)] = (s, cov)
-            done = [s for s in seqs[2:] if s in batch and len(s.generated) >= n]
-            batch.remove(done)
-            if not len(batch):
-                break
-        for i, s in enumerate(seqs[2:], 2):
-            assert s.generated[:n] == want[i], i
-        for i, (s, cov) in enumerate(left.values()):
-            history = s.prompt + s.generated
-            assert cov.tokens == history  # pipelined: the forward in flight had fed its last token
-            assert len(s.generated) >= 4
-            nxt = 11  # any next input: the caches continue exactly as caches computed over the history alone
-            got = [int(t) for t, _ in generate_step(mx.array([nxt]), model, max_tokens=6, prompt_cache=cov.caches)]
-            assert got == alone(model, history + [nxt], 6), i
-    finally:
-        ragged_kv.configure(sync_leaves=False)
+
+def test_a_leave_moves_one_rows_state_into_its_hole_in_place_not_every_rows():
+    """RaggedStates.release: the last row's state fills the hole, the others stay where they are, and what is
+    allocated meanwhile is about the moved row's copy, not a second copy of every row's state."""
+    from server.engine.batch.ragged_states import RaggedStates
+
+    rows, shape = 8, (1, 32, 64, 64)  # 512 KiB a row per array, float32
+    row_bytes = 4 * 32 * 64 * 64
+    states = RaggedStates([2])
+    caches = []
+    for r in range(rows):
+        c = ArraysCache(2)
+        c.cache = [mx.full(shape, float(r)), mx.full(shape, float(100 + r))]
+        caches.append([c])
+    states.extend(caches)
+    del caches
+    mx.eval(states.layers[0][0], states.layers[0][1])
+    mx.synchronize()
+    active = mx.get_active_memory()
+    mx.reset_peak_memory()
+    states.release([2], [7], rows - 1)  # row 2 left; row 7 moves into its hole
+    a, b = states.layers[0][0], states.layers[0][1]
+    mx.eval(a, b)
+    mx.synchronize()
+    grown = mx.get_peak_memory() - active
+    assert a.shape[0] == b.shape[0] == rows - 1 and states.rows == rows - 1
+    assert [float(a[i].max()) for i in range(rows - 1)] == [0, 1, 7, 3, 4, 5, 6]
+    assert [float(b[i].min()) for i in range(rows - 1)] == [100, 101, 107, 103, 104, 105, 106]
+    assert grown <= 4 * row_bytes, (grown, row_bytes)  # a gather of the 7 live rows would be 14 rows' worth

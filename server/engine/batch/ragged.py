@@ -45,7 +45,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
 from server.engine.batch.protocol import Covered, Emitted, Row, RowList
-from server.engine.batch.ragged_kv import holds_kv, settle
+from server.engine.batch.ragged_kv import holds_kv
 from server.engine.batch.ragged_states import is_state
 from server.engine.batch.ragged_store import RaggedStore, store_for
 from server.engine.batch.rules import LogitsRules, apply_rules
@@ -173,9 +173,7 @@ class RaggedBatch(RowList):
             raise KeyError("not rows of this batch: it is empty")
         index = {id(r.seq): i for i, r in enumerate(self._rows)}
         idx = [index[id(seq)] for seq in seqs]
-        # a forward in flight writes every row's KV: the copies below read what it wrote (they are queued after it on
-        # the stream), and the lane need not wait for it here (server.engine.batch.ragged_kv.settle)
-        settle([nxt])
+        mx.eval(nxt)  # a forward in flight writes every row's KV: let it finish before copying
         out = [Covered(list(self._rows[i].tokens), kv.extract(i)) for i in idx]
         order = kv.release(idx)  # the last rows fill the holes; no other row moves
         self._rows = [self._rows[i] for i in order]

@@ -52,27 +52,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from models.attention.shared_prefix import SharedPrefixKVCache
 from models.mlx_compat import set_ring_index, temporal_order
 
-__all__ = ["RaggedKV", "holds_kv", "settle", "configure"]
-
-# A leave (``extract``, ``release``) hands its copies to the device without waiting for them (``mx.async_eval``): the
-# stream runs them after the forward in flight and before the next one, and each is encoded before the next write
-# into the batch's buffers is, so those writes still find the buffers unshared and update them in place. Waiting
-# (``mx.eval``, what every leave did before) emptied a pipelined batch's queue at every leave: the device idled while
-# the host copied, stored and built the next step. --debug-sync-leaves waits again, to compare.
-_SYNC_LEAVES = False
-
-
-def configure(sync_leaves: bool = False) -> None:
-    global _SYNC_LEAVES
-    _SYNC_LEAVES = sync_leaves
-
-
-def settle(arrays) -> None:
-    """Schedule ``arrays`` now (a leave's copies and moves); wait for them only with --debug-sync-leaves."""
-    if _SYNC_LEAVES:
-        mx.eval(arrays)
-    else:
-        mx.async_eval(arrays)
+__all__ = ["RaggedKV", "holds_kv"]
 
 _STEP = 256  # buffer growth, in positions (as mlx-lm's caches)
 
@@ -198,7 +178,7 @@ class RaggedKV:
             c.values = mx.contiguous(self._values[layer][i: i + 1, :, lo:n, :])
             c.offset = n
             out.append(c)
-        settle([x for c in out for x in (c.keys, c.values)])
+        mx.eval([x for c in out for x in (c.keys, c.values)])
         return out
 
     def release(self, gone: list[int]) -> list[int]:
@@ -218,14 +198,14 @@ class RaggedKV:
             self._values = [None] * len(self.layers)
         elif holes:
             for layer in range(len(self.layers)):
-                # copies first, scheduled, so that the slice writes below find the buffers unshared and write in place
+                # copies first, evaluated, so that the slice writes below find the buffers unshared and write in place
                 parts = [(h, self._copy(layer, mv)) for h, mv in zip(holes, movers)]
-                settle([x for _, kv in parts for x in kv])
+                mx.eval([x for _, kv in parts for x in kv])
                 for h, (k, v) in parts:
                     n = k.shape[2]
                     self._keys[layer][h: h + 1, :, :n, :] = k
                     self._values[layer][h: h + 1, :, :n, :] = v
-            settle(self._keys + self._values)
+            mx.eval(self._keys, self._values)
         self._set_lengths([self.lengths[i] for i in order])
         return order
 
