@@ -230,8 +230,7 @@ class Engine:
         return caches
 
     def prefill(self, chunks: Sequence[tuple[object, int]], store_now: bool) -> list[Prefilled]:
-        if _over_memory_limit():
-            self.over_limit["prefill_forwards"] += 1
+        self._note_over_limit("prefill_forwards")
         return self.prefiller.run(chunks, store_now)
 
     # -- decoding ------------------------------------------------------------------------------------------------
@@ -242,13 +241,11 @@ class Engine:
         self.decoder.go_solo(seq)
 
     def step_batch(self, group: GroupKey) -> BatchStep:
-        if _over_memory_limit():
-            self.over_limit["decode_steps"] += 1
+        self._note_over_limit("decode_steps")
         return self.decoder.step(group)
 
     def step_solo(self, seq) -> Optional[Emitted]:
-        if _over_memory_limit():
-            self.over_limit["decode_steps"] += 1
+        self._note_over_limit("decode_steps")
         return self.decoder.step_solo(seq)
 
     def reset_batch(self, group: GroupKey, seqs=()) -> None:
@@ -337,6 +334,10 @@ class Engine:
         """The lane's prompt chunks: forwards, tokens and where their seconds went (server.engine.prefill)."""
         return self.prefiller.clock.as_dict()
 
+    def _note_over_limit(self, kind: str) -> None:
+        if mx.get_active_memory() > mx.get_memory_limit():  # this evaluation will be unpipelined
+            self.over_limit[kind] += 1
+
     def over_limit_stats(self) -> dict:
         """Decode steps (batched or solo) and prefill forwards that began with MLX's active memory above its limit."""
         return dict(self.over_limit)
@@ -384,7 +385,3 @@ def weights_nbytes(model) -> int:
 
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
-
-def _over_memory_limit() -> bool:
-    """MLX's arrays hold more than its memory limit (``mx.set_memory_limit``): its next evaluation is unpipelined."""
-    return mx.get_active_memory() > mx.get_memory_limit()
