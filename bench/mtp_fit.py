@@ -273,14 +273,21 @@ def forced_speed(loaded, provider, prompts: list[list[int]], rates: list[float],
 
         def draft(self, feed, n):
             self.fed += len(feed)
-            drafts = self.inner.draft(feed, n)
+            return self._force(len(self.inner.draft(feed, n)))
+
+        def draft_lazy(self, feed, n):  # the head's drafts are asked for (their cost paid), then replaced
+            self.fed += len(feed)
+            proposed = self.inner.draft_lazy(feed, n)
+            return None if proposed is None else mx.array(self._force(proposed.shape[0]), mx.uint32)
+
+        def _force(self, drafted: int) -> list[int]:
             out, holding = [], True
-            for j in range(len(drafts)):
+            for j in range(drafted):
                 i = self.fed - 1 + j  # the draft guesses the plain text's token i
                 holding = holding and self.rng.random() < self.p and i < len(self.want)
                 right = self.want[i] if i < len(self.want) else 0
                 out.append(right if holding else right ^ 1)  # another id of the vocabulary (its size is even)
-            if drafts:
+            if drafted:
                 self.inner._open = list(out)  # what it commits (the accepted ones join its sequence) are these
             return out
 
@@ -399,6 +406,10 @@ def main() -> int:
     ap.add_argument("--rewind", default="choose",
                     help="how a hybrid's rejected drafts are taken back, one or more of choose,replay (spec.rewind; "
                          "the first one's acceptance feeds the model; default %(default)s)")
+    ap.add_argument("--reads", default="lazy",
+                    help="forced drafts: when a round reads its drafts, one or more of lazy,wait (lazy: with the "
+                         "verify forward's verdict, one wait a round, the default since 2026-12-06; wait: before "
+                         "building the verify forward, as before; spec.verify.READ_DRAFTS_WITH_VERDICT)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -448,16 +459,23 @@ def main() -> int:
     if args.forced:
         echo_weights(loaded.model)  # last: it changes the target
         result["forced"] = {}
-        for mode in args.rewind.split(","):
-            spec.rewind.CHOOSE = mode == "choose"
-            print(f"[rewind {mode}] forced drafts, echo weights:", flush=True)
-            rates = [float(x) for x in args.forced.split(",")]
-            result["forced"][mode] = forced_speed(loaded, provider, prompts, rates, args.max_draft, args.max_tokens)
-            if mode == "choose":
-                print("[rewind choose] forced drafts, the server's adaptive policy:", flush=True)
-                result["forced"]["choose_adaptive"] = forced_speed(loaded, provider, prompts, rates, args.max_draft,
-                                                                   args.max_tokens, own_policy=True)
-        spec.rewind.CHOOSE = True
+        import spec.verify
+
+        rates = [float(x) for x in args.forced.split(",")]
+        for reads in args.reads.split(","):  # keys: the rewind mode, "_wait" after it for drafts read before verifying
+            spec.verify.READ_DRAFTS_WITH_VERDICT = reads == "lazy"
+            tail = "" if reads == "lazy" else "_wait"
+            for mode in args.rewind.split(","):
+                spec.rewind.CHOOSE = mode == "choose"
+                print(f"[rewind {mode}, drafts read {reads}] forced drafts, echo weights:", flush=True)
+                result["forced"][mode + tail] = forced_speed(loaded, provider, prompts, rates, args.max_draft,
+                                                             args.max_tokens)
+                if mode == "choose":
+                    print(f"[rewind choose, drafts read {reads}] forced drafts, the server's adaptive policy:",
+                          flush=True)
+                    result["forced"]["choose_adaptive" + tail] = forced_speed(
+                        loaded, provider, prompts, rates, args.max_draft, args.max_tokens, own_policy=True)
+        spec.rewind.CHOOSE, spec.verify.READ_DRAFTS_WITH_VERDICT = True, True
     if args.out:
         write_result(result, args.out)
     return 0

@@ -66,7 +66,7 @@ class MtpSource:
             self._kv, self._hid, self.origin = head.make_caches(), KVCache(), n
         self.blind = self.origin > 0
         self._spec = 0  # entries the open draft appended past the sequence
-        self._open: Optional[list[int]] = None
+        self._open: Optional[list[int] | mx.array] = None  # the open draft's tokens (an array until read)
         self._lent: Optional[int] = None  # while a batch holds the heads' KV caches: the entries they hold
         self._drop = 0  # entries the batch must drop from them (what the bookkeeping here took back while lent)
 
@@ -159,34 +159,54 @@ class MtpSource:
         self._fill()
 
     def draft(self, feed: Sequence[int], n: int) -> list[int]:
-        if not self.plan(feed, n):
+        proposed = self.draft_lazy(feed, n)
+        if proposed is None:
             return []
-        out = self._fill()
+        row: Any = proposed.tolist()
+        drafts = [int(t) for t in row]
+        self._open = drafts
+        return drafts
+
+    def draft_lazy(self, feed: Sequence[int], n: int) -> Optional[mx.array]:
+        """``draft`` without waiting for the device: the drafts as an (n,) uint32 array it has been asked for
+        (``mx.async_eval``), not read. A verifier builds its forward over them at once and reads drafts and verdict in
+        one wait (spec.verify), where ``draft`` waits for the entries, then for the drafts, then the verify forward
+        waits again, the device idle while the host builds each next graph. ``commit`` takes the array back (or its
+        tokens). None: nothing drafted (``n`` 0, or behind)."""
+        if not self.plan(feed, n):
+            return None
+        out = self._fill(wait=False)
         assert out is not None
         g = out[:, -1:, :]
         tok = mx.argmax(self.head.logits(g), axis=-1)  # (1, 1)
         ys = [tok]
+        mx.async_eval(tok)
         for i in range(1, n):  # past the sequence: its own output stands in for the target's hidden state
             col = len(self._seq) - self.origin + i - 1
             g = self.head.forward(tok, g, self._kv, entry_mask(col, 1))
             tok = mx.argmax(self.head.logits(g), axis=-1)
             ys.append(tok)
             mx.async_eval(tok)
-        row: Any = mx.concatenate(ys, axis=1)[0].tolist()
-        drafts = [int(t) for t in row]
-        self.record_draft(drafts)
-        return drafts
+        proposed = mx.concatenate(ys, axis=1)[0].astype(mx.uint32)
+        mx.async_eval(proposed)
+        self.record_draft(proposed)
+        return proposed
 
-    def commit(self, drafted: Sequence[int], accepted: int) -> None:
+    def commit(self, drafted: Sequence[int] | mx.array, accepted: int) -> None:
         """The first ``accepted`` drafts joined the sequence; the entries past it go (their hidden states arrive with
-        ``heard``, after the verify forward)."""
-        drafted = [int(t) for t in drafted]
-        if drafted != (self._open or []):
-            raise RuntimeError("commit() of tokens this source did not draft")
-        if not 0 <= accepted <= len(drafted):
-            raise ValueError(f"accepted={accepted} outside 0..{len(drafted)}")
+        ``heard``, after the verify forward). ``drafted``: what ``draft`` returned, or the array of ``draft_lazy``."""
+        opened = self._open if self._open is not None else []
+        if drafted is not opened:  # the very array draft_lazy returned is not read again
+            mine = opened.tolist() if isinstance(opened, mx.array) else list(opened)
+            theirs = drafted.tolist() if isinstance(drafted, mx.array) else [int(t) for t in drafted]
+            if theirs != mine:
+                raise RuntimeError("commit() of tokens this source did not draft")
+        if not 0 <= accepted <= len(opened):
+            raise ValueError(f"accepted={accepted} outside 0..{len(opened)}")
+        kept: Any = [] if not accepted else (
+            opened[:accepted].tolist() if isinstance(opened, mx.array) else list(opened[:accepted]))
         self._drop_open()
-        self._seq.extend(drafted[:accepted])
+        self._seq.extend(int(t) for t in kept)
 
     # -- the bookkeeping shared with a batch that drafts for several sources (server.engine.batch.mtp_drafts) ----
     def plan(self, feed: Sequence[int], n: int) -> bool:
@@ -216,7 +236,7 @@ class MtpSource:
         assert prev is not None
         return self._seq[m:end], prev
 
-    def record_draft(self, drafts: list[int]) -> None:
+    def record_draft(self, drafts: list[int] | mx.array) -> None:
         """Every entry up to the last token was computed, then one per draft but the last: ``drafts`` await
         ``commit``."""
         if self._lent is not None:
@@ -276,16 +296,17 @@ class MtpSource:
             self._spec = 0
         self._open = None
 
-    def _fill(self) -> Optional[mx.array]:
+    def _fill(self, wait: bool = True) -> Optional[mx.array]:
         """Compute the entries the sequence and the hidden states allow (up to S[h], H[h-1]) in one forward of the
-        heads, on its own caches; their output (1, L, H), or None when there was nothing to compute."""
+        heads, on its own caches; their output (1, L, H), or None when there was nothing to compute. ``wait``
+        False: the caches are only asked for (a draft built on them waits for them)."""
         m = self._m
         ids, prev = self.entries_input() if min(self._h + 1, len(self._seq)) > m else ([], None)
         if not ids or prev is None:
             return None
         tokens = mx.array(ids, dtype=mx.uint32)[None]
         out = self.head.forward(tokens, prev[None], self._kv, entry_mask(m - self.origin, len(ids)))
-        mx.eval([c.state for c in self._kv])
+        (mx.eval if wait else mx.async_eval)([c.state for c in self._kv])
         return out
 
 

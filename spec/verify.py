@@ -40,7 +40,11 @@ from spec.rewind import VerifyRewind, can_rewind
 from spec.source import DraftSource, HearingDraftSource
 from spec.stats import SpecStats
 
-__all__ = ["speculative_decode"]
+__all__ = ["speculative_decode", "READ_DRAFTS_WITH_VERDICT"]
+
+# False: a source's drafts are read before the verify forward is built, even where it can hand them over unread
+# (``draft_lazy``); bench/mtp_fit.py --reads wait measures the difference
+READ_DRAFTS_WITH_VERDICT = True
 
 
 def speculative_decode(
@@ -99,6 +103,8 @@ def speculative_decode(
     walked = 0  # drafts of the open round emitted so far
     open_round = False
     unheard = False  # the latest verify forward's kept positions are not heard yet (a source that hears)
+    lazy = getattr(source, "draft_lazy", None) if READ_DRAFTS_WITH_VERDICT else None  # unread drafts (spec.mtp)
+    proposed: Optional[mx.array] = None  # the open round's drafts until the verify forward read them
     plain = None  # generate_step, once drafting stopped
 
     def hear(tokens: list[int]) -> None:
@@ -121,7 +127,7 @@ def speculative_decode(
             take_back()
         if open_round:
             open_round = False
-            source.commit(drafts, walked)
+            source.commit(drafts if proposed is None else proposed, walked)  # unread: the verify forward failed
         exc = sys.exc_info()[1]
         clean = exc is None or isinstance(exc, GeneratorExit)
         if unheard and clean:
@@ -150,16 +156,22 @@ def speculative_decode(
                     if not hears or cast(HearingDraftSource, source).can_catch_up(caches):
                         break
                     n = 0
-                drafts = []
+                drafts, proposed = [], None
                 if n > 0 or hears:  # a source that hears is told every token, drafting or not
-                    drafts = source.draft(feed, n)
+                    if lazy is not None:  # drafts not read yet: read with the verdict, in one wait
+                        proposed = lazy(feed, n)
+                    else:
+                        drafts = source.draft(feed, n)
                     feed = []
-                    if len(drafts) > n:
-                        raise RuntimeError(f"draft source proposed {len(drafts)} tokens, asked for {n}")
-                open_round = bool(drafts)
+                    got = len(drafts) if proposed is None else proposed.shape[0]
+                    if got > n:
+                        raise RuntimeError(f"draft source proposed {got} tokens, asked for {n}")
+                open_round = bool(drafts) or proposed is not None
                 walked = 0
                 with rewinder.verifying():
-                    tokens, logprobs = _verify(model, caches, pending, drafts, history, sampler, processors)
+                    tokens, logprobs, drafts = _verify(model, caches, pending, drafts if proposed is None else proposed,
+                                                       history, sampler, processors)
+                proposed = None
                 over, unfed, fed, unheard = len(drafts), False, [pending] + list(drafts), True
                 if drafts:
                     stats.rounds += 1
@@ -215,14 +227,19 @@ def _covered(caches: list) -> int:
     return max((int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)), default=0)
 
 
-def _verify(model, caches, pending: int, drafts: list[int], history: list[int], sampler, processors):
-    """One target forward over [pending] + drafts; the sampled token and logprobs at every position."""
-    window = mx.array([pending] + drafts, mx.uint32)
+def _verify(model, caches, pending: int, drafts: list[int] | mx.array, history: list[int], sampler, processors):
+    """One target forward over [pending] + drafts; the sampled token and logprobs at every position, and the drafts
+    as a list (an array of drafts, not read yet, is read in the same wait as the tokens)."""
+    if isinstance(drafts, mx.array):
+        window = mx.concatenate([mx.array([pending], mx.uint32), drafts.astype(mx.uint32)])
+    else:
+        window = mx.array([pending] + drafts, mx.uint32)
+    width = window.shape[0]
     logits = model(window[None], cache=caches)[0]  # (n+1, vocab)
     if processors:
         base = mx.array(history, mx.uint32)
         ys, lps = [], []
-        for i in range(len(drafts) + 1):
+        for i in range(width):
             seen = mx.concatenate([base, window[1 : i + 1]]) if i else base
             row = logits[i : i + 1]
             for proc in processors:
@@ -234,8 +251,8 @@ def _verify(model, caches, pending: int, drafts: list[int], history: list[int], 
     else:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = sampler(logprobs)
-    mx.eval(tokens, logprobs)
-    return tokens.tolist(), logprobs
+    mx.eval(tokens, logprobs, window)
+    return tokens.tolist(), logprobs, window[1:].tolist()
 
 
 def _with_prefix(processors: list, prefix: list[int]) -> list:

@@ -245,6 +245,78 @@ def test_a_request_whose_drafts_stop_paying_decodes_plainly_and_the_heads_catch_
     assert_same_caches(source, cold(model, provider, seq), name)
 
 
+@pytest.mark.parametrize("with_verdict", [True, False], ids=["drafts-read-with-verdict", "drafts-read-first"])
+def test_a_round_reads_its_unread_drafts_with_the_verdict_and_decodes_what_plain_greedy_does(bound, with_verdict,
+                                                                                               monkeypatch):
+    """The solo verifier builds its forward over the heads' drafts before reading them (``draft_lazy``, one wait a
+    round); read first (``draft``) or with the verdict, the tokens, the rounds and the heads' caches are the same."""
+    from mlx_lm.generate import generate_step
+
+    import spec.verify
+    from spec import SpecStats, speculative_decode
+    from spec.adaptive import FixedDraftLength
+
+    monkeypatch.setattr(spec.verify, "READ_DRAFTS_WITH_VERDICT", with_verdict)
+    name, model, provider = bound
+    calls: list[str] = []
+
+    class Counted:
+        hears_hidden = True
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, attr):
+            return getattr(self.inner, attr)
+
+        def draft(self, feed, n):
+            calls.append("draft")
+            return self.inner.draft(feed, n)
+
+        def draft_lazy(self, feed, n):
+            calls.append("draft_lazy")
+            got = self.inner.draft_lazy(feed, n)
+            assert got is None or isinstance(got, mx.array)
+            return got
+
+    caches = make_prompt_cache(model)
+    model(mx.array(PROMPT[:-1])[None], cache=caches)
+    source = provider.open()
+    source.heard(0, PROMPT[:-1])
+    source.prefill(PROMPT[:-1])
+    stats = SpecStats()
+    got = [t for t, _, _ in speculative_decode(model, caches, PROMPT[-1], Counted(source), max_tokens=12,
+                                               num_draft_tokens=3, policy=FixedDraftLength(3), stats=stats)]
+    want = [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=12,
+                                              prompt_cache=make_prompt_cache(model))]
+    assert got == want, name
+    assert stats.rounds > 0 and 3 * stats.rounds - 3 <= stats.drafted <= 3 * stats.rounds, (name, stats)  # last: short
+    assert set(calls) == {"draft_lazy" if with_verdict else "draft"}, (name, calls)
+    seq = (PROMPT + got)[: max(int(c.offset) for c in caches if hasattr(c, "offset"))]
+    source.prefill(seq)
+    assert not source.behind, name
+    assert_same_caches(source, cold(model, provider, seq), name)
+
+
+def test_an_unread_draft_is_committed_without_being_read_and_checked_when_named_by_its_tokens(bound):
+    name, model, provider = bound
+    caches = make_prompt_cache(model)
+    model(mx.array(PROMPT[:-1])[None], cache=caches)
+    source = provider.open()
+    source.heard(0, PROMPT[:-1])
+    source.prefill(PROMPT[:-1])
+    proposed = source.draft_lazy([PROMPT[-1]], 3)
+    assert isinstance(proposed, mx.array) and proposed.shape == (3,), name
+    source.commit(proposed, 0)  # what a verifier does when its forward failed: the array itself, nothing read
+    assert source._seq == PROMPT, name  # the pending token joined; no draft did
+    second = source.draft_lazy([], 2)
+    assert second is not None
+    with pytest.raises(RuntimeError):
+        source.commit([t + 1 for t in second.tolist()], 1)  # tokens it did not draft
+    source.commit(second.tolist(), 2)  # the same tokens, read
+    assert source._seq == PROMPT + second.tolist(), name
+
+
 def test_deepseek_v3_heads_load_from_the_layer_past_its_last(tmp_path):
     """DeepSeek-V3's MTP layer (``model.layers.<N>.*``, experts unstacked as the checkpoint ships them), converted by
     mlx-lm's own sanitize as a one-layer model's layer 0. (mlx-lm 0.32 drops only a layer numbered 61 when it loads a
