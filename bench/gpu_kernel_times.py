@@ -13,11 +13,14 @@ pipelined) with --rows rows of --context cached tokens, and then:
   3. sums them by kernel name: count a step, microseconds a step, share of the step's kernel time, and the sum of
      all kernels against the wall of a step (what is left is launch gaps and waiting between graphs).
 
+``--what prefill`` does the same for one batched prompt forward instead of a decode step: --rows rows of --chunk new
+tokens over --context cached ones each (0: cold), mlx-lm's caches, as the lane's gathered prefill runs them.
+
     bash bench/gpu.sh bench/gpu_kernel_times.py --ncu --shape qwen3.5-9b        # the device (ncu is on its image)
     python bench/gpu_kernel_times.py --shape qwen3.5-tiny --dtype float32 --rows 2 --context 32 --steps 4
                                                                                 # the CPU: the script's logic only
 
-Writes OUT/kernel_times_<shape>.json (and OUT/ncu_<shape>.csv, ncu's own rows).
+Writes OUT/kernel_times_<what>_<shape>.json (and OUT/ncu_<what>_<shape>.csv, ncu's own rows).
 """
 
 from __future__ import annotations
@@ -107,6 +110,8 @@ def child(args) -> dict:
     mx.eval(model.parameters())
     built_s = time.perf_counter() - t0
     prompt = mx.array([[(7 * i + 3) % 40000 + 100 for i in range(args.context)]])
+    if args.what == "prefill":
+        return {**prefill_child(args, model, prompt), "build_s": round(built_s, 1), "installed": installed}
     one = make_prompt_cache(model)
     for i in range(0, args.context, 1024):
         model(prompt[:, i:i + 1024], cache=one)
@@ -132,6 +137,44 @@ def child(args) -> dict:
             "device": str(mx.default_device())}
 
 
+def prefill_child(args, model, prompt) -> dict:
+    """One forward of --rows rows x --chunk new tokens over --context cached tokens each, timed, then profiled."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def caches():
+        c = make_prompt_cache(model)
+        for i in range(0, args.context, 1024):  # every row the same cached tokens
+            model(mx.broadcast_to(prompt[:, i:i + 1024], (args.rows, min(1024, args.context - i))), cache=c)
+            mx.eval([x.state for x in c])
+        return c
+
+    chunk = mx.array([[(11 * i + 5 * r) % 40000 + 100 for i in range(args.chunk)] for r in range(args.rows)])
+
+    def forward(c) -> None:
+        mx.eval(model(chunk, cache=c)[:, -1, :])
+
+    forward(caches())  # the kernels compiled, the plans made
+    times = []
+    for _ in range(max(1, args.steps // 8)):
+        c = caches()
+        mx.synchronize()
+        t = time.perf_counter()
+        forward(c)
+        times.append((time.perf_counter() - t) * 1e3)
+    c = caches()
+    mx.synchronize()
+    started = profiler(True)
+    forward(c)
+    mx.synchronize()
+    profiler(False)
+    times.sort()
+    return {"what": "prefill", "shape": args.shape, "dtype": args.dtype, "rows": args.rows, "chunk": args.chunk,
+            "context": args.context, "profile_steps": 1, "profiler_started": started,
+            "step_ms": round(times[len(times) // 2], 3), "forwards_timed": len(times),
+            "device": str(mx.default_device())}
+
+
 def _clone(caches: list) -> list:
     from gpu_hybrid_parts import _clone as clone
 
@@ -147,6 +190,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=5000, help="each row's cached tokens (default %(default)s)")
     ap.add_argument("--steps", type=int, default=32, help="pipelined steps timed (default %(default)s)")
     ap.add_argument("--profile-steps", type=int, default=1, help="steps whose kernels ncu measures (default 1)")
+    ap.add_argument("--what", choices=["decode", "prefill"], default="decode")
+    ap.add_argument("--chunk", type=int, default=330, help="--what prefill: new tokens a row (default %(default)s)")
     ap.add_argument("--ncu", action="store_true", help="run this script again under ncu and sum its kernels")
     ap.add_argument("--ncu-bin", default=None, help="ncu's path (default: on PATH, or under /opt/nvidia, /usr/local)")
     ap.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
@@ -155,7 +200,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.child_json or not args.ncu:
         got = child(args)
-        Path(args.child_json or out / f"kernel_times_{args.shape}.json").write_text(json.dumps(got, indent=1))
+        Path(args.child_json or out / f"kernel_times_{args.what}_{args.shape}.json").write_text(json.dumps(got, indent=1))
         print(json.dumps(got), flush=True)
         return 0
     ncu = args.ncu_bin or shutil.which("ncu") or next(
@@ -164,7 +209,8 @@ def main() -> int:
     if ncu is None:
         print("ncu not found: pass --ncu-bin", file=sys.stderr)
         return 2
-    raw, timings = out / f"ncu_{args.shape}.csv", out / f"kernel_times_{args.shape}_child.json"
+    tag = f"{args.what}_{args.shape}"
+    raw, timings = out / f"ncu_{tag}.csv", out / f"kernel_times_{tag}_child.json"
     argv = [a for a in sys.argv[1:] if a != "--ncu"]
     cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "none",
            "--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base", "--log-file", str(raw),
@@ -178,9 +224,9 @@ def main() -> int:
     rows = list(csv.DictReader(text[start:].splitlines())) if start >= 0 else []
     got.update({"ncu": ncu, "ncu_rc": rc, "ncu_wall_s": round(time.perf_counter() - t, 1),
                 "summary": summarize(rows, max(1, args.profile_steps), got.get("step_ms", 0.0))})
-    Path(out / f"kernel_times_{args.shape}.json").write_text(json.dumps(got, indent=1))
+    Path(out / f"kernel_times_{tag}.json").write_text(json.dumps(got, indent=1))
     s = got["summary"]
-    print(f"{args.shape}: {args.rows} rows x {args.context}: step {got.get('step_ms')} ms wall (pipelined); "
+    print(f"{tag}: {args.rows} rows x {args.context} (chunk {args.chunk}): {got.get('step_ms')} ms wall; "
           f"kernels {s['kernels_per_step']} a step, {s['kernel_ms_per_step']} ms of kernel time "
           f"({s['kernels_share_of_wall']} of the wall)", flush=True)
     for k in s["by_kernel"][:25]:
