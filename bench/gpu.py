@@ -86,6 +86,22 @@ SHAPES["nemotron-h-tiny"] = {**SHAPES["nemotron-h-8b"], "hidden_size": 256, "int
                              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "mamba_num_heads": 8,
                              "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2,
                              "hybrid_override_pattern": "M-M*-M-"}
+# GLM-4.7-Flash (zai-org/GLM-4.7-Flash, mlx-lm's glm4_moe_lite defaults): DeepSeek's MLA (KV of 512 + 64 a token and
+# layer) and MoE (64 routed experts, 4 a token, one shared; the first layer dense), 47 layers; ~31e9 parameters, ~62
+# GB in bf16; its checkpoints ship one MTP layer past the last (num_nextn_predict_layers): issue 44's DeepSeek/GLM
+# shape. Fits an H100 only with its vocabulary cut (mtp_fit.py --vocab) and little room beside it; an H200 holds it
+SHAPES["glm4.7-flash"] = dict(model_type="glm4_moe_lite", vocab_size=154880, hidden_size=2048, intermediate_size=10240,
+                              moe_intermediate_size=1536, num_hidden_layers=47, num_attention_heads=20,
+                              num_key_value_heads=20, n_shared_experts=1, n_routed_experts=64,
+                              routed_scaling_factor=1.8, kv_lora_rank=512, q_lora_rank=768, qk_rope_head_dim=64,
+                              qk_nope_head_dim=192, v_head_dim=256, topk_method="noaux_tc", scoring_func="sigmoid",
+                              norm_topk_prob=True, n_group=1, topk_group=1, num_experts_per_tok=4,
+                              first_k_dense_replace=1, rms_norm_eps=1e-5, rope_theta=1e6,
+                              partial_rotary_factor=1.0, num_nextn_predict_layers=0)
+SHAPES["glm4.7-flash-tiny"] = {**SHAPES["glm4.7-flash"], "hidden_size": 256, "intermediate_size": 512,
+                               "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+                               "num_key_value_heads": 4, "n_routed_experts": 8, "kv_lora_rank": 64,
+                               "q_lora_rank": 96, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}
 PROMPT_VOCAB = 49152
 REQUEST_TIMEOUT = 120.0  # the SmolLM2 tokenizer's ids: prompts use ids in [3, 49152)
 T0 = time.monotonic()

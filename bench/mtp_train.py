@@ -39,7 +39,8 @@ import mlx.optimizers as optim
 
 HEADS_FILE = "mtp.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-MTP_CONFIG = {"qwen3_5": {"mtp_num_hidden_layers": 1}}  # the key a family's config declares its heads with
+MTP_CONFIG = {"qwen3_5": {"mtp_num_hidden_layers": 1},  # the key a family's config declares its heads with
+              "glm4_moe_lite": {"num_nextn_predict_layers": 1}}
 
 
 def build_target_with_heads(shape: str, out: Path, dtype: str, tokenizer_dir: Path, vocab: int | None = None) -> Path:
