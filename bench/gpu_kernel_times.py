@@ -20,7 +20,7 @@ tokens over --context cached ones each (0: cold), mlx-lm's caches, as the lane's
     python bench/gpu_kernel_times.py --shape qwen3.5-tiny --dtype float32 --rows 2 --context 32 --steps 4
                                                                                 # the CPU: the script's logic only
 
-Writes OUT/kernel_times_<what>_<shape>.json (and OUT/ncu_<what>_<shape>.csv, ncu's own rows).
+Writes OUT/kernel_times_<what>_<shape>[_<rows>x<chunk>].json (and OUT/ncu_<same>.csv, ncu's own rows).
 """
 
 from __future__ import annotations
@@ -200,7 +200,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.child_json or not args.ncu:
         got = child(args)
-        Path(args.child_json or out / f"kernel_times_{args.what}_{args.shape}.json").write_text(json.dumps(got, indent=1))
+        tag = f"{args.what}_{args.shape}" + (f"_{args.rows}x{args.chunk}" if args.what == "prefill" else "")
+        Path(args.child_json or out / f"kernel_times_{tag}.json").write_text(json.dumps(got, indent=1))
         print(json.dumps(got), flush=True)
         return 0
     ncu = args.ncu_bin or shutil.which("ncu") or next(
@@ -209,7 +210,7 @@ def main() -> int:
     if ncu is None:
         print("ncu not found: pass --ncu-bin", file=sys.stderr)
         return 2
-    tag = f"{args.what}_{args.shape}"
+    tag = f"{args.what}_{args.shape}" + (f"_{args.rows}x{args.chunk}" if args.what == "prefill" else "")
     raw, timings = out / f"ncu_{tag}.csv", out / f"kernel_times_{tag}_child.json"
     argv = [a for a in sys.argv[1:] if a != "--ncu"]
     cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "none",
