@@ -102,7 +102,7 @@ class TwoModelSource:
         self._caches = caches if caches is not None else make_prompt_cache(model)
         self._tokens: list[int] = list(tokens) if caches is not None else []
         self._unfed: list[int] = []  # joined the sequence, not yet in the caches
-        self._open: Optional[list[int]] = None
+        self._open: Optional[list[int] | mx.array] = None  # the open draft (an array until read)
 
     @property
     def caches(self) -> list:
@@ -154,9 +154,16 @@ class TwoModelSource:
         self._unfed = []
         self._open = drafts
 
-    def record_verdict(self, drafted: Sequence[int], accepted: int) -> int:
-        """``commit``'s bookkeeping: returns how many fed positions the caches must drop (the caller drops them)."""
-        drafted = list(drafted)
+    def record_verdict(self, drafted: Sequence[int] | mx.array, accepted: int) -> int:
+        """``commit``'s bookkeeping: returns how many fed positions the caches must drop (the caller drops them).
+        ``drafted``: what ``draft`` returned, or the array ``draft_lazy`` did."""
+        if drafted is self._open and isinstance(drafted, mx.array) and accepted == 0:
+            # the verify forward failed before reading it: nothing of it is kept, so nothing is read
+            n, self._open = int(drafted.shape[0]), None
+            return n - 1  # fed to the caches, never appended to the tokens
+        self._read_open()
+        given: Any = drafted.tolist() if isinstance(drafted, mx.array) else drafted
+        drafted = [int(t) for t in given]
         if drafted != (self._open or []):
             raise RuntimeError("commit() of tokens this source did not draft")
         n = len(drafted)
@@ -174,9 +181,20 @@ class TwoModelSource:
         return rejected
 
     def draft(self, feed: Sequence[int], n: int) -> list[int]:
+        proposed = self.draft_lazy(feed, n)
+        if proposed is None:
+            return []
+        out: Any = proposed.tolist()
+        self._read_open()
+        return [int(t) for t in out]
+
+    def draft_lazy(self, feed: Sequence[int], n: int) -> Optional[mx.array]:
+        """``draft`` without waiting for the device: the drafts as an (n,) uint32 array it has been asked for, not
+        read (spec.verify reads them with the verdict, in one wait); ``commit`` takes the array back or its tokens.
+        None: nothing drafted."""
         self.queue_feed(feed)
         if n <= 0 or not self._unfed:
-            return []
+            return None
         y = mx.array(self._unfed, mx.uint32)
         ys: list[mx.array] = []
         for i in range(n):
@@ -185,11 +203,20 @@ class TwoModelSource:
             logits = self.model(y[None], cache=self._caches)
             ys.append(mx.argmax(logits[0, -1:, :], axis=-1).astype(mx.uint32))
             mx.async_eval(ys[-1])
-        out = mx.concatenate(ys).tolist()
-        self.record_draft(out)
-        return out
+        proposed = mx.concatenate(ys)
+        self._tokens.extend(self._unfed)  # the drafts fed past them are appended once read (``_read_open``)
+        self._unfed = []
+        self._open = proposed
+        return proposed
 
-    def commit(self, drafted: Sequence[int], accepted: int) -> None:
+    def _read_open(self) -> None:
+        """An open draft still an array: read it, and the caches' tokens take the drafts they were fed."""
+        if isinstance(self._open, mx.array):
+            drafts: Any = self._open.tolist()
+            self._open = [int(t) for t in drafts]
+            self._tokens.extend(self._open[:-1])
+
+    def commit(self, drafted: Sequence[int] | mx.array, accepted: int) -> None:
         rejected = self.record_verdict(drafted, accepted)
         if rejected:
             trim_prompt_cache(self._caches, rejected)

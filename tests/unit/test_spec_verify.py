@@ -65,6 +65,45 @@ def test_greedy_equals_plain_greedy(target, providers, kind, prompt):
     assert_caches_cover(target, caches, prompt + want)
 
 
+@pytest.mark.parametrize("kind", ["noisy", "same"])
+def test_drafts_read_before_verifying_decode_the_same_as_drafts_read_with_the_verdict(target, providers, kind,
+                                                                                       monkeypatch):
+    """The two-model source hands its drafts over unread (``draft_lazy``: one wait a round); read first
+    (spec.verify.READ_DRAFTS_WITH_VERDICT False) the tokens, the rounds and both caches are the same."""
+    import spec.verify
+
+    prompt = PROMPTS[0]
+    runs = {}
+    for with_verdict in (True, False):
+        monkeypatch.setattr(spec.verify, "READ_DRAFTS_WITH_VERDICT", with_verdict)
+        out, caches, source, stats = run(target, providers[kind], prompt)
+        seq = prompt + [t for t, _, _ in out]
+        source.prefill(seq)
+        assert_caches_cover(providers[kind].model, source.caches, seq)
+        assert_caches_cover(target, caches, seq)
+        runs[with_verdict] = ([t for t, _, _ in out], stats.rounds, stats.drafted, stats.accepted)
+    assert runs[True] == runs[False]
+    assert runs[True][0] == plain_greedy(target, prompt, N)
+
+
+def test_an_unread_draft_taken_back_whole_leaves_the_draft_caches_on_the_sequence(target, providers):
+    """A verify forward that failed before reading the drafts: the verifier commits the array itself, nothing
+    accepted; the draft model's caches drop every drafted position they were fed, unread."""
+    prompt = PROMPTS[1]
+    source = providers["noisy"].open()
+    source.prefill(prompt[:-1])
+    proposed = source.draft_lazy([prompt[-1]], 4)
+    assert isinstance(proposed, mx.array) and proposed.shape == (4,)
+    source.commit(proposed, 0)
+    assert source.tokens == prompt
+    assert_caches_cover(providers["noisy"].model, source.caches, prompt)
+    again = source.draft([77], 3)  # drafting goes on from the sequence and the target's correction
+    assert len(again) == 3
+    source.commit(again, 3)
+    source.prefill(prompt + [77] + again)
+    assert_caches_cover(providers["noisy"].model, source.caches, prompt + [77] + again)
+
+
 @pytest.mark.parametrize("k", [1, 2, 5])
 def test_greedy_identity_for_each_draft_length(target, providers, k):
     prompt = PROMPTS[0]
