@@ -93,6 +93,10 @@ OURS_VARIANTS = {
     "ours_mlx_kernels": (("--kernels", "mlx"), {}),  # mlx-lm's gated delta rule / Mamba-2 step, not models.kernels
     "ours_no_ssd": (("--no-ssd-cache",), {}),  # the write-behind's share of the wall (hybrid entries carry checkpoints)
     "ours_alone_after_hits": (("--prefill-together-max", "0"), {}),  # short chunks past a long hit: one forward each
+    # every chunk may join a batched forward, a long cold prompt's second and later chunks too (at the default only
+    # its first does: the rest are "past a cached prefix longer than a chunk", its own first chunk), as
+    # mlx_lm.server's --prompt-concurrency batches every chunk of the prompts it prefills together
+    "ours_together_all": (("--prefill-together-max", "65536"), {}),
     # MLX's CUDA backend builds a cuDNN attention graph for every new (query, key) shape of a prefill forward;
     # off, prefill attention takes MLX's unfused ops (no graph to build, more memory traffic)
     "ours_no_cudnn_sdpa": ((), {"MLX_CUDA_USE_CUDNN_SDPA": "0"}),
