@@ -48,6 +48,16 @@ def cold(model, provider, seq):
     return source
 
 
+def prompt_heard(model, provider):
+    """The target's caches over PROMPT[:-1] and a fresh source that heard them (what a request has after prefill)."""
+    caches = make_prompt_cache(model)
+    model(mx.array(PROMPT[:-1])[None], cache=caches)
+    source = provider.open()
+    source.heard(0, PROMPT[:-1])
+    source.prefill(PROMPT[:-1])
+    return caches, source
+
+
 def assert_same_caches(a, b, name):
     assert [int(c.offset) for c in a.caches] == [int(c.offset) for c in b.caches], name
     for x, y in zip(a.caches, b.caches):
@@ -58,11 +68,7 @@ def assert_same_caches(a, b, name):
 
 def test_the_heads_caches_are_a_function_of_the_sequence_whatever_was_drafted(bound):
     name, model, provider = bound
-    caches = make_prompt_cache(model)
-    model(mx.array(PROMPT[:-1])[None], cache=caches)
-    source = provider.open()
-    source.heard(0, PROMPT[:-1])
-    source.prefill(PROMPT[:-1])
+    caches, source = prompt_heard(model, provider)
     seq, pending, pos, feed = list(PROMPT[:-1]), PROMPT[-1], len(PROMPT) - 1, [PROMPT[-1]]
     for r, accepted in enumerate([0, 3, 1, 2, 0, 3]):  # as if the target had agreed with that many drafts
         drafts = source.draft(feed, 3)
@@ -279,11 +285,7 @@ def test_a_round_reads_its_unread_drafts_with_the_verdict_and_decodes_what_plain
             assert got is None or isinstance(got, mx.array)
             return got
 
-    caches = make_prompt_cache(model)
-    model(mx.array(PROMPT[:-1])[None], cache=caches)
-    source = provider.open()
-    source.heard(0, PROMPT[:-1])
-    source.prefill(PROMPT[:-1])
+    caches, source = prompt_heard(model, provider)
     stats = SpecStats()
     got = [t for t, _, _ in speculative_decode(model, caches, PROMPT[-1], Counted(source), max_tokens=12,
                                                num_draft_tokens=3, policy=FixedDraftLength(3), stats=stats)]
@@ -300,11 +302,7 @@ def test_a_round_reads_its_unread_drafts_with_the_verdict_and_decodes_what_plain
 
 def test_an_unread_draft_is_committed_without_being_read_and_checked_when_named_by_its_tokens(bound):
     name, model, provider = bound
-    caches = make_prompt_cache(model)
-    model(mx.array(PROMPT[:-1])[None], cache=caches)
-    source = provider.open()
-    source.heard(0, PROMPT[:-1])
-    source.prefill(PROMPT[:-1])
+    caches, source = prompt_heard(model, provider)
     proposed = source.draft_lazy([PROMPT[-1]], 3)
     assert isinstance(proposed, mx.array) and proposed.shape == (3,), name
     source.commit(proposed, 0)  # what a verifier does when its forward failed: the array itself, nothing read
