@@ -6,7 +6,9 @@
 #   .whl/*.whl                 mlx==0.32.4, mlx-lm==0.32.2 and the server deps missing on the device image
 #                              (+ prometheus_client, websockets, llguidance==1.9.1: its wheel is tagged
 #                              manylinux_2_31, so `pip download --platform manylinux_2_31_x86_64`; without it the
-#                              server exits at start; httpx comes from the device image)
+#                              server exits at start; httpx comes from the device image; mlx_vlm==0.7.10 (no deps:
+#                              models.mtp builds Qwen3.5's and Nemotron-H's MTP heads on its drafters; without it
+#                              bench/mtp_fit.py --shape qwen3.5-9b stops at `No module named 'mlx_vlm'`, as on 12-06)
 #   .whl/tok/                  tokenizer.json + tokenizer_config.json of the default model (SmolLM2-135M-Instruct)
 #   .whl/mlx_cuda.part2, .whl/mlx_cuda.name, .whl/mlx_cuda.sha256
 #   $PART1_DIR/mlx_cuda.part1  first part of mlx_cuda_13-0.32.4 (90 MB > one call's 64 MiB), copied there by an
