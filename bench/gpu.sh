@@ -37,6 +37,9 @@ if ! PYTHONPATH="$SITE" python3 -c "import mlx.core, mlx_lm, fastapi, uvicorn, o
     "$WHL"/*.whl "$cuda"
 fi
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
+if ! python3 -c "import mlx_vlm" 2>/dev/null; then  # said at once, before a paid run stops on it
+  echo "gpu.sh: mlx_vlm is not importable: bench/mtp_fit.py's Qwen3.5 / Nemotron-H heads need its wheel in $WHL" >&2
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader || true
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 SCRIPT=bench/gpu.py
