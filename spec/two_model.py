@@ -181,12 +181,10 @@ class TwoModelSource:
         return rejected
 
     def draft(self, feed: Sequence[int], n: int) -> list[int]:
-        proposed = self.draft_lazy(feed, n)
-        if proposed is None:
+        if self.draft_lazy(feed, n) is None:
             return []
-        out: Any = proposed.tolist()
         self._read_open()
-        return [int(t) for t in out]
+        return list(self._open or [])
 
     def draft_lazy(self, feed: Sequence[int], n: int) -> Optional[mx.array]:
         """``draft`` without waiting for the device: the drafts as an (n,) uint32 array it has been asked for, not
