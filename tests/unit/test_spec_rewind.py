@@ -60,6 +60,24 @@ def test_ngram_speculation_over_a_wrapped_sliding_window_gives_plain_greedy_toke
     assert stats.cannot_rewind == 0
 
 
+def test_a_draft_model_over_a_wrapped_window_hands_its_drafts_over_unread_and_gives_plain_greedy_tokens(windowed):
+    """The two-model source drafts without being read (spec.verify reads drafts and verdict in one wait); the
+    target's wrapped window takes the rejected ones back all the same."""
+    from spec import FixedDraftLength
+    from spec.two_model import TwoModelSource
+    from tests.unit.test_spec_models import tiny_llama
+
+    caches = prefilled(windowed, PROMPT[:-1])
+    source = TwoModelSource(tiny_llama(3, vocab=97))  # an unrelated draft: mostly rejected, sometimes kept
+    source.prefill(PROMPT[:-1])
+    stats = SpecStats()
+    got = [t for t, _, _ in speculative_decode(windowed, caches, PROMPT[-1], source, max_tokens=40,
+                                               num_draft_tokens=3, stats=stats,
+                                               policy=FixedDraftLength(3))]
+    assert got == plain(windowed, PROMPT, 40)
+    assert stats.drafted > stats.accepted and stats.cannot_rewind == 0
+
+
 def test_a_wrapped_window_rewound_after_a_multi_token_forward_continues_as_if_never_fed(windowed):
     history = list(range(5, 5 + 3 * WINDOW))
     caches = prefilled(windowed, history)
