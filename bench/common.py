@@ -108,7 +108,10 @@ def run_record() -> dict:
 
 
 def write_result(result: dict, out: str | Path) -> Path:
+    """Write ``result`` as JSON to ``out``; a folder (bench/gpu.sh passes its OUT) gets ``<script>.json`` in it."""
     out = Path(out)
+    if out.is_dir():
+        out = out / (Path(sys.argv[0]).stem + ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}", file=sys.stderr)

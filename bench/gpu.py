@@ -228,29 +228,28 @@ def random_weights(module, dtype: str, seed: int = 0) -> None:
     mx.eval(module.parameters())
 
 
-def build_model(model_dir: Path, shape: str, dtype: str, tok_dir: Path):
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.llama import Model, ModelArgs
-    from mlx_lm.utils import save_model
-
+def shape_config(shape: str, dtype: str) -> dict:
+    """The config.json of a random-weight ``shape``: its own architecture's where it names one (``model_type``), else
+    a Llama's with these sizes."""
     s = SHAPES[shape]
     if "model_type" in s:  # another architecture, by its own config (mlx-lm's class for its model_type)
-        from mlx_lm.utils import _get_classes
+        return {**s, "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": dtype,
+                "eos_token_id": 2}
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **s,
+            "head_dim": s["hidden_size"] // s["num_attention_heads"], "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+            "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "torch_dtype": dtype,
+            "bos_token_id": 1, "eos_token_id": 2}
 
-        cfg = {**s, "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": dtype,
-               "eos_token_id": 2}
-        model_class, args_class = _get_classes(cfg)
-        t = time.perf_counter()
-        model = model_class(args_class.from_dict(cfg))
-    else:
-        cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **s,
-               "head_dim": s["hidden_size"] // s["num_attention_heads"], "rms_norm_eps": 1e-5,
-               "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-               "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "torch_dtype": dtype,
-               "bos_token_id": 1, "eos_token_id": 2}
-        t = time.perf_counter()
-        model = Model(ModelArgs.from_dict(cfg))
+
+def build_model(model_dir: Path, shape: str, dtype: str, tok_dir: Path):
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes, save_model
+
+    cfg = shape_config(shape, dtype)
+    model_class, args_class = _get_classes(cfg)
+    t = time.perf_counter()
+    model = model_class(args_class.from_dict(cfg))
     random_weights(model, dtype)
     n_params = sum(p.size for _, p in tree_flatten(model.parameters()))
     t_init = time.perf_counter() - t

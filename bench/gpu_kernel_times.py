@@ -200,7 +200,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.child_json or not args.ncu:
         got = child(args)
-        tag = f"{args.what}_{args.shape}" + (f"_{args.rows}x{args.chunk}" if args.what == "prefill" else "")
+        tag = f"{args.what}_{args.shape}" + (f"_{args.rows}x{args.chunk}" if args.what == "prefill" else f"_{args.rows}")
         Path(args.child_json or out / f"kernel_times_{tag}.json").write_text(json.dumps(got, indent=1))
         print(json.dumps(got), flush=True)
         return 0
@@ -210,7 +210,7 @@ def main() -> int:
     if ncu is None:
         print("ncu not found: pass --ncu-bin", file=sys.stderr)
         return 2
-    tag = f"{args.what}_{args.shape}" + (f"_{args.rows}x{args.chunk}" if args.what == "prefill" else "")
+    tag = f"{args.what}_{args.shape}" + (f"_{args.rows}x{args.chunk}" if args.what == "prefill" else f"_{args.rows}")
     raw, timings = out / f"ncu_{tag}.csv", out / f"kernel_times_{tag}_child.json"
     argv = [a for a in sys.argv[1:] if a != "--ncu"]
     cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "none",

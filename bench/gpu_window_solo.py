@@ -33,7 +33,7 @@ import gpu  # noqa: E402
 def build(shape: str, dtype: str):
     from mlx_lm.utils import _get_classes
 
-    cfg = {**gpu.SHAPES[shape], "max_position_embeddings": 131072, "tie_word_embeddings": False}
+    cfg = gpu.shape_config(shape, dtype)
     model_class, args_class = _get_classes(cfg)
     model = model_class(args_class.from_dict(cfg))
     gpu.random_weights(model, dtype)
