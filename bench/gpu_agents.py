@@ -217,6 +217,23 @@ class CardMemory:
         return {"max_mib": max(self._samples, default=None), "total_mib": self.total_mib, "samples": len(self._samples)}
 
 
+def card_total_bytes() -> int | None:
+    """The first GPU's memory as nvidia-smi reports it; None where there is none (a CPU run)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout.split("\n")[0]
+        return int(out) * 2**20
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def peer_cache_bytes_for(card_bytes: int | None) -> int | None:
+    """mlx_lm.server's prompt-cache cap for a card of ``card_bytes``: None (the issue's 60 GB) on a card of 100 GB or
+    more or without a GPU, else 40 GB, the most that let the peer run 16 agents beside a 9B model's weights on an
+    80 GB card (with 60 GB it ran out of device memory there and all its requests failed)."""
+    return None if card_bytes is None or card_bytes >= 100e9 else 40_000_000_000
+
+
 def kernel_cache_files(ours: bool) -> int:
     """Compiled kernels the server will find at start: MLX's CUDA backend JIT-compiles kernels at first use and keeps
     them in MLX_PTX_CACHE_DIR (default <tmp>/mlx/<version>/ptx), so a peer started after anything that ran the same
@@ -306,8 +323,9 @@ def main() -> int:
     ap.add_argument("--profile-after", type=float, default=3.0)
     ap.add_argument("--ours-args", default="", help="extra `mlx-lane serve` arguments (one shell-quoted string)")
     ap.add_argument("--peer-cache-bytes", type=int, default=None,
-                    help="mlx_lm.server's --prompt-cache-bytes instead of the issue's 60 GB (on an 80 GB H100 the "
-                         "Qwen3.5-9B peer lost its generation thread with 60 GB, 2026-12-06)")
+                    help="mlx_lm.server's --prompt-cache-bytes (default: the issue's 60 GB on a card of 100 GB or "
+                         "more, else 40 GB: on an 80 GB H100 the peer lost its generation thread with 60 GB on "
+                         "Qwen3.5-9B and Llama-3-8B, and ran 16 x 4 Qwen3.5-9B agents with 40 GB, 2026-12-06)")
     ap.add_argument("--peer-prefill-step", type=int, default=None,
                     help="mlx_lm.server's --prefill-step-size instead of its default 2048 (on an 80 GB H100 the "
                          "Qwen3.5-9B peer ran out of device memory in its first batched prefill, 2026-12-06)")
@@ -330,6 +348,8 @@ def main() -> int:
     tokenizer = load_tokenizer(model_dir)
     system = system_prompt(tokenizer, args.system_tokens, args.seed)
     peer_args = MLX_LM_ARGS
+    if args.peer_cache_bytes is None:
+        args.peer_cache_bytes = peer_cache_bytes_for(card_total_bytes())
     if args.peer_cache_bytes is not None:
         i = peer_args.index("--prompt-cache-bytes")
         peer_args = peer_args[:i + 1] + (str(args.peer_cache_bytes),) + peer_args[i + 2:]
@@ -349,6 +369,8 @@ def main() -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="gpu-agents-"))
     extra = {"ours": tuple(args.ours_args.split()), "mlx_lm": peer_args}
+    if "mlx_lm" in names:
+        print("mlx_lm.server's arguments: " + " ".join(peer_args), flush=True)
     if args.prime_peer and "mlx_lm" in names:
         primer = peer_servers.MlxLm(workdir, model_dir, extra=extra["mlx_lm"])
         before = kernel_cache_files(False)
