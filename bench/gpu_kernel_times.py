@@ -105,6 +105,10 @@ def child(args) -> dict:
     from server.engine.batch.ragged import RaggedBatch
 
     t0 = time.perf_counter()
+    if args.vocab:
+        import gpu
+
+        gpu.SHAPES[args.shape] = {**gpu.SHAPES[args.shape], "vocab_size": args.vocab}
     model, cfg = build(args.shape, args.dtype)
     installed = {"kernels": kernels.install(model), "attention": lane_attention.install(model)}
     mx.eval(model.parameters())
@@ -186,6 +190,9 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--shape", default="qwen3.5-9b", choices=sorted(gpu.SHAPES))
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="cut the vocabulary to this size (49152: the model bench/gpu_agents.py serves; default: the "
+                         "shape's own)")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--context", type=int, default=5000, help="each row's cached tokens (default %(default)s)")
     ap.add_argument("--steps", type=int, default=32, help="pipelined steps timed (default %(default)s)")
