@@ -78,6 +78,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu  # noqa: E402  (build_model, SHAPES, machine facts)
+import gpu_kernel_times as gkt  # noqa: E402  (ncu: --ncu-ours)
 import peers as peer_servers  # noqa: E402
 from agent_workload import SYSTEM_PROMPT, TASKS, stream_chat, tool_chunk  # noqa: E402
 from concurrent_agents import PROBE, lane_block, probe_metrics, run_agents, run_metrics  # noqa: E402
@@ -217,6 +218,20 @@ class CardMemory:
         return {"max_mib": max(self._samples, default=None), "total_mib": self.total_mib, "samples": len(self._samples)}
 
 
+def served_kernels(csv_path: Path, spec: str) -> dict:
+    """A served run's kernels of batch steps A..B (``--ncu-ours``), summed by name per step (gpu_kernel_times)."""
+    from server.lane.cuda_profile import StepRange
+
+    r = StepRange.parse(spec)
+    assert r is not None
+    summary = gkt.summarize(gkt.read_ncu_csv(csv_path), r.last - r.first + 1, 0.0)
+    print(f"    served steps {spec}: {summary['kernels_per_step']} kernels a step, "
+          f"{summary['kernel_ms_per_step']} ms of kernel time a step", flush=True)
+    for k in summary["by_kernel"][:25]:
+        print(f"      {k['us_per_step']:9.1f} us  {k['share'] * 100:5.1f}%  x{k['launches_per_step']:<6} {k['kernel']}")
+    return summary
+
+
 def card_total_bytes() -> int | None:
     """The first GPU's memory as nvidia-smi reports it; None where there is none (a CPU run)."""
     try:
@@ -321,6 +336,11 @@ def main() -> int:
                          "--profile-after seconds into it; the hottest lines go into the JSON and the log, the folded "
                          "stacks into OUT/profile_<server>.folded")
     ap.add_argument("--profile-after", type=float, default=3.0)
+    ap.add_argument("--ncu-ours", default="", metavar="A:B",
+                    help="run ours under Nsight Compute and measure the kernels of its A-th to B-th batch decode "
+                         "steps (--debug-cuda-profile-steps): a served step kernel by kernel, in the JSON "
+                         "(served_kernels) and OUT/ncu_served_<server>.csv")
+    ap.add_argument("--ncu-bin", default=None, help="ncu's path (default: on PATH, or under /opt/nvidia, /usr/local)")
     ap.add_argument("--ours-args", default="", help="extra `mlx-lane serve` arguments (one shell-quoted string)")
     ap.add_argument("--peer-cache-bytes", type=int, default=None,
                     help="mlx_lm.server's --prompt-cache-bytes (default: the issue's 60 GB on a card of 100 GB or "
@@ -367,6 +387,14 @@ def main() -> int:
     def save() -> None:
         (out / "gpu_agents.json").write_text(json.dumps(R, indent=1))
 
+    ncu = None
+    if args.ncu_ours:
+        from server.lane.cuda_profile import StepRange
+
+        StepRange.parse(args.ncu_ours)  # a malformed range stops here, not in a server
+        ncu = gkt.find_ncu(args.ncu_bin)
+        if ncu is None:
+            raise SystemExit("--ncu-ours: ncu not found; pass --ncu-bin")
     workdir = Path(tempfile.mkdtemp(prefix="gpu-agents-"))
     extra = {"ours": tuple(args.ours_args.split()), "mlx_lm": peer_args}
     if "mlx_lm" in names:
@@ -393,7 +421,10 @@ def main() -> int:
                     more, env = OURS_VARIANTS[n]
                     peer = peer_servers.Ours(workdir / f"{n}-{rnd}-{K}", model_dir, "--no-ssd-cache" not in more,
                                              extra=tuple(a for a in extra["ours"] + more if a != "--no-ssd-cache"),
-                                             env=env)
+                                             env={**env, **({"MLX_LANE_DEBUG_CUDA_PROFILE_STEPS": args.ncu_ours}
+                                                            if ncu else {})})
+                    if ncu:
+                        peer.prefix = tuple(gkt.ncu_prefix(ncu, out / f"ncu_served_{n}.csv"))
                 else:
                     peer = peer_servers.MlxLm(workdir, model_dir, extra=extra["mlx_lm"])
                 run = {"round": rnd + 1, "k": K, "turns": T, "server": n,
@@ -443,6 +474,8 @@ def main() -> int:
                     run["error"] = f"{type(exc).__name__}: {exc}"[:2000]
                 finally:
                     run["exit_code"] = peer.stop() if peer.pid() is not None else peer.exit_code()
+                    if ncu and n in OURS_VARIANTS:
+                        run["served_kernels"] = served_kernels(out / f"ncu_served_{n}.csv", args.ncu_ours)
                     # warnings and errors (the peer's too: on an H100 it lost its generation thread, 12-06)
                     if n in OURS_VARIANTS and getattr(peer, "proc", None) is not None:
                         run["log_tail"] = peer.proc.log()[-4000:]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
 import json
 import os
 import re
@@ -48,12 +47,10 @@ UNITS_NS = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6
 
 
 def profiler(on: bool) -> bool:
-    """cuProfilerStart / cuProfilerStop (the driver's: no CUDA runtime version to match); False off CUDA."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    return (lib.cuProfilerStart() if on else lib.cuProfilerStop()) == 0
+    """cuProfilerStart / cuProfilerStop (the lane's own, server.lane.cuda_profile); False off CUDA."""
+    from server.lane.cuda_profile import driver_profiler
+
+    return driver_profiler(on)
 
 
 def short_name(kernel: str) -> str:
@@ -69,6 +66,26 @@ def short_name(kernel: str) -> str:
             out.append(ch)
     name = "".join(out).replace("void ", "").strip()
     return name[-120:]
+
+
+def find_ncu(given: str | None = None) -> str | None:
+    """Nsight Compute's CLI: ``given``, else on PATH, else under /opt/nvidia or /usr/local."""
+    return given or shutil.which("ncu") or next(
+        (str(p) for base in ("/opt/nvidia", "/usr/local") for p in sorted(Path(base).glob("**/ncu"))
+         if p.is_file() and os.access(p, os.X_OK)), None)
+
+
+def ncu_prefix(ncu: str, csv_path: Path) -> list[str]:
+    """The launcher that measures each kernel's time between cuProfilerStart and cuProfilerStop, as CSV."""
+    return [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "none",
+            "--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base", "--log-file", str(csv_path)]
+
+
+def read_ncu_csv(path: Path) -> list[dict]:
+    """The rows of ncu's CSV (its log lines before the header skipped); [] when there is none."""
+    text = path.read_text() if path.is_file() else ""
+    start = text.find('"ID"')
+    return list(csv.DictReader(text[start:].splitlines())) if start >= 0 else []
 
 
 def summarize(rows: list[dict], steps: int, step_ms: float) -> dict:
@@ -211,25 +228,19 @@ def main() -> int:
         Path(args.child_json or out / f"kernel_times_{tag}.json").write_text(json.dumps(got, indent=1))
         print(json.dumps(got), flush=True)
         return 0
-    ncu = args.ncu_bin or shutil.which("ncu") or next(
-        (str(p) for base in ("/opt/nvidia", "/usr/local") for p in sorted(Path(base).glob("**/ncu"))
-         if p.is_file() and os.access(p, os.X_OK)), None)
+    ncu = find_ncu(args.ncu_bin)
     if ncu is None:
         print("ncu not found: pass --ncu-bin", file=sys.stderr)
         return 2
     tag = f"{args.what}_{args.shape}" + (f"_{args.rows}x{args.chunk}" if args.what == "prefill" else f"_{args.rows}")
     raw, timings = out / f"ncu_{tag}.csv", out / f"kernel_times_{tag}_child.json"
     argv = [a for a in sys.argv[1:] if a != "--ncu"]
-    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "none",
-           "--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base", "--log-file", str(raw),
-           sys.executable, str(Path(__file__).resolve()), *argv, "--child-json", str(timings)]
+    cmd = [*ncu_prefix(ncu, raw), sys.executable, str(Path(__file__).resolve()), *argv, "--child-json", str(timings)]
     print("running: " + " ".join(cmd), flush=True)
     t = time.perf_counter()
     rc = subprocess.call(cmd)
     got = json.loads(timings.read_text()) if timings.is_file() else {}
-    text = raw.read_text() if raw.is_file() else ""
-    start = text.find('"ID"')
-    rows = list(csv.DictReader(text[start:].splitlines())) if start >= 0 else []
+    rows = read_ncu_csv(raw)
     got.update({"ncu": ncu, "ncu_rc": rc, "ncu_wall_s": round(time.perf_counter() - t, 1),
                 "summary": summarize(rows, max(1, args.profile_steps), got.get("step_ms", 0.0))})
     Path(out / f"kernel_times_{tag}.json").write_text(json.dumps(got, indent=1))

@@ -117,6 +117,7 @@ class Ours(Peer):
         self.model_dir = model_dir
         self.extra = extra
         self.env = env or {}  # more environment for the server (e.g. MLX_LANE_ATTENTION=mlx: `--attention mlx`)
+        self.prefix: tuple[str, ...] = ()  # a launcher it runs under (bench/gpu_agents.py --ncu-ours: Nsight Compute)
         self.proc: ServerProc | None = None
         # start() returns once the warm-up that runs behind the first requests (--warm-up behind) is done too, so a
         # workload measures a warm server, as it did when the warm-up ran before ready; a start-up benchmark sets it
@@ -132,7 +133,7 @@ class Ours(Peer):
         env = {"MLX_LANE_HOME": str(self.workdir / "ours-home"), "MLX_LANE_EMBEDDING_MODEL": "none", **self.env}
         t = time.perf_counter()
         self.proc = ServerProc("--model", str(self.model_dir), "--log-level", "warning", *ssd, *self.extra,
-                               env=env, startup_timeout=300)
+                               env=env, startup_timeout=300, prefix=self.prefix)
         self.url = self.proc.url
         self.healthy_s = time.perf_counter() - t  # launch to the port answering /health
         if self.wait_warm:

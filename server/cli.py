@@ -282,9 +282,26 @@ def _serve_parser(sub) -> None:
                    help="on CUDA the SSD writer reads device copies of an entry instead of its own arrays (whose "
                         "buffers MLX moves to managed memory at the host's first read), to compare "
                         "[MLX_LANE_DEBUG_SSD_HOST_COPIES=1]")
+    d.add_argument("--debug-cuda-profile-steps", metavar="A:B", type=_profile_steps,
+                   default=_env("debug_cuda_profile_steps", ""),
+                   help="start the CUDA profiler (cuProfilerStart) before the lane's A-th batch decode step and stop "
+                        "it after the B-th, waiting for the device at both ends: run the server under Nsight "
+                        "Compute with --profile-from-start off to measure a served step's kernels (off by default) "
+                        "[MLX_LANE_DEBUG_CUDA_PROFILE_STEPS]")
     d.add_argument("--debug-trace-collectives", action="store_true", default=_env_flag("debug_trace_collectives"),
                    help="a model sharded over processes logs every collective of the lane's plans on every rank "
                         "[MLX_LANE_DEBUG_TRACE_COLLECTIVES=1]")
+
+
+def _profile_steps(spec: str) -> str:
+    """--debug-cuda-profile-steps: checked here, so a malformed range is a usage error, not a failed start."""
+    from server.lane.cuda_profile import StepRange
+
+    try:
+        StepRange.parse(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
 
 
 def build_parser() -> argparse.ArgumentParser:

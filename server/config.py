@@ -86,6 +86,7 @@ class ServerConfig:
     debug_no_conv_kernel: bool
     debug_ssd_host_copies: bool
     debug_trace_collectives: bool
+    debug_cuda_profile_steps: str
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":

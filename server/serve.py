@@ -51,6 +51,7 @@ def _configure_kernels(cfg: ServerConfig) -> None:
     from models import attention, kernels, mlx_lane_home
     from models.loading.home import kernel_cache_dir
     from server.engine import distributed
+    from server.lane import cuda_profile
 
     os.environ.setdefault("MLX_PTX_CACHE_DIR", str(kernel_cache_dir(mlx_lane_home())))
 
@@ -61,6 +62,7 @@ def _configure_kernels(cfg: ServerConfig) -> None:
     kernels.configure(cfg.kernels != "mlx", conv=not cfg.debug_no_conv_kernel)
     host_copies.configure(host_copies=cfg.debug_ssd_host_copies)
     distributed.trace_collectives(cfg.debug_trace_collectives)
+    cuda_profile.configure(cfg.debug_cuda_profile_steps)
 
 
 def build_state(cfg: ServerConfig):

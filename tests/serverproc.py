@@ -89,18 +89,31 @@ def entry_module(env: dict) -> str:
     return "tests.seamed_server" if wanted(env) else "server.cli"
 
 
+def _children(pid: int) -> list[int]:
+    """The direct children of process ``pid`` (Linux /proc), or ``pid`` itself when it has none."""
+    try:
+        found = [int(x) for t in Path(f"/proc/{pid}/task").iterdir()
+                 for x in (t / "children").read_text().split()]
+    except OSError:
+        found = []
+    return found or [pid]
+
+
 class ServerProc:
     """A live server. ``stop()`` sends SIGTERM and returns the exit code."""
 
     def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 180.0,
-                 cwd: Path | None = None):
-        """``cwd``: the checkout whose ``server`` package runs (default: this one; a benchmark may start another)."""
+                 cwd: Path | None = None, prefix: tuple[str, ...] = ()):
+        """``cwd``: the checkout whose ``server`` package runs (default: this one; a benchmark may start another);
+        ``prefix``: a launcher the server runs under (a profiler: ``ncu ...``), which ``stop`` leaves to end by
+        itself once the server it started has stopped (so it writes its report)."""
+        self.prefix = tuple(prefix)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="mlx-lane-", suffix=".log")[1])
         full_env = server_env(env)
         args = flags_for_tests(args, full_env)
-        cmd = [sys.executable, "-m", entry_module(full_env), "serve", "--port", str(self.port), *args]
+        cmd = [*self.prefix, sys.executable, "-m", entry_module(full_env), "serve", "--port", str(self.port), *args]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
                                      cwd=cwd or Path(__file__).resolve().parents[1])
@@ -132,7 +145,12 @@ class ServerProc:
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            # under a launcher the server is its child: SIGTERM goes to the server, and the launcher ends after it
+            for pid in _children(self.proc.pid) if self.prefix else [self.proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -16,6 +16,7 @@ import time
 from typing import Optional
 
 from server.device_memory import trim_pool
+from server.lane import cuda_profile
 from server.lane.device_loss import MAX_OOM_RETRIES, device_lost_error, device_lost_reason, is_out_of_memory
 from server.lane.events import Failed, Finished, Progress
 from server.lane.plan import Start, TickPlan
@@ -180,6 +181,9 @@ class Executor:
         return produced
 
     def _step_batch(self, group, phases: dict) -> int:
+        profiled = cuda_profile.current()  # --debug-cuda-profile-steps: None unless a range is still ahead
+        if profiled is not None:
+            profiled.before_step()
         t0 = time.perf_counter()
         try:
             stepped = self.engine.step_batch(group)
@@ -192,6 +196,8 @@ class Executor:
             return 0
         for seq, facts in stepped.regrouped:  # its rows decode in another group from now on
             seq.facts = facts
+        if profiled is not None:
+            profiled.after_step()
         t1 = time.perf_counter()
         phases["batch_step"] = phases.get("batch_step", 0.0) + t1 - t0
         ending, ended = [], set()

@@ -140,7 +140,7 @@ def test_tool_and_assistant_tool_call_messages_are_accepted(client):
 @pytest.fixture(scope="module")
 def guarded_server(default_model_dir):
     srv = ServerProc("--model", "default", "--api-key", "s3cret", "--cache-bytes", "64M",
-                     env={"MLX_LANE_FAULT_MARKER": "KABOOM-7731"})
+                     "--debug-cuda-profile-steps", "2:3", env={"MLX_LANE_FAULT_MARKER": "KABOOM-7731"})
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -211,3 +211,26 @@ def test_metrics_exposes_vllm_style_names(guarded_server):
                  "mlx_lane:time_to_first_token_seconds_bucket", "mlx_lane:e2e_request_latency_seconds_count",
                  "mlx_lane:prompt_tokens_total", "mlx_lane:generation_tokens_total"]:
         assert name in text, name
+
+
+def test_a_profiled_range_of_batch_steps_runs_and_the_answers_stay_whole(guarded_server):
+    """--debug-cuda-profile-steps 2:3 on the real model: concurrent requests decode in one batch, the lane brackets
+    its 2nd and 3rd batch steps (no CUDA driver here: cuProfilerStart answers 'unavailable') and every request still
+    gets all its tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    h = {"Authorization": "Bearer s3cret"}
+
+    def ask(i: int):
+        body = {"messages": [{"role": "user", "content": f"Count from {i} to {i + 20}."}], "max_tokens": 24,
+                "temperature": 0}
+        return httpx.post(guarded_server.url + "/v1/chat/completions", json=body, headers=h, timeout=120)
+
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(ask, range(3)))
+    assert [r.status_code for r in answers] == [200] * 3
+    assert all(r.json()["choices"][0]["message"]["content"] for r in answers)
+    assert wait_for(lambda: "batch steps 2..3 done" in guarded_server.log(), timeout=30), guarded_server.log()
+    log = guarded_server.log()
+    assert "CUDA profiler range: batch steps 2..3 begin (cuProfilerStart unavailable)" in log
+    assert log.count("CUDA profiler range") == 2  # one range, once
