@@ -221,6 +221,40 @@ def test_the_heads_draft_for_many_rows_in_batched_forwards_what_each_row_drafts_
     assert rest == [rows[0][0].draft(feeds[0], 2), rows[2][0].draft(feeds[2], 1)], name
 
 
+def test_batched_drafts_asked_for_unread_say_their_lengths_first_and_read_as_drafted(bound):
+    """MtpDraftBatch.draft_lazy: the lengths are known before anything is read, the sources learn their drafts only
+    at the read, and what is read is what ``draft`` gives; commits then keep both drafters the same."""
+    from server.engine.batch.mtp_drafts import MtpDraftBatch
+
+    name, model, provider = bound
+    prompts = [PROMPT, PROMPT[3:12], PROMPT[5:25]]
+    drafters = []
+    for _ in range(2):
+        sources = []
+        for p in prompts:
+            source = provider.open()
+            model(mx.array(p[:-1])[None], cache=make_prompt_cache(model))
+            source.heard(0, p[:-1])
+            source.prefill(p[:-1])
+            sources.append(source)
+        db = MtpDraftBatch(provider.head)
+        db.join(sources)
+        drafters.append((db, sources))
+    (eager, eager_src), (lazy, lazy_src) = drafters
+    feeds, ns = [[p[-1]] for p in prompts], [3, 0, 2]
+    want = eager.draft([(s, f, n) for s, f, n in zip(eager_src, feeds, ns)])
+    recorded = []
+    for s in lazy_src:
+        s.record_draft = (lambda inner: lambda d: recorded.append(list(d)) or inner(d))(s.record_draft)
+    opened = lazy.draft_lazy([(s, f, n) for s, f, n in zip(lazy_src, feeds, ns)])
+    assert opened.lengths == [len(d) for d in want] == ns and not recorded, name
+    assert opened.read() == want and recorded == [d for d in want if d], name
+    assert opened.read() == want and len(recorded) == 2, name  # read once
+    for (db, sources), d in ((drafters[0], want), (drafters[1], want)):
+        db.commit([(s, x, 1) for s, x in zip(sources, d) if x])
+    assert [s.caches[0].offset for s in eager_src] == [s.caches[0].offset for s in lazy_src], name
+
+
 def test_a_request_whose_drafts_stop_paying_decodes_plainly_and_the_heads_catch_up_where_they_can(bound):
     """Over plain KV caches the policy stops and the rest runs on mlx-lm's pipelined steps, unheard: the heads catch up
     before the caches are stored. Over recurrent state it pauses, and the solo verifier keeps feeding them."""

@@ -68,20 +68,34 @@ def test_alone_and_after_ram_and_ssd_hits_the_text_is_plain_greedy_and_hits_draf
     assert done.spec["drafted"] > 0 and done.spec["blind"] == 0, (name, done.spec)
 
 
-def test_four_requests_together_make_their_alone_text_and_store_whole_runs(mtp, monkeypatch):
+@pytest.mark.parametrize("with_verdict", [True, False], ids=["drafts_read_with_verdict", "drafts_read_first"])
+def test_four_requests_together_make_their_alone_text_and_store_whole_runs(mtp, monkeypatch, with_verdict):
     """Plain-KV models verify the four rows' drafts in one forward (the speculating batch); a hybrid's requests that
     arrive beside others decode plainly in the plain batch (server.engine.batch.choose.place) and store the target's
-    layers only, and a later request on such an entry drafts from its new tokens (blind) with the same text."""
+    layers only, and a later request on such an entry drafts from its new tokens (blind) with the same text. The
+    heads' batched drafts enter the verify forward unread and are read with its verdict (one wait a step), or, with
+    spec.verify.READ_DRAFTS_WITH_VERDICT off, are read first: the same text either way."""
+    import spec.verify
     from cache.prompt_cache import PromptCache
     from server.engine.speculation import SpecTotals
 
     from server.engine.batch.mtp_drafts import MtpDraftBatch
 
+    monkeypatch.setattr(spec.verify, "READ_DRAFTS_WITH_VERDICT", with_verdict)
     name, model, head, speculation = mtp
     batched_drafts = []  # the rows' heads drafted together (server.engine.batch.mtp_drafts)
-    draft = MtpDraftBatch.draft
-    monkeypatch.setattr(MtpDraftBatch, "draft", lambda self, wanted: batched_drafts.append(len(wanted))
-                        or draft(self, wanted))
+    calls = {"draft": 0, "draft_lazy": 0}  # which order the speculating batch took
+    lazy = MtpDraftBatch.draft_lazy
+
+    def counted(verb):
+        def call(self, wanted):
+            calls[verb] += 1
+            batched_drafts.append(len(wanted))
+            return lazy(self, wanted) if verb == "draft_lazy" else lazy(self, wanted).read()
+        return call
+
+    monkeypatch.setattr(MtpDraftBatch, "draft_lazy", counted("draft_lazy"))
+    monkeypatch.setattr(MtpDraftBatch, "draft", counted("draft"))
     want = [alone(model, p, 10) for p in PROMPTS]
     cache = PromptCache(1 << 28)
     lane = lane_of(model, cache, speculation=speculation)
@@ -107,6 +121,8 @@ def test_four_requests_together_make_their_alone_text_and_store_whole_runs(mtp, 
         assert max(sizes) >= 2 and drafted > 0, (name, sizes, drafted)
         assert batched_drafts and max(batched_drafts) >= 2, (name, batched_drafts)
         assert lane.stats.spec.as_dict()["in_batch"]["steps"] > 0, name
+        assert (calls["draft_lazy"] > 0, calls["draft"] > 0) == ((True, False) if with_verdict else (False, True)), \
+            (name, calls)
     nxt = PROMPTS[2] + want[2] + [50, 51]  # the next turn of one that arrived beside others, alone
     again, done = run(lane, nxt, n=10)
     assert again == alone(model, nxt, 10), name

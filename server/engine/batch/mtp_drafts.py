@@ -16,6 +16,10 @@ so a row's drafts are the ones its own caches would give (spec.mtp: ``draft``), 
 (``take_drop``) before the next forward. The hidden states stay with each source (it hears its row of every verify
 forward). The whole chain is one lazy MLX graph evaluated once. A source whose heads hold no entry yet drafts on its
 own. Only the lane thread touches an MtpDraftBatch.
+
+``draft_lazy`` hands the chain over unread (``OpenDrafts``: asked for with ``mx.async_eval``): the speculating batch
+builds its verify forward over it and reads drafts and verdict in one wait (spec.verify.READ_DRAFTS_WITH_VERDICT),
+so the device runs the heads while the host builds the verify graph; ``draft`` reads at once.
 """
 
 from __future__ import annotations
@@ -26,7 +30,27 @@ import mlx.core as mx
 
 from server.engine.batch.draft_rows import DraftRows
 
-__all__ = ["MtpDraftBatch"]
+__all__ = ["MtpDraftBatch", "OpenDrafts"]
+
+
+class OpenDrafts:
+    """A batched draft asked for but not read: ``array`` (the drafter's rows, its longest draft) uint32, None when no
+    row drafts; ``lengths``: each wanted row's draft length (known before the read); ``rows``: its row in ``array``.
+    ``read()`` reads the drafts once, tells each drafting source what it drafted (``record_draft``) and returns them
+    in the wanted order. Until then the sources' drafts are open: read before their ``commit``."""
+
+    def __init__(self, array: Any, rows: list[int], lengths: list[int], sources: list):
+        self.array, self.rows, self.lengths, self._sources = array, rows, lengths, sources
+        self._read: Any = None
+
+    def read(self) -> list[list[int]]:
+        if self._read is None:
+            got: Any = self.array.tolist() if self.array is not None else []
+            self._read = [[int(t) for t in got[r][:n]] if n else [] for r, n in zip(self.rows, self.lengths)]
+            for source, d in zip(self._sources, self._read):
+                if d:
+                    source.record_draft(d)
+        return self._read
 
 
 class MtpDraftBatch(DraftRows):
@@ -55,6 +79,10 @@ class MtpDraftBatch(DraftRows):
     def draft(self, wanted: list) -> list[list[int]]:
         """``[(source, feed, n), ...]`` (every row of the batch, any order): each source takes ``feed`` and drafts up
         to ``n`` tokens (none while it is behind); returns the drafts in the order given."""
+        return self.draft_lazy(wanted).read()
+
+    def draft_lazy(self, wanted: list) -> OpenDrafts:
+        """``draft``'s chain, asked for and not read (``OpenDrafts``; its lengths are known now)."""
         index = {id(s): i for i, s in enumerate(self._sources)}
         rows = len(self._sources)
         n_of = [0] * rows
@@ -68,8 +96,11 @@ class MtpDraftBatch(DraftRows):
             if n_of[i]:
                 inputs[i] = s.entries_input()
         top = max(n_of, default=0)
+        rows_wanted = [index[id(source)] for source, _, _ in wanted]
+        lengths = [n_of[i] for i in rows_wanted]
+        sources = [source for source, _, _ in wanted]
         if top <= 0:
-            return [[] for _ in wanted]
+            return OpenDrafts(None, rows_wanted, lengths, sources)
         kv = self._kv
         assert kv is not None
         width = max(len(x[0]) for x in inputs if x is not None)
@@ -98,13 +129,9 @@ class MtpDraftBatch(DraftRows):
             if j + 1 < top:
                 mx.async_eval(inputs_j, h)
             self.forwards += 1
-        got: Any = mx.concatenate(ys, axis=1).tolist()  # (rows, top): the one sync of the whole chain
-        drafts: dict[int, list[int]] = {}
-        for i, n in enumerate(n_of):
-            if n:
-                drafts[i] = [int(t) for t in got[i][:n]]
-                self._sources[i].record_draft(drafts[i])
-        return [drafts.get(index[id(source)], []) for source, _, _ in wanted]
+        chain = mx.concatenate(ys, axis=1)  # (rows, top): read once, by whoever reads it first
+        mx.async_eval(chain)
+        return OpenDrafts(chain, rows_wanted, lengths, sources)
 
     def commit(self, done: list) -> None:
         """``[(source, drafted, accepted), ...]`` after the target's verify: each row drops the entries past what was

@@ -57,6 +57,7 @@ from server.engine.batch.ragged_kv import RaggedKV, holds_kv
 from server.engine.batch.rules import Penalties, penalise, penalty_windows
 from server.engine.sampling import PENALTY_CONTEXT
 from spec import BatchVerifyCost, SpecStats
+from spec import verify as spec_verify
 from spec.accept import accept
 
 __all__ = ["SpeculatingBatch", "PlainStepClock", "VerifyStep"]
@@ -101,6 +102,19 @@ class VerifyStep(NamedTuple):
     drafted: int
     accepted: int
     emitted: int
+
+
+@dataclass
+class _Unread:
+    """A row's draft not read yet: its place in a batched drafter's ``OpenDrafts`` (``rows_of``: batch row -> index
+    in what the drafter was asked)."""
+
+    open: Any
+    rows_of: dict
+
+    @property
+    def lengths(self) -> list:
+        return self.open.lengths
 
 
 @dataclass
@@ -231,13 +245,16 @@ class SpeculatingBatch(RowList):
                 wanted = [0] * len(wanted)
             top = max(wanted)  # every row computes this many positions anyway: a drafting row may fill them
             drafts = self._drafts([min(top, self._left(r)) if n else 0 for r, n in zip(self._rows, wanted)])
-        width = 1 + max(len(d) for d in drafts)
-        inputs = mx.array([[r.pending] + d + [r.pending] * (width - 1 - len(d)) for r, d in zip(self._rows, drafts)])
+        lengths = [len(d) if isinstance(d, list) else d.lengths[d.rows_of[i]] for i, d in enumerate(drafts)]
+        width = 1 + max(lengths)
+        inputs = self._inputs(drafts, width)
         self._kv.reserve(width)
         logits = self.model(inputs, cache=self._kv.layers)  # (B, W, V)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token_rows, lp_rows = self._sample(logits, logprobs, drafts)
-        mx.eval(token_rows, lp_rows)
+        token_rows, lp_rows = self._sample(logits, logprobs, drafts, lengths)
+        opened = {id(d.open): d.open for d in drafts if not isinstance(d, list)}
+        mx.eval(token_rows, lp_rows, [o.array for o in opened.values() if o.array is not None])  # the one wait
+        drafts = [d if isinstance(d, list) else d.open.read()[d.rows_of[i]] for i, d in enumerate(drafts)]
         picked = [t.tolist() for t in token_rows]
         self.cost.observe(len(self._rows), len(self._rows) * (width - 1), time.perf_counter() - t0)
         rows_out: list[Emitted] = []
@@ -337,21 +354,47 @@ class SpeculatingBatch(RowList):
 
     def _drafts(self, ns: list) -> list:
         """Each row's draft of up to ns[i] tokens: the two-model rows' in batched forwards of the draft model (every
-        such row hears its feed, drafting or not), the others from their own source."""
-        drafts: list[list[int]] = [[] for _ in self._rows]
+        such row hears its feed, drafting or not), the MTP rows' in batched forwards of the heads, the others from
+        their own source. The MTP rows' drafts come unread (an ``_Unread``: read with the verdict) unless a row's
+        penalties need the drafted tokens to build the verify step, or READ_DRAFTS_WITH_VERDICT is off."""
+        drafts: list = [[] for _ in self._rows]
         batched: set[int] = set()
+        lazy = spec_verify.READ_DRAFTS_WITH_VERDICT and all(r.penalties is None for r in self._rows)
         for drafter in self._drafters:
             together = [i for i, r in enumerate(self._rows) if r.source in drafter]
             if together:
-                got = drafter.draft([(self._rows[i].source, self._rows[i].feed, ns[i]) for i in together])
-                for i, d in zip(together, got):
-                    drafts[i] = d
+                asked = [(self._rows[i].source, self._rows[i].feed, ns[i]) for i in together]
+                if lazy and hasattr(drafter, "draft_lazy"):
+                    open_ = drafter.draft_lazy(asked)
+                    rows_of = {i: j for j, i in enumerate(together)}
+                    for i in together:
+                        drafts[i] = _Unread(open_, rows_of)
+                else:
+                    for i, d in zip(together, drafter.draft(asked)):
+                        drafts[i] = d
+                for i in together:
                     self._rows[i].feed = []
                 batched.update(together)
         for i, (row, n) in enumerate(zip(self._rows, ns)):
             if i not in batched:
                 drafts[i] = self._draft(row, n)
         return drafts
+
+    def _inputs(self, drafts: list, width: int) -> mx.array:
+        """(B, width): each row's pending token, its drafts, then padding (computed, never kept). Unread drafts enter
+        as the drafter's array, by rows, so nothing waits for them here."""
+        rows = self._rows
+        eager = [[r.pending] + (d if isinstance(d, list) else []) for r, d in zip(rows, drafts)]
+        inputs = mx.array([x + [x[0]] * (width - len(x)) for x in eager], dtype=mx.uint32)
+        for open_ in {id(d.open): d.open for d in drafts if not isinstance(d, list)}.values():
+            if open_.array is None:
+                continue
+            at = [i for i, d in enumerate(drafts) if not isinstance(d, list) and d.open is open_]
+            cols = open_.array[mx.array([open_.rows[drafts[i].rows_of[i]] for i in at]), : width - 1]
+            if cols.shape[1] < width - 1:  # this drafter's longest draft is shorter than another's
+                cols = mx.concatenate([cols, mx.zeros((cols.shape[0], width - 1 - cols.shape[1]), mx.uint32)], 1)
+            inputs[mx.array(at), 1:] = cols.astype(mx.uint32)
+        return inputs
 
     @staticmethod
     def _draft(row: _Row, n: int) -> list:
@@ -363,7 +406,7 @@ class SpeculatingBatch(RowList):
         row.feed = []
         return drafts
 
-    def _sample(self, logits: mx.array, logprobs: mx.array, drafts: list):
+    def _sample(self, logits: mx.array, logprobs: mx.array, drafts: list, lengths: list):
         """(tokens, logprobs) per row at each fed position: its sampler over its ruled logprobs. The rules of every
         (row, position) with any go in one ``penalise`` call, each position seeing the row's history, its pending
         token and the drafts before it."""
@@ -378,7 +421,7 @@ class SpeculatingBatch(RowList):
         ruled = [i for i, r in enumerate(self._rows) if r.penalties is not None]
         if ruled:
             at, rules, seen = [], [], []
-            for i in ruled:
+            for i in ruled:  # (their drafts are read: _drafts opens none beside penalties)
                 row = self._rows[i]
                 head = row.tokens[-PENALTY_CONTEXT:] + [row.pending]
                 for q in range(len(drafts[i]) + 1):
@@ -395,6 +438,6 @@ class SpeculatingBatch(RowList):
                 start += n
         for i, row in enumerate(self._rows):
             if per_row[i] is None:
-                lp = lp_rows[i] if row.penalties is not None else logprobs[i, : len(drafts[i]) + 1]
+                lp = lp_rows[i] if row.penalties is not None else logprobs[i, : lengths[i] + 1]
                 per_row[i] = row.sampler(lp) if row.sampler is not None else mx.argmax(lp, axis=-1)
         return per_row, lp_rows
