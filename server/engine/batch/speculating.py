@@ -37,8 +37,12 @@ Rows whose source is a ``spec.source.BatchableDraftSource`` (the draft model's) 
 layout, and a step's k drafted tokens cost k batched forwards of the draft model for all rows, not k per row
 (``draft_batch=False``: each row drafts on its own caches, to compare).
 
+Rows drafting with the checkpoint's MTP heads draft together too (``server.engine.batch.mtp_drafts``), and their
+drafts enter the verify forward unread (``server.engine.batch.verify_inputs``): a step waits once, for drafts and
+verdict together, so the device runs the heads while the host builds the verify forward.
+
 Not here: grammars (their processor is stateful and sees each token once: such requests do not speculate in a
-batch), pipelining (a step must know what was accepted before it can draft the next one).
+batch), pipelining across steps (a step must know what was accepted before it can draft the next one).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from server.engine.batch.drafts import DraftBatch
 from server.engine.batch.mtp_drafts import MtpDraftBatch
 from server.engine.batch.protocol import Covered, Emitted, Row, RowList, RowState
 from server.engine.batch.ragged_kv import RaggedKV, holds_kv
+from server.engine.batch.verify_inputs import UnreadDraft, draft_lengths, read_drafts, unread_arrays, verify_inputs
 from server.engine.batch.rules import Penalties, penalise, penalty_windows
 from server.engine.sampling import PENALTY_CONTEXT
 from spec import BatchVerifyCost, SpecStats
@@ -102,19 +107,6 @@ class VerifyStep(NamedTuple):
     drafted: int
     accepted: int
     emitted: int
-
-
-@dataclass
-class _Unread:
-    """A row's draft not read yet: its place in a batched drafter's ``OpenDrafts`` (``rows_of``: batch row -> index
-    in what the drafter was asked)."""
-
-    open: Any
-    rows_of: dict
-
-    @property
-    def lengths(self) -> list:
-        return self.open.lengths
 
 
 @dataclass
@@ -245,16 +237,15 @@ class SpeculatingBatch(RowList):
                 wanted = [0] * len(wanted)
             top = max(wanted)  # every row computes this many positions anyway: a drafting row may fill them
             drafts = self._drafts([min(top, self._left(r)) if n else 0 for r, n in zip(self._rows, wanted)])
-        lengths = [len(d) if isinstance(d, list) else d.lengths[d.rows_of[i]] for i, d in enumerate(drafts)]
+        lengths = draft_lengths(drafts)
         width = 1 + max(lengths)
-        inputs = self._inputs(drafts, width)
+        inputs = verify_inputs([r.pending for r in self._rows], drafts, width)
         self._kv.reserve(width)
         logits = self.model(inputs, cache=self._kv.layers)  # (B, W, V)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token_rows, lp_rows = self._sample(logits, logprobs, drafts, lengths)
-        opened = {id(d.open): d.open for d in drafts if not isinstance(d, list)}
-        mx.eval(token_rows, lp_rows, [o.array for o in opened.values() if o.array is not None])  # the one wait
-        drafts = [d if isinstance(d, list) else d.open.read()[d.rows_of[i]] for i, d in enumerate(drafts)]
+        mx.eval(token_rows, lp_rows, unread_arrays(drafts))  # the step's one wait: verdict and unread drafts
+        drafts = read_drafts(drafts)
         picked = [t.tolist() for t in token_rows]
         self.cost.observe(len(self._rows), len(self._rows) * (width - 1), time.perf_counter() - t0)
         rows_out: list[Emitted] = []
@@ -355,7 +346,7 @@ class SpeculatingBatch(RowList):
     def _drafts(self, ns: list) -> list:
         """Each row's draft of up to ns[i] tokens: the two-model rows' in batched forwards of the draft model (every
         such row hears its feed, drafting or not), the MTP rows' in batched forwards of the heads, the others from
-        their own source. The MTP rows' drafts come unread (an ``_Unread``: read with the verdict) unless a row's
+        their own source. The MTP rows' drafts come unread (an ``UnreadDraft``: read with the verdict) unless a row's
         penalties need the drafted tokens to build the verify step, or READ_DRAFTS_WITH_VERDICT is off."""
         drafts: list = [[] for _ in self._rows]
         batched: set[int] = set()
@@ -366,9 +357,8 @@ class SpeculatingBatch(RowList):
                 asked = [(self._rows[i].source, self._rows[i].feed, ns[i]) for i in together]
                 if lazy and hasattr(drafter, "draft_lazy"):
                     open_ = drafter.draft_lazy(asked)
-                    rows_of = {i: j for j, i in enumerate(together)}
-                    for i in together:
-                        drafts[i] = _Unread(open_, rows_of)
+                    for j, i in enumerate(together):
+                        drafts[i] = UnreadDraft(open_, j)
                 else:
                     for i, d in zip(together, drafter.draft(asked)):
                         drafts[i] = d
@@ -379,22 +369,6 @@ class SpeculatingBatch(RowList):
             if i not in batched:
                 drafts[i] = self._draft(row, n)
         return drafts
-
-    def _inputs(self, drafts: list, width: int) -> mx.array:
-        """(B, width): each row's pending token, its drafts, then padding (computed, never kept). Unread drafts enter
-        as the drafter's array, by rows, so nothing waits for them here."""
-        rows = self._rows
-        eager = [[r.pending] + (d if isinstance(d, list) else []) for r, d in zip(rows, drafts)]
-        inputs = mx.array([x + [x[0]] * (width - len(x)) for x in eager], dtype=mx.uint32)
-        for open_ in {id(d.open): d.open for d in drafts if not isinstance(d, list)}.values():
-            if open_.array is None:
-                continue
-            at = [i for i, d in enumerate(drafts) if not isinstance(d, list) and d.open is open_]
-            cols = open_.array[mx.array([open_.rows[drafts[i].rows_of[i]] for i in at]), : width - 1]
-            if cols.shape[1] < width - 1:  # this drafter's longest draft is shorter than another's
-                cols = mx.concatenate([cols, mx.zeros((cols.shape[0], width - 1 - cols.shape[1]), mx.uint32)], 1)
-            inputs[mx.array(at), 1:] = cols.astype(mx.uint32)
-        return inputs
 
     @staticmethod
     def _draft(row: _Row, n: int) -> list:
