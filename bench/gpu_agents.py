@@ -225,8 +225,8 @@ def served_kernels(csv_path: Path, spec: str) -> dict:
     r = StepRange.parse(spec)
     assert r is not None
     summary = gkt.summarize(gkt.read_ncu_csv(csv_path), r.last - r.first + 1, 0.0)
-    print(f"    served steps {spec}: {summary['kernels_per_step']} kernels a step, "
-          f"{summary['kernel_ms_per_step']} ms of kernel time a step", flush=True)
+    print(f"    served {r.noun} {r.first}..{r.last}: {summary['kernels_per_step']} kernels each, "
+          f"{summary['kernel_ms_per_step']} ms of kernel time each", flush=True)
     for k in summary["by_kernel"][:25]:
         print(f"      {k['us_per_step']:9.1f} us  {k['share'] * 100:5.1f}%  x{k['launches_per_step']:<6} {k['kernel']}")
     return summary
@@ -338,8 +338,8 @@ def main() -> int:
     ap.add_argument("--profile-after", type=float, default=3.0)
     ap.add_argument("--ncu-ours", default="", metavar="A:B",
                     help="run ours under Nsight Compute and measure the kernels of its A-th to B-th batch decode "
-                         "steps (--debug-cuda-profile-steps): a served step kernel by kernel, in the JSON "
-                         "(served_kernels) and OUT/ncu_served_<server>.csv")
+                         "steps (prefill:A:B: prefill calls; --debug-cuda-profile-steps): a served step kernel by "
+                         "kernel, in the JSON (served_kernels) and OUT/ncu_served_<server>.csv")
     ap.add_argument("--ncu-bin", default=None, help="ncu's path (default: on PATH, or under /opt/nvidia, /usr/local)")
     ap.add_argument("--ours-args", default="", help="extra `mlx-lane serve` arguments (one shell-quoted string)")
     ap.add_argument("--peer-cache-bytes", type=int, default=None,

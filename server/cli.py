@@ -285,9 +285,9 @@ def _serve_parser(sub) -> None:
     d.add_argument("--debug-cuda-profile-steps", metavar="A:B", type=_profile_steps,
                    default=_env("debug_cuda_profile_steps", ""),
                    help="start the CUDA profiler (cuProfilerStart) before the lane's A-th batch decode step and stop "
-                        "it after the B-th, waiting for the device at both ends: run the server under Nsight "
-                        "Compute with --profile-from-start off to measure a served step's kernels (off by default) "
-                        "[MLX_LANE_DEBUG_CUDA_PROFILE_STEPS]")
+                        "it after the B-th (prefill:A:B: its A-th to B-th prefill calls), waiting for the device at "
+                        "both ends: run the server under Nsight Compute with --profile-from-start off to measure "
+                        "served steps' kernels (off by default) [MLX_LANE_DEBUG_CUDA_PROFILE_STEPS]")
     d.add_argument("--debug-trace-collectives", action="store_true", default=_env_flag("debug_trace_collectives"),
                    help="a model sharded over processes logs every collective of the lane's plans on every rank "
                         "[MLX_LANE_DEBUG_TRACE_COLLECTIVES=1]")

@@ -1,11 +1,12 @@
-"""A range of the lane's batch steps under a CUDA profiler (``--debug-cuda-profile-steps A:B``).
+"""A range of the lane's batch steps or prefill forwards under a CUDA profiler (``--debug-cuda-profile-steps``).
 
 Nsight Compute started with ``--profile-from-start off`` measures only the kernels launched between the driver's
-``cuProfilerStart`` and ``cuProfilerStop``. With a range set, the lane starts the profiler before its A-th batch
-decode step (counted from 1 over every group's batches, speculating ones included) and stops it after its B-th,
+``cuProfilerStart`` and ``cuProfilerStop``. With a range ``A:B`` set, the lane starts the profiler before its A-th
+batch decode step (counted from 1 over every group's batches, speculating ones included) and stops it after its B-th,
 waiting for the device at both ends, so the range holds exactly those steps' kernels: what a served step runs, to set
-beside one in-process (bench/gpu_kernel_times.py; bench/gpu_agents.py --ncu-ours runs a server so). Without a CUDA
-driver the calls do nothing (the CPU). Lane thread only.
+beside one in-process (bench/gpu_kernel_times.py; bench/gpu_agents.py --ncu-ours runs a server so). With
+``prefill:A:B`` it counts the lane's prefill calls instead (one a tick per group: a forward of one or several rows,
+with the stores it makes). Without a CUDA driver the calls do nothing (the CPU). Lane thread only.
 """
 
 from __future__ import annotations
@@ -34,30 +35,37 @@ def _synchronize() -> None:
     mx.synchronize()
 
 
+KINDS = ("step", "prefill")  # what a range counts: batch decode steps, or the lane's prefill calls
+
+
 class StepRange:
-    """Batch steps ``first``..``last`` (1-based, inclusive) between a profiler's start and stop."""
+    """The lane's ``kind`` calls ``first``..``last`` (1-based, inclusive) between a profiler's start and stop."""
 
     def __init__(self, first: int, last: int, profiler: Callable[[bool], bool] = driver_profiler,
-                 synchronize: Callable[[], None] = _synchronize):
+                 synchronize: Callable[[], None] = _synchronize, kind: str = "step"):
         if not 1 <= first <= last:
-            raise ValueError(f"a profiled range of batch steps needs 1 <= A <= B, got {first}:{last}")
-        self.first, self.last = first, last
+            raise ValueError(f"a profiled range needs 1 <= A <= B, got {first}:{last}")
+        if kind not in KINDS:
+            raise ValueError(f"a profiled range counts one of {', '.join(KINDS)}, not {kind!r}")
+        self.first, self.last, self.kind = first, last, kind
         self._profiler, self._synchronize = profiler, synchronize
         self.steps = 0  # batch steps begun so far
         self.started: Optional[bool] = None  # what cuProfilerStart answered (None: not reached yet)
 
     @classmethod
     def parse(cls, spec: str) -> Optional["StepRange"]:
-        """``"A:B"`` (or ``"A"`` for one step); ``""`` is no range. A malformed spec is a ValueError that says the form."""
+        """``"A:B"`` batch steps (``"A"``: one), ``"prefill:A:B"`` prefill calls; ``""`` is no range. A malformed spec is
+        a ValueError that says the form."""
         spec = spec.strip()
         if not spec:
             return None
-        first, colon, last = spec.partition(":")
+        kind, _, rest = spec.partition(":") if spec.split(":")[0] in KINDS else ("step", "", spec)
+        first, colon, last = rest.partition(":")
         try:
-            return cls(int(first), int(last if colon else first))
+            return cls(int(first), int(last if colon else first), kind=kind)
         except ValueError as exc:
-            raise ValueError(f"--debug-cuda-profile-steps {spec!r}: expected A:B, the first and last batch steps "
-                             f"to profile (1-based), e.g. 200:203 ({exc})") from None
+            raise ValueError(f"--debug-cuda-profile-steps {spec!r}: expected A:B (the first and last batch steps to "
+                             f"profile, 1-based, e.g. 200:203) or prefill:A:B (prefill calls) ({exc})") from None
 
     @property
     def done(self) -> bool:
@@ -68,14 +76,18 @@ class StepRange:
         if self.steps == self.first:
             self._synchronize()  # the steps before stay outside the range
             self.started = self._profiler(True)
-            log.warning("CUDA profiler range: batch steps %d..%d begin (cuProfilerStart %s)", self.first, self.last,
-                        "ok" if self.started else "unavailable")
+            log.warning("CUDA profiler range: %s %d..%d begin (cuProfilerStart %s)", self.noun, self.first,
+                        self.last, "ok" if self.started else "unavailable")
 
     def after_step(self) -> None:
         if self.steps == self.last:
             self._synchronize()  # the last step's kernels, pipelined, finish inside the range
             self._profiler(False)
-            log.warning("CUDA profiler range: batch steps %d..%d done", self.first, self.last)
+            log.warning("CUDA profiler range: %s %d..%d done", self.noun, self.first, self.last)
+
+    @property
+    def noun(self) -> str:
+        return "batch steps" if self.kind == "step" else "prefill calls"
 
 
 _range: Optional[StepRange] = None
@@ -87,6 +99,6 @@ def configure(spec: str) -> None:
     _range = StepRange.parse(spec)
 
 
-def current() -> Optional[StepRange]:
-    """The configured range while it has steps left; None otherwise (the lane's fast path)."""
-    return _range if _range is not None and not _range.done else None
+def current(kind: str = "step") -> Optional[StepRange]:
+    """The configured range of ``kind`` while it has calls left; None otherwise (the lane's fast path)."""
+    return _range if _range is not None and _range.kind == kind and not _range.done else None

@@ -115,8 +115,13 @@ class Executor:
         phases["take"] += time.perf_counter() - t0
         if not items:
             return 0
+        profiled = cuda_profile.current("prefill")  # --debug-cuda-profile-steps prefill:A:B
+        if profiled is not None:
+            profiled.before_step()
         try:
             done = self.engine.prefill([(seq, n) for seq, n, _ in items], store_now)
+            if profiled is not None:
+                profiled.after_step()
         except Exception as exc:
             log.exception("prefill of %s failed", ", ".join(seq.id for seq, *_ in items))
             retry = is_out_of_memory(exc) and self.may_requeue

@@ -31,13 +31,15 @@ def test_the_range_holds_exactly_steps_a_to_b():
     assert r.done and r.started is True
 
 
-@pytest.mark.parametrize("spec, want", [("", None), ("  ", None), ("7", (7, 7)), ("200:203", (200, 203))])
+@pytest.mark.parametrize("spec, want", [("", None), ("  ", None), ("7", ("step", 7, 7)),
+                                        ("200:203", ("step", 200, 203)), ("step:4:5", ("step", 4, 5)),
+                                        ("prefill:2:9", ("prefill", 2, 9)), ("prefill:3", ("prefill", 3, 3))])
 def test_a_spec_parses_to_its_steps(spec, want):
     r = StepRange.parse(spec)
-    assert (None if r is None else (r.first, r.last)) == want
+    assert (None if r is None else (r.kind, r.first, r.last)) == want
 
 
-@pytest.mark.parametrize("spec", ["0:3", "5:2", "a:b", "3:", ":3", "1:2:3"])
+@pytest.mark.parametrize("spec", ["0:3", "5:2", "a:b", "3:", ":3", "1:2:3", "prefill", "prefill:", "decode:1:2"])
 def test_a_malformed_spec_says_the_form_it_wants(spec):
     with pytest.raises(ValueError, match="expected A:B"):
         StepRange.parse(spec)
@@ -74,3 +76,21 @@ def test_the_lane_brackets_its_batch_steps_and_its_answers_do_not_change():
     assert len(steps) > 3 and profiled.done and profiled.steps == 3  # the steps after it are not counted
     assert calls == ["sync", "start", "sync", "stop"]  # one range, around batch steps 2 and 3
     assert cuda_profile.current() is None  # nothing configured after the test
+
+
+def test_a_prefill_range_brackets_the_lanes_prefill_calls_and_not_its_steps():
+    cuda_profile._range = None
+    calls: list = []
+    profiled = recorded(2, 3, calls)
+    profiled.kind = "prefill"
+    cuda_profile._range = profiled
+    try:
+        assert cuda_profile.current() is None and cuda_profile.current("prefill") is profiled
+        engine = FakeEngine()
+        lane = lane_with(engine)
+        seq, _ = submit(lane, "a", list(range(1, 16)), 2)  # 14 prompt tokens: prefill calls of 4, 4, 4, 2
+        run(lane)
+    finally:
+        cuda_profile._range = None
+    assert [c for c in engine.calls if c[0] == "prefill"] == [("prefill", "a", 4)] * 3 + [("prefill", "a", 2)]
+    assert calls == ["sync", "start", "sync", "stop"] and profiled.steps == 3 and seq.generated == [16, 17]
