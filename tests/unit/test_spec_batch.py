@@ -354,11 +354,30 @@ def test_the_draft_batch_drafts_what_each_rows_own_source_drafts(model):
     assert rest == [alone[0].draft(feeds[0], 2), alone[2].draft(feeds[2], 1)]
 
 
+@pytest.mark.parametrize("with_verdict", [True, False], ids=["drafts_read_with_verdict", "drafts_read_first"])
 @pytest.mark.parametrize("batched", [True, False])  # drafts: batched forwards of the draft model, or row by row
 @pytest.mark.parametrize("draft_seed", [5, 11])  # the target itself (every draft holds), another model (few hold)
-def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_batchs_text(model, draft_seed, batched):
+def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_batchs_text(model, draft_seed, batched,
+                                                                                         with_verdict, monkeypatch):
+    """Batched or not, every row's text is the plain batch's; batched drafts enter the verify forward unread and are
+    read with its verdict (spec.verify.READ_DRAFTS_WITH_VERDICT), or are read first: the same text either way."""
+    import spec.verify
+    from server.engine.batch.drafts import DraftBatch
     from server.engine.batch.ragged import RaggedBatch
     from spec.two_model import TwoModelSource
+
+    monkeypatch.setattr(spec.verify, "READ_DRAFTS_WITH_VERDICT", with_verdict)
+    calls = {"draft": 0, "draft_lazy": 0}
+    lazy = DraftBatch.draft_lazy
+
+    def counted(verb):
+        def call(self, wanted):
+            calls[verb] += 1
+            return lazy(self, wanted) if verb == "draft_lazy" else lazy(self, wanted).read()
+        return call
+
+    monkeypatch.setattr(DraftBatch, "draft_lazy", counted("draft_lazy"))
+    monkeypatch.setattr(DraftBatch, "draft", counted("draft"))
 
     draft = model if draft_seed == 5 else tiny_llama(seed=draft_seed)
     prompts = [list(range(20, 40)), list(range(60, 66)), list(range(90, 130))]
@@ -390,6 +409,8 @@ def test_two_model_rows_draft_with_their_own_draft_caches_and_emit_the_plain_bat
             assert src.caches[0].offset == len(src.tokens)  # the draft caches are the source's again
     assert [s.generated[:10] for s in seqs] == [want[i] for i in range(3)]
     assert batch.drafted > 0
+    used = (calls["draft_lazy"] > 0, calls["draft"] > 0)
+    assert used == (((True, False) if with_verdict else (False, True)) if batched else (False, False)), calls
     if draft is model:
         assert batch.accepted == batch.drafted  # a draft that is the target: every token holds
 

@@ -1,6 +1,7 @@
 """The rows of a batched drafter (``DraftBatch``: a draft model; ``MtpDraftBatch``: the checkpoint's MTP heads):
 each row's draft caches lent into one ``RaggedKV`` while the row is in the speculating batch, handed back when it
-leaves. Only the bookkeeping both share; each drafter's forwards are its own. Only the lane thread touches one.
+leaves; and the drafts both hand over unread (``OpenDrafts``: the speculating batch reads them with its verdict).
+Only the bookkeeping both share; each drafter's forwards are its own. Only the lane thread touches one.
 """
 
 from __future__ import annotations
@@ -9,7 +10,27 @@ from typing import Any, Optional
 
 from server.engine.batch.ragged_kv import RaggedKV
 
-__all__ = ["DraftRows"]
+__all__ = ["DraftRows", "OpenDrafts"]
+
+
+class OpenDrafts:
+    """A batched draft asked for but not read: ``array`` (the drafter's rows, its longest draft) uint32, None when no
+    row drafts; ``lengths``: each wanted row's draft length (known before the read); ``rows``: its row in ``array``.
+    ``read()`` reads the drafts once, tells each drafting source what it drafted (``record_draft``) and returns them
+    in the wanted order. Until then the sources' drafts are open: read before their ``commit``."""
+
+    def __init__(self, array: Any, rows: list[int], lengths: list[int], sources: list):
+        self.array, self.rows, self.lengths, self._sources = array, rows, lengths, sources
+        self._read: Any = None
+
+    def read(self) -> list[list[int]]:
+        if self._read is None:
+            got: Any = self.array.tolist() if self.array is not None else []
+            self._read = [[int(t) for t in got[r][:n]] if n else [] for r, n in zip(self.rows, self.lengths)]
+            for source, d in zip(self._sources, self._read):
+                if d:
+                    source.record_draft(d)
+        return self._read
 
 
 class DraftRows:

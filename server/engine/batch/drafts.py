@@ -16,6 +16,7 @@ so a row drafting n tokens has fed ``unfed + d1..d(n-1)``, exactly as ``TwoModel
 the row's length goes back; after a full accept ``d_n`` is remembered as unfed). Rows that draft less than the
 longest draft this step stop feeding (their positions past what they keep are overwritten later). The whole chain
 is one lazy MLX graph evaluated once: forward j's input is forward j-1's argmax, with no round trip to Python.
+``draft_lazy`` hands it over unread (``OpenDrafts``): the speculating batch reads it with its verdict.
 
 ``join`` takes a source's caches in (the source keeps its token bookkeeping; its caches are the batch's until
 ``leave`` hands them back as plain ``KVCache`` layers, so the source can go on alone or be stored). Greedy drafts,
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from server.engine.batch.draft_rows import DraftRows
+from server.engine.batch.draft_rows import DraftRows, OpenDrafts
 
 __all__ = ["DraftBatch"]
 
@@ -54,6 +55,10 @@ class DraftBatch(DraftRows):
         """``[(source, feed, n), ...]`` (every row of the batch, any order): each source hears ``feed`` (the tokens
         its sequence took since its last draft) and drafts up to ``n`` tokens; returns the drafts in the order
         given. A source with nothing unfed or ``n`` <= 0 drafts nothing (but keeps the feed for later)."""
+        return self.draft_lazy(wanted).read()
+
+    def draft_lazy(self, wanted: list) -> OpenDrafts:
+        """``draft``'s chain, asked for and not read (``OpenDrafts``; its lengths are known now)."""
         index = {id(s): i for i, s in enumerate(self._sources)}
         rows = len(self._sources)
         n_of = [0] * rows
@@ -63,8 +68,11 @@ class DraftBatch(DraftRows):
             if heard and n > 0:
                 n_of[i], unfed[i] = int(n), heard
         top = max(n_of, default=0)
+        rows_wanted = [index[id(source)] for source, _, _ in wanted]
+        lengths = [n_of[i] for i in rows_wanted]
+        sources = [source for source, _, _ in wanted]
         if top <= 0:
-            return [[] for _ in wanted]
+            return OpenDrafts(None, rows_wanted, lengths, sources)
         width = max(len(u) for u in unfed)
         first = mx.array([u + [u[-1] if u else 0] * (width - len(u)) for u in unfed], dtype=mx.uint32)
         last = mx.array([max(0, len(u) - 1) for u in unfed], dtype=mx.int32)
@@ -83,15 +91,9 @@ class DraftBatch(DraftRows):
             if j + 1 < top:
                 mx.async_eval(inputs)
             self.forwards += 1
-        out_rows = mx.stack(ys, axis=1).tolist()  # (rows, top): the one sync of the whole chain
-        drafts: dict[int, list[int]] = {}
-        for i, n in enumerate(n_of):
-            if not n:
-                continue
-            d = [int(t) for t in out_rows[i][:n]]
-            self._sources[i].record_draft(d)
-            drafts[i] = d
-        return [drafts.get(index[id(source)], []) for source, _, _ in wanted]
+        chain = mx.stack(ys, axis=1)  # (rows, top): read once, by whoever reads it first
+        mx.async_eval(chain)
+        return OpenDrafts(chain, rows_wanted, lengths, sources)
 
     def commit(self, done: list) -> None:
         """``[(source, drafted, accepted), ...]`` after the target's verify: each row drops its fed-but-rejected

@@ -37,9 +37,9 @@ Rows whose source is a ``spec.source.BatchableDraftSource`` (the draft model's) 
 layout, and a step's k drafted tokens cost k batched forwards of the draft model for all rows, not k per row
 (``draft_batch=False``: each row drafts on its own caches, to compare).
 
-Rows drafting with the checkpoint's MTP heads draft together too (``server.engine.batch.mtp_drafts``), and their
-drafts enter the verify forward unread (``server.engine.batch.verify_inputs``): a step waits once, for drafts and
-verdict together, so the device runs the heads while the host builds the verify forward.
+Rows drafting with the checkpoint's MTP heads draft together too (``server.engine.batch.mtp_drafts``). Both
+drafters' drafts enter the verify forward unread (``server.engine.batch.verify_inputs``): a step waits once, for
+drafts and verdict together, so the device runs the drafts while the host builds the verify forward.
 
 Not here: grammars (their processor is stateful and sees each token once: such requests do not speculate in a
 batch), pipelining across steps (a step must know what was accepted before it can draft the next one).
@@ -346,7 +346,7 @@ class SpeculatingBatch(RowList):
     def _drafts(self, ns: list) -> list:
         """Each row's draft of up to ns[i] tokens: the two-model rows' in batched forwards of the draft model (every
         such row hears its feed, drafting or not), the MTP rows' in batched forwards of the heads, the others from
-        their own source. The MTP rows' drafts come unread (an ``UnreadDraft``: read with the verdict) unless a row's
+        their own source. Batched drafts come unread (an ``UnreadDraft``: read with the verdict) unless a row's
         penalties need the drafted tokens to build the verify step, or READ_DRAFTS_WITH_VERDICT is off."""
         drafts: list = [[] for _ in self._rows]
         batched: set[int] = set()
