@@ -58,8 +58,8 @@ from server.engine.batch.drafts import DraftBatch
 from server.engine.batch.mtp_drafts import MtpDraftBatch
 from server.engine.batch.protocol import Covered, Emitted, Row, RowList, RowState
 from server.engine.batch.ragged_kv import RaggedKV, holds_kv
-from server.engine.batch.verify_inputs import UnreadDraft, draft_lengths, read_drafts, unread_arrays, verify_inputs
 from server.engine.batch.rules import Penalties, penalise, penalty_windows
+from server.engine.batch.verify_inputs import UnreadDraft, draft_lengths, read_drafts, unread_arrays, verify_inputs
 from server.engine.sampling import PENALTY_CONTEXT
 from spec import BatchVerifyCost, SpecStats
 from spec import verify as spec_verify
