@@ -118,6 +118,8 @@ OURS_VARIANTS = {
     "ours_graph_4g": ((), {"MLX_MAX_OPS_PER_BUFFER": "400", "MLX_MAX_MB_PER_BUFFER": "4000"}),
     "ours_graph_16g": ((), {"MLX_MAX_OPS_PER_BUFFER": "1600", "MLX_MAX_MB_PER_BUFFER": "16000"}),
     "ours_no_composed": (("--debug-gpu-attention-composed-max", "0"), {}),  # every chunk past a hit through cuDNN
+    # MLX's freed buffers stay cached after prefill forwards (no mx.clear_cache): what handing them back costs
+    "ours_keep_buffers": (("--debug-keep-prefill-buffers",), {}),
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
                "--prompt-cache-bytes", "60000000000")

@@ -282,6 +282,11 @@ def _serve_parser(sub) -> None:
                    help="on CUDA the SSD writer reads device copies of an entry instead of its own arrays (whose "
                         "buffers MLX moves to managed memory at the host's first read), to compare "
                         "[MLX_LANE_DEBUG_SSD_HOST_COPIES=1]")
+    d.add_argument("--debug-keep-prefill-buffers", action="store_true",
+                   default=_env_flag("debug_keep_prefill_buffers"),
+                   help="on a GPU, keep MLX's freed buffers cached after each prefill forward instead of handing "
+                        "them back to the device (mx.clear_cache, as mlx-lm's batch prefill does), to compare "
+                        "[MLX_LANE_DEBUG_KEEP_PREFILL_BUFFERS=1]")
     d.add_argument("--debug-cuda-profile-steps", metavar="A:B", type=_profile_steps,
                    default=_env("debug_cuda_profile_steps", ""),
                    help="start the CUDA profiler (cuProfilerStart) before the lane's A-th batch decode step and stop "

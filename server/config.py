@@ -87,6 +87,7 @@ class ServerConfig:
     debug_ssd_host_copies: bool
     debug_trace_collectives: bool
     debug_cuda_profile_steps: str
+    debug_keep_prefill_buffers: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":

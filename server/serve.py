@@ -50,7 +50,7 @@ def _configure_kernels(cfg: ServerConfig) -> None:
     from cache import host_copies
     from models import attention, kernels, mlx_lane_home
     from models.loading.home import kernel_cache_dir
-    from server.engine import distributed
+    from server.engine import distributed, prefill
     from server.lane import cuda_profile
 
     os.environ.setdefault("MLX_PTX_CACHE_DIR", str(kernel_cache_dir(mlx_lane_home())))
@@ -63,6 +63,7 @@ def _configure_kernels(cfg: ServerConfig) -> None:
     host_copies.configure(host_copies=cfg.debug_ssd_host_copies)
     distributed.trace_collectives(cfg.debug_trace_collectives)
     cuda_profile.configure(cfg.debug_cuda_profile_steps)
+    prefill.configure(keep_buffers=cfg.debug_keep_prefill_buffers)
 
 
 def build_state(cfg: ServerConfig):

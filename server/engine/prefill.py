@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -29,7 +30,34 @@ from server.engine.store import CacheWriter, take_checkpoint
 from server.engine.work import SeqWork
 from server.lane.seam import Prefilled, SeqView
 
-__all__ = ["Prefiller", "PrefillClock", "forward_together"]
+__all__ = ["Prefiller", "PrefillClock", "forward_together", "configure"]
+
+# On a GPU each prefill forward hands MLX's freed buffers back to the device (mx.clear_cache, as mlx-lm's batch
+# prefill does, three times for a gathered forward): the next step allocates them again. --debug-keep-prefill-buffers
+# keeps them in MLX's cache instead, to measure what the release costs (the served forwards and steps on an H100 were
+# 1.6-2.7x their in-process time, 2026-12-06; BENCHMARKS.md).
+KEEP_BUFFERS = False
+
+
+def configure(keep_buffers: bool = False) -> None:
+    """--debug-keep-prefill-buffers (before the lane starts)."""
+    global KEEP_BUFFERS
+    KEEP_BUFFERS = keep_buffers
+
+
+@contextmanager
+def _buffers_kept():
+    """mlx-lm's ``PromptProcessingBatch.prompt`` clears MLX's buffer cache after each of its steps: not while
+    KEEP_BUFFERS (lane thread only; no other thread frees buffers meanwhile)."""
+    if not KEEP_BUFFERS:
+        yield
+        return
+    clear = mx.clear_cache
+    mx.clear_cache = lambda: None
+    try:
+        yield
+    finally:
+        mx.clear_cache = clear
 
 
 RECENT_FORWARDS = 64  # the last forwards /stats lists, each (rows, length, tokens, cached, ms, new shape)
@@ -132,8 +160,8 @@ class Prefiller:
                 work.model(mx.array(seq.prompt[start:end])[None], cache=work.caches)
                 _heard(work, start, seq.prompt[start:end])
             mx.eval([c.state for c in _caches(work)])
-            if self._gpu:  # as mlx-lm's batch prefill does: freed activations go back to the device (on the
-                mx.clear_cache()  # CPU that only costs page faults on the next chunk's buffers)
+            if self._gpu and not KEEP_BUFFERS:  # as mlx-lm's batch prefill does: freed activations go back to the
+                mx.clear_cache()  # device (on the CPU that only costs page faults on the next chunk's buffers)
         work.covered += n
         work.prefill_cost_s += time.monotonic() - t0
         self.clock.forward(1, n, n, time.monotonic() - t0, cached)
@@ -170,7 +198,7 @@ class Prefiller:
         with mx.stream(self._stream()):
             caches = forward_together(works[0].model, [_caches(w) for w in works],
                                       [list(s.prompt[w.covered: w.covered + n]) for (s, n), w in zip(items, works)])
-            if self._gpu:
+            if self._gpu and not KEEP_BUFFERS:
                 mx.clear_cache()
         dt = time.monotonic() - t0
         total = sum(n for _, n in items)
@@ -217,7 +245,8 @@ def forward_together(model, caches: list[list], chunks: list[list[int]]) -> list
     returns each row's caches extracted after, evaluated. The lane's prefill and its warm-up run exactly this."""
     batch = PromptProcessingBatch(model, list(range(len(chunks))), caches, tokens=[[] for _ in chunks],
                                   prefill_step_size=max(len(c) for c in chunks))
-    batch.prompt(chunks)
+    with _buffers_kept():
+        batch.prompt(chunks)
     out = [batch.extract_cache(i) for i in range(len(chunks))]
     mx.eval([c.state for row in out for c in row])
     return out
