@@ -190,7 +190,8 @@ def test_default_model_tensor_parallel_over_3_processes_matches_one_process(defa
     # (sequential, a cache hit, a batch) in three requests
     turns, others, n = TURNS[:2], OTHERS[:1], 3
     ref_turns, ref_others = reference(default_model_dir, turns, others, n)
-    srv = LaunchedServer(3, "--model", "default", "--no-ssd-cache")
+    # no warm-up: its forwards cost ~1.5 s each here, and the 2-process tests run it under sharding already
+    srv = LaunchedServer(3, "--model", "default", "--no-ssd-cache", "--warm-up", "off")
     try:
         first, _ = chat(srv.url, [SYSTEM, {"role": "user", "content": turns[0]}], n)
         assert first == ref_turns[0]
