@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from server.engine.batch.mtp_drafts import OpenDrafts
+from server.engine.batch.draft_rows import OpenDrafts
 from server.engine.batch.verify_inputs import UnreadDraft, draft_lengths, read_drafts, unread_arrays, verify_inputs
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import mlx.core as mx
+
 from server.engine.batch.ragged_kv import RaggedKV
 
 __all__ = ["DraftRows", "OpenDrafts"]
@@ -54,6 +56,15 @@ class DraftRows:
     @property
     def kv_nbytes(self) -> int:
         return self._kv.nbytes if self._kv is not None else 0
+
+    def _opened(self, wanted: list, n_of: list[int], chain: Any) -> OpenDrafts:
+        """The drafts of ``wanted`` (``[(source, feed, n), ...]``), row i drafting ``n_of[i]`` tokens of ``chain``
+        (rows x longest draft; None when no row drafts), asked for and handed over unread."""
+        index = {id(s): i for i, s in enumerate(self._sources)}
+        rows = [index[id(source)] for source, _, _ in wanted]
+        if chain is not None:
+            mx.async_eval(chain)
+        return OpenDrafts(chain, rows, [n_of[i] for i in rows], [source for source, _, _ in wanted])
 
     def _lend(self, sources: list) -> None:
         """These sources' caches move in (``lend_caches``: the batch's until ``_give_back``)."""

@@ -68,11 +68,8 @@ class DraftBatch(DraftRows):
             if heard and n > 0:
                 n_of[i], unfed[i] = int(n), heard
         top = max(n_of, default=0)
-        rows_wanted = [index[id(source)] for source, _, _ in wanted]
-        lengths = [n_of[i] for i in rows_wanted]
-        sources = [source for source, _, _ in wanted]
         if top <= 0:
-            return OpenDrafts(None, rows_wanted, lengths, sources)
+            return self._opened(wanted, n_of, None)
         width = max(len(u) for u in unfed)
         first = mx.array([u + [u[-1] if u else 0] * (width - len(u)) for u in unfed], dtype=mx.uint32)
         last = mx.array([max(0, len(u) - 1) for u in unfed], dtype=mx.int32)
@@ -92,8 +89,7 @@ class DraftBatch(DraftRows):
                 mx.async_eval(inputs)
             self.forwards += 1
         chain = mx.stack(ys, axis=1)  # (rows, top): read once, by whoever reads it first
-        mx.async_eval(chain)
-        return OpenDrafts(chain, rows_wanted, lengths, sources)
+        return self._opened(wanted, n_of, chain)
 
     def commit(self, done: list) -> None:
         """``[(source, drafted, accepted), ...]`` after the target's verify: each row drops its fed-but-rejected

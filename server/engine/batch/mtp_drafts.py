@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from server.engine.batch.draft_rows import DraftRows, OpenDrafts
 
-__all__ = ["MtpDraftBatch", "OpenDrafts"]
+__all__ = ["MtpDraftBatch"]
 
 
 class MtpDraftBatch(DraftRows):
@@ -76,11 +76,8 @@ class MtpDraftBatch(DraftRows):
             if n_of[i]:
                 inputs[i] = s.entries_input()
         top = max(n_of, default=0)
-        rows_wanted = [index[id(source)] for source, _, _ in wanted]
-        lengths = [n_of[i] for i in rows_wanted]
-        sources = [source for source, _, _ in wanted]
         if top <= 0:
-            return OpenDrafts(None, rows_wanted, lengths, sources)
+            return self._opened(wanted, n_of, None)
         kv = self._kv
         assert kv is not None
         width = max(len(x[0]) for x in inputs if x is not None)
@@ -110,8 +107,7 @@ class MtpDraftBatch(DraftRows):
                 mx.async_eval(inputs_j, h)
             self.forwards += 1
         chain = mx.concatenate(ys, axis=1)  # (rows, top): read once, by whoever reads it first
-        mx.async_eval(chain)
-        return OpenDrafts(chain, rows_wanted, lengths, sources)
+        return self._opened(wanted, n_of, chain)
 
     def commit(self, done: list) -> None:
         """``[(source, drafted, accepted), ...]`` after the target's verify: each row drops the entries past what was

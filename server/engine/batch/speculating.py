@@ -1,5 +1,10 @@
 """The ``speculating`` batch kind: every row drafts on its own, one forward verifies all rows' drafts together.
 
+(About 420 lines, one job: a verify step over rows that each keep their own accepted prefix, and whether such steps
+still pay. What has a life of its own lives beside it: the drafters' batched forwards (``drafts``, ``mtp_drafts``),
+the verify inputs from read and unread drafts (``verify_inputs``), the KV layout (``ragged_kv``), the acceptance walk
+(``spec.accept``) and the drafted token's price (``spec.adaptive.BatchVerifyCost``).)
+
 Each step, row i asks its draft source (n-gram lookup over its own prompt + output, or the draft model: every
 two-model row's drafts in the same batched forwards) for up to n_i tokens, n_i from
 its own adaptive policy (``spec.adaptive``; a row whose drafts keep failing pauses, one whose drafts hit drafts
@@ -355,7 +360,7 @@ class SpeculatingBatch(RowList):
             together = [i for i, r in enumerate(self._rows) if r.source in drafter]
             if together:
                 asked = [(self._rows[i].source, self._rows[i].feed, ns[i]) for i in together]
-                if lazy and hasattr(drafter, "draft_lazy"):
+                if lazy:
                     open_ = drafter.draft_lazy(asked)
                     for j, i in enumerate(together):
                         drafts[i] = UnreadDraft(open_, j)
