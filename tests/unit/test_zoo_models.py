@@ -329,3 +329,43 @@ def test_nemotron_h_prefills_together_only_once_its_mixer_is_told_where_rows_end
         assert mamba_lengths.lengths_reach_state(zoo.build("llama", VOCAB))
     finally:
         nemotron_h.NemotronHMamba2Mixer._ssm = ours
+
+
+@pytest.mark.parametrize("with_verdict", [True, False], ids=["drafts_read_with_verdict", "drafts_read_first"])
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])  # sliding-window layers (mlx-lm's RotatingKVCache)
+def test_window_rows_with_a_draft_model_arriving_at_different_ticks_make_their_alone_tokens(name, with_verdict,
+                                                                                             monkeypatch):
+    """A sliding-window model with a draft model, requests joining at different ticks: the first, alone, speculates
+    (its drafts read with the verdict or first: spec.verify.READ_DRAFTS_WITH_VERDICT); those that arrive with company
+    decode plainly in the plain batch (server.engine.batch.choose.place: a wrapped window cannot take a token fed
+    ahead back, so such rows never join a speculating batch). Every request gets mlx-lm's greedy tokens alone."""
+    import spec.verify
+    from cache.prompt_cache import PromptCache
+    from server.engine.speculation import Speculation, SpecTotals
+    from spec import TwoModelProvider
+
+    monkeypatch.setattr(spec.verify, "READ_DRAFTS_WITH_VERDICT", with_verdict)
+    model = zoo.build(name, VOCAB)
+    kernels.install(model)
+    want = [alone(model, p, 10) for p in PROMPTS]
+    provider = TwoModelProvider(model, zoo.build("llama", VOCAB, seed=7), identity="draft:llama")
+    lane = lane_of(model, PromptCache(1 << 28), speculation=Speculation(provider, num_draft_tokens=3,
+                                                                          kind="two-model"))
+    lane.stats.spec = SpecTotals("two-model", 3)
+    arrivals, seqs, together = [0, 4, 5, 7], {}, 0
+    for tick in range(400):
+        if tick in arrivals:
+            i = arrivals.index(tick)
+            seqs[i] = submit(lane, PROMPTS[i], 10)
+        if lane.idle() and len(seqs) == len(PROMPTS):
+            break
+        lane.tick()
+        together = max(together, sum(1 for s, _ in seqs.values() if s.phase.name == "BATCHED"))
+    drafted = []
+    for i, (seq, events) in seqs.items():
+        done = finished(events)
+        assert list(seq.generated) == want[i], (name, i)
+        drafted.append((done.spec or {}).get("drafted", 0))
+    assert drafted[0] > 0, (name, drafted)  # the first, alone, speculated
+    assert together >= 2, (name, together)  # the others decoded together, plainly
+    assert lane.stats.spec.as_dict()["in_batch"]["steps"] == 0, name  # never in a speculating batch
