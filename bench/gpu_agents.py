@@ -120,6 +120,9 @@ OURS_VARIANTS = {
     "ours_no_composed": (("--debug-gpu-attention-composed-max", "0"), {}),  # every chunk past a hit through cuDNN
     # MLX's freed buffers stay cached after prefill forwards (no mx.clear_cache): what handing them back costs
     "ours_keep_buffers": (("--debug-keep-prefill-buffers",), {}),
+    # the CUDA pool keeps 8 GiB of freed memory mapped (its release threshold; the driver's default is 0)
+    "ours_pool_keep": (("--cuda-pool-keep", "8G"), {}),
+    "ours_pool_keep_buffers": (("--cuda-pool-keep", "8G", "--debug-keep-prefill-buffers"), {}),
 }
 MLX_LM_ARGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8", "--prompt-cache-size", "64",
                "--prompt-cache-bytes", "60000000000")

@@ -235,6 +235,12 @@ def _serve_parser(sub) -> None:
                         "else it waits; one that can never fit is a 400. 0 turns the check off. Default: 75%% of "
                         "RAM on the CPU, 60%% of a CUDA GPU's memory (its pool fragments), 90%% on Metal "
                         "[MLX_LANE_MEMORY_BUDGET]")
+    p.add_argument("--cuda-pool-keep", type=parse_bytes, default=_env("cuda_pool_keep"),
+                   help="on a CUDA GPU, how much freed memory the memory pool under MLX keeps reserved between "
+                        "synchronizations (the pool's release threshold). By default the driver keeps none: "
+                        "every buffer MLX's cache gives back is unmapped at the next synchronization and mapped "
+                        "again by the next allocation of its size. No effect on the CPU or Metal "
+                        "[MLX_LANE_CUDA_POOL_KEEP]")
     p.add_argument("--pipeline", action="store_true", default=_env_flag("pipeline"),
                    help="under mlx.launch with several processes: shard the model by layers (pipeline-parallel) "
                         "instead of by heads (tensor-parallel, the default); no effect in one process "

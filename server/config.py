@@ -75,6 +75,7 @@ class ServerConfig:
     prefill_batch: Optional[int]
     prefill_together_max: Optional[int]  # --prefill-together-max (None: the device's default)
     memory_budget: Optional[int]
+    cuda_pool_keep: Optional[int]  # --cuda-pool-keep: bytes the CUDA pool keeps freed (None: the driver's default)
     pipeline: bool
     warm_up: str  # --warm-up: before-ready | behind | off (server.lane.warm)
     # -- to compare and to debug -----------------------------------------------------------------------------------

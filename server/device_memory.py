@@ -23,6 +23,7 @@ log = logging.getLogger("mlx_lane")
 __all__ = ["DeviceMemory", "driver", "snapshot", "trim_pool"]
 
 # CUmemPool_attribute (cuda.h)
+_RELEASE_THRESHOLD = 4
 _RESERVED_MEM_CURRENT = 5
 _RESERVED_MEM_HIGH = 6
 _USED_MEM_CURRENT = 7
@@ -77,6 +78,16 @@ class DeviceMemory:
                 return None
         return value.value
 
+    def set_release_threshold(self, keep_bytes: int) -> bool:
+        """Let the pool keep up to ``keep_bytes`` of freed memory reserved across synchronizations
+        (``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD``). The driver's default, 0, gives every freed block back to the card at
+        the next stream or context synchronization, so the next ``cudaMallocAsync`` of that size maps new memory."""
+        value = ctypes.c_uint64(max(0, int(keep_bytes)))
+        with self._lock:
+            if not self._has_pool or not self._bind():
+                return False
+            return self._lib.cuMemPoolSetAttribute(self._pool, _RELEASE_THRESHOLD, ctypes.byref(value)) == 0
+
     def trim_pool(self, keep_bytes: int = 0) -> bool:
         """Give the pool's unused reserved memory back to the card, down to ``keep_bytes`` (``cuMemPoolTrimTo``)."""
         with self._lock:
@@ -106,7 +117,8 @@ def driver() -> Optional[DeviceMemory]:
 def snapshot(dm: Optional[DeviceMemory] = None) -> Optional[dict]:
     """The card's memory in bytes, for /stats ``memory.device``: ``used`` / ``total`` (the whole card),
     ``pool_reserved`` / ``pool_used`` (and their high-water marks) of the memory pool MLX allocates from, and
-    ``outside_pool`` (used less the pool's reserve: the CUDA context, libraries' kernels and workspaces, CUDA
+    ``pool_keep`` (freed memory the pool keeps reserved across synchronizations: --cuda-pool-keep), ``outside_pool``
+    (used less the pool's reserve: the CUDA context, libraries' kernels and workspaces, CUDA
     graphs' own memory, other processes), ``graph_reserved`` / ``graph_used`` (what CUDA graphs' allocation nodes
     hold, part of ``outside_pool``). None without a CUDA driver."""
     dm = dm if dm is not None else driver()
@@ -119,7 +131,7 @@ def snapshot(dm: Optional[DeviceMemory] = None) -> Optional[dict]:
     reserved = dm.pool(_RESERVED_MEM_CURRENT)
     return {"used_bytes": used, "total_bytes": total, "pool_reserved_bytes": reserved,
             "pool_used_bytes": dm.pool(_USED_MEM_CURRENT), "pool_reserved_high_bytes": dm.pool(_RESERVED_MEM_HIGH),
-            "pool_used_high_bytes": dm.pool(_USED_MEM_HIGH),
+            "pool_used_high_bytes": dm.pool(_USED_MEM_HIGH), "pool_keep_bytes": dm.pool(_RELEASE_THRESHOLD),
             "outside_pool_bytes": None if reserved is None else used - reserved,
             "graph_reserved_bytes": dm.graph_memory(_GRAPH_RESERVED_MEM_CURRENT),
             "graph_reserved_high_bytes": dm.graph_memory(_GRAPH_RESERVED_MEM_HIGH),

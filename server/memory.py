@@ -31,10 +31,15 @@ def build_memory_budget(cfg, engine, prompt_cache, extra_weights=lambda: 0):
         log.info("memory budget %.2f GiB (%s): weights %.2f GiB, KV %.1f KiB per token + %.1f MiB per sequence; a "
                  "request waits until its KV for prompt + max_tokens fits", budget / (1 << 30), why,
                  weights / (1 << 30), price.per_token / 1024, price.per_sequence / (1 << 20))
-    limits = apply_allocator_limits(budget)  # a GPU: MLX's cache of freed buffers yields at the budget
+    # a GPU: MLX's cache of freed buffers yields at the budget; the CUDA pool under it keeps --cuda-pool-keep
+    limits = apply_allocator_limits(budget, pool_keep_bytes=cfg.cuda_pool_keep)
     if limits is not None:
-        log.info("MLX allocator: memory limit %.1f GiB, buffer cache at most %.1f GiB", limits["limit_bytes"] / (1 << 30),
-                 limits["cache_limit_bytes"] / (1 << 30))
+        kept = limits["pool_keep_bytes"]
+        log.info("MLX allocator: memory limit %.1f GiB, buffer cache at most %.1f GiB, CUDA pool keeps %s",
+                 limits["limit_bytes"] / (1 << 30), limits["cache_limit_bytes"] / (1 << 30),
+                 "nothing freed (the driver's default)" if kept is None else f"{kept / (1 << 30):.1f} GiB freed")
+        if kept is None and cfg.cuda_pool_keep is not None:
+            log.warning("--cuda-pool-keep: the CUDA driver did not take the pool's release threshold; ignored")
     return MemoryBudget(budget, price, fixed_bytes=lambda: weights + extra_weights(),
                         cache_bytes=_held_bytes(prompt_cache),
                         make_room=prompt_cache.make_room, measured_bytes=_measured_bytes())

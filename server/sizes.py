@@ -125,9 +125,16 @@ def allocator_limits(budget_bytes: int, device_bytes: int) -> tuple[int, int]:
     return memory, max(1 << 30, int(device_bytes * 0.05))
 
 
-def apply_allocator_limits(budget_bytes: int) -> Optional[dict]:
-    """Set ``allocator_limits`` on MLX's CUDA backend and return them as ``{"limit_bytes", "cache_limit_bytes"}``;
-    None (nothing set) on the CPU and on Metal, whose allocator sizes itself against the machine's unified memory."""
+def apply_allocator_limits(budget_bytes: int, pool_keep_bytes: Optional[int] = None) -> Optional[dict]:
+    """Set ``allocator_limits`` on MLX's CUDA backend and return them as ``{"limit_bytes", "cache_limit_bytes",
+    "pool_keep_bytes"}``; None (nothing set) on the CPU and on Metal, whose allocator sizes itself against the
+    machine's unified memory.
+
+    ``pool_keep_bytes`` (--cuda-pool-keep): how much freed memory the CUDA memory pool under MLX keeps reserved
+    across synchronizations (``server.device_memory.DeviceMemory.set_release_threshold``); None leaves the driver's
+    default (0: every block MLX's buffer cache gives back is unmapped at the next synchronization and mapped again at
+    the next allocation of its size). ``pool_keep_bytes`` in the answer is None where it was not set or the driver
+    refused."""
     import mlx.core as mx
 
     if not on_cuda():
@@ -138,7 +145,13 @@ def apply_allocator_limits(budget_bytes: int) -> Optional[dict]:
     mx.set_cache_limit(cache)
     global CACHE_LIMIT_SET
     CACHE_LIMIT_SET = cache
-    return {"limit_bytes": memory, "cache_limit_bytes": cache}
+    kept = None
+    if pool_keep_bytes is not None:
+        from server.device_memory import driver
+
+        dm = driver()
+        kept = int(pool_keep_bytes) if dm is not None and dm.set_release_threshold(pool_keep_bytes) else None
+    return {"limit_bytes": memory, "cache_limit_bytes": cache, "pool_keep_bytes": kept}
 
 
 CACHE_LIMIT_SET: Optional[int] = None  # what apply_allocator_limits gave MLX's buffer cache (MLX has no getter)

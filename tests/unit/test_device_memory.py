@@ -17,7 +17,7 @@ class FakeDriver:
 
     def __init__(self, free=20 * GB, total=85 * GB, reserved=60 * GB, used=50 * GB, fail=""):
         self.free, self.total, self.fail = free, total, fail
-        self.attrs = {5: reserved, 6: reserved + 1, 7: used, 8: used + 1}
+        self.attrs = {4: 0, 5: reserved, 6: reserved + 1, 7: used, 8: used + 1}
         self.trimmed_to = None
         self.bound = 0
 
@@ -60,6 +60,11 @@ class FakeDriver:
         self.graphs_trimmed = True
         return self._status("cuDeviceGraphMemTrim")
 
+    def cuMemPoolSetAttribute(self, pool, attr, value):
+        assert pool.value == 5678
+        self.attrs[attr] = value._obj.value
+        return self._status("cuMemPoolSetAttribute")
+
     def cuMemPoolTrimTo(self, pool, keep):
         self.trimmed_to = keep.value if isinstance(keep, ctypes.c_size_t) else keep
         return self._status("cuMemPoolTrimTo")
@@ -70,7 +75,7 @@ def test_a_snapshot_splits_the_card_into_the_pool_and_what_lies_outside_it():
     snap = device_memory.snapshot(device_memory.DeviceMemory(fake))
     assert snap == {"used_bytes": 65 * GB, "total_bytes": 85 * GB, "pool_reserved_bytes": 60 * GB,
                     "pool_used_bytes": 50 * GB, "pool_reserved_high_bytes": 60 * GB + 1,
-                    "pool_used_high_bytes": 50 * GB + 1, "outside_pool_bytes": 5 * GB,
+                    "pool_used_high_bytes": 50 * GB + 1, "pool_keep_bytes": 0, "outside_pool_bytes": 5 * GB,
                     "graph_reserved_bytes": 2 * GB, "graph_reserved_high_bytes": 3 * GB, "graph_used_bytes": 1 * GB}
     assert fake.bound >= 5  # every call binds MLX's primary context to the calling thread first
 
@@ -79,6 +84,16 @@ def test_trim_asks_the_driver_to_keep_what_it_is_told():
     fake = FakeDriver()
     assert device_memory.DeviceMemory(fake).trim_pool(3 * GB) is True
     assert fake.trimmed_to == 3 * GB and fake.graphs_trimmed
+
+
+def test_the_pool_is_told_how_much_freed_memory_to_keep():
+    fake = FakeDriver()
+    dm = device_memory.DeviceMemory(fake)
+    assert dm.set_release_threshold(8 * GB) is True
+    assert fake.attrs[4] == 8 * GB  # CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, a 64-bit value handed by pointer
+    assert dm.pool(4) == 8 * GB
+    assert device_memory.DeviceMemory(FakeDriver(fail="cuMemPoolSetAttribute")).set_release_threshold(1) is False
+    assert device_memory.DeviceMemory(FakeDriver(fail="cuDeviceGetDefaultMemPool")).set_release_threshold(1) is False
 
 
 def test_a_driver_without_pools_still_reads_the_card():

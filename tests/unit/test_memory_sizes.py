@@ -8,7 +8,7 @@ import types
 
 import mlx.core as mx
 
-from server import sizes
+from server import device_memory, sizes
 
 GB = 10**9
 
@@ -40,8 +40,17 @@ def test_on_cuda_both_limits_reach_mlx(monkeypatch):
     monkeypatch.setattr(sizes, "device_memory", lambda: (80 * GB, "device memory_size"))
     monkeypatch.setattr(sizes, "CACHE_LIMIT_SET", None)
     got = sizes.apply_allocator_limits(70 * GB)
-    assert got == {"limit_bytes": 70 * GB, "cache_limit_bytes": 4 * GB}
+    assert got == {"limit_bytes": 70 * GB, "cache_limit_bytes": 4 * GB, "pool_keep_bytes": None}
     assert calls == {"memory": 70 * GB, "cache": 4 * GB} and sizes.CACHE_LIMIT_SET == 4 * GB
+
+    # --cuda-pool-keep reaches the driver's pool; where the driver refuses, the answer says nothing was kept
+    kept = []
+    driver = types.SimpleNamespace(set_release_threshold=lambda n: kept.append(n) or True)
+    monkeypatch.setattr(device_memory, "driver", lambda: driver)
+    assert sizes.apply_allocator_limits(70 * GB, pool_keep_bytes=8 * GB)["pool_keep_bytes"] == 8 * GB
+    assert kept == [8 * GB]
+    driver.set_release_threshold = lambda n: False
+    assert sizes.apply_allocator_limits(70 * GB, pool_keep_bytes=8 * GB)["pool_keep_bytes"] is None
 
 
 def test_the_ram_tier_default_is_half_of_what_the_budget_leaves_beside_the_weights(monkeypatch):
