@@ -189,7 +189,7 @@ def lane_parts(stats: dict, before: dict | None = None) -> dict:
             "mlx_limit_gb": round(memory.get("limit_bytes", 0) / 1e9, 1),
             "over_limit": memory.get("over_limit"),  # steps / prefill forwards begun above MLX's limit: unpipelined
             **{f"{name}_gb": round((card.get(f"{name}_bytes") or 0) / 1e9, 1)
-               for name in ("pool_reserved_high", "pool_used_high", "outside_pool", "graph_reserved_high")}}
+               for name in ("pool_reserved_high", "pool_used_high", "pool_keep", "outside_pool", "graph_reserved_high")}}
 
 
 class CardMemory:
