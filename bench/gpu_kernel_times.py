@@ -176,13 +176,37 @@ def prefill_child(args, model, prompt) -> dict:
         mx.eval(model(chunk, cache=c)[:, -1, :])
 
     forward(caches())  # the kernels compiled, the plans made
-    times = []
-    for _ in range(max(1, args.steps // 8)):
-        c = caches()
-        mx.synchronize()
-        t = time.perf_counter()
-        forward(c)
-        times.append((time.perf_counter() - t) * 1e3)
+
+    def timed(release: str) -> list:
+        """Forwards over fresh caches; ``release``: before each, nothing (``none``), or MLX's freed buffers handed
+        back to the device (``clear``: mx.clear_cache, as each served prefill forward does), then the device
+        synchronized (where the CUDA pool gives back what it keeps beyond its release threshold)."""
+        out = []
+        for _ in range(max(1, args.steps // 8)):
+            c = caches()
+            if release != "none":
+                mx.clear_cache()
+            mx.synchronize()
+            t = time.perf_counter()
+            forward(c)
+            out.append((time.perf_counter() - t) * 1e3)
+        return sorted(out)
+
+    by_release = {}
+    for release in args.release.split(","):
+        if release == "clear_keep":  # the pool keeps 8 GiB freed (--cuda-pool-keep 8G); for the rest of the process
+            from server.device_memory import driver
+
+            dm = driver()
+            if dm is None or not dm.set_release_threshold(8 << 30):
+                by_release[release] = "the driver did not take the release threshold"
+                continue
+        elif release not in ("none", "clear"):
+            raise SystemExit(f"--release: none, clear or clear_keep, not {release!r}")
+        ms = timed("clear" if release == "clear_keep" else release)
+        by_release[release] = {"median_ms": round(ms[len(ms) // 2], 3), "ms": [round(x, 2) for x in ms]}
+        print(f"prefill {args.rows}x{args.chunk} release {release}: {by_release[release]}", flush=True)
+    times = timed("none")
     c = caches()
     mx.synchronize()
     started = profiler(True)
@@ -192,7 +216,7 @@ def prefill_child(args, model, prompt) -> dict:
     times.sort()
     return {"what": "prefill", "shape": args.shape, "dtype": args.dtype, "rows": args.rows, "chunk": args.chunk,
             "context": args.context, "profile_steps": 1, "profiler_started": started,
-            "step_ms": round(times[len(times) // 2], 3), "forwards_timed": len(times),
+            "step_ms": round(times[len(times) // 2], 3), "forwards_timed": len(times), "by_release": by_release,
             "device": str(mx.default_device())}
 
 
@@ -216,6 +240,9 @@ def main() -> int:
     ap.add_argument("--profile-steps", type=int, default=1, help="steps whose kernels ncu measures (default 1)")
     ap.add_argument("--what", choices=["decode", "prefill"], default="decode")
     ap.add_argument("--chunk", type=int, default=330, help="--what prefill: new tokens a row (default %(default)s)")
+    ap.add_argument("--release", default="none",
+                    help="--what prefill: comma list of none, clear (mx.clear_cache before each forward, as served "
+                         "prefill does), clear_keep (the same with the CUDA pool keeping 8 GiB: --cuda-pool-keep)")
     ap.add_argument("--ncu", action="store_true", help="run this script again under ncu and sum its kernels")
     ap.add_argument("--ncu-bin", default=None, help="ncu's path (default: on PATH, or under /opt/nvidia, /usr/local)")
     ap.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
