@@ -270,6 +270,30 @@ def build_model(model_dir: Path, shape: str, dtype: str, tok_dir: Path):
     return model
 
 
+def build_model_apart(model_dir: Path, shape: str, dtype: str, tok_dir: Path) -> dict:
+    """``build_model`` in a process of its own; returns its ``R["model"]`` record. For scripts that only serve the
+    model: built here, its arrays (and MLX's cache of their freed buffers, moved to managed memory by the save) stayed
+    on the card in this process beside every server the script started. On an 80 GB H100 that was 17-39 GB
+    (BENCHMARKS.md, 2026-12-06, eighth session): the servers ran out of device memory, ours and mlx_lm.server alike.
+    ``SHAPES[shape]`` as this process has it (a cut vocabulary) goes with it."""
+    code = ("import json, sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); import gpu; "
+            "gpu.SHAPES[sys.argv[2]] = json.loads(sys.argv[3]); "
+            "gpu.build_model(Path(sys.argv[4]), sys.argv[2], sys.argv[5], Path(sys.argv[6])); "
+            "print('MODEL ' + json.dumps(gpu.R['model']), flush=True)")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), shape,
+                          json.dumps(SHAPES[shape]), str(model_dir), dtype, str(tok_dir)],
+                         capture_output=True, text=True)
+    sys.stderr.write(out.stderr)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("MODEL ")]
+    for ln in out.stdout.splitlines():
+        if not ln.startswith("MODEL "):
+            print(ln, flush=True)
+    if out.returncode != 0 or not lines:
+        raise SystemExit(f"building the {shape} model failed (exit {out.returncode}); its output is above")
+    R["model"] = json.loads(lines[-1][len("MODEL "):])
+    return R["model"]
+
+
 def eos_ids(model_dir: Path) -> list[int]:
     from mlx_lm.utils import load_tokenizer
 

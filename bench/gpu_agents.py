@@ -368,8 +368,7 @@ def main() -> int:
     t0 = time.perf_counter()
     gpu.SHAPES[args.shape] = {**gpu.SHAPES[args.shape], "vocab_size": args.vocab}
     if not (args.reuse_model and (model_dir / "config.json").is_file()):
-        model = gpu.build_model(model_dir, args.shape, args.dtype, Path(args.tokenizer_dir))
-        del model
+        gpu.build_model_apart(model_dir, args.shape, args.dtype, Path(args.tokenizer_dir))
     tokenizer = load_tokenizer(model_dir)
     system = system_prompt(tokenizer, args.system_tokens, args.seed)
     peer_args = MLX_LM_ARGS
@@ -387,7 +386,10 @@ def main() -> int:
                "gpu": gpu.sh("nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader"),
                "model": gpu.R.get("model", {"dir": str(model_dir), "reused": True}),
                "system_prompt_tokens": len(tokenizer.encode(system)), "mlx_lm_args": list(peer_args),
-               "build_s": round(time.perf_counter() - t0, 1), "runs": []}
+               "build_s": round(time.perf_counter() - t0, 1), "runs": [],
+               # what the card holds before any server starts: this process must hold nothing there (it held the
+               # model it built, 17-39 GB, until 2026-12-06's eighth session)
+               "card_used_before_servers": gpu.sh("nvidia-smi --query-gpu=memory.used --format=csv,noheader")}
 
     def save() -> None:
         (out / "gpu_agents.json").write_text(json.dumps(R, indent=1))
