@@ -84,10 +84,12 @@ def gpu_budget_share() -> float:
     Why less on CUDA: the card holds more than MLX counts. MLX allocates from the driver's stream-ordered memory pool
     (``cudaMallocAsync``), and that pool fragments: in-process, prefills of many shapes beside 45 GB of kept KV
     caches left it 80.8 GB reserved for 62.4 GB in use on an H100 80GB (85.0 GB), and the next prefill ran out of
-    memory (``bench/gpu_memory_probe.py``). Served, a further 17-33 GB of the card lay outside that pool (``/stats``
-    ``memory.device.outside_pool_bytes``; not CUDA graphs' memory, not yet explained). 16 Llama-3-8B agents with the
-    SSD tier lost 30-32 of 64 requests to out-of-memory at a 70% budget and none at 50 GiB (63%); Qwen3.5-9B's ran
-    whole at 60% (BENCHMARKS.md, 2026-12-06, fourth session)."""
+    memory (``bench/gpu_memory_probe.py``). 16 Llama-3-8B agents with the SSD tier lost 30-32 of 64 requests to
+    out-of-memory at a 70% budget and none at 50 GiB (63%); Qwen3.5-9B's ran whole at 60% (BENCHMARKS.md,
+    2026-12-06, fourth session). But in those runs the benchmark's own process held the model it had built, 17-39 GB
+    of the card (the "outside the pool" figure then read; 1.8-8.8 GB on a card the benchmark did not share, eighth
+    session): the 70% failures are not evidence against 70%. The share stays at 60% until it is measured on a card
+    the server has to itself."""
     return CUDA_BUDGET_SHARE if on_cuda() else OTHER_GPU_BUDGET_SHARE
 
 
