@@ -233,8 +233,8 @@ def _serve_parser(sub) -> None:
                    help="bytes the model, the running sequences' KV and the RAM prefix cache may use together: a "
                         "request joins only when its KV for prompt + max_tokens fits (the RAM cache yields first), "
                         "else it waits; one that can never fit is a 400. 0 turns the check off. Default: 75%% of "
-                        "RAM on the CPU, 60%% of a CUDA GPU's memory (its pool fragments), 90%% on Metal "
-                        "[MLX_LANE_MEMORY_BUDGET]")
+                        "RAM on the CPU, 60%% of a CUDA GPU's memory (its pool fragments) less what other "
+                        "processes hold on it at start, 90%% on Metal [MLX_LANE_MEMORY_BUDGET]")
     p.add_argument("--cuda-pool-keep", type=parse_bytes, default=_env("cuda_pool_keep"), metavar="SIZE",
                    help="on a CUDA GPU, how much freed memory the memory pool under MLX keeps reserved between "
                         "synchronizations (the pool's release threshold). By default the driver keeps none: "

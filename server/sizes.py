@@ -38,7 +38,7 @@ def default_cache_bytes(weights_bytes: int = 0, budget_bytes: Optional[int] = No
     if source == "physical RAM":
         size = min(8 << 30, physical_ram() // 4)
     else:
-        size = max(1 << 30, int((total * gpu_budget_share() - weights_bytes) / 2))
+        size = max(1 << 30, int(((total - memory_of_others()) * gpu_budget_share() - weights_bytes) / 2))
     if budget_bytes:
         size = min(size, max(1 << 30, int((budget_bytes - weights_bytes) / 2)))
     return size
@@ -107,10 +107,35 @@ def on_cuda() -> bool:
 def default_memory_budget() -> tuple[int, str]:
     """--memory-budget default: ``gpu_budget_share`` of a GPU's memory (60% on CUDA, 90% on Metal), 75% of RAM on a
     CPU (the OS, the HTTP layer and the SSD tier's write-behind buffers need the rest; an OOM kill loses every
-    stream at once)."""
+    stream at once). On CUDA, of the card's memory less what other processes hold when it is asked
+    (``memory_of_others``): a budget of the whole card beside another process's 17-39 GB ran out of device memory
+    (BENCHMARKS.md, 2026-12-06, eighth session)."""
     total, source = device_memory()
     share = 0.75 if source == "physical RAM" else gpu_budget_share()
-    return int(total * share), f"{int(round(share * 100))}% of {source}"
+    why = f"{int(round(share * 100))}% of {source}"
+    others = 0 if source == "physical RAM" else memory_of_others()
+    if others:
+        why += f" less {others / (1 << 30):.1f} GiB other processes hold on the card"
+    return int((total - others) * share), why
+
+
+# What a CUDA card holds for this process outside MLX's memory pool: its context, cuBLAS / cuDNN workspaces and
+# kernels. 1.1-1.5 GB in-process on an H100 (BENCHMARKS.md, 2026-12-06, fourth session).
+OWN_OUTSIDE_POOL = 2 << 30
+
+
+def memory_of_others() -> int:
+    """Bytes of the CUDA card that other processes hold now, as far as the driver tells: the card's use outside the
+    memory pool MLX allocates from (``server.device_memory.snapshot``) beyond ``OWN_OUTSIDE_POOL``. 0 on the CPU, on
+    Metal, and where the driver does not say. An estimate: arrays this process's host has read (moved to managed
+    memory by MLX) count as others' too, so it is asked once, at start, before any request."""
+    if not on_cuda():
+        return 0
+    from server.device_memory import snapshot
+
+    snap = snapshot()
+    outside = (snap or {}).get("outside_pool_bytes")
+    return max(0, int(outside) - OWN_OUTSIDE_POOL) if outside is not None else 0
 
 
 def allocator_limits(budget_bytes: int, device_bytes: int) -> tuple[int, int]:

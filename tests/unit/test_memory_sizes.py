@@ -73,3 +73,25 @@ def test_on_cuda_the_default_budget_leaves_room_for_the_memory_pools_slack(monke
     assert sizes.default_cache_bytes(16 * GB) == 16 * GB  # (48 - 16) / 2
     monkeypatch.setattr(sizes, "on_cuda", lambda: False)  # Metal keeps 90%
     assert sizes.default_memory_budget() == (72 * GB, "90% of device memory_size")
+
+
+def test_on_cuda_the_defaults_leave_out_what_other_processes_hold(monkeypatch):
+    monkeypatch.setattr(sizes, "device_memory", lambda: (80 * GB, "device memory_size"))
+    monkeypatch.setattr(sizes, "on_cuda", lambda: True)
+    reading = {"outside_pool_bytes": 1 * GB}
+    monkeypatch.setattr(device_memory, "snapshot", lambda: reading)
+    # this process's own context and workspaces (up to OWN_OUTSIDE_POOL) are not another process's
+    assert sizes.memory_of_others() == 0
+    assert sizes.default_memory_budget() == (48 * GB, "60% of device memory_size")
+    # another process holds 30 GB beside our 2 GiB: 60% of the 50 GB left
+    reading["outside_pool_bytes"] = 30 * GB + sizes.OWN_OUTSIDE_POOL
+    assert sizes.memory_of_others() == 30 * GB
+    budget, why = sizes.default_memory_budget()
+    assert budget == 30 * GB and "less 27.9 GiB other processes hold on the card" in why
+    assert sizes.default_cache_bytes(16 * GB) == 7 * GB  # (30 - 16) / 2
+    # the driver says nothing (or there is none): nothing is left out
+    monkeypatch.setattr(device_memory, "snapshot", lambda: None)
+    assert sizes.memory_of_others() == 0
+    monkeypatch.setattr(sizes, "on_cuda", lambda: False)
+    monkeypatch.setattr(device_memory, "snapshot", lambda: reading)
+    assert sizes.memory_of_others() == 0  # Metal and the CPU never ask a CUDA driver
