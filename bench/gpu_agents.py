@@ -179,6 +179,10 @@ def lane_parts(stats: dict, before: dict | None = None) -> dict:
             "leave_s": less("tick_seconds", "batch_leave"), "ticks": (lane.get("ticks") or 0) - (before.get("ticks") or 0),
             "prefill_ms_per_token": round(1e3 * less("prefill_parts", "forward_s") / tokens, 3) if tokens else None,
             "slowest_forward_ms": max((f["ms"] for f in recent), default=None),
+            # of the last forwards' milliseconds: the host building lone forwards' graphs, buffers handed back
+            "recent_forwards": len(recent), "recent_ms": round(sum(f["ms"] for f in recent), 1),
+            "recent_build_ms": round(sum(f.get("build_ms") or 0 for f in recent), 1),
+            "recent_clear_ms": round(sum(f.get("clear_ms") or 0 for f in recent), 1),
             "leave_rows": rows,
             "leave_ms_per_row": round(1e3 * less("leave_parts", "out_of_batch_s") / rows, 1) if rows else None,
             "leave_store_ms_per_row": round(1e3 * less("leave_parts", "store_s") / rows, 1) if rows else None,

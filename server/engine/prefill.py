@@ -60,7 +60,8 @@ def _buffers_kept():
         mx.clear_cache = clear
 
 
-RECENT_FORWARDS = 64  # the last forwards /stats lists, each (rows, length, tokens, cached, ms, new shape)
+RECENT_FORWARDS = 64  # the last forwards /stats lists, each (rows, length, tokens, cached, ms, new shape, parts)
+RECENT_KEYS = ("rows", "length", "tokens", "cached", "ms", "new_shape", "build_ms", "clear_ms")
 
 
 @dataclass
@@ -69,7 +70,11 @@ class PrefillClock:
     chunks together), the checkpoints of layers that cannot be cut back, the cache entries stored; and how many
     distinct (rows, chunk length) forward shapes ran, since a GPU backend pays a shape's first forward more (cuDNN
     plans, mlx 0.32's CUDA backend); and the last ``RECENT_FORWARDS`` forwards one by one (``recent``: rows, longest
-    chunk, tokens, the longest cached prefix they ran past, milliseconds, whether its shape was new)."""
+    chunk, tokens, the longest cached prefix they ran past, milliseconds, whether its shape was new, and of those
+    milliseconds: ``build_ms`` the host's building of a lone forward's graph (None for a gathered one, whose
+    graph mlx-lm builds and evaluates in one call), ``clear_ms`` MLX's freed buffers handed back to the device after
+    it (a GPU; 0 elsewhere). The rest is the device's: the forward, and whatever the stream held before it (a
+    pipelined decode step))."""
 
     alone: int = 0
     together: int = 0
@@ -81,10 +86,12 @@ class PrefillClock:
     shapes: set = field(default_factory=set)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_FORWARDS))
 
-    def forward(self, rows: int, length: int, tokens: int, seconds: float, cached: int = 0) -> None:
+    def forward(self, rows: int, length: int, tokens: int, seconds: float, cached: int = 0,
+                build_s: Optional[float] = None, clear_s: float = 0.0) -> None:
         """One forward of ``rows`` chunks, the longest ``length`` tokens, ``tokens`` in all, past at most ``cached``
-        tokens of a row's cache."""
-        self.recent.append((rows, length, tokens, cached, round(seconds * 1e3, 2), (rows, length) not in self.shapes))
+        tokens of a row's cache; ``build_s`` / ``clear_s``: its parts (the class says which)."""
+        self.recent.append((rows, length, tokens, cached, round(seconds * 1e3, 2), (rows, length) not in self.shapes,
+                            None if build_s is None else round(build_s * 1e3, 2), round(clear_s * 1e3, 2)))
         if rows > 1:
             self.together += 1
             self.together_rows += rows
@@ -100,7 +107,7 @@ class PrefillClock:
                 "tokens": self.tokens, "forward_s": round(self.forward_s, 3),
                 "checkpoint_s": round(self.checkpoint_s, 3), "store_s": round(self.store_s, 3),
                 "forward_shapes": len(self.shapes),
-                "recent": [dict(zip(("rows", "length", "tokens", "cached", "ms", "new_shape"), r)) for r in self.recent]}
+                "recent": [dict(zip(RECENT_KEYS, r)) for r in self.recent]}
 
 
 class Prefiller:
@@ -159,12 +166,15 @@ class Prefiller:
             if start < end:  # text: past the last image, the cache key's tokens are the prompt's own
                 work.model(mx.array(seq.prompt[start:end])[None], cache=work.caches)
                 _heard(work, start, seq.prompt[start:end])
+            built = time.monotonic()
             mx.eval([c.state for c in _caches(work)])
+            evaluated = time.monotonic()
             if self._gpu and not KEEP_BUFFERS:  # as mlx-lm's batch prefill does: freed activations go back to the
                 mx.clear_cache()  # device (on the CPU that only costs page faults on the next chunk's buffers)
         work.covered += n
-        work.prefill_cost_s += time.monotonic() - t0
-        self.clock.forward(1, n, n, time.monotonic() - t0, cached)
+        done = time.monotonic()
+        work.prefill_cost_s += done - t0
+        self.clock.forward(1, n, n, done - t0, cached, build_s=built - t0, clear_s=done - evaluated)
 
     def _embeddings(self, seq, work: SeqWork) -> Optional[tuple]:
         """``(start, stop, array)``: the input embeddings of the prompt from ``start`` to the end of its last image
@@ -198,11 +208,13 @@ class Prefiller:
         with mx.stream(self._stream()):
             caches = forward_together(works[0].model, [_caches(w) for w in works],
                                       [list(s.prompt[w.covered: w.covered + n]) for (s, n), w in zip(items, works)])
+            evaluated = time.monotonic()
             if self._gpu and not KEEP_BUFFERS:
                 mx.clear_cache()
-        dt = time.monotonic() - t0
+        done = time.monotonic()
+        dt = done - t0
         total = sum(n for _, n in items)
-        self.clock.forward(len(items), max(n for _, n in items), total, dt, cached)
+        self.clock.forward(len(items), max(n for _, n in items), total, dt, cached, clear_s=done - evaluated)
         for (seq, n), work, row in zip(items, works, caches):
             work.caches, work.covered = row, work.covered + n
             work.prefill_cost_s += dt * n / total if total else 0.0  # this machine's rate, not B times less

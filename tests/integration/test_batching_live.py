@@ -272,6 +272,10 @@ def test_prompts_prefilled_together_in_one_batched_forward_give_their_alone_text
         # the last forwards one by one: these prompts' batched forwards among them, their rows and tokens
         mine = [f for f in parts["recent"] if f["rows"] > 1]
         assert mine and all(f["tokens"] >= f["length"] > 0 and f["ms"] > 0 and f["cached"] >= 0 for f in mine)
+        # their parts: mlx-lm builds and evaluates a gathered forward in one call; the CPU hands no buffers back
+        assert all(f["build_ms"] is None and 0 <= f["clear_ms"] < f["ms"] for f in mine)
+        alone_forwards = [f for f in parts["recent"] if f["rows"] == 1]  # the alone requests' and the warm-up's
+        assert alone_forwards and all(0 < f["build_ms"] <= f["ms"] for f in alone_forwards)
         assert lane["leave_parts"]["rows"] - before_lane["leave_parts"]["rows"] == len(bodies)  # each ended once
         # MLX's allocator: the weights alone are live arrays, and the high-water mark is at least what is live now
         memory = httpx.get(url + "/stats").json()["memory"]
