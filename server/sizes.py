@@ -128,8 +128,10 @@ def memory_of_others() -> int:
     """Bytes of the CUDA card that other processes hold now, as far as the driver tells: the card's use outside the
     memory pool MLX allocates from (``server.device_memory.snapshot``) beyond ``OWN_OUTSIDE_POOL``. 0 on the CPU, on
     Metal, and where the driver does not say. An estimate: arrays this process's host has read (moved to managed
-    memory by MLX) count as others' too, so it is asked once, at start, before any request."""
-    if not on_cuda():
+    memory by MLX) count as others' too, so it is asked once, at start, before any request. 0 in a process of
+    ``mlx.launch`` (``MLX_RANK`` set): its NCCL ranks compute on device ``rank % devices`` while the driver is read
+    on device 0, whose memory is the other ranks'."""
+    if not on_cuda() or os.environ.get("MLX_RANK") is not None:
         return 0
     from server.device_memory import snapshot
 

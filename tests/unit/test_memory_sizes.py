@@ -89,6 +89,10 @@ def test_on_cuda_the_defaults_leave_out_what_other_processes_hold(monkeypatch):
     budget, why = sizes.default_memory_budget()
     assert budget == 30 * GB and "less 27.9 GiB other processes hold on the card" in why
     assert sizes.default_cache_bytes(16 * GB) == 7 * GB  # (30 - 16) / 2
+    # a rank of mlx.launch computes on its own card, not the one the driver is read on: nothing is left out
+    monkeypatch.setenv("MLX_RANK", "1")
+    assert sizes.memory_of_others() == 0
+    monkeypatch.delenv("MLX_RANK")
     # the driver says nothing (or there is none): nothing is left out
     monkeypatch.setattr(device_memory, "snapshot", lambda: None)
     assert sizes.memory_of_others() == 0
