@@ -168,13 +168,21 @@ class Prefiller:
                 _heard(work, start, seq.prompt[start:end])
             built = time.monotonic()
             mx.eval([c.state for c in _caches(work)])
-            evaluated = time.monotonic()
-            if self._gpu and not KEEP_BUFFERS:  # as mlx-lm's batch prefill does: freed activations go back to the
-                mx.clear_cache()  # device (on the CPU that only costs page faults on the next chunk's buffers)
+            clear_s = self._hand_back_buffers()
         work.covered += n
         done = time.monotonic()
         work.prefill_cost_s += done - t0
-        self.clock.forward(1, n, n, done - t0, cached, build_s=built - t0, clear_s=done - evaluated)
+        self.clock.forward(1, n, n, done - t0, cached, build_s=built - t0, clear_s=clear_s)
+
+    def _hand_back_buffers(self) -> float:
+        """After a forward on a GPU, MLX's freed activations go back to the device, as mlx-lm's batch prefill does
+        (not with --debug-keep-prefill-buffers; on the CPU it would only cost page faults on the next chunk's
+        buffers). The seconds it took."""
+        if not self._gpu or KEEP_BUFFERS:
+            return 0.0
+        t0 = time.monotonic()
+        mx.clear_cache()
+        return time.monotonic() - t0
 
     def _embeddings(self, seq, work: SeqWork) -> Optional[tuple]:
         """``(start, stop, array)``: the input embeddings of the prompt from ``start`` to the end of its last image
@@ -208,13 +216,10 @@ class Prefiller:
         with mx.stream(self._stream()):
             caches = forward_together(works[0].model, [_caches(w) for w in works],
                                       [list(s.prompt[w.covered: w.covered + n]) for (s, n), w in zip(items, works)])
-            evaluated = time.monotonic()
-            if self._gpu and not KEEP_BUFFERS:
-                mx.clear_cache()
-        done = time.monotonic()
-        dt = done - t0
+            clear_s = self._hand_back_buffers()
+        dt = time.monotonic() - t0
         total = sum(n for _, n in items)
-        self.clock.forward(len(items), max(n for _, n in items), total, dt, cached, clear_s=done - evaluated)
+        self.clock.forward(len(items), max(n for _, n in items), total, dt, cached, clear_s=clear_s)
         for (seq, n), work, row in zip(items, works, caches):
             work.caches, work.covered = row, work.covered + n
             work.prefill_cost_s += dt * n / total if total else 0.0  # this machine's rate, not B times less

@@ -142,22 +142,29 @@ DECODING = {False: "BATCHED", True: "SOLO"}
 PROMPTS = [HISTORY, HISTORY[:9] + [77, 78], [9, 8, 7, 6, 5, 4, 3, 2, 1] * 4, HISTORY[5:12]]
 
 
+def run_arrivals(lane, arrivals, n, ticks, decoding_together):
+    """Submit ``PROMPTS[i]`` (``n`` tokens each) at tick ``arrivals[i]`` and tick the lane until every one ended;
+    returns ``{i: (seq, events)}`` and the most sequences seen at once in the phase ``decoding_together`` names."""
+    seqs, together = {}, 0
+    for tick in range(ticks):
+        if tick in arrivals:
+            i = arrivals.index(tick)
+            seqs[i] = submit(lane, PROMPTS[i], n)
+        if lane.idle() and len(seqs) == len(PROMPTS):
+            break
+        lane.tick()
+        together = max(together, sum(1 for s, _ in seqs.values() if s.phase.name == decoding_together))
+    return seqs, together
+
+
 def test_four_requests_arriving_at_different_ticks_make_their_alone_tokens_and_store_their_runs(arch):
     from cache.prompt_cache import PromptCache
 
     name, model = arch
     want = [alone(model, p, 10) for p in PROMPTS]
     lane = lane_of(model, PromptCache(1 << 28))
-    arrivals, seqs, sizes = [0, 3, 5, 6], {}, set()
-    for tick in range(300):
-        if tick in arrivals:
-            i = arrivals.index(tick)
-            seqs[i] = submit(lane, PROMPTS[i], 10)
-        if lane.idle() and len(seqs) == len(PROMPTS):
-            break
-        lane.tick()
-        sizes.add(sum(1 for s, _ in seqs.values() if s.phase.name == DECODING[name in VLM]))
-    assert max(sizes) >= 2, (name, sizes)  # they did decode together (mlx-vlm's models: each alone, interleaved)
+    seqs, together = run_arrivals(lane, [0, 3, 5, 6], 10, 300, DECODING[name in VLM])
+    assert together >= 2, (name, together)  # they did decode together (mlx-vlm's models: each alone, interleaved)
     for i, (seq, events) in seqs.items():
         finished(events)
         assert list(seq.generated) == want[i], (name, i)
@@ -352,15 +359,7 @@ def test_window_rows_with_a_draft_model_arriving_at_different_ticks_make_their_a
     lane = lane_of(model, PromptCache(1 << 28), speculation=Speculation(provider, num_draft_tokens=3,
                                                                           kind="two-model"))
     lane.stats.spec = SpecTotals("two-model", 3)
-    arrivals, seqs, together = [0, 4, 5, 7], {}, 0
-    for tick in range(400):
-        if tick in arrivals:
-            i = arrivals.index(tick)
-            seqs[i] = submit(lane, PROMPTS[i], 10)
-        if lane.idle() and len(seqs) == len(PROMPTS):
-            break
-        lane.tick()
-        together = max(together, sum(1 for s, _ in seqs.values() if s.phase.name == "BATCHED"))
+    seqs, together = run_arrivals(lane, [0, 4, 5, 7], 10, 400, "BATCHED")
     drafted = []
     for i, (seq, events) in seqs.items():
         done = finished(events)
