@@ -20,11 +20,11 @@ PYTEST_ARGS ?=
 TORCH_SPEC ?= torch==2.13.0
 ACCELERATE_SPEC ?= accelerate==1.15.0
 
-.PHONY: serve test test-suite typecheck venv blas browser haproxy model test-deps cluster bench soak clean help docker docker-test
+.PHONY: serve test test-suite test-setup typecheck venv blas browser haproxy system-packages model test-deps cluster bench soak clean help docker docker-test
 
 help:
 	@echo "make serve       - create .venv, install, get + convert the default model, serve on $(HOST):$(PORT)"
-	@echo "make test        - the type checker, then the whole test suite (installs what it needs; TEST_WORKERS=2 processes)"
+	@echo "make test        - the whole test suite, the type checker beside it (installs what it needs; TEST_WORKERS=2 processes)"
 	@echo "make typecheck   - the type checker alone (mypy over server/, cache/, models/, spec/)"
 	@echo "make cluster     - REPLICAS (default 2) replicas behind HAProxy on $(HOST):$(PORT), sharing one SSD cache"
 	@echo "make bench       - run the CPU benchmarks and rewrite BENCHMARKS.md"
@@ -49,46 +49,19 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# OpenBLAS makes MLX's CPU matmuls ~48x faster than the reference BLAS bundled in the wheel.
+# Debian packages outside the venv (deploy/system_packages.sh says what each is for): installed with apt-get as root
+# when missing, otherwise a warning says how. `make test` asks for all three in one apt-get.
 blas:
-	@if [ "$$(uname -s)" != "Linux" ]; then exit 0; fi; \
-	if ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1; then exit 0; fi; \
-	if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing the OpenBLAS runtime (libopenblas0-pthread)"; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread) >/dev/null \
-		|| echo "WARNING: could not install libopenblas0-pthread; MLX will use its slow reference BLAS"; \
-	else \
-		echo "WARNING: OpenBLAS runtime not found. MLX on the CPU will be ~48x slower at matmuls."; \
-		echo "         Install it with: sudo apt-get install libopenblas0-pthread"; \
-	fi
+	@sh deploy/system_packages.sh blas
 
-# The dashboard's browser tests drive Debian's chromium through Playwright (`playwright install` cannot download
-# browsers here; tests/integration/browser.py launches /usr/bin/chromium, or $$MLX_LANE_CHROMIUM).
-# Playwright's own node driver needs libatomic1 (absent from slim images).
 browser:
-	@if { command -v chromium >/dev/null 2>&1 || [ -n "$$MLX_LANE_CHROMIUM" ]; } \
-		&& { [ "$$(uname -s)" != "Linux" ] || ldconfig -p 2>/dev/null | grep -q libatomic.so.1; }; then exit 0; fi; \
-	if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing Chromium for the dashboard's browser tests (apt: chromium libatomic1)"; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium libatomic1) >/dev/null \
-		|| echo "WARNING: could not install chromium; the dashboard's browser tests will fail"; \
-	else \
-		echo "WARNING: Chromium not found: the dashboard's browser tests will fail."; \
-		echo "         Install it with: sudo apt-get install chromium (or set MLX_LANE_CHROMIUM=/path/to/chromium)"; \
-	fi
+	@sh deploy/system_packages.sh browser
 
-# HAProxy (Debian's 2.6: consistent hashing, JSON body fetches) fronts the replicas of `make cluster`; the tests
-# run a real one. Installed like OpenBLAS: as root through apt-get, a clear message otherwise.
 haproxy:
-	@if command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; then exit 0; fi; \
-	if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing haproxy (for make cluster and its tests)"; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=300 haproxy) \
-			>/dev/null || echo "WARNING: could not install haproxy; the cluster tests will be skipped"; \
-	else \
-		echo "WARNING: haproxy not found: the cluster tests are skipped and make cluster cannot run."; \
-		echo "         Install it with: sudo apt-get install haproxy"; \
-	fi
+	@sh deploy/system_packages.sh haproxy
+
+system-packages:
+	@sh deploy/system_packages.sh blas browser haproxy
 
 model: venv
 	$(BIN)/python -c "from models import ensure_default_model; print(ensure_default_model())"
@@ -116,11 +89,12 @@ cluster: venv blas model haproxy
 	$(BIN)/python deploy/cluster.py --replicas $(REPLICAS) --host $(HOST) --port $(PORT) --base-port $$(($(PORT) + 1)) \
 		$(if $(SSD_CACHE),--ssd-cache $(SSD_CACHE)) -- $(ARGS)
 
-# The type checker first (mypy, [tool.mypy] in pyproject.toml: its cache in .mypy_cache), then the suite in
+# Setup in parallel (the Debian packages beside the venv, then the model beside the test tools), then the suite in
 # TEST_WORKERS pytest-xdist processes (0: one process), a test file per worker at a time: the module-scoped live
-# servers start once, and each test server takes its own free port and temporary folders. The 15 slowest tests are
-# listed (the suite must stay under 15 minutes on 2 cores); the last line says how long the whole of `make test`
-# took, the setup included.
+# servers start once, and each test server takes its own free port and temporary folders. The type checker (mypy,
+# [tool.mypy] in pyproject.toml: its cache in .mypy_cache) runs beside the suite, its report printed after it; either
+# failing fails `make test`. The 15 slowest tests are listed (the suite must stay under 15 minutes on 2 cores); the
+# last line says how long the whole of `make test` took, the setup included.
 TEST_WORKERS ?= 2
 test:
 	@start=$$(date +%s); $(MAKE) --no-print-directory test-suite; rc=$$?; \
@@ -129,8 +103,16 @@ test:
 typecheck: venv
 	$(BIN)/python -m mypy
 
-test-suite: venv blas browser haproxy model test-deps typecheck
-	$(BIN)/python -m pytest -q -ra --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+test-setup: venv system-packages model test-deps
+
+test-suite:
+	@$(MAKE) --no-print-directory -j3 --output-sync=target test-setup
+	@$(BIN)/python -m mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
+	$(BIN)/python -m pytest -q -ra --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS); \
+	tests=$$?; wait $$types; typed=$$?; \
+	echo "type checker (mypy):"; cat $(VENV)/mypy.log; \
+	if [ $$typed -ne 0 ]; then echo "make test: the type checker failed (above)"; fi; \
+	if [ $$tests -ne 0 ]; then exit $$tests; fi; exit $$typed
 
 # CPU benchmarks, each alternated against its peers in one run; each script writes its JSON (with a preflight of
 # the machine's load, memory and busiest processes) into bench/results/, then report.py regenerates the
@@ -161,7 +143,7 @@ bench: venv blas model haproxy
 	$(BIN)/python bench/cluster_affinity.py --k 5 --turns 3 --max-tokens 16 | tee bench/results/cluster_affinity.txt
 	$(BIN)/python bench/report.py --write BENCHMARKS.md
 
-# 1,000 requests under a 48 MiB RAM cache; the RSS / cache-bytes curve goes to bench/results/soak_curve.json.
+# 1,000 requests under a 24 MiB RAM cache; the RSS / cache-bytes curve goes to bench/results/soak_curve.json.
 # Then 10 kill -9 trials during SSD writes (make test runs 3); -s prints where each kill landed.
 soak: venv blas model
 	MLX_LANE_SOAK_REQUESTS=1000 MLX_LANE_SOAK_CURVE=bench/results/soak_curve.json \

@@ -17,6 +17,7 @@ import tempfile
 
 import pytest
 
+from tests import serverproc
 from tests.recorder import ENV, Records
 
 _RECORDS = pytest.StashKey[Records]()
@@ -27,6 +28,9 @@ _RECORDS = pytest.StashKey[Records]()
 # sets these keeps its own.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Test servers start without the warm-up unless they name --warm-up (tests/serverproc.py says why)
+serverproc.WARM_UP_UNLESS_NAMED = "off"
 
 
 def pytest_configure(config):

@@ -66,13 +66,21 @@ def _mentions_ssd(args, env) -> bool:
         k in env for k in ("MLX_LANE_SSD_CACHE", "MLX_LANE_NO_SSD_CACHE"))
 
 
+# The warm-up of a server that does not name --warm-up: None (the product's default) for a benchmark; the suite's
+# tests/conftest.py sets "off" (its forwards ran behind the first requests of ~40 test servers, ~1.2 s of CPU each;
+# the suite's shared server and tests/integration/test_lane_behaviour.py run the default, behind, by name).
+WARM_UP_UNLESS_NAMED: str | None = None
+
+
 def flags_for_tests(args: tuple, env: dict) -> tuple:
     """What a test (or bench) server adds to its flags unless it names them: no SSD tier (the product's default is
     on; a test opts in, so it never touches the user's ~/.cache/mlx-lane/kv, and /admin/cache/clear (RAM only) gives
-    a cold server) and no embedding model (loading it is 1.7 s of every start on a 2-core CPU, ~70 s over the
-    suite; the tests of /v1/embeddings ask for it)."""
+    a cold server), no embedding model (loading it is 1.7 s of every start on a 2-core CPU, ~70 s over the
+    suite; the tests of /v1/embeddings ask for it) and, in the suite, WARM_UP_UNLESS_NAMED."""
     if not _mentions_ssd(args, env):
         args = (*args, "--no-ssd-cache")
+    if WARM_UP_UNLESS_NAMED and "--warm-up" not in args and "MLX_LANE_WARM_UP" not in env:
+        args = (*args, "--warm-up", WARM_UP_UNLESS_NAMED)
     return without_embeddings_unless_asked(args, env)
 
 

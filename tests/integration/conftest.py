@@ -17,7 +17,8 @@ def default_model_dir():
 @pytest.fixture(scope="session")
 def server(default_model_dir):
     """One shared server for the read-mostly tests (cache on, small cap)."""
-    srv = ServerProc("--model", "default", "--cache-bytes", "512M", "--keepalive", "1", "--embedding-model", "default")
+    srv = ServerProc("--model", "default", "--cache-bytes", "512M", "--keepalive", "1", "--embedding-model", "default",
+                     "--warm-up", "behind")  # the default (test servers turn it off unless they name it)
     yield srv
     code = srv.stop()
     assert code == 0, f"server exited with {code} after SIGTERM:\n{srv.log()}"

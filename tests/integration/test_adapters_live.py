@@ -25,7 +25,7 @@ P2 = [{"role": "system", "content": "You are a terse assistant for a software te
       {"role": "user", "content": "Name one use of a hash map."}]
 
 
-def chat(url, model, messages, max_tokens=12, headers=None):
+def chat(url, model, messages, max_tokens=6, headers=None):
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300, headers=headers)
     assert r.status_code == 200, r.text
@@ -81,10 +81,10 @@ def test_adapters_change_text_never_share_cache_batch_together_and_survive_a_res
                                                        "max_tokens": 8, "temperature": 0}, timeout=300)
         assert r.status_code == r0.status_code == 200 and r.json()["model"] == "ada"
         assert r.json()["choices"][0]["text"] != r0.json()["choices"][0]["text"]
-        m = httpx.post(url + "/v1/messages", json={"model": "ada", "max_tokens": 12, "messages": P1,
+        m = httpx.post(url + "/v1/messages", json={"model": "ada", "max_tokens": 6, "messages": P1,
                                                   "temperature": 0}, timeout=300)
         assert m.status_code == 200 and m.json()["content"][0]["text"] == alone["ada", "p1"]
-        rs = httpx.post(url + "/v1/responses", json={"model": "bob", "input": P1, "max_output_tokens": 12,
+        rs = httpx.post(url + "/v1/responses", json={"model": "bob", "input": P1, "max_output_tokens": 6,
                                                      "temperature": 0}, timeout=300)
         assert rs.status_code == 200 and rs.json()["model"] == "bob"
 

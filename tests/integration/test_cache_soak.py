@@ -1,6 +1,6 @@
 """Requests with random shared prefixes under a small --cache-bytes: the cap holds, RSS stays bounded.
 
-60 requests in the suite (the cap is full from the 10th on, ~75 evictions); `make soak` runs 1,000
+36 requests in the suite (the 24 MiB cap is full from about the 8th on); `make soak` runs 1,000
 (MLX_LANE_SOAK_REQUESTS) and writes the RSS and cache-bytes curve to $MLX_LANE_SOAK_CURVE when set.
 """
 
@@ -17,9 +17,9 @@ from tests.serverproc import ServerProc
 
 pytestmark = pytest.mark.model
 
-CAP = 48 << 20
-REQUESTS = int(os.environ.get("MLX_LANE_SOAK_REQUESTS", "60"))
-WARMUP = 20  # requests before the RSS baseline: the cache has filled to its cap by then
+CAP = 24 << 20
+REQUESTS = int(os.environ.get("MLX_LANE_SOAK_REQUESTS", "36"))
+WARMUP = 12  # requests before the RSS baseline: the cache has filled to its cap by then
 SYSTEMS = [
     "You are a terse code reviewer.",
     "You are a helpful shell assistant. Answer with one command.",

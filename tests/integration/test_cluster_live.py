@@ -35,7 +35,7 @@ def cluster(default_model_dir, tmp_path_factory):
         pytest.skip(str(exc))
     c = Cluster(2, ssd_cache=str(tmp_path_factory.mktemp("shared-kv")),
                 serve_args=("--model", "default", "--cache-bytes", "256M", "--write-behind-debounce", "0.05",
-                            "--keepalive", "1", "--embedding-model", "none"),  # as every test server
+                            "--keepalive", "1", "--embedding-model", "none", "--warm-up", "off"),  # as every test server
                 env={"MLX_LANE_TEST_TOKEN_DELAY": "0.2"},  # 16 tokens: a 3 s window for the kill
                 entry="tests.seamed_server")
     try:

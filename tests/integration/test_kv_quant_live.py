@@ -20,7 +20,7 @@ TURN1 = [SYSTEM, {"role": "user", "content": "Name three uses of a hash map in a
 FLOAT32_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 
 
-def chat(url, messages, max_tokens=16):
+def chat(url, messages, max_tokens=8):
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text

@@ -139,7 +139,7 @@ def test_tool_and_assistant_tool_call_messages_are_accepted(client):
 
 @pytest.fixture(scope="module")
 def guarded_server(default_model_dir):
-    srv = ServerProc("--model", "default", "--api-key", "s3cret", "--cache-bytes", "64M",
+    srv = ServerProc("--model", "default", "--api-key", "s3cret", "--cache-bytes", "64M", "--warm-up", "behind",
                      "--debug-cuda-profile-steps", "2:3", env={"MLX_LANE_FAULT_MARKER": "KABOOM-7731"})
     yield srv
     assert srv.stop() == 0, srv.log()

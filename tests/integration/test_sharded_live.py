@@ -4,9 +4,10 @@ exactly what one process answers, sequentially, batched (requests at once), from
 restart that restores every rank's shard from SSD.
 
 The default model's 9 query / 3 KV heads do not split over 2 processes (tensor-parallel divides the heads) and
-mlx-lm's llama has no pipeline support, so the 2-process runs use tiny random models written here (4 query / 2 KV
-heads, 4 layers): a llama for tensor-parallel, a qwen2 for pipeline. The default model runs tensor-parallel over
-3 processes, and a 2-process start on it must fail with a message that says what to do.
+mlx-lm's llama has no pipeline support, so the 2-process runs use a tiny random qwen2 written here (4 query / 2 KV
+heads, 4 layers), tensor-parallel and pipeline, against one single-process server on it. The default model (a
+llama) runs tensor-parallel over 3 processes against the suite's shared server, and a 2-process start on it must
+fail with a message that says what to do.
 """
 
 from __future__ import annotations
@@ -68,49 +69,49 @@ def at_once(url, model, others=OTHERS, max_tokens=12):
         return [f.result()[0] for f in futs]
 
 
-def reference(model_dir, turns=TURNS, others=OTHERS, max_tokens=12, keep=None):
-    """The single-process answers on ``model_dir``: the conversation (cold every turn) and the others. With ``keep``
-    (a list) the server is left running, appended to it, for more answers (the caller stops it)."""
-    srv = ServerProc("--model", str(model_dir), "--no-ssd-cache")
-    done = False
-    try:
-        model = model_id(srv.url)
-        msgs, texts = [SYSTEM], []
-        for turn in turns:
-            assert httpx.post(srv.url + "/admin/cache/clear").status_code == 200
-            msgs.append({"role": "user", "content": turn})
-            text, usage = chat(srv.url, msgs, max_tokens, model=model)
-            assert cached(usage) == 0
-            msgs.append({"role": "assistant", "content": text})
-            texts.append(text)
-        others = [chat(srv.url, [{"role": "user", "content": q}], max_tokens, model=model)[0] for q in others]
-        done = True
-    finally:
-        if keep is not None and done:
-            keep.append(srv)
-        else:
-            assert srv.stop() == 0, srv.log()
+def reference(url, turns=TURNS, others=OTHERS, max_tokens=12):
+    """The answers of the single-process server at ``url``: the conversation (cold every turn) and the others."""
+    model = model_id(url)
+    msgs, texts = [SYSTEM], []
+    for turn in turns:
+        assert httpx.post(url + "/admin/cache/clear").status_code == 200
+        msgs.append({"role": "user", "content": turn})
+        text, usage = chat(url, msgs, max_tokens, model=model)
+        assert cached(usage) == 0
+        msgs.append({"role": "assistant", "content": text})
+        texts.append(text)
+    others = [chat(url, [{"role": "user", "content": q}], max_tokens, model=model)[0] for q in others]
     return texts, others
 
 
 @pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory, default_model_dir):
-    root = tmp_path_factory.mktemp("shardable")
-    return {arch: write_shardable_model(root / arch, default_model_dir, arch=arch) for arch in ("llama", "qwen2")}
+def tiny_dir(tmp_path_factory, default_model_dir):
+    """A tiny random qwen2: mlx-lm's qwen2 shards by heads and by layers (its llama only by heads, which the default
+    model's test below covers)."""
+    return write_shardable_model(tmp_path_factory.mktemp("shardable") / "qwen2", default_model_dir, arch="qwen2")
 
 
-def test_tensor_parallel_2_processes_matches_one_process_and_restores_from_ssd(tiny_dirs, tmp_path):
-    kept: list = []  # the single process stays up for the last, cold answer
-    ref_turns, ref_others = reference(tiny_dirs["llama"], keep=kept)
-    try:
-        _tensor_parallel_2(tiny_dirs, tmp_path, kept[0], ref_turns, ref_others)
-    finally:
-        assert kept[0].stop() == 0, kept[0].log()
+@pytest.fixture(scope="module")
+def single(tiny_dir):
+    """One process on the tiny model: the oracle of both 2-process tests."""
+    srv = ServerProc("--model", str(tiny_dir), "--no-ssd-cache")
+    yield srv
+    assert srv.stop() == 0, srv.log()
 
 
-def _tensor_parallel_2(tiny_dirs, tmp_path, single, ref_turns, ref_others):
+@pytest.fixture(scope="module")
+def single_answers(single):
+    return reference(single.url)
+
+
+def test_tensor_parallel_2_processes_matches_one_process_and_restores_from_ssd(tiny_dir, single, single_answers,
+                                                                                tmp_path):
+    _tensor_parallel_2(tiny_dir, tmp_path, single, *single_answers)
+
+
+def _tensor_parallel_2(tiny_dir, tmp_path, single, ref_turns, ref_others):
     kv = tmp_path / "kv"
-    args = ("--model", str(tiny_dirs["llama"]), "--ssd-cache", str(kv), "--write-behind-debounce", "0.2")
+    args = ("--model", str(tiny_dir), "--ssd-cache", str(kv), "--write-behind-debounce", "0.2")
     first = LaunchedServer(2, *args)
     try:
         model = model_id(first.url)
@@ -154,9 +155,9 @@ def _tensor_parallel_2(tiny_dirs, tmp_path, single, ref_turns, ref_others):
     assert chat(single.url, msgs, model=model)[0] == text4
 
 
-def test_pipeline_2_processes_matches_one_process(tiny_dirs):
-    ref_turns, ref_others = reference(tiny_dirs["qwen2"])
-    srv = LaunchedServer(2, "--model", str(tiny_dirs["qwen2"]), "--no-ssd-cache", "--pipeline")
+def test_pipeline_2_processes_matches_one_process(tiny_dir, single_answers):
+    ref_turns, ref_others = single_answers
+    srv = LaunchedServer(2, "--model", str(tiny_dir), "--no-ssd-cache", "--pipeline")
     try:
         model = model_id(srv.url)
         texts, usages = conversation(srv.url, model)
@@ -184,12 +185,12 @@ def test_pipeline_2_processes_matches_one_process(tiny_dirs):
     assert "diverged" not in srv.log()
 
 
-def test_default_model_tensor_parallel_over_3_processes_matches_one_process(default_model_dir):
+def test_default_model_tensor_parallel_over_3_processes_matches_one_process(server):
     # 3 processes on a 2-core CI machine wait on each other at every collective (~1.5 s a forward): a first turn
     # alone, then its next turn (a cache hit) batched with another prompt, 3 tokens each, keep the oracle
     # (sequential, a cache hit, a batch) in three requests
     turns, others, n = TURNS[:2], OTHERS[:1], 3
-    ref_turns, ref_others = reference(default_model_dir, turns, others, n)
+    ref_turns, ref_others = reference(server.url, turns, others, n)  # the suite's shared single-process server
     # no warm-up: its forwards cost ~1.5 s each here, and the 2-process tests run it under sharding already
     srv = LaunchedServer(3, "--model", "default", "--no-ssd-cache", "--warm-up", "off")
     try:

@@ -45,11 +45,10 @@ def files(root: Path, pattern: str):
 
 
 @pytest.fixture(scope="module")
-def cold(default_model_dir):
-    """RAM tier only; callers clear it before each request, so every answer is a cold prefill."""
-    srv = ServerProc("--model", "default", "--no-ssd-cache")
-    yield srv
-    assert srv.stop() == 0, srv.log()
+def cold(server):
+    """The suite's shared server (RAM tier only); callers clear it before each request, so every answer is a cold
+    prefill."""
+    return server
 
 
 def cold_chat(cold, messages):

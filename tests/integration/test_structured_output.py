@@ -68,14 +68,15 @@ def json_schema_format(name: str, schema: dict) -> dict:
 
 def test_schema_set_answers_validate_streamed_and_not(client):
     results = []
-    for name, (schema, prompt) in SCHEMAS.items():
-        for stream in (False, True):
-            text, reason, _ = ask(client, prompt, stream, response_format=json_schema_format(name, schema))
-            try:
-                jsonschema.validate(json.loads(text), schema)
-                results.append((name, stream, reason, None))
-            except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
-                results.append((name, stream, reason, f"{text!r}: {str(exc).splitlines()[0]}"))
+    # every other schema streamed (the same greedy answer either way: test_streamed_and_plain_answers_are_the_same_text)
+    for i, (name, (schema, prompt)) in enumerate(SCHEMAS.items()):
+        stream = i % 2 == 1
+        text, reason, _ = ask(client, prompt, stream, response_format=json_schema_format(name, schema))
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            results.append((name, stream, reason, None))
+        except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
+            results.append((name, stream, reason, f"{text!r}: {str(exc).splitlines()[0]}"))
     valid = sum(1 for *_, err in results if err is None)
     print(f"\nstructured output validity: {valid}/{len(results)} "
           f"(finish reasons: {sorted({r[2] for r in results})})")

@@ -14,7 +14,7 @@ from tests.serverproc import ServerProc
 
 pytestmark = pytest.mark.model
 
-CLIENTS, PER_CLIENT = 64, 2  # 128 requests: the whole recent_queued / recent_started window
+CLIENTS, PER_CLIENT = 32, 2  # 64 requests: half of the recent_queued / recent_started window (128)
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, rid: str, headers_seen: list) -> dict:
@@ -35,7 +35,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, rid: str, headers_seen
     return usage[0]
 
 
-def test_64_concurrent_streaming_clients(rserver):
+def test_32_concurrent_streaming_clients(rserver):
     async def run():
         enqueued: list[str] = []
         limits = httpx.Limits(max_connections=CLIENTS + 8)
@@ -60,7 +60,7 @@ def test_64_concurrent_streaming_clients(rserver):
     assert sorted(queued) == sorted(set(queued)) and set(started) <= set(enqueued)
     tail = [rid for rid in queued if rid in set(started)]
     assert [rid for rid in started if rid in set(tail)] == tail
-    assert len(tail) >= 100
+    assert len(tail) >= CLIENTS * PER_CLIENT * 3 // 4
     assert stats["queue_depth"] == 0
 
 
@@ -84,7 +84,7 @@ def test_queue_limit_answers_429_with_retry_after(default_model_dir):
         assert srv.stop() == 0
 
 
-def test_100_clients_dropping_mid_stream(rserver):
+def test_50_clients_dropping_mid_stream(rserver):
     before = httpx.get(rserver.url + "/stats").json()["lane"]
 
     async def drop(client, i):
@@ -100,7 +100,7 @@ def test_100_clients_dropping_mid_stream(rserver):
 
     async def run():
         async with httpx.AsyncClient(timeout=600) as client:
-            for batch in range(10):
+            for batch in range(5):
                 await asyncio.gather(*(drop(client, batch * 10 + k) for k in range(10)))
 
     rss_start = rss_kib(rserver.proc.pid)
@@ -113,9 +113,9 @@ def test_100_clients_dropping_mid_stream(rserver):
         time.sleep(0.2)
     lane = httpx.get(rserver.url + "/stats").json()["lane"]
     assert lane["active_request"] is None and lane["queue_depth"] == 0
-    assert lane["requests_cancelled"] - before["requests_cancelled"] >= 95
+    assert lane["requests_cancelled"] - before["requests_cancelled"] >= 47
     # each dropped stream generated only a handful of tokens before the lane stopped it
-    assert lane["completion_tokens"] - before["completion_tokens"] < 100 * 40
+    assert lane["completion_tokens"] - before["completion_tokens"] < 50 * 40
     r = httpx.post(rserver.url + "/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=120)
     assert r.status_code == 200
