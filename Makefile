@@ -143,10 +143,10 @@ bench: venv blas model haproxy
 	$(BIN)/python bench/cluster_affinity.py --k 5 --turns 3 --max-tokens 16 | tee bench/results/cluster_affinity.txt
 	$(BIN)/python bench/report.py --write BENCHMARKS.md
 
-# 1,000 requests under a 24 MiB RAM cache; the RSS / cache-bytes curve goes to bench/results/soak_curve.json.
+# 1,000 requests under a 48 MiB RAM cache; the RSS / cache-bytes curve goes to bench/results/soak_curve.json.
 # Then 10 kill -9 trials during SSD writes (make test runs 3); -s prints where each kill landed.
 soak: venv blas model
-	MLX_LANE_SOAK_REQUESTS=1000 MLX_LANE_SOAK_CURVE=bench/results/soak_curve.json \
+	MLX_LANE_SOAK_REQUESTS=1000 MLX_LANE_SOAK_CAP_MIB=48 MLX_LANE_SOAK_CURVE=bench/results/soak_curve.json \
 		$(BIN)/python -m pytest -q tests/integration/test_cache_soak.py
 	MLX_LANE_KILL_TRIALS=10 $(BIN)/python -m pytest -q -s tests/reliability/test_kill_ssd.py
 
