@@ -105,8 +105,10 @@ typecheck: venv
 
 test-setup: venv system-packages model test-deps
 
+# (GNU make 3.81, macOS's, has no --output-sync: its parallel setup's lines interleave)
+OUTPUT_SYNC := $(if $(filter 3.%,$(MAKE_VERSION)),,--output-sync=target)
 test-suite:
-	@$(MAKE) --no-print-directory -j3 --output-sync=target test-setup
+	@$(MAKE) --no-print-directory -j3 $(OUTPUT_SYNC) test-setup
 	@$(BIN)/python -m mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
 	$(BIN)/python -m pytest -q -ra --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS); \
 	tests=$$?; wait $$types; typed=$$?; \
