@@ -32,7 +32,7 @@ TURNS = ["What is a mutex?", "And a semaphore?", "Which one should I use for a c
 OTHERS = ["Name a prime number.", "Say hello in French.", "What is a linked list?"]
 
 
-def chat(url, messages, max_tokens=12, model=None):
+def chat(url, messages, max_tokens=6, model=None):
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
     if model is not None:
         body["model"] = model
@@ -50,7 +50,7 @@ def model_id(url):
     return httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
 
-def conversation(url, model, turns=TURNS, max_tokens=12):
+def conversation(url, model, turns=TURNS, max_tokens=6):
     """The turns of one conversation; returns (texts, usages)."""
     msgs, texts, usages = [SYSTEM], [], []
     for turn in turns:
@@ -62,14 +62,14 @@ def conversation(url, model, turns=TURNS, max_tokens=12):
     return texts, usages
 
 
-def at_once(url, model, others=OTHERS, max_tokens=12):
+def at_once(url, model, others=OTHERS, max_tokens=6):
     """The others sent together (the lane batches them); their texts in order."""
     with cf.ThreadPoolExecutor(len(others)) as pool:
         futs = [pool.submit(chat, url, [{"role": "user", "content": q}], max_tokens, model) for q in others]
         return [f.result()[0] for f in futs]
 
 
-def reference(url, turns=TURNS, others=OTHERS, max_tokens=12):
+def reference(url, turns=TURNS, others=OTHERS, max_tokens=6):
     """The answers of the single-process server at ``url``: the conversation (cold every turn) and the others."""
     model = model_id(url)
     msgs, texts = [SYSTEM], []
@@ -171,10 +171,10 @@ def test_pipeline_2_processes_matches_one_process(tiny_dir, single_answers):
         assert stats["lane"]["warm_up"]["mode"] == "before-ready" and stats["lane"]["warm_up"]["state"] == "done"
         # sampled requests (unseeded, seeded, batched with top_p) and a grammar run on every rank alike: the
         # followers check each running request's token count against rank 0's every tick ("diverged" otherwise)
-        sampled = [{"messages": [{"role": "user", "content": q}], "max_tokens": 12, "temperature": 0.9,
+        sampled = [{"messages": [{"role": "user", "content": q}], "max_tokens": 6, "temperature": 0.9,
                     "model": model, **extra} for q, extra in
                    (("a", {}), ("b c", {"seed": 3}), ("d e f", {"top_p": 0.9}), ("g", {"seed": 3}))]
-        sampled.append({"messages": [{"role": "user", "content": "json"}], "max_tokens": 12, "temperature": 0,
+        sampled.append({"messages": [{"role": "user", "content": "json"}], "max_tokens": 6, "temperature": 0,
                         "model": model, "response_format": {"type": "json_object"}})
         with cf.ThreadPoolExecutor(len(sampled)) as pool:
             codes = list(pool.map(lambda b: httpx.post(srv.url + "/v1/chat/completions", json=b,
