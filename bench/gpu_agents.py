@@ -120,6 +120,7 @@ OURS_VARIANTS = {
     "ours_no_composed": (("--debug-gpu-attention-composed-max", "0"), {}),  # every chunk past a hit through cuDNN
     # MLX's freed buffers stay cached after prefill forwards (no mx.clear_cache): what handing them back costs
     "ours_keep_buffers": (("--debug-keep-prefill-buffers",), {}),
+    "ours_prefill_wait": (("--debug-prefill-wait",), {}),  # each prefill forward's wait for the queued steps apart
     # the CUDA pool keeps 8 GiB of freed memory mapped (its release threshold; the driver's default is 0)
     "ours_pool_keep": (("--cuda-pool-keep", "8G"), {}),
     "ours_pool_keep_buffers": (("--cuda-pool-keep", "8G", "--debug-keep-prefill-buffers"), {}),
@@ -183,6 +184,7 @@ def lane_parts(stats: dict, before: dict | None = None) -> dict:
             "recent_forwards": len(recent), "recent_ms": round(sum(f["ms"] for f in recent), 1),
             "recent_build_ms": round(sum(f.get("build_ms") or 0 for f in recent), 1),
             "recent_clear_ms": round(sum(f.get("clear_ms") or 0 for f in recent), 1),
+            "recent_wait_ms": round(sum(f.get("wait_ms") or 0 for f in recent), 1),
             "leave_rows": rows,
             "leave_ms_per_row": round(1e3 * less("leave_parts", "out_of_batch_s") / rows, 1) if rows else None,
             "leave_store_ms_per_row": round(1e3 * less("leave_parts", "store_s") / rows, 1) if rows else None,

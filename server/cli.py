@@ -293,6 +293,11 @@ def _serve_parser(sub) -> None:
                    help="on a GPU, keep MLX's freed buffers cached after each prefill forward instead of handing "
                         "them back to the device (mx.clear_cache, as mlx-lm's batch prefill does), to compare "
                         "[MLX_LANE_DEBUG_KEEP_PREFILL_BUFFERS=1]")
+    d.add_argument("--debug-prefill-wait", action="store_true", default=_env_flag("debug_prefill_wait"),
+                   help="each prefill forward first waits for what the lane's stream already holds (decode steps "
+                        "queued ahead of it) and /stats lane.prefill_parts.recent shows that wait apart (wait_ms), "
+                        "to tell a forward's own time from the queue's; costs the overlap of building the "
+                        "forward with that work [MLX_LANE_DEBUG_PREFILL_WAIT=1]")
     d.add_argument("--debug-cuda-profile-steps", metavar="A:B", type=_profile_steps,
                    default=_env("debug_cuda_profile_steps", ""),
                    help="start the CUDA profiler (cuProfilerStart) before the lane's A-th batch decode step and stop "

@@ -89,6 +89,7 @@ class ServerConfig:
     debug_trace_collectives: bool
     debug_cuda_profile_steps: str
     debug_keep_prefill_buffers: bool
+    debug_prefill_wait: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":

@@ -63,7 +63,7 @@ def _configure_kernels(cfg: ServerConfig) -> None:
     host_copies.configure(host_copies=cfg.debug_ssd_host_copies)
     distributed.trace_collectives(cfg.debug_trace_collectives)
     cuda_profile.configure(cfg.debug_cuda_profile_steps)
-    prefill.configure(keep_buffers=cfg.debug_keep_prefill_buffers)
+    prefill.configure(keep_buffers=cfg.debug_keep_prefill_buffers, wait_first=cfg.debug_prefill_wait)
 
 
 def build_state(cfg: ServerConfig):

@@ -37,12 +37,18 @@ __all__ = ["Prefiller", "PrefillClock", "forward_together", "configure"]
 # keeps them in MLX's cache instead, to measure what the release costs (the served forwards and steps on an H100 were
 # 1.6-2.7x their in-process time, 2026-12-06; BENCHMARKS.md).
 KEEP_BUFFERS = False
+# --debug-prefill-wait: each prefill forward first waits for what the lane's stream already holds (the decode steps
+# queued ahead of it, the lane pipelining them) and times that wait apart: a served 3-token forward took 70 ms on an
+# H100 where one in-process took 15-20 ms (2026-12-07, BENCHMARKS.md), and its clock cannot tell its own time from
+# that queue's. Costs the overlap of the forward's graph building with the queued work.
+WAIT_FIRST = False
 
 
-def configure(keep_buffers: bool = False) -> None:
-    """--debug-keep-prefill-buffers (before the lane starts)."""
-    global KEEP_BUFFERS
+def configure(keep_buffers: bool = False, wait_first: bool = False) -> None:
+    """--debug-keep-prefill-buffers and --debug-prefill-wait (before the lane starts)."""
+    global KEEP_BUFFERS, WAIT_FIRST
     KEEP_BUFFERS = keep_buffers
+    WAIT_FIRST = wait_first
 
 
 @contextmanager
@@ -61,7 +67,7 @@ def _buffers_kept():
 
 
 RECENT_FORWARDS = 64  # the last forwards /stats lists, each (rows, length, tokens, cached, ms, new shape, parts)
-RECENT_KEYS = ("rows", "length", "tokens", "cached", "ms", "new_shape", "build_ms", "clear_ms")
+RECENT_KEYS = ("rows", "length", "tokens", "cached", "ms", "new_shape", "build_ms", "clear_ms", "wait_ms")
 
 
 @dataclass
@@ -74,7 +80,8 @@ class PrefillClock:
     milliseconds: ``build_ms`` the host's building of a lone forward's graph (None for a gathered one, whose
     graph mlx-lm builds and evaluates in one call), ``clear_ms`` MLX's freed buffers handed back to the device after
     it (a GPU; 0 elsewhere). The rest is the device's: the forward, and whatever the stream held before it (a
-    pipelined decode step))."""
+    pipelined decode step), unless ``wait_ms`` (--debug-prefill-wait; None otherwise) took that wait first, outside
+    ``ms``)."""
 
     alone: int = 0
     together: int = 0
@@ -87,11 +94,12 @@ class PrefillClock:
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_FORWARDS))
 
     def forward(self, rows: int, length: int, tokens: int, seconds: float, cached: int = 0,
-                build_s: Optional[float] = None, clear_s: float = 0.0) -> None:
+                build_s: Optional[float] = None, clear_s: float = 0.0, wait_s: Optional[float] = None) -> None:
         """One forward of ``rows`` chunks, the longest ``length`` tokens, ``tokens`` in all, past at most ``cached``
-        tokens of a row's cache; ``build_s`` / ``clear_s``: its parts (the class says which)."""
+        tokens of a row's cache; ``build_s`` / ``clear_s``: its parts, ``wait_s`` the wait before it (the class
+        says which)."""
         self.recent.append((rows, length, tokens, cached, round(seconds * 1e3, 2), (rows, length) not in self.shapes,
-                            None if build_s is None else round(build_s * 1e3, 2), round(clear_s * 1e3, 2)))
+                            _ms(build_s), round(clear_s * 1e3, 2), _ms(wait_s)))
         if rows > 1:
             self.together += 1
             self.together_rows += rows
@@ -108,6 +116,10 @@ class PrefillClock:
                 "checkpoint_s": round(self.checkpoint_s, 3), "store_s": round(self.store_s, 3),
                 "forward_shapes": len(self.shapes),
                 "recent": [dict(zip(RECENT_KEYS, r)) for r in self.recent]}
+
+
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else round(seconds * 1e3, 2)
 
 
 class Prefiller:
@@ -150,6 +162,7 @@ class Prefiller:
         work = self._work_of(seq)
         n = min(n, self._left(seq))
         cached = work.covered
+        wait_s = self._wait_for_the_stream()
         t0 = time.monotonic()
         with mx.stream(self._stream()):
             start, end = work.covered, work.covered + n
@@ -172,7 +185,16 @@ class Prefiller:
         work.covered += n
         done = time.monotonic()
         work.prefill_cost_s += done - t0
-        self.clock.forward(1, n, n, done - t0, cached, build_s=built - t0, clear_s=clear_s)
+        self.clock.forward(1, n, n, done - t0, cached, build_s=built - t0, clear_s=clear_s, wait_s=wait_s)
+
+    def _wait_for_the_stream(self) -> Optional[float]:
+        """With --debug-prefill-wait: the seconds spent waiting for what the lane's stream held before this forward;
+        None (no wait) otherwise."""
+        if not WAIT_FIRST:
+            return None
+        t0 = time.monotonic()
+        mx.synchronize(self._stream())
+        return time.monotonic() - t0
 
     def _hand_back_buffers(self) -> float:
         """After a forward on a GPU, MLX's freed activations go back to the device, as mlx-lm's batch prefill does
@@ -212,6 +234,7 @@ class Prefiller:
         works = [self._work_of(s) for s, _ in items]
         items = [(s, min(n, self._left(s))) for s, n in items]
         cached = max(w.covered for w in works)
+        wait_s = self._wait_for_the_stream()
         t0 = time.monotonic()
         with mx.stream(self._stream()):
             caches = forward_together(works[0].model, [_caches(w) for w in works],
@@ -219,7 +242,7 @@ class Prefiller:
             clear_s = self._hand_back_buffers()
         dt = time.monotonic() - t0
         total = sum(n for _, n in items)
-        self.clock.forward(len(items), max(n for _, n in items), total, dt, cached, clear_s=clear_s)
+        self.clock.forward(len(items), max(n for _, n in items), total, dt, cached, clear_s=clear_s, wait_s=wait_s)
         for (seq, n), work, row in zip(items, works, caches):
             work.caches, work.covered = row, work.covered + n
             work.prefill_cost_s += dt * n / total if total else 0.0  # this machine's rate, not B times less

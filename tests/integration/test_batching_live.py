@@ -89,6 +89,7 @@ def test_eight_concurrent_streams_each_get_their_own_text_usage_and_cache_hits(b
     together = concurrently(stream_chat, [(url, b) for b in bodies])
     lane = httpx.get(url + "/stats").json()["lane"]
     assert lane["batch_layout"] == "ragged"  # the CPU's default (--batch-layout auto): what this test exercises
+    assert all(f["wait_ms"] is None for f in lane["prefill_parts"]["recent"])  # no wait apart by default
     # the lane really batched: decode steps ran with several rows at once
     hist = {int(k): v for k, v in lane["batch_size"]["histogram"].items()}
     before_hist = {int(k): v for k, v in before["batch_size"]["histogram"].items()}
@@ -251,7 +252,9 @@ def test_agents_sent_at_once_share_their_system_prompt_instead_of_each_prefillin
 
 
 def test_prompts_prefilled_together_in_one_batched_forward_give_their_alone_text(default_model_dir):
-    srv = ServerProc("--model", "default", "--cache-bytes", "512M", "--max-batch", "8", "--prefill-batch", "4")
+    # --debug-prefill-wait: each forward's wait for the work queued ahead of it on the lane's stream, timed apart
+    srv = ServerProc("--model", "default", "--cache-bytes", "512M", "--max-batch", "8", "--prefill-batch", "4",
+                     "--debug-prefill-wait")
     try:
         url = srv.url
         bodies = [{"messages": msgs(t), "max_tokens": 8, "temperature": 0} for t in TOPICS[:4]]
@@ -275,6 +278,7 @@ def test_prompts_prefilled_together_in_one_batched_forward_give_their_alone_text
         assert mine and all(f["tokens"] >= f["length"] > 0 and f["ms"] > 0 and f["cached"] >= 0 for f in mine)
         # their parts: mlx-lm builds and evaluates a gathered forward in one call; the CPU hands no buffers back
         assert all(f["build_ms"] is None and 0 <= f["clear_ms"] < f["ms"] for f in mine)
+        assert all(f["wait_ms"] is not None and f["wait_ms"] >= 0 for f in parts["recent"])  # measured, every one
         alone_forwards = [f for f in parts["recent"] if f["rows"] == 1]  # the alone requests' and the warm-up's
         assert alone_forwards and all(0 < f["build_ms"] <= f["ms"] for f in alone_forwards)
         assert lane["leave_parts"]["rows"] - before_lane["leave_parts"]["rows"] == len(bodies)  # each ended once
