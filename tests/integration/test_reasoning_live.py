@@ -60,12 +60,12 @@ def chat(url, messages, max_tokens, **extra):
     return r.json()
 
 
-def chat_loop(url, thinking: bool, turns: int = 5):
+def chat_loop(url, thinking: bool, turns: int = 4):
     """A conversation: each reply sent back as it came (its reasoning included), then the user's next word."""
     messages, out = list(TASK), []
     kwargs = {"preserve_thinking": True} if thinking else {"enable_thinking": False}
     for turn in range(turns):
-        obj = chat(url, messages, 6 if thinking else 16, chat_template_kwargs=kwargs)
+        obj = chat(url, messages, 6 if thinking else 8, chat_template_kwargs=kwargs)
         msg, usage = obj["choices"][0]["message"], obj["usage"]
         reply = {"role": "assistant", "content": msg.get("content") or ""}
         if msg.get("reasoning_content") is not None:
