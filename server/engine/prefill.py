@@ -70,6 +70,10 @@ RECENT_FORWARDS = 64  # the last forwards /stats lists, each (rows, length, toke
 RECENT_KEYS = ("rows", "length", "tokens", "cached", "ms", "new_shape", "build_ms", "clear_ms", "wait_ms")
 
 
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else round(seconds * 1e3, 2)
+
+
 @dataclass
 class PrefillClock:
     """Where the lane's prefill seconds go (/stats ``lane.prefill_parts``): the forwards (alone, or several prompts'
@@ -98,8 +102,8 @@ class PrefillClock:
         """One forward of ``rows`` chunks, the longest ``length`` tokens, ``tokens`` in all, past at most ``cached``
         tokens of a row's cache; ``build_s`` / ``clear_s``: its parts, ``wait_s`` the wait before it (the class
         says which)."""
-        self.recent.append((rows, length, tokens, cached, round(seconds * 1e3, 2), (rows, length) not in self.shapes,
-                            _ms(build_s), round(clear_s * 1e3, 2), _ms(wait_s)))
+        self.recent.append((rows, length, tokens, cached, _ms(seconds), (rows, length) not in self.shapes,
+                            _ms(build_s), _ms(clear_s), _ms(wait_s)))
         if rows > 1:
             self.together += 1
             self.together_rows += rows
@@ -116,10 +120,6 @@ class PrefillClock:
                 "checkpoint_s": round(self.checkpoint_s, 3), "store_s": round(self.store_s, 3),
                 "forward_shapes": len(self.shapes),
                 "recent": [dict(zip(RECENT_KEYS, r)) for r in self.recent]}
-
-
-def _ms(seconds: Optional[float]) -> Optional[float]:
-    return None if seconds is None else round(seconds * 1e3, 2)
 
 
 class Prefiller:
