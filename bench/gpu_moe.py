@@ -1,0 +1,146 @@
+"""A mixture-of-experts block on the device, sorted or not (issue 43): what mlx-lm's ``SwitchGLU`` costs at the row
+counts a decode batch and a prompt chunk give it.
+
+mlx-lm's ``SwitchGLU`` gathers each (token, expert) pair's weights with ``mx.gather_mm``. From 64 pairs on
+(``indices.size >= 64``: 16 decode rows of gpt-oss's 4 experts a token) it first sorts the pairs by expert, so that a
+grouped GEMM reads each expert's weights once for all the tokens routed to it; below that each pair is its own
+matrix-vector product, and two pairs routed to one expert read its weights twice. A served gpt-oss decode step of
+15.3 rows (61 pairs, unsorted) took 26.8 ms on the H200 where its bytes allow ~7.7 (BENCHMARKS.md, 2026-12-05).
+
+This builds one gpt-oss-20b MoE block (``mlx_lm.models.gpt_oss.MLPBlock``: router, top-4 of 32 experts, SwiGLU with
+biases; random bf16 weights) and times its forward, median of --reps, for decode batches of M rows (x of shape
+(M, 1, hidden)) and prompt chunks (1 or 8 rows of L tokens), three ways:
+
+  mlx_lm     as mlx-lm runs it (sorted from 64 pairs)
+  sorted     always sorted (a grouped GEMM per projection)
+  unsorted   never sorted (a gathered product per pair)
+
+and states the block's bandwidth limit: the bytes of the distinct experts the batch's pairs touch (gate, up and down
+projections with their biases) at --bandwidth GB/s. Every mode's output is compared with mlx_lm's (max |diff|).
+
+    OUT=$OUT bash bench/gpu.sh bench/gpu_moe.py                          # the device
+    python bench/gpu_moe.py --hidden 256 --experts 8 --reps 3 --dtype float32   # the CPU (its gather_mm: float32 only): logic only
+
+Writes OUT/gpu_moe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_map
+from mlx_lm.models import switch_layers
+from mlx_lm.models.gpt_oss import MLPBlock, ModelArgs
+
+MODES = ("mlx_lm", "sorted", "unsorted")
+
+
+def glu_call(mode: str):
+    """``SwitchGLU.__call__`` with its sort decided by ``mode`` (mlx-lm 0.32.2's body otherwise)."""
+
+    def call(self, x, indices):
+        x = mx.expand_dims(x, (-2, -3))
+        indices = mx.stop_gradient(indices)
+        do_sort = {"mlx_lm": indices.size >= 64, "sorted": True, "unsorted": False}[mode]
+        idx, inv_order = indices, None
+        if do_sort:
+            x, idx, inv_order = switch_layers._gather_sort(x, indices)
+        x_up = self.up_proj(x, idx, sorted_indices=do_sort)
+        x_gate = self.gate_proj(x, idx, sorted_indices=do_sort)
+        x = self.down_proj(self.activation(x_up, x_gate), idx, sorted_indices=do_sort)
+        if do_sort:
+            x = switch_layers._scatter_unsort(x, inv_order, indices.shape)
+        return x.squeeze(-2)
+
+    return call
+
+
+def time_block(block, x, reps: int) -> float:
+    """Median ms of one forward, evaluated (two unmeasured first: kernels compiled, buffers allocated)."""
+    for _ in range(2):
+        mx.eval(block(x))
+    times = []
+    for _ in range(reps):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(block(x))
+        mx.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def touched_bytes(block, x) -> int:
+    """Bytes of the distinct experts ``x``'s tokens are routed to: gate, up, down weights and biases."""
+    g = block.router(x)
+    k = block.num_experts_per_tok
+    idx = mx.argpartition(g, kth=-k, axis=-1)[..., -k:]  # as mlx_lm.models.gpt_oss.mlx_topk picks them
+    distinct = len(set(idx.flatten().tolist()))
+    per_expert = sum(p.weight[0].nbytes + p.bias[0].nbytes
+                     for p in (block.experts.gate_proj, block.experts.up_proj, block.experts.down_proj))
+    return distinct * per_expert
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=".bench/gpu-out")
+    p.add_argument("--hidden", type=int, default=2880, help="gpt-oss-20b: 2880 (hidden and expert size)")
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top", type=int, default=4)
+    p.add_argument("--decode-rows", default="1,4,8,12,15,16,24,32")
+    p.add_argument("--chunks", default="1x330,8x330,1x2048", help="ROWSxLENGTH prompt chunks")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s (H200: 4800, H100 SXM: 3350)")
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args()
+
+    dtype = getattr(mx, args.dtype)
+    cfg = ModelArgs(model_type="gpt_oss", hidden_size=args.hidden, intermediate_size=args.hidden,
+                    num_local_experts=args.experts, num_experts_per_tok=args.top, num_hidden_layers=1,
+                    num_attention_heads=8, num_key_value_heads=8, head_dim=64, vocab_size=32)
+    mx.random.seed(0)
+    block = MLPBlock(cfg)
+    block.update(tree_map(lambda a: (mx.random.normal(a.shape) * 0.02).astype(dtype), block.parameters()))
+    mx.eval(block.parameters())
+
+    shapes = [(int(m), 1) for m in args.decode_rows.split(",")]
+    shapes += [tuple(int(v) for v in c.split("x")) for c in args.chunks.split(",") if c]
+    original = switch_layers.SwitchGLU.__call__
+    rows = []
+    try:
+        for b, n in shapes:
+            x = (mx.random.normal((b, n, args.hidden)) * 0.5).astype(dtype)
+            row = {"rows": b, "length": n, "pairs": b * n * args.top}
+            ref = None
+            for mode in MODES:
+                switch_layers.SwitchGLU.__call__ = glu_call(mode)
+                out = block(x)
+                mx.eval(out)
+                ref = out if ref is None else ref
+                row[f"{mode}_ms"] = round(time_block(block, x, args.reps), 3)
+                row[f"{mode}_max_diff"] = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
+            nbytes = touched_bytes(block, x)
+            row["touched_mb"] = round(nbytes / 1e6, 1)
+            row["limit_ms"] = round(nbytes / (args.bandwidth * 1e9) * 1e3, 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        switch_layers.SwitchGLU.__call__ = original
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"script": "bench/gpu_moe.py", "argv": vars(args), "device": str(mx.default_device()),
+              "mlx": mx.__version__, "rows": rows}
+    (out_dir / "gpu_moe.json").write_text(json.dumps(result, indent=1))
+    print(f"{'rows x len':>11} {'pairs':>6} " + " ".join(f"{m + ' ms':>12}" for m in MODES) + f" {'limit ms':>9}")
+    for r in rows:
+        print(f"{r['rows']:>5} x {r['length']:<4} {r['pairs']:>6} " + " ".join(f"{r[m + '_ms']:>12.3f}" for m in MODES)
+              + f" {r['limit_ms']:>9.3f}")
+
+
+if __name__ == "__main__":
+    main()
