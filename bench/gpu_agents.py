@@ -35,6 +35,9 @@ stops; servers one after the other, their order rotated per round and entry.
   ours_no_composed
           `ours` with `--debug-gpu-attention-composed-max 0`: chunks past a cache hit and verify steps attend through
           cuDNN (the rule before 2026-12-05) instead of models.attention.composed's plain ops
+  ours_moe_sort8, ours_moe_sort_mlx
+          `ours` with `--debug-moe-sort-min 8` / `64`: a mixture-of-experts layer sorts its (token, expert) pairs by
+          expert from 8 pairs on (each expert's weights read once a step) / from 64 (mlx-lm's rule)
   ours_ssd_host_copies
           `ours` with `--debug-ssd-host-copies`: the SSD writer reads copies made on the device, not the RAM tier's
           own arrays (which mlx 0.32 moves to managed memory at the host's first read)
@@ -102,6 +105,10 @@ OURS_VARIANTS = {
     # off, prefill attention takes MLX's unfused ops (no graph to build, more memory traffic)
     "ours_no_cudnn_sdpa": ((), {"MLX_CUDA_USE_CUDNN_SDPA": "0"}),
     "ours_no_conv_kernel": (("--debug-no-conv-kernel",), {}),
+    # a mixture-of-experts layer sorts its (token, expert) pairs from 8 on (mlx-lm: from 64): each expert's weights
+    # read once a decode step instead of once per row routed to it (models.kernels.moe)
+    "ours_moe_sort8": (("--debug-moe-sort-min", "8"), {}),
+    "ours_moe_sort_mlx": (("--debug-moe-sort-min", "64"), {}),
     "ours_no_cuda_graphs": ((), {"MLX_USE_CUDA_GRAPHS": "0"}),  # MLX launches kernels one by one, no CUDA graphs
     # MLX's compiled kernels in one folder these variants share: the first started compiles what the workload's
     # shapes need (each new batch size, chunk length), the ones after start with them, as a restarted server does

@@ -284,6 +284,11 @@ def _serve_parser(sub) -> None:
                    help="hybrids' short depthwise convolutions go through mlx's conv1d (on CUDA cuDNN, a plan per "
                         "input shape; on the CPU a loop) instead of models.kernels.conv (a CUDA kernel; the CPU's "
                         "shifted products), to compare [MLX_LANE_DEBUG_NO_CONV_KERNEL=1]")
+    d.add_argument("--debug-moe-sort-min", type=int, metavar="N",
+                   default=int(_env("debug_moe_sort_min", "64")),
+                   help="on CUDA, a mixture-of-experts layer sorts its (token, expert) pairs by expert from N pairs on "
+                        "(a grouped product reads each expert's weights once; unsorted, each pair reads its "
+                        "expert's) (default 64: mlx-lm's rule) [MLX_LANE_DEBUG_MOE_SORT_MIN]")
     d.add_argument("--debug-ssd-host-copies", action="store_true", default=_env_flag("debug_ssd_host_copies"),
                    help="on CUDA the SSD writer reads device copies of an entry instead of its own arrays (whose "
                         "buffers MLX moves to managed memory at the host's first read), to compare "

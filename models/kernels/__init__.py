@@ -8,12 +8,15 @@ and Mamba-2's decode step.
     conv.py          ``depthwise``: the short convolution every hybrid layer runs, as one CUDA kernel (mlx's CUDA
                      backend builds a cuDNN plan per input shape for it); ``shifted``, the same as K shifted products
                      (the CPU's conv1d loops 4-6x slower)
+    moe.py           mixture-of-experts layers' (token, expert) pairs sorted by expert from ``SORT_MIN`` pairs on
+                     (mlx-lm sorts from 64): on CUDA a sorted product reads each expert's weights once
     positions.py     a verify forward's recurrent state at every position (``recording``), so rejected drafts are
                      taken back by choosing a state (spec.rewind) instead of feeding the kept tokens again
 
 ``install(model)`` switches the model's modules (``models.hook``) to the dispatchers below, chosen once for this
 process's device: on CUDA every gated-delta call takes ``recurrent``, every Mamba-2 decode step ``ssm.step`` and
-every depthwise ``Conv1d`` ``conv.depthwise``; on the CPU a float32 depthwise ``Conv1d`` takes ``conv.shifted``
+every depthwise ``Conv1d`` ``conv.depthwise``, and every ``SwitchGLU`` / ``SwitchMLP`` sorts from
+``moe.SORT_MIN`` pairs (`--debug-moe-sort-min`; mlx-lm's 64 by default); on the CPU a float32 depthwise ``Conv1d`` takes ``conv.shifted``
 and a gated-delta prompt of at least ``CPU_CHUNKED_MIN`` tokens takes ``chunked`` (scalar gates; vector gates and
 short steps stay on mlx-lm's ops); on Metal nothing is switched: mlx-lm's own kernels stay. ``configure(False)``
 (`--kernels mlx`) leaves mlx-lm's functions everywhere, to compare. ``kernel_path(model)`` says what a loaded model
@@ -28,7 +31,7 @@ from typing import Iterator, Optional
 import mlx.core as mx
 
 from models import hook
-from models.kernels import conv, gated_delta, positions, ssm
+from models.kernels import conv, gated_delta, moe, positions, ssm
 
 __all__ = ["configure", "install", "kernel_path", "mlx_lm_kernels", "CPU_CHUNKED_MIN"]
 
@@ -41,11 +44,14 @@ _ON = True
 _CONV = True
 
 
-def configure(on: bool = True, conv: bool = True) -> None:
+def configure(on: bool = True, conv: bool = True, moe_sort_min: int = moe.MLX_LM_SORT_MIN) -> None:
     """``on`` False (`--kernels mlx`): models keep mlx-lm's own functions; ``conv`` False
-    (`--debug-no-conv-kernel`): depthwise convolutions keep mlx's conv1d (set before a model is loaded)."""
+    (`--debug-no-conv-kernel`): depthwise convolutions keep mlx's conv1d; ``moe_sort_min``
+    (`--debug-moe-sort-min`): the pairs from which a CUDA mixture-of-experts layer sorts them (set before a model is
+    loaded)."""
     global _ON, _CONV
     _ON, _CONV = on, conv
+    moe.SORT_MIN = max(1, int(moe_sort_min))
 
 
 def _device() -> str:
@@ -147,6 +153,7 @@ def install(model) -> int:
         positions.watch(model)
     if device == "cuda":
         switched += hook.switch(model, _ssm_dispatch, name=SSM, original=mlx_ssm.ssm_update)
+        moe.switch(model)  # not counted: an MoE layer computes mlx-lm's sums, sorted from fewer pairs
     return switched
 
 

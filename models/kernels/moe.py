@@ -1,0 +1,76 @@
+"""A mixture-of-experts layer's (token, expert) pairs sorted by expert from fewer pairs than mlx-lm sorts them.
+
+mlx-lm's ``SwitchGLU`` and ``SwitchMLP`` (every MoE family: gpt-oss, Qwen3-MoE, DeepSeek, GLM, Mixtral...) multiply
+each pair with ``mx.gather_mm``, and sort the pairs by expert first only from 64 of them on (``indices.size >= 64``:
+16 decode rows of 4 experts a token). On CUDA, mlx 0.32's ``GatherMM`` runs a one-token pair that is not sorted as
+its own matrix-vector product (``gather_mv``: every pair reads its expert's whole weights, so two rows routed to one
+expert read it twice), and sorted ones as ``gather_mm_rhs`` (each expert's weights read once for the run of pairs
+routed to it). A decode step is bound by those reads: 15 gpt-oss rows give 60 pairs over ~28 distinct experts, so
+unsorted they read about twice the bytes that sorted they would (~3.0 vs ~1.4 GB a layer).
+
+``SortedSwitchGLU`` / ``SortedSwitchMLP`` are mlx-lm's classes whose call sorts from ``SORT_MIN`` pairs on (mlx-lm's
+body otherwise, its own ``_gather_sort`` / ``_scatter_unsort``); ``switch(model)`` gives a model's switch layers that
+class (the weights stay where they are). Sorted and unsorted products are the same sums in another kernel, so the
+outputs agree to the dtype's rounding, not bit for bit: the same holds in mlx-lm itself between a batch of 15 rows and
+one of 16. ``models.kernels.install`` switches them on CUDA only; ``bench/gpu_moe.py`` times the block both ways.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models import switch_layers
+
+__all__ = ["SortedSwitchGLU", "SortedSwitchMLP", "switch", "SORT_MIN", "MLX_LM_SORT_MIN"]
+
+MLX_LM_SORT_MIN = 64  # mlx-lm 0.32's rule: ``indices.size >= 64``
+# Pairs from which a call sorts (set by models.kernels.configure: --debug-moe-sort-min; 64 = mlx-lm's rule)
+SORT_MIN = MLX_LM_SORT_MIN
+
+
+def _sorted_input(x: mx.array, indices: mx.array):
+    """``(x, indices, inverse order or None)``: the pairs sorted by expert when there are ``SORT_MIN`` or more."""
+    x = mx.expand_dims(x, (-2, -3))
+    indices = mx.stop_gradient(indices)
+    if indices.size >= SORT_MIN:
+        return (*switch_layers._gather_sort(x, indices), True)
+    return x, indices, None, False
+
+
+def _unsorted_output(x: mx.array, inv_order, shape) -> mx.array:
+    if inv_order is not None:
+        x = switch_layers._scatter_unsort(x, inv_order, shape)
+    return x.squeeze(-2)
+
+
+class SortedSwitchGLU(switch_layers.SwitchGLU):
+    def __call__(self, x, indices) -> mx.array:
+        x, idx, inv_order, do_sort = _sorted_input(x, indices)
+        x_up = self.up_proj(x, idx, sorted_indices=do_sort)
+        x_gate = self.gate_proj(x, idx, sorted_indices=do_sort)
+        x = self.down_proj(self.activation(x_up, x_gate), idx, sorted_indices=do_sort)
+        return _unsorted_output(x, inv_order, indices.shape)
+
+
+class SortedSwitchMLP(switch_layers.SwitchMLP):
+    def __call__(self, x, indices) -> mx.array:
+        x, idx, inv_order, do_sort = _sorted_input(x, indices)
+        x = self.fc2(self.activation(self.fc1(x, idx, sorted_indices=do_sort)), idx, sorted_indices=do_sort)
+        return _unsorted_output(x, inv_order, indices.shape)
+
+
+_SORTED = {switch_layers.SwitchGLU: SortedSwitchGLU, switch_layers.SwitchMLP: SortedSwitchMLP}
+
+
+def switch(model) -> int:
+    """Give ``model``'s ``SwitchGLU`` / ``SwitchMLP`` modules (exactly those classes: a family's own subclass keeps its
+    call) the sorting class; returns how many."""
+    modules = getattr(model, "modules", None)
+    if modules is None:
+        return 0
+    switched = 0
+    for m in modules():
+        cls = _SORTED.get(type(m))
+        if cls is not None:
+            m.__class__ = cls
+            switched += 1
+    return switched
