@@ -192,15 +192,17 @@ class _Popen(Peer):
 class MlxLm(_Popen):
     name = "mlx_lm"
 
-    def __init__(self, workdir: Path, model_dir: Path, persistent: bool = False, extra: tuple[str, ...] = ()):
+    def __init__(self, workdir: Path, model_dir: Path, persistent: bool = False, extra: tuple[str, ...] = (),
+                 env: dict | None = None):
         super().__init__(workdir, persistent)
         self.model_dir = model_dir
         self.extra = extra
+        self.env = env or {}  # more environment for the server (e.g. MLX_PTX_CACHE_DIR: a kernel cache of its own)
 
     def start(self) -> None:
         from models.runtime import blas_preload_env, find_openblas
 
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         lib = find_openblas()
         if lib:
             env = blas_preload_env(env, lib)

@@ -20,7 +20,9 @@ holds: `make test` installs torch, which transformers imports when present; ours
     python bench/single_request.py --servers ours,mlx_lm --model /tmp/shape --rounds 0 --startup-rounds 2  # H200
 
 The first start of ours finds a fresh MLX_LANE_HOME (no kernel cache); the later ones find what it compiled, so
-the summary gives both (issue 45: fresh <= 1.0x mlx_lm.server, with the kernel cache <= 0.6x its fresh start).
+the summary gives both. mlx_lm.server likewise: its CUDA kernels go to a folder of this run (MLX_PTX_CACHE_DIR),
+empty at its first start (before 2026-12-07 it used MLX's default folder, which earlier runs on the machine may have
+filled: the H200 row of 12-05 compared ours' fresh start with a peer whose kernels were compiled already) (issue 45: fresh <= 1.0x mlx_lm.server, with the kernel cache <= 0.6x its fresh start).
 """
 
 from __future__ import annotations
@@ -96,6 +98,11 @@ def main() -> None:
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
     workdir = Path(tempfile.mkdtemp(prefix="single-request-"))
     servers = peer_servers.make(names, workdir, model_dir=Path(args.model) if args.model else None)
+    for s in servers:
+        if isinstance(s, peer_servers.MlxLm):  # a new user's mlx_lm.server compiles its CUDA kernels too: MLX's cache
+            # (default <tmp>/mlx/<version>/ptx) may hold what earlier runs on this machine compiled, so the peer
+            # gets a folder of this run, empty at its first start and kept for the later ones, as ours' home is
+            s.env["MLX_PTX_CACHE_DIR"] = str(workdir / "mlx-lm-ptx")
     tokenizer = load_tokenizer(servers[0].model_dir if hasattr(servers[0], "model_dir") else peer_servers.default_paths()[0])
     eos = sorted(int(e) for e in (tokenizer.eos_token_ids or []))
     filler = FILLER * (args.prompt_tokens // 30 + 2)
