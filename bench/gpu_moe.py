@@ -14,6 +14,9 @@ biases; random bf16 weights) and times its forward, median of --reps, for decode
   mlx_lm     as mlx-lm runs it (sorted from 64 pairs)
   sorted     always sorted (a grouped GEMM per projection)
   unsorted   never sorted (a gathered product per pair)
+  dense      decode batches only (up to --dense-max tokens): every expert for every token as batched matrix
+             products (all experts' weights read once, 8x the arithmetic of top-4 of 32), then each token's
+             top-4 outputs taken: what a small batch could cost without any gather
 
 and states the block's bandwidth limit: the bytes of the distinct experts the batch's pairs touch (gate, up and down
 projections with their biases) at --bandwidth GB/s. Every mode's output is compared with mlx_lm's (max |diff|).
@@ -37,11 +40,28 @@ from mlx.utils import tree_map
 from mlx_lm.models import switch_layers
 from mlx_lm.models.gpt_oss import MLPBlock, ModelArgs
 
-MODES = ("mlx_lm", "sorted", "unsorted")
+MODES = ("mlx_lm", "sorted", "unsorted", "dense")
+
+
+def dense_call(self, x, indices):
+    """``SwitchGLU.__call__``'s result from every expert's output for every token (batched matmuls, no gather)."""
+    k, hidden = indices.shape[-1], x.shape[-1]
+    xt = x.reshape(1, -1, hidden)  # (1, T, H)
+
+    def project(layer, h):  # (E, T, in) -> (E, T, out), with the layer's bias
+        y = mx.matmul(h, layer.weight.swapaxes(-1, -2))
+        return y + mx.expand_dims(layer.bias, 1) if "bias" in layer else y
+
+    h = self.activation(project(self.up_proj, xt), project(self.gate_proj, xt))
+    y = project(self.down_proj, h).transpose(1, 0, 2)  # (T, E, H)
+    out = mx.take_along_axis(y, indices.reshape(-1, k)[..., None], axis=1)  # (T, k, H)
+    return out.reshape(*indices.shape, hidden)
 
 
 def glu_call(mode: str):
     """``SwitchGLU.__call__`` with its sort decided by ``mode`` (mlx-lm 0.32.2's body otherwise)."""
+    if mode == "dense":
+        return dense_call
 
     def call(self, x, indices):
         x = mx.expand_dims(x, (-2, -3))
@@ -95,6 +115,7 @@ def main() -> None:
     p.add_argument("--decode-rows", default="1,4,8,12,15,16,24,32")
     p.add_argument("--chunks", default="1x330,8x330,1x2048", help="ROWSxLENGTH prompt chunks")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--dense-max", type=int, default=64, help="tokens up to which the dense mode is timed")
     p.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s (H200: 4800, H100 SXM: 3350)")
     p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args()
@@ -118,6 +139,8 @@ def main() -> None:
             row = {"rows": b, "length": n, "pairs": b * n * args.top}
             ref = None
             for mode in MODES:
+                if mode == "dense" and b * n > args.dense_max:
+                    continue
                 setattr(switch_layers.SwitchGLU, "__call__", glu_call(mode))
                 out = block(x)
                 mx.eval(out)
@@ -139,8 +162,8 @@ def main() -> None:
     (out_dir / "gpu_moe.json").write_text(json.dumps(result, indent=1))
     print(f"{'rows x len':>11} {'pairs':>6} " + " ".join(f"{m + ' ms':>12}" for m in MODES) + f" {'limit ms':>9}")
     for r in rows:
-        print(f"{r['rows']:>5} x {r['length']:<4} {r['pairs']:>6} " + " ".join(f"{r[m + '_ms']:>12.3f}" for m in MODES)
-              + f" {r['limit_ms']:>9.3f}")
+        cells = " ".join(f"{r[m + '_ms']:>12.3f}" if m + "_ms" in r else f"{'-':>12}" for m in MODES)
+        print(f"{r['rows']:>5} x {r['length']:<4} {r['pairs']:>6} {cells} {r['limit_ms']:>9.3f}")
 
 
 if __name__ == "__main__":
