@@ -22,7 +22,8 @@ and states the block's bandwidth limit: the bytes of the distinct experts the ba
 projections with their biases) at --bandwidth GB/s. Every mode's output is compared with mlx_lm's (max |diff|).
 
     OUT=$OUT bash bench/gpu.sh bench/gpu_moe.py                          # the device
-    python bench/gpu_moe.py --hidden 256 --experts 8 --reps 3 --dtype float32   # the CPU (its gather_mm: float32 only): logic only
+    python bench/gpu_moe.py --hidden 256 --experts 8 --reps 3 --dtype float32   # the CPU: logic only
+                                                                          # (the CPU's gather_mm: float32 only)
 
 Writes OUT/gpu_moe.json.
 """

@@ -15,9 +15,9 @@ and Mamba-2's decode step.
 
 ``install(model)`` switches the model's modules (``models.hook``) to the dispatchers below, chosen once for this
 process's device: on CUDA every gated-delta call takes ``recurrent``, every Mamba-2 decode step ``ssm.step`` and
-every depthwise ``Conv1d`` ``conv.depthwise``, and every ``SwitchGLU`` / ``SwitchMLP`` sorts from
-``moe.SORT_MIN`` pairs (`--debug-moe-sort-min`; mlx-lm's 64 by default); on the CPU a float32 depthwise ``Conv1d`` takes ``conv.shifted``
-and a gated-delta prompt of at least ``CPU_CHUNKED_MIN`` tokens takes ``chunked`` (scalar gates; vector gates and
+every depthwise ``Conv1d`` ``conv.depthwise``; on CUDA and the CPU every ``SwitchGLU`` / ``SwitchMLP`` sorts its
+pairs from ``moe.SORT_MIN`` on (`--debug-moe-sort-min`; mlx-lm's 64 by default); on the CPU a float32 depthwise
+``Conv1d`` takes ``conv.shifted`` and a gated-delta prompt of at least ``CPU_CHUNKED_MIN`` tokens takes ``chunked`` (scalar gates; vector gates and
 short steps stay on mlx-lm's ops); on Metal nothing is switched: mlx-lm's own kernels stay. ``configure(False)``
 (`--kernels mlx`) leaves mlx-lm's functions everywhere, to compare. ``kernel_path(model)`` says what a loaded model
 runs (/stats, the start-up line).
@@ -153,7 +153,9 @@ def install(model) -> int:
         positions.watch(model)
     if device == "cuda":
         switched += hook.switch(model, _ssm_dispatch, name=SSM, original=mlx_ssm.ssm_update)
-        moe.switch(model)  # not counted: an MoE layer computes mlx-lm's sums, sorted from fewer pairs
+    # not counted: an MoE layer computes mlx-lm's sums, sorted from SORT_MIN pairs (mlx-lm's own rule by default; on
+    # the CPU too, so that the zoo's live tests run the knob against mlx-lm's text)
+    moe.switch(model)
     return switched
 
 
