@@ -35,9 +35,10 @@ stops; servers one after the other, their order rotated per round and entry.
   ours_no_composed
           `ours` with `--debug-gpu-attention-composed-max 0`: chunks past a cache hit and verify steps attend through
           cuDNN (the rule before 2026-12-05) instead of models.attention.composed's plain ops
-  ours_moe_sort8, ours_moe_sort_mlx
+  ours_moe_sort8, ours_moe_sort_mlx, ours_moe_dense16
           `ours` with `--debug-moe-sort-min 8` / `64`: a mixture-of-experts layer sorts its (token, expert) pairs by
-          expert from 8 pairs on (each expert's weights read once a step) / from 64 (mlx-lm's rule)
+          expert from 8 pairs on (each expert's weights read once a step) / from 64 (mlx-lm's rule); with
+          `--debug-moe-dense-max 16`: a call of up to 16 tokens computes every expert for every token, no gather
   ours_ssd_host_copies
           `ours` with `--debug-ssd-host-copies`: the SSD writer reads copies made on the device, not the RAM tier's
           own arrays (which mlx 0.32 moves to managed memory at the host's first read)
@@ -109,6 +110,7 @@ OURS_VARIANTS = {
     # read once a decode step instead of once per row routed to it (models.kernels.moe)
     "ours_moe_sort8": (("--debug-moe-sort-min", "8"), {}),
     "ours_moe_sort_mlx": (("--debug-moe-sort-min", "64"), {}),
+    "ours_moe_dense16": (("--debug-moe-dense-max", "16"), {}),  # up to 16 tokens: every expert, no gather
     "ours_no_cuda_graphs": ((), {"MLX_USE_CUDA_GRAPHS": "0"}),  # MLX launches kernels one by one, no CUDA graphs
     # MLX's compiled kernels in one folder these variants share: the first started compiles what the workload's
     # shapes need (each new batch size, chunk length), the ones after start with them, as a restarted server does

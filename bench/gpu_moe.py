@@ -8,13 +8,14 @@ matrix-vector product, and two pairs routed to one expert read its weights twice
 15.3 rows (61 pairs, unsorted) took 26.8 ms on the H200 where its bytes allow ~7.7 (BENCHMARKS.md, 2026-12-05).
 
 This builds one gpt-oss-20b MoE block (``mlx_lm.models.gpt_oss.MLPBlock``: router, top-4 of 32 experts, SwiGLU with
-biases; random bf16 weights) and times its forward, median of --reps, for decode batches of M rows (x of shape
-(M, 1, hidden)) and prompt chunks (1 or 8 rows of L tokens), three ways:
+biases; random bf16 weights) with the server's MoE call (``models.kernels.moe``) and times its forward, median of
+--reps, for decode batches of M rows (x of shape (M, 1, hidden)) and prompt chunks (1 or 8 rows of L tokens), with
+the knobs set four ways:
 
-  mlx_lm     as mlx-lm runs it (sorted from 64 pairs)
-  sorted     always sorted (a grouped GEMM per projection)
+  mlx_lm     as mlx-lm runs it (sorted from 64 pairs: the server's default)
+  sorted     always sorted (`--debug-moe-sort-min 1`: a grouped GEMM per projection)
   unsorted   never sorted (a gathered product per pair)
-  dense      decode batches only (up to --dense-max tokens): every expert for every token as batched matrix
+  dense      `--debug-moe-dense-max`, decode batches only (up to --dense-max tokens): every expert for every token as batched matrix
              products (all experts' weights read once, 8x the arithmetic of top-4 of 32), then each token's
              top-4 outputs taken: what a small batch could cost without any gather
 
@@ -38,47 +39,15 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models import switch_layers
 from mlx_lm.models.gpt_oss import MLPBlock, ModelArgs
+
+from models.kernels import moe
 
 MODES = ("mlx_lm", "sorted", "unsorted", "dense")
 
 
-def dense_call(self, x, indices):
-    """``SwitchGLU.__call__``'s result from every expert's output for every token (batched matmuls, no gather)."""
-    k, hidden = indices.shape[-1], x.shape[-1]
-    xt = x.reshape(1, -1, hidden)  # (1, T, H)
-
-    def project(layer, h):  # (E, T, in) -> (E, T, out), with the layer's bias
-        y = mx.matmul(h, layer.weight.swapaxes(-1, -2))
-        return y + mx.expand_dims(layer.bias, 1) if "bias" in layer else y
-
-    h = self.activation(project(self.up_proj, xt), project(self.gate_proj, xt))
-    y = project(self.down_proj, h).transpose(1, 0, 2)  # (T, E, H)
-    out = mx.take_along_axis(y, indices.reshape(-1, k)[..., None], axis=1)  # (T, k, H)
-    return out.reshape(*indices.shape, hidden)
-
-
-def glu_call(mode: str):
-    """``SwitchGLU.__call__`` with its sort decided by ``mode`` (mlx-lm 0.32.2's body otherwise)."""
-    if mode == "dense":
-        return dense_call
-
-    def call(self, x, indices):
-        x = mx.expand_dims(x, (-2, -3))
-        indices = mx.stop_gradient(indices)
-        do_sort = {"mlx_lm": indices.size >= 64, "sorted": True, "unsorted": False}[mode]
-        idx, inv_order = indices, None
-        if do_sort:
-            x, idx, inv_order = switch_layers._gather_sort(x, indices)
-        x_up = self.up_proj(x, idx, sorted_indices=do_sort)
-        x_gate = self.gate_proj(x, idx, sorted_indices=do_sort)
-        x = self.down_proj(self.activation(x_up, x_gate), idx, sorted_indices=do_sort)
-        if do_sort:
-            x = switch_layers._scatter_unsort(x, inv_order, indices.shape)
-        return x.squeeze(-2)
-
-    return call
+# each mode as (moe.SORT_MIN, moe.DENSE_MAX): the server's own MoE call (models.kernels.moe) set as the knobs would
+RULES = {"mlx_lm": (moe.MLX_LM_SORT_MIN, 0), "sorted": (1, 0), "unsorted": (1 << 30, 0), "dense": (1, 1 << 30)}
 
 
 def time_block(block, x, reps: int) -> float:
@@ -132,29 +101,26 @@ def main() -> None:
 
     shapes = [(int(m), 1) for m in args.decode_rows.split(",")]
     shapes += [(int(c.split("x")[0]), int(c.split("x")[1])) for c in args.chunks.split(",") if c]
-    original = switch_layers.SwitchGLU.__call__
+    assert moe.switch(block) == 1  # block.experts: models.kernels.moe's class, its rule set per mode below
     rows = []
-    try:
-        for b, n in shapes:
-            x = (mx.random.normal((b, n, args.hidden)) * 0.5).astype(dtype)
-            row = {"rows": b, "length": n, "pairs": b * n * args.top}
-            ref = None
-            for mode in MODES:
-                if mode == "dense" and b * n > args.dense_max:
-                    continue
-                setattr(switch_layers.SwitchGLU, "__call__", glu_call(mode))
-                out = block(x)
-                mx.eval(out)
-                ref = out if ref is None else ref
-                row[f"{mode}_ms"] = round(time_block(block, x, args.reps), 3)
-                row[f"{mode}_max_diff"] = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
-            nbytes = touched_bytes(block, x)
-            row["touched_mb"] = round(nbytes / 1e6, 1)
-            row["limit_ms"] = round(nbytes / (args.bandwidth * 1e9) * 1e3, 3)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    finally:
-        setattr(switch_layers.SwitchGLU, "__call__", original)
+    for b, n in shapes:
+        x = (mx.random.normal((b, n, args.hidden)) * 0.5).astype(dtype)
+        row = {"rows": b, "length": n, "pairs": b * n * args.top}
+        ref = None
+        for mode in MODES:
+            if mode == "dense" and b * n > args.dense_max:
+                continue
+            moe.SORT_MIN, moe.DENSE_MAX = RULES[mode]
+            out = block(x)
+            mx.eval(out)
+            ref = out if ref is None else ref
+            row[f"{mode}_ms"] = round(time_block(block, x, args.reps), 3)
+            row[f"{mode}_max_diff"] = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
+        nbytes = touched_bytes(block, x)
+        row["touched_mb"] = round(nbytes / 1e6, 1)
+        row["limit_ms"] = round(nbytes / (args.bandwidth * 1e9) * 1e3, 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -289,6 +289,11 @@ def _serve_parser(sub) -> None:
                    help="on CUDA, a mixture-of-experts layer sorts its (token, expert) pairs by expert from N pairs on "
                         "(a grouped product reads each expert's weights once; unsorted, each pair reads its "
                         "expert's) (default 64: mlx-lm's rule) [MLX_LANE_DEBUG_MOE_SORT_MIN]")
+    d.add_argument("--debug-moe-dense-max", type=int, metavar="N",
+                   default=int(_env("debug_moe_dense_max", "0")),
+                   help="a mixture-of-experts call of at most N tokens over plain (not quantized) experts computes "
+                        "every expert for every token as batched matrix products and takes each token's own, with "
+                        "no gather (default 0: never) [MLX_LANE_DEBUG_MOE_DENSE_MAX]")
     d.add_argument("--debug-ssd-host-copies", action="store_true", default=_env_flag("debug_ssd_host_copies"),
                    help="on CUDA the SSD writer reads device copies of an entry instead of its own arrays (whose "
                         "buffers MLX moves to managed memory at the host's first read), to compare "

@@ -86,6 +86,7 @@ class ServerConfig:
     debug_gpu_attention_composed_max: int
     debug_no_conv_kernel: bool
     debug_moe_sort_min: int
+    debug_moe_dense_max: int
     debug_ssd_host_copies: bool
     debug_trace_collectives: bool
     debug_cuda_profile_steps: str

@@ -44,14 +44,16 @@ _ON = True
 _CONV = True
 
 
-def configure(on: bool = True, conv: bool = True, moe_sort_min: int = moe.MLX_LM_SORT_MIN) -> None:
+def configure(on: bool = True, conv: bool = True, moe_sort_min: int = moe.MLX_LM_SORT_MIN,
+              moe_dense_max: int = 0) -> None:
     """``on`` False (`--kernels mlx`): models keep mlx-lm's own functions; ``conv`` False
     (`--debug-no-conv-kernel`): depthwise convolutions keep mlx's conv1d; ``moe_sort_min``
-    (`--debug-moe-sort-min`): the pairs from which a CUDA mixture-of-experts layer sorts them (set before a model is
-    loaded)."""
+    (`--debug-moe-sort-min`): the pairs from which a mixture-of-experts layer sorts them; ``moe_dense_max``
+    (`--debug-moe-dense-max`): the tokens up to which it computes every expert (set before a model is loaded)."""
     global _ON, _CONV
     _ON, _CONV = on, conv
     moe.SORT_MIN = max(1, int(moe_sort_min))
+    moe.DENSE_MAX = max(0, int(moe_dense_max))
 
 
 def _device() -> str:

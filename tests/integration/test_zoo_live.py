@@ -4,8 +4,9 @@ the default tokenizer and a thinking chat template, each served by a real uvicor
 - qwen3_5 (gated delta-net linear attention beside full attention: recurrent state), with the SSD tier and a LoRA
   adapter;
 - gpt_oss (sliding windows with attention sinks, MoE): its window wraps within the first prompt. Before, every
-  n-gram request whose cache had wrapped failed with a 500. Its MoE layers sort every call's (token, expert) pairs
-  (`--debug-moe-sort-min 1`, models.kernels.moe; mlx-lm sorts from 64).
+  n-gram request whose cache had wrapped failed with a 500. Its MoE layers compute every expert for calls of up to 4
+  tokens and sort every longer call's (token, expert) pairs (`--debug-moe-dense-max 4 --debug-moe-sort-min 1`,
+  models.kernels.moe; mlx-lm sorts from 64 pairs).
 
 Each: the first turn's text is mlx-lm's own greedy text; the next turn (whose template re-renders the history
 without the reasoning) reuses the conversation through the reply (computed as it renders it: server.core.next_turn)
@@ -54,8 +55,9 @@ def served(request, models, adapter_dir, tmp_path_factory):
     args += ["--ssd-cache", str(ssd)]
     if name == "qwen3_5":
         args += ["--adapter", f"lora={adapter_dir}"]
-    else:  # every MoE call sorts its (token, expert) pairs (mlx-lm sorts from 64): the texts below are mlx-lm's
-        args += ["--debug-moe-sort-min", "1"]
+    else:  # every MoE call of up to 4 tokens computes every expert (decode steps), longer ones sort their (token,
+        # expert) pairs (mlx-lm sorts from 64 pairs): the texts below are mlx-lm's (models.kernels.moe)
+        args += ["--debug-moe-sort-min", "1", "--debug-moe-dense-max", "4"]
     srv = ServerProc(*args)
     srv.name, srv.model_dir, srv.args, srv.ssd = name, models[name], args, ssd
     yield srv

@@ -1,6 +1,7 @@
 """models.kernels.moe on the CPU: a mixture-of-experts layer whose (token, expert) pairs are sorted from fewer of them
 than mlx-lm sorts computes mlx-lm's outputs (float32: the CPU's gather_mm), for decode batches and prompt chunks,
-gpt-oss's SwiGLU with biases and a plain SwitchMLP; ``switch`` gives exactly mlx-lm's classes the sorting call. Which
+gpt-oss's SwiGLU with biases and a plain SwitchMLP; so does one that computes every expert for every token (dense) up
+to its token count, never over quantized experts; ``switch`` gives exactly mlx-lm's classes the sorting call. Which
 is faster is the device's question (bench/gpu_moe.py)."""
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ def gpt_oss_block() -> MLPBlock:
 
 @pytest.fixture
 def sort_min():
-    """Restores moe.SORT_MIN after a test sets it."""
-    saved = moe.SORT_MIN
+    """Restores moe.SORT_MIN and moe.DENSE_MAX after a test sets them."""
+    saved = moe.SORT_MIN, moe.DENSE_MAX
     yield
-    moe.SORT_MIN = saved
+    moe.SORT_MIN, moe.DENSE_MAX = saved
 
 
 @pytest.mark.parametrize("rows,length", [(1, 1), (3, 1), (15, 1), (16, 1), (2, 7), (1, 40)])
@@ -51,6 +52,33 @@ def test_sorted_from_any_count_gives_mlx_lms_outputs(rows, length, threshold, so
     assert mx.allclose(got, want, atol=1e-5).item()
 
 
+@pytest.mark.parametrize("rows,length", [(1, 1), (4, 1), (15, 1), (2, 3)])
+def test_every_expert_for_every_token_gives_mlx_lms_outputs(rows, length, sort_min):
+    block = gpt_oss_block()
+    x = mx.random.normal((rows, length, HIDDEN))
+    want = block(x)
+    moe.switch(block)
+    moe.DENSE_MAX = rows * length
+    assert moe._dense_applies(mx.zeros((rows, length, TOP)), block.experts.up_proj)
+    got = block(x)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_dense_stays_off_past_its_tokens_and_for_quantized_experts(sort_min):
+    block = gpt_oss_block()
+    moe.switch(block)
+    moe.DENSE_MAX = 4
+    indices = mx.zeros((5, 1, TOP))
+    assert not moe._dense_applies(indices, block.experts.up_proj)
+    assert moe._dense_applies(indices[:4], block.experts.up_proj)
+    nn.quantize(block, group_size=32, bits=8, class_predicate=lambda _, m: hasattr(m, "to_quantized"))
+    assert type(block.experts.up_proj) is not switch_layers.SwitchLinear
+    assert not moe._dense_applies(indices[:4], block.experts.up_proj)
+    x = mx.random.normal((4, 1, HIDDEN))
+    assert block(x).shape == (4, 1, HIDDEN)  # the gathered (quantized) path
+
+
 def test_a_switch_mlp_sorts_from_the_threshold_and_computes_the_same(sort_min):
     mx.random.seed(2)
     layer = switch_layers.SwitchMLP(HIDDEN, 2 * HIDDEN, EXPERTS, bias=True)
@@ -61,6 +89,8 @@ def test_a_switch_mlp_sorts_from_the_threshold_and_computes_the_same(sort_min):
     moe.switch(layer)
     assert type(layer) is moe.SortedSwitchMLP
     moe.SORT_MIN = 2
+    assert mx.allclose(layer(x, indices), want, atol=1e-5).item()
+    moe.DENSE_MAX = 5  # every expert for these 5 tokens
     assert mx.allclose(layer(x, indices), want, atol=1e-5).item()
 
 
@@ -81,5 +111,7 @@ def test_configure_sets_the_threshold_and_keeps_it_at_least_one(sort_min):
     assert moe.SORT_MIN == 8
     kernels.configure(True, moe_sort_min=0)
     assert moe.SORT_MIN == 1
+    kernels.configure(True, moe_dense_max=16)
+    assert moe.DENSE_MAX == 16
     kernels.configure(True)
-    assert moe.SORT_MIN == moe.MLX_LM_SORT_MIN
+    assert (moe.SORT_MIN, moe.DENSE_MAX) == (moe.MLX_LM_SORT_MIN, 0)
