@@ -15,7 +15,7 @@ the knobs set four ways:
   mlx_lm     as mlx-lm runs it (sorted from 64 pairs: the server's default)
   sorted     always sorted (`--debug-moe-sort-min 1`: a grouped GEMM per projection)
   unsorted   never sorted (a gathered product per pair)
-  dense      `--debug-moe-dense-max`, decode batches only (up to --dense-max tokens): every expert for every token as batched matrix
+  dense      `--debug-moe-dense-max` (up to --dense-max tokens, default all): every expert for every token as batched matrix
              products (all experts' weights read once, 8x the arithmetic of top-4 of 32), then each token's
              top-4 outputs taken: what a small batch could cost without any gather
 
@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--decode-rows", default="1,4,8,12,15,16,24,32")
     p.add_argument("--chunks", default="1x330,8x330,1x2048", help="ROWSxLENGTH prompt chunks")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--dense-max", type=int, default=64, help="tokens up to which the dense mode is timed")
+    p.add_argument("--dense-max", type=int, default=4096, help="tokens up to which the dense mode is timed")
     p.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s (H200: 4800, H100 SXM: 3350)")
     p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args()
