@@ -15,9 +15,9 @@ the knobs set four ways:
   mlx_lm     as mlx-lm runs it (sorted from 64 pairs: the server's default)
   sorted     always sorted (`--debug-moe-sort-min 1`: a grouped GEMM per projection)
   unsorted   never sorted (a gathered product per pair)
-  dense      `--debug-moe-dense-max` (up to --dense-max tokens, default all): every expert for every token as batched matrix
-             products (all experts' weights read once, 8x the arithmetic of top-4 of 32), then each token's
-             top-4 outputs taken: what a small batch could cost without any gather
+  dense      `--debug-moe-dense-max` (up to --dense-max tokens, default all): every expert for every token as
+             batched matrix products (all experts' weights read once, 8x the arithmetic of top-4 of 32), then each
+             token's top-4 outputs taken: no gather at all
 
 and states the block's bandwidth limit: the bytes of the distinct experts the batch's pairs touch (gate, up and down
 projections with their biases) at --bandwidth GB/s. Every mode's output is compared with mlx_lm's (max |diff|).
