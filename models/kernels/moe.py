@@ -12,11 +12,11 @@ unsorted they read about twice the bytes that sorted they would (~3.0 vs ~1.4 GB
 body otherwise, its own ``_gather_sort`` / ``_scatter_unsort``), and, for a call of at most ``DENSE_MAX`` tokens over
 plain (not quantized) experts, computes every expert for every token as batched matrix products and takes each
 token's own (no gather at all: a small decode batch touches most experts anyway, 87% of gpt-oss's 32 at 15 rows).
-``switch(model)`` gives a model's switch layers that class (the weights stay where they are). Sorted and unsorted products are the same sums in another kernel, so the
-outputs agree to the dtype's rounding, not bit for bit: the same holds in mlx-lm itself between a batch of 15 rows and
-one of 16. ``models.kernels.install`` switches them on CUDA and the CPU (where sorted and unsorted float32 products
-came out bit-identical; the zoo's live gpt-oss server sorts every call, against mlx-lm's text); ``bench/gpu_moe.py``
-times the block both ways on the device.
+``switch(model)`` gives a model's switch layers that class (the weights stay where they are). Sorted, unsorted and
+dense products are the same sums in other kernels, so the outputs agree to the dtype's rounding, not bit for bit (as
+in mlx-lm itself between a batch of 15 rows and one of 16). ``models.kernels.install`` switches them on CUDA and the
+CPU (where the three came out bit-identical in float32; the zoo's live gpt-oss server runs dense and sorted calls
+against mlx-lm's text); ``bench/gpu_moe.py`` times them on the device.
 """
 
 from __future__ import annotations
