@@ -286,8 +286,8 @@ def _serve_parser(sub) -> None:
                         "shifted products), to compare [MLX_LANE_DEBUG_NO_CONV_KERNEL=1]")
     d.add_argument("--debug-moe-sort-min", type=int, metavar="N",
                    default=int(_env("debug_moe_sort_min", "64")),
-                   help="on CUDA, a mixture-of-experts layer sorts its (token, expert) pairs by expert from N pairs on "
-                        "(a grouped product reads each expert's weights once; unsorted, each pair reads its "
+                   help="a mixture-of-experts layer sorts its (token, expert) pairs by expert from N pairs on (on "
+                        "CUDA a sorted product reads each expert's weights once; unsorted, each pair reads its "
                         "expert's) (default 64: mlx-lm's rule) [MLX_LANE_DEBUG_MOE_SORT_MIN]")
     d.add_argument("--debug-moe-dense-max", type=int, metavar="N",
                    default=int(_env("debug_moe_dense_max", "0")),
