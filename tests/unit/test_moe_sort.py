@@ -115,3 +115,25 @@ def test_configure_sets_the_threshold_and_keeps_it_at_least_one(sort_min):
     assert moe.DENSE_MAX == 16
     kernels.configure(True)
     assert (moe.SORT_MIN, moe.DENSE_MAX) == (moe.MLX_LM_SORT_MIN, 0)
+
+
+MOE_ZOO = ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe", "granitemoehybrid")
+
+
+@pytest.mark.parametrize("name", MOE_ZOO)
+def test_every_moe_family_of_the_zoo_computes_its_logits_whatever_the_setting(name, sort_min):
+    """The tiny zoo model of each MoE family (tests.fixtures.zoo, float32): a prompt and a batch of three one-token
+    rows give the same logits with mlx-lm's rule, everything sorted, and everything dense."""
+    from tests.fixtures import zoo
+
+    model = zoo.build(name)
+    assert moe.switch(model) > 0  # every family's experts are mlx-lm's SwitchGLU
+    prompt, rows = mx.array([[5, 17, 3, 99, 42, 7, 64, 1, 200, 31, 8, 12]]), mx.array([[9], [77], [150]])
+    outputs = {}
+    for setting, rule in {"mlx_lm": (moe.MLX_LM_SORT_MIN, 0), "sorted": (1, 0), "dense": (1, 64)}.items():
+        moe.SORT_MIN, moe.DENSE_MAX = rule
+        outputs[setting] = (model(prompt), model(rows))
+        mx.eval(outputs[setting])
+    for setting in ("sorted", "dense"):
+        for got, want in zip(outputs[setting], outputs["mlx_lm"]):
+            assert mx.allclose(got, want, atol=1e-4).item(), (name, setting)
