@@ -1,4 +1,5 @@
-"""A mixture-of-experts layer's (token, expert) pairs sorted by expert from fewer pairs than mlx-lm sorts them.
+"""How a mixture-of-experts layer reads its experts: (token, expert) pairs sorted by expert from fewer pairs than
+mlx-lm sorts them, or, for a few tokens, every expert computed for every token.
 
 mlx-lm's ``SwitchGLU`` and ``SwitchMLP`` (every MoE family: gpt-oss, Qwen3-MoE, DeepSeek, GLM, Mixtral...) multiply
 each pair with ``mx.gather_mm``, and sort the pairs by expert first only from 64 of them on (``indices.size >= 64``:
@@ -34,7 +35,8 @@ DENSE_MAX = 0
 
 
 def _sorted_input(x: mx.array, indices: mx.array):
-    """``(x, indices, inverse order or None)``: the pairs sorted by expert when there are ``SORT_MIN`` or more."""
+    """``(x, indices, inverse order or None, sorted)``: the pairs sorted by expert when there are ``SORT_MIN`` or more
+    (mlx-lm's own ``_gather_sort``), else as they came."""
     x = mx.expand_dims(x, (-2, -3))
     indices = mx.stop_gradient(indices)
     if indices.size >= SORT_MIN:
@@ -49,6 +51,7 @@ def _unsorted_output(x: mx.array, inv_order, shape) -> mx.array:
 
 
 def _dense_applies(indices: mx.array, *layers) -> bool:
+    """A call of at most DENSE_MAX tokens whose projections are all plain ``SwitchLinear`` (not quantized, no LoRA)."""
     tokens = indices.size // indices.shape[-1] if indices.ndim else 0
     return 0 < tokens <= DENSE_MAX and all(type(layer) is switch_layers.SwitchLinear for layer in layers)
 
