@@ -8,19 +8,20 @@ and Mamba-2's decode step.
     conv.py          ``depthwise``: the short convolution every hybrid layer runs, as one CUDA kernel (mlx's CUDA
                      backend builds a cuDNN plan per input shape for it); ``shifted``, the same as K shifted products
                      (the CPU's conv1d loops 4-6x slower)
-    moe.py           mixture-of-experts layers' (token, expert) pairs sorted by expert from ``SORT_MIN`` pairs on
-                     (mlx-lm sorts from 64): on CUDA a sorted product reads each expert's weights once
+    moe.py           how mixture-of-experts layers read their experts: (token, expert) pairs sorted by expert from
+                     ``SORT_MIN`` pairs on (mlx-lm: 64; on CUDA a sorted product reads each expert's weights once),
+                     or every expert for calls of up to ``DENSE_MAX`` tokens (A/B knobs, off by default)
     positions.py     a verify forward's recurrent state at every position (``recording``), so rejected drafts are
                      taken back by choosing a state (spec.rewind) instead of feeding the kept tokens again
 
 ``install(model)`` switches the model's modules (``models.hook``) to the dispatchers below, chosen once for this
 process's device: on CUDA every gated-delta call takes ``recurrent``, every Mamba-2 decode step ``ssm.step`` and
-every depthwise ``Conv1d`` ``conv.depthwise``; on CUDA and the CPU every ``SwitchGLU`` / ``SwitchMLP`` sorts its
-pairs from ``moe.SORT_MIN`` on (`--debug-moe-sort-min`; mlx-lm's 64 by default); on the CPU a float32 depthwise
-``Conv1d`` takes ``conv.shifted`` and a gated-delta prompt of at least ``CPU_CHUNKED_MIN`` tokens takes ``chunked`` (scalar gates; vector gates and
-short steps stay on mlx-lm's ops); on Metal nothing is switched: mlx-lm's own kernels stay. ``configure(False)``
-(`--kernels mlx`) leaves mlx-lm's functions everywhere, to compare. ``kernel_path(model)`` says what a loaded model
-runs (/stats, the start-up line).
+every depthwise ``Conv1d`` ``conv.depthwise``; on CUDA and the CPU, when `--debug-moe-sort-min` or
+`--debug-moe-dense-max` asks, every ``SwitchGLU`` / ``SwitchMLP`` reads its experts that way (models.kernels.moe); on
+the CPU a float32 depthwise ``Conv1d`` takes ``conv.shifted`` and a gated-delta prompt of at least
+``CPU_CHUNKED_MIN`` tokens takes ``chunked`` (scalar gates; vector gates and short steps stay on mlx-lm's ops); on
+Metal nothing is switched: mlx-lm's own kernels stay. ``configure(False)`` (`--kernels mlx`) leaves mlx-lm's functions
+everywhere, to compare. ``kernel_path(model)`` says what a loaded model runs (/stats, the start-up line).
 """
 
 from __future__ import annotations
@@ -155,9 +156,11 @@ def install(model) -> int:
         positions.watch(model)
     if device == "cuda":
         switched += hook.switch(model, _ssm_dispatch, name=SSM, original=mlx_ssm.ssm_update)
-    # not counted: an MoE layer computes mlx-lm's sums, sorted from SORT_MIN pairs (mlx-lm's own rule by default; on
-    # the CPU too, so that the zoo's live tests run the knob against mlx-lm's text)
-    moe.switch(model)
+    # not counted: an MoE layer computes mlx-lm's sums, read another way. Only when a knob asks (on the CPU too, so
+    # that the zoo's live tests run the knobs against mlx-lm's text): at the defaults mlx-lm's own class stays, and a
+    # later mlx-lm's SwitchGLU body with it
+    if moe.SORT_MIN != moe.MLX_LM_SORT_MIN or moe.DENSE_MAX:
+        moe.switch(model)
     return switched
 
 

@@ -16,8 +16,9 @@ token's own (no gather at all: a small decode batch touches most experts anyway,
 ``switch(model)`` gives a model's switch layers that class (the weights stay where they are). Sorted, unsorted and
 dense products are the same sums in other kernels, so the outputs agree to the dtype's rounding, not bit for bit (as
 in mlx-lm itself between a batch of 15 rows and one of 16). ``models.kernels.install`` switches them on CUDA and the
-CPU (where the three came out bit-identical in float32; the zoo's live gpt-oss server runs dense and sorted calls
-against mlx-lm's text); ``bench/gpu_moe.py`` times them on the device.
+CPU when a knob differs from mlx-lm's rule (at the defaults mlx-lm's class stays: a later mlx-lm's body with it);
+on the CPU the three came out bit-identical in float32, and the zoo's live gpt-oss server runs dense and sorted calls
+against mlx-lm's text; ``bench/gpu_moe.py`` times them on the device.
 """
 
 from __future__ import annotations
