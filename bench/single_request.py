@@ -22,7 +22,7 @@ holds: `make test` installs torch, which transformers imports when present; ours
 The first start of ours finds a fresh MLX_LANE_HOME (no kernel cache); the later ones find what it compiled, so
 the summary gives both. mlx_lm.server likewise: its CUDA kernels go to a folder of this run (MLX_PTX_CACHE_DIR),
 empty at its first start (before 2026-12-07 it used MLX's default folder, which earlier runs on the machine may have
-filled: the H200 row of 12-05 compared ours' fresh start with a peer whose kernels were compiled already) (issue 45: fresh <= 1.0x mlx_lm.server, with the kernel cache <= 0.6x its fresh start).
+filled: in the H200 row of 12-05 the peer's first answer was only 2.3 s slower than its second) (issue 45: fresh <= 1.0x mlx_lm.server, with the kernel cache <= 0.6x its fresh start).
 """
 
 from __future__ import annotations
