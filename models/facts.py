@@ -60,6 +60,7 @@ class ModelFacts:
     reads_shared_prefix: bool = False  # a RAM hit's caches read the cached entry where it lies (shared_prefix)
     attention: str = "mlx"  # which attention its layers run: cpu, cuda or mlx (/stats batch.attention)
     recurrent_path: str = "none"  # what its recurrent layers run: cuda, chunked, mlx or none (/stats batch.recurrent)
+    expert_path: str = "none"  # how its MoE layers read their experts: none, mlx, sort>=N, dense<=D,sort>=N
     draft_heads: Optional[DraftHeads] = None  # its own MTP heads, loaded for --draft-kind mtp (None: none loaded)
 
     @property

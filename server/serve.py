@@ -148,10 +148,11 @@ def build_state(cfg: ServerConfig):
     blas = blas_info()
     batches = engine.batch_stats()
     log.info(
-        "model %s (%s) | device %s | dtype %s | BLAS %s | attention %s | recurrent %s | decode batch %s | prefix cache %.2f GiB | "
+        "model %s (%s) | device %s | dtype %s | BLAS %s | attention %s | recurrent %s | experts %s | decode batch %s | "
+        "prefix cache %.2f GiB | "
         "fingerprint %s",
         loaded.model_id, f"{loaded.architecture} via {loaded.source}", device_name(), loaded.dtype, blas, batches["attention"], batches["recurrent"],
-        batches["layout"], cache_bytes / (1 << 30), loaded.fingerprint[:16],
+        batches["experts"], batches["layout"], cache_bytes / (1 << 30), loaded.fingerprint[:16],
     )
     default_max_tokens = cfg.default_max_tokens if cfg.default_max_tokens is not None else 2048
     images = ImageLimits(max_images=cfg.max_images, max_bytes=cfg.max_image_bytes,

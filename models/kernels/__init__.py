@@ -33,8 +33,9 @@ import mlx.core as mx
 
 from models import hook
 from models.kernels import conv, gated_delta, moe, positions, ssm
+from models.kernels.moe import expert_path
 
-__all__ = ["configure", "install", "kernel_path", "mlx_lm_kernels", "CPU_CHUNKED_MIN"]
+__all__ = ["configure", "install", "kernel_path", "expert_path", "mlx_lm_kernels", "CPU_CHUNKED_MIN"]
 
 GATED_DELTA = "gated_delta_update"
 SSM = "ssm_update"

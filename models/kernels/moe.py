@@ -26,7 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models import switch_layers
 
-__all__ = ["SortedSwitchGLU", "SortedSwitchMLP", "switch", "SORT_MIN", "MLX_LM_SORT_MIN", "DENSE_MAX"]
+__all__ = ["SortedSwitchGLU", "SortedSwitchMLP", "switch", "expert_path", "SORT_MIN", "MLX_LM_SORT_MIN", "DENSE_MAX"]
 
 MLX_LM_SORT_MIN = 64  # mlx-lm 0.32's rule: ``indices.size >= 64``
 # Pairs from which a call sorts (set by models.kernels.configure: --debug-moe-sort-min; 64 = mlx-lm's rule)
@@ -109,3 +109,14 @@ def switch(model) -> int:
             m.__class__ = cls
             switched += 1
     return switched
+
+
+def expert_path(model) -> str:
+    """How ``model``'s mixture-of-experts layers read their experts (/stats ``lane.experts``): ``none`` (no such
+    layer), ``mlx`` (mlx-lm's own classes: sorted from 64 pairs), or this module's rule, ``sort>=N`` or
+    ``dense<=D,sort>=N``."""
+    modules = getattr(model, "modules", None)
+    kinds = {type(m) for m in modules()} if modules is not None else set()
+    if kinds & set(_SORTED.values()):
+        return (f"dense<={DENSE_MAX}," if DENSE_MAX else "") + f"sort>={SORT_MIN}"
+    return "mlx" if kinds & set(_SORTED) else "none"

@@ -352,6 +352,7 @@ class Engine:
         facts = self.base.facts
         kind = choose(self.config.layout, facts.caches, speculating=False)
         return {"layout": str(kind), "attention": facts.attention, "recurrent": facts.recurrent_path,
+                "experts": facts.expert_path,
                 "groups": self.decoder.describe()}
 
 

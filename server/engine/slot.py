@@ -21,7 +21,7 @@ from models.attention import attention_path
 from models.attention.cpu import routes as routes_cpu_attention
 from models.errors import ModelLoadError
 from models.facts import CacheFacts, DraftHeads, ModelFacts
-from models.kernels import kernel_path
+from models.kernels import expert_path, kernel_path
 from models.mamba_lengths import lengths_reach_state
 from models.loading.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from models.mlx_compat import keep_leading_space as keep_leading_space_of
@@ -95,6 +95,7 @@ def measure(model, *, base: bool, kv_bits: Optional[int] = None, kv_group_size: 
         reads_shared_prefix=read_shared_prefix and plain_kv and routes_cpu_attention(model),
         attention=attention_path(model),
         recurrent_path=kernel_path(model),
+        expert_path=expert_path(model),
         draft_heads=draft_heads if base else None,
     )
 

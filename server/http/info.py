@@ -175,7 +175,7 @@ def stats_body(state) -> dict:
                  "running_requests": list(state.lane.running_ids), "max_batch": state.lane.scheduler.limits.max_batch,
                  "prefill_batch": state.lane.scheduler.limits.prefill_batch,
                  "batch_layout": batches["layout"], "attention": batches["attention"],
-                 "recurrent": batches["recurrent"], "batches": batches["groups"],
+                 "recurrent": batches["recurrent"], "experts": batches["experts"], "batches": batches["groups"],
                  "state": state.lane.state.value,
                  "prefill_parts": state.engine.prefill_stats(),  # forwards, tokens, forward/checkpoint/store seconds
                  "leave_parts": state.engine.leave_stats(),  # rows ended: out of their batch, entries stored (s)

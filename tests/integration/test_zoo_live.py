@@ -128,6 +128,8 @@ def test_thinking_turns_reuse_the_conversation_and_give_mlx_lm_text(served, orac
     assert stats["prompt_cache"]["checkpoint_hits"] >= 1
     # the hybrid's gated delta rule ran the chunked form of models.kernels (this CPU), the window model has none
     assert stats["lane"]["recurrent"] == ("chunked" if zoo.FAMILY[served.name] == "hybrid" else "none"), stats["lane"]
+    # the MoE knobs reached the served model (models.kernels.moe): gpt-oss reads its experts densely or sorted
+    assert stats["lane"]["experts"] == ("dense<=4,sort>=1" if served.name == "gpt_oss" else "none"), stats["lane"]
     assert stats["lane"]["batch_layout"] == "ragged"  # windows and hybrids decode in the ragged layout
 
 

@@ -137,3 +137,17 @@ def test_every_moe_family_of_the_zoo_computes_its_logits_whatever_the_setting(na
     for setting in ("sorted", "dense"):
         for got, want in zip(outputs[setting], outputs["mlx_lm"]):
             assert mx.allclose(got, want, atol=1e-4).item(), (name, setting)
+
+
+def test_the_expert_path_says_how_a_model_reads_its_experts(sort_min):
+    from tests.fixtures import zoo
+
+    assert moe.expert_path(zoo.build("llama")) == "none"
+    model = zoo.build("gpt_oss")
+    assert moe.expert_path(model) == "mlx"  # mlx-lm's own classes: its rule
+    moe.switch(model)
+    moe.SORT_MIN, moe.DENSE_MAX = 8, 0
+    assert moe.expert_path(model) == "sort>=8"
+    moe.DENSE_MAX = 16
+    assert moe.expert_path(model) == "dense<=16,sort>=8"
+    assert moe.expert_path(object()) == "none"
