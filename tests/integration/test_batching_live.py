@@ -90,6 +90,7 @@ def test_eight_concurrent_streams_each_get_their_own_text_usage_and_cache_hits(b
     lane = httpx.get(url + "/stats").json()["lane"]
     assert lane["batch_layout"] == "ragged"  # the CPU's default (--batch-layout auto): what this test exercises
     assert all(f["wait_ms"] is None for f in lane["prefill_parts"]["recent"])  # no wait apart by default
+    assert lane["experts"] == "none"  # the default model has no mixture-of-experts layer (models.kernels.moe)
     # the lane really batched: decode steps ran with several rows at once
     hist = {int(k): v for k, v in lane["batch_size"]["histogram"].items()}
     before_hist = {int(k): v for k, v in before["batch_size"]["histogram"].items()}
