@@ -7,8 +7,8 @@ Public API::
     TwoModelProvider.from_loaded(target: LoadedModel, draft: LoadedModel)
     NgramProvider(max_ngram=3, min_ngram=1)
     speculative_decode(model, caches, first_token_input, source, *, sampler, logits_processors,
-                       max_tokens, num_draft_tokens, stream, policy, stats)
-        -> yields (token, logprobs, from_draft)
+                       max_tokens, num_draft_tokens, stream, policy, stats, pipelined)
+        -> yields (token, logprobs, from_draft); HandOver thrown in at a yield leaves the last token unfed
     AdaptiveDraftLength, FixedDraftLength, BatchVerifyCost, break_even_rate
     SpecStats
     SpecError, DraftMismatch, UnsupportedDraft (ValueError)
@@ -22,7 +22,7 @@ from spec.ngram import NgramProvider, NgramSource
 from spec.source import DraftProvider, DraftSource
 from spec.stats import SpecStats
 from spec.two_model import TwoModelProvider, TwoModelSource
-from spec.verify import speculative_decode
+from spec.verify import HandOver, speculative_decode
 
 __all__ = [
     "DraftProvider",
@@ -32,6 +32,7 @@ __all__ = [
     "NgramProvider",
     "NgramSource",
     "speculative_decode",
+    "HandOver",
     "AdaptiveDraftLength",
     "BatchVerifyCost",
     "FixedDraftLength",

@@ -17,11 +17,17 @@ though the random stream is consumed differently (the same seed gives the same t
 speculative runs, not the same text as a plain run).
 
 When the policy stops drafting, the rest of the request is delegated to mlx-lm's pipelined
-``generate_step`` on the same caches, so a request whose drafts do not pay runs at plain speed. A source that reads
+``generate_step`` on the same caches, so a request whose drafts do not pay runs at plain speed (``pipelined`` False:
+it goes on one token a round instead, feeding nothing ahead, so that it can still be handed over). A source that reads
 the target's hidden states (``hears_hidden``: spec.mtp) hears every forward that fed its sequence (``heard``, right
 after the verify forward and after the last token is fed at the end); it is handed over to ``generate_step``, whose
 forwards it does not hear, only where it can recompute them later (plain KV caches: spec.mtp ``catch_up``); over
 recurrent state its policy pauses instead of stopping.
+
+Handing the sequence over (``HandOver`` thrown into the generator at a yield, by a decoder whose row joins a batch):
+it settles as ``close()`` does but leaves the last yielded token unfed, its next input, so the caches cover the
+sequence but that token, which is what a batch's row starts from; recurrent state and wrapped windows could not be
+cut back to it. Not once plain decoding took over (it fed ahead): ``pipelined`` False keeps that from happening.
 """
 
 from __future__ import annotations
@@ -40,11 +46,16 @@ from spec.rewind import VerifyRewind, can_rewind
 from spec.source import DraftSource, HearingDraftSource
 from spec.stats import SpecStats
 
-__all__ = ["speculative_decode", "READ_DRAFTS_WITH_VERDICT"]
+__all__ = ["speculative_decode", "HandOver", "READ_DRAFTS_WITH_VERDICT"]
 
 # False: a source's drafts are read before the verify forward is built, even where it can hand them over unread
 # (``draft_lazy``); bench/mtp_fit.py --reads wait measures the difference
 READ_DRAFTS_WITH_VERDICT = True
+
+
+class HandOver(Exception):
+    """Thrown into ``speculative_decode`` at a yield: settle with the last yielded token unfed (the module docstring);
+    it comes back out of ``throw``. A ``RuntimeError`` comes out instead where plain decoding had taken over."""
 
 
 def speculative_decode(
@@ -60,6 +71,7 @@ def speculative_decode(
     stream=None,
     policy=None,
     stats: Optional[SpecStats] = None,
+    pipelined: bool = True,
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """Yield ``(token, logprobs, from_draft)`` one token at a time, at most ``max_tokens``.
 
@@ -129,13 +141,16 @@ def speculative_decode(
             open_round = False
             source.commit(drafts if proposed is None else proposed, walked)  # unread: the verify forward failed
         exc = sys.exc_info()[1]
-        clean = exc is None or isinstance(exc, GeneratorExit)
+        handing = isinstance(exc, HandOver)
+        clean = exc is None or handing or isinstance(exc, GeneratorExit)
         if unheard and clean:
             hear(fed[: 1 + walked])
         if plain is not None:
             plain.close()
+            if handing:
+                raise RuntimeError("cannot hand over: plain decoding fed the sequence ahead") from exc
             return
-        if unfed and ntoks and clean:
+        if unfed and ntoks and clean and not handing:
             model(mx.array([[pending]]), cache=caches)
             hear([pending])
             mx.eval([c.state for c in caches])
@@ -152,8 +167,9 @@ def speculative_decode(
                     if not stats.stopped:
                         stats.stopped = 1
                     # plain decoding from here on, pipelined; a source that hears the target follows it only where
-                    # it can recompute what it missed later (plain KV), else it goes on hearing one token a step
-                    if not hears or cast(HearingDraftSource, source).can_catch_up(caches):
+                    # it can recompute what it missed later (plain KV), else it goes on hearing one token a step;
+                    # not pipelined: one token a step too, so the sequence can still be handed over
+                    if pipelined and (not hears or cast(HearingDraftSource, source).can_catch_up(caches)):
                         break
                     n = 0
                 drafts, proposed = [], None

@@ -3,7 +3,9 @@ solo batch of its own; every batch is built by ``server.engine.batch.choose.make
 
 - ``join(group, seqs)``: ready sequences, or solo ones migrating in, join their group's batch in one step. A row's
   caches must cover its history but its next input; a solo decoder that fed one token ahead (mlx-lm's pipelining)
-  hands back one more, trimmed here (``_entry``).
+  hands back one more, trimmed here (``_entry``). A sequence that speculated alone only for want of company
+  (``SeqFacts.yields``: its model's caches cannot speculate in a batch) joins its plain group's batch drafting no more;
+  ``join`` returns the new facts of such rows.
 - ``go_solo(seq)``: a batch row goes on in a solo batch of its own (a batch of one is slower than the solo path).
 - ``step(group)`` / ``step_solo(seq)``: one forward; a batch that no longer pays for its kind (a speculating one
   whose drafts stopped paying) first hands its rows to their plain group (``BatchStep.regrouped`` tells the lane their
@@ -24,8 +26,8 @@ from typing import Any, Callable, Optional, Sequence
 from mlx_lm.models.cache import trim_prompt_cache
 
 from models.facts import CacheFacts
-from server.engine.batch import (Batch, BatchGroups, BatchKind, Covered, Emitted, GroupKey, Layout, Row, RowDraft,
-                                 choose, make)
+from server.engine.batch import (Batch, BatchGroups, Covered, Emitted, GroupKey, Layout, Row, RowDraft, choose, make,
+                                 make_solo)
 from server.engine.batch.speculating import PlainStepClock, VerifyStep
 from server.engine.speculation import Speculation
 from server.engine.work import SeqWork
@@ -61,13 +63,19 @@ class Decoder:
             self._stats.spec.on_batch_step(*step)
 
     # -- joins and leaves ----------------------------------------------------------------------------------------
-    def join(self, group: GroupKey, seqs: Sequence[SeqView]) -> None:
-        rows = [self._row(seq) for seq in seqs]
+    def join(self, group: GroupKey, seqs: Sequence[SeqView]) -> tuple[tuple[SeqView, SeqFacts], ...]:
+        """These sequences join ``group``'s batch; the new facts of those that drafted and no longer do (a plain
+        group's batch: rows that speculated alone, ``SeqFacts.yields``)."""
+        rows = [self._row(seq, draft=group.speculating) for seq in seqs]
         first = self._work_of(seqs[0])  # one group, one model: the base's, one adapter's or an on-demand one's
         self._made_of[group] = (first.model, first.slot.facts.caches)
         self.groups.join(group, rows)
         for seq in seqs:
             self._work_of(seq).batched = True
+        stopped = [seq for seq in seqs if seq.facts.drafting and not group.speculating]
+        if stopped and self._stats.spec is not None:
+            self._stats.spec.on_yielded(len(stopped))
+        return tuple((seq, self._facts_of(seq, group)) for seq in stopped)
 
     def go_solo(self, seq: SeqView) -> None:
         work = self._work_of(seq)
@@ -102,7 +110,7 @@ class Decoder:
         work = self._work_of(seq)
         history = list(seq.prompt) + list(seq.generated)
         if work.solo is not None:
-            (covered,) = work.solo.remove([seq], [len(seq.generated)])
+            (covered,) = work.solo.hand_over([seq])  # the next input unfed where the solo decoder allows
             work.solo = None
             caches = self._entry(covered, history)
         else:
@@ -138,7 +146,7 @@ class Decoder:
         caches = self._entry(covered, history) if covered is not None else work.caches
         assert caches is not None, "a sequence decodes on its own caches"
         work.caches = None
-        solo = make(BatchKind.SOLO, work.model, self.layout, self._stream(), work.slot.facts.caches)
+        solo = make_solo(work.model, self.layout, self._stream(), work.slot.facts.caches)
         solo.add([self._as_row(seq, work, caches, history, self._draft(work))])
         work.solo = solo
 

@@ -151,7 +151,8 @@ class Engine:
                         together_after_hits=facts.caches.recurrent,
                         window=facts.window, batch_kind=str(kind),
                         moves=moves(kind, facts.caches, layout), joins=joins(kind, facts.caches),
-                        drafting=placed.drafting, solo_ahead=solo_pipelined(layout, facts.caches))
+                        drafting=placed.drafting, solo_ahead=solo_pipelined(layout, facts.caches),
+                        yields=placed.yields)
 
     def _facts_in(self, seq: SeqView, group: GroupKey) -> SeqFacts:
         """A sequence's facts once it decodes in ``group`` (a speculating batch dissolved into the plain one)."""
@@ -234,8 +235,8 @@ class Engine:
         return self.prefiller.run(chunks, store_now)
 
     # -- decoding ------------------------------------------------------------------------------------------------
-    def join_batch(self, group: GroupKey, seqs: Sequence) -> None:
-        self.decoder.join(group, seqs)
+    def join_batch(self, group: GroupKey, seqs: Sequence) -> Sequence[tuple[SeqView, SeqFacts]]:
+        return self.decoder.join(group, seqs)
 
     def leave_batch(self, seq) -> None:
         self.decoder.go_solo(seq)

@@ -102,6 +102,9 @@ class SpecTotals:
         # verify steps of speculating batches (server.engine.batch.speculating): steps, rows over them, tokens
         self.batch = dict(steps=0, row_steps=0, drafted=0, accepted=0, emitted=0, handed_to_plain=0)
         self.plain_cannot_rewind = 0  # requests that asked to speculate on a model whose caches cannot rewind
+        # requests that speculated alone (their model's caches cannot speculate in a batch) and joined their plain
+        # batch, drafting no more, when others arrived (server.engine.decode.Decoder.join)
+        self.solo_joined_batch = 0
 
     def add(self, stats: SpecStats) -> None:
         with self._lock:
@@ -127,12 +130,18 @@ class SpecTotals:
         with self._lock:
             self.batch["handed_to_plain"] += rows
 
+    def on_yielded(self, rows: int) -> None:
+        """Requests that speculated alone joined their plain batch, drafting no more, when company came."""
+        with self._lock:
+            self.solo_joined_batch += rows
+
     def as_dict(self) -> dict:
         with self._lock:
             d = self.total.as_dict()
             d.update({"enabled": self.kind is not None, "kind": self.kind, "num_draft_tokens": self.max_draft,
                       "requests": self.requests,
                       "plain_cannot_rewind": self.plain_cannot_rewind + d.get("cannot_rewind", 0),
+                      "solo_joined_batch": self.solo_joined_batch,
                       "heads": asdict(self.heads) if self.heads is not None else None})
             b: dict[str, Any] = dict(self.batch)
             b["mean_rows"] = round(b["row_steps"] / b["steps"], 3) if b["steps"] else None

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from server.engine.batch.protocol import Batch, LogitsRules
+from server.engine.batch.protocol import LogitsRules
+from server.engine.batch.solo import SoloBatch
 from server.engine.speculation import SpecPlan
 from server.lane.target import Slot
 
@@ -33,7 +34,7 @@ class SeqWork:
     prefill_cost_s: float = 0.0  # its share of the prefill forwards it was in (the SSD tier's rate, base model)
     stored: int = 0  # prompt tokens covered by what it has put in the prefix cache
     batched: bool = False  # a row of its group's batch
-    solo: Optional[Batch] = None  # decoding on its own: a solo batch (server.engine.batch.choose.make)
+    solo: Optional[SoloBatch] = None  # decoding on its own: a solo batch (server.engine.batch.choose.make_solo)
     embeds: Optional[tuple] = None  # (start, stop, array) of a prompt with images: its input embeddings from
     # ``start`` (the first prefill chunk that holds image tokens computes them, server.engine.prefill)
     snapshots: dict = field(default_factory=dict)  # position -> {layer index: that layer's state there}: the

@@ -67,6 +67,8 @@ class _SpecCollector:
                      kind)
         yield _counter("mlx_lane:spec_decode_blind_starts", "Requests whose MTP heads started on a cached prefix "
                        "whose entry kept none of their state", s.get("blind", 0), kind)
+        yield _counter("mlx_lane:spec_decode_solo_joined_batch", "Requests that speculated alone and joined the plain "
+                       "batch, drafting no more, when others started", s.get("solo_joined_batch", 0), kind)
         b = s.get("in_batch") or {}
         yield _counter("mlx_lane:spec_decode_batch_steps", "Verify steps of speculating batches", b.get("steps", 0),
                        kind)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Optional, cast
 
 from server.device_memory import trim_pool
 from server.lane import cuda_profile
@@ -150,7 +150,7 @@ class Executor:
         batch = [s for s in start.batch if s.phase in (Phase.SOLO, Phase.READY)]
         if batch:
             try:
-                self.engine.join_batch(start.group, batch)
+                regrouped = self.engine.join_batch(start.group, batch)
             except Exception as exc:
                 log.exception("joining the batch failed for %s", ", ".join(s.id for s in batch))
                 for seq in batch:
@@ -158,6 +158,8 @@ class Executor:
             else:
                 for seq in batch:
                     seq.phase = Phase.BATCHED
+                for joined, facts in regrouped or ():  # it speculated alone and decodes plainly in the batch now
+                    cast(Sequence, joined).facts = facts
         for seq in start.solo:
             if seq.phase == Phase.READY:
                 seq.phase = Phase.SOLO

@@ -66,6 +66,9 @@ class SeqFacts:
     joins: bool = True  # it may join its group's batch from decoding on its own
     drafting: bool = False  # it decodes speculatively (the server speculates, the request and its model allow it)
     solo_ahead: bool = True  # decoding on its own, it runs a forward ahead of the tokens it returned
+    # it speculates on its own only because it arrived alone (its model's caches cannot speculate in a batch): when
+    # its group's batch forms or takes rows, it joins it and drafts no more (the engine's join gives its new facts)
+    yields: bool = False
 
 
 class SeqView(Protocol):
@@ -214,8 +217,9 @@ class LaneEngine(Protocol):
         """Compute these prompt chunks ((sequence, tokens), one forward for all of them); ``store_now``: store a
         completed prompt at once, for requests that may share its prefix."""
 
-    def join_batch(self, group: GroupKey, seqs: Sequence[SeqView]) -> None:
-        """These sequences (ready, or decoding on their own) join their group's batch in one step."""
+    def join_batch(self, group: GroupKey, seqs: Sequence[SeqView]) -> Sequence[tuple[SeqView, SeqFacts]]:
+        """These sequences (ready, or decoding on their own) join their group's batch in one step; the new facts of
+        those that drafted alone and no longer draft (``SeqFacts.yields``)."""
 
     def leave_batch(self, seq: SeqView) -> None:
         """A batch row goes on decoding on its own."""

@@ -165,6 +165,12 @@ class Sequence:
         return (self.facts.batchable and self.facts.joins and self.params.grammar is None
                 and not self.facts.solo_ahead)
 
+    @property
+    def yields(self) -> bool:
+        """Does it speculate on its own only for want of company (``facts.yields``), so that it joins its group's
+        batch, drafting no more, when that batch forms or takes rows? Not with a grammar (as ``joinable``)."""
+        return self.facts.yields and self.params.grammar is None
+
     def start_output(self, detokenizer, eos: frozenset, logprob_of: Optional[Callable] = None) -> None:
         """Bind the text side (the engine does it at admission: the detokenizer is the model's)."""
         self.detokenizer, self.eos, self.logprob_of = detokenizer, eos, logprob_of

@@ -312,3 +312,62 @@ def test_a_leave_moves_one_rows_state_into_its_hole_in_place_not_every_rows():
     assert [float(a[i].max()) for i in range(rows - 1)] == [0, 1, 7, 3, 4, 5, 6]
     assert [float(b[i].min()) for i in range(rows - 1)] == [100, 101, 107, 103, 104, 105, 106]
     assert grown <= 4 * row_bytes, (grown, row_bytes)  # a gather of the 7 live rows would be 14 rows' worth
+
+
+def test_a_hybrid_request_speculating_alone_joins_the_batch_when_others_arrive_and_keeps_its_tokens(model):
+    """A hybrid cannot speculate in a batch, so a request that arrives alone speculates on its own (n-gram drafts
+    here) and one that arrives with company decodes plainly. When company comes, the lone one joins the plain batch
+    and drafts no more (``SeqFacts.yields``): its solo decoder hands its caches over with its next input unfed
+    (recurrent state cannot take a fed token back). Every request makes its alone greedy tokens, the first one moved
+    from solo into the batch, and its stored run covers exactly what it computed."""
+    from types import SimpleNamespace
+
+    from cache.prompt_cache import PromptCache
+    from server.engine.engine import Engine, EngineConfig
+    from server.engine.speculation import SpecTotals, Speculation
+    from server.lane.events import SamplingParams
+    from server.lane.lane import Lane
+    from server.lane.sequence import Phase, Sequence
+    from server.stats import ServingStats
+    from spec import NgramProvider
+    from tests.fixtures.tiny_models import IdTokenizer
+
+    loaded = SimpleNamespace(model=model, tokenizer=IdTokenizer(), fingerprint="h" * 16)
+    cache, stats = PromptCache(1 << 26), ServingStats()
+    speculation = Speculation(NgramProvider(), num_draft_tokens=3, kind="ngram")
+    engine = Engine(loaded, cache, stats, EngineConfig(prefill_chunk=16, speculation=speculation))
+    engine.bind_stream()
+    lane = Lane(engine, cache, stats, max_batch=8)
+    lane.stats.spec = SpecTotals("ngram", 3)
+
+    def submit(name, prompt, n=14):
+        target = lane.engine.base_target()
+        params = SamplingParams(max_tokens=n, temperature=0.0)
+        seq = Sequence(prompt=list(prompt), params=params, sink=lambda e: None, id=name, target=target,
+                       ns=lane.engine.namespace_for(target, params))
+        lane.submit(seq)
+        return seq
+
+    prompts = [[9, 8, 7, 6, 5, 4, 3, 2, 1] * 3, list(range(50, 57)), list(range(3, 40))]
+    arrivals = [0, 6, 6]  # the first speculates alone for a few steps; then two arrive with company
+    seqs, phases, facts = {}, set(), {}
+    for tick in range(300):
+        for i, at in enumerate(arrivals):
+            if tick == at:
+                seqs[i] = submit(str(i), prompts[i])
+        if lane.idle() and len(seqs) == len(prompts):
+            break
+        lane.tick()
+        phases |= {(s.id, s.phase) for s in seqs.values()}
+        facts.setdefault("0", []).append((seqs[0].phase, seqs[0].facts.drafting))
+    first = seqs[0]
+    assert (Phase.SOLO, True) in facts["0"]  # it speculated alone ...
+    assert (Phase.BATCHED, False) in facts["0"]  # ... then decoded in the batch, drafting no more
+    assert ("1", Phase.BATCHED) in phases and ("2", Phase.BATCHED) in phases
+    assert not seqs[1].facts.drafting and not seqs[2].facts.drafting  # arrived with company: plain from the start
+    for i, s in seqs.items():
+        assert list(s.generated) == alone(model, prompts[i], 14), i
+    assert first.stored == len(first.prompt) + 14 - 1
+    assert (first.ns, tuple(first.prompt + first.generated[:-1])) in set(cache.keys())
+    spec = lane.stats.spec.as_dict()
+    assert spec["solo_joined_batch"] == 1

@@ -20,13 +20,15 @@ GRAMMAR = object()  # any grammar: the scheduler only asks whether there is one
 
 def seq(name: str, prompt_len: int = 3, *, phase: Phase = Phase.WAITING, done: int = 0, group=None,
         batchable: bool = True, together: bool = True, max_tokens: int = 4, cancelled: bool = False,
-        prefilled: bool = False, generated: int = 0, grammar=None, window=None, prompt=None) -> Sequence:
+        prefilled: bool = False, generated: int = 0, grammar=None, window=None, prompt=None,
+        yields: bool = False) -> Sequence:
     if prefilled and phase == Phase.PREFILL:
         phase = Phase.READY  # its prompt is computed
     s = Sequence(prompt=list(prompt) if prompt is not None else [7] * prompt_len,
                  params=SamplingParams(max_tokens=max_tokens, grammar=grammar), sink=lambda e: None, id=name,
                  phase=phase, covered=done,
-                 facts=SeqFacts(group=group, batchable=batchable, prefill_together=together, window=window))
+                 facts=SeqFacts(group=group, batchable=batchable, prefill_together=together, window=window,
+                                yields=yields, drafting=yields))
     s.generated = [1] * generated
     if cancelled:
         s.cancel.set()
@@ -302,6 +304,36 @@ def test_sequences_that_cannot_batch_stay_solo_beside_the_batch():
     plan = sched().schedule([seq("q", batchable=False)], running)
     assert starts(plan) == [(None, [], ["q"])]
     assert plan.decode == (None,) and names(plan.solo) == ["spec", "q"]  # both solo, the batch steps too
+
+
+def test_a_sequence_that_speculates_alone_for_want_of_company_joins_the_batch_others_start():
+    # a hybrid's request that arrived alone speculates solo (its model cannot speculate in a batch); when a plain
+    # one starts in its group, it joins their batch (as the plain sequence would have gone solo otherwise)
+    running = [seq("spec", phase=Phase.SOLO, prefilled=True, generated=3, batchable=False, yields=True)]
+    plan = sched().schedule([seq("a")], running)
+    assert starts(plan) == [(None, ["spec", "a"], [])]
+    assert plan.decode == (None,) and not plan.solo
+
+    # with a grammar it stays where it is, as any solo sequence whose processor must see each token once
+    held = [seq("spec", phase=Phase.SOLO, prefilled=True, generated=3, batchable=False, yields=True,
+                grammar=GRAMMAR)]
+    plan = sched().schedule([seq("a")], held)
+    assert starts(plan) == [(None, [], ["a"])] and names(plan.solo) == ["spec", "a"]
+
+    # a sequence that cannot batch and does not yield stays solo (the rule before)
+    stays = [seq("spec", phase=Phase.SOLO, prefilled=True, generated=3, batchable=False)]
+    plan = sched().schedule([seq("a")], stays)
+    assert starts(plan) == [(None, [], ["a"])] and names(plan.solo) == ["spec", "a"]
+
+
+def test_a_yielding_sequence_ready_beside_a_batch_starts_in_it_and_alone_goes_solo():
+    batch = [seq("x", phase=Phase.BATCHED, prefilled=True, generated=2),
+             seq("y", phase=Phase.BATCHED, prefilled=True, generated=2)]
+    plan = sched().schedule([seq("q", batchable=False, yields=True)], batch)
+    assert starts(plan) == [(None, ["q"], [])] and plan.decode == (None,) and not plan.solo
+
+    plan = sched().schedule([seq("q", batchable=False, yields=True)], [])
+    assert starts(plan) == [(None, [], ["q"])] and names(plan.solo) == ["q"]
 
 
 @pytest.mark.parametrize("kwargs", [dict(grammar=GRAMMAR), dict(window=8)])

@@ -82,16 +82,24 @@ class Placement:
 
     kind: BatchKind
     drafting: bool
+    yields: bool = False  # it speculates alone for want of company: it joins its plain batch when that forms
 
 
 def place(layout: Layout, caches: CacheFacts, drafting: bool, company: bool) -> Placement:
     """A request's kind (``choose``) and whether it drafts. A model whose caches a speculating batch cannot hold
     (recurrent state, sliding windows) speculates only on its own: a request that arrives with ``company`` (others
     running or waiting) decodes plainly instead, in its group's plain batch, since every speculating request of such
-    a model decoding alone made 4 concurrent requests on a tiny qwen3.5 take 4x the wall of the plain batch."""
+    a model decoding alone made 4 concurrent requests on a tiny qwen3.5 take 4x the wall of the plain batch. One that
+    arrives alone speculates until company comes (``yields``): then it joins the plain batch for the same reason (on a
+    GPU each of its steps costs about what the whole batch's step does, ``server.engine.decode.Decoder.join``),
+    where its solo decoder can hand its caches over exactly (``joins``; it runs nothing ahead: ``solo_pipelined``)."""
     kind = choose(layout, caches, drafting)
-    if drafting and kind == BatchKind.SOLO and company and layout.spec_in_batch:
-        return Placement(choose(layout, caches, False), False)
+    if drafting and kind == BatchKind.SOLO and layout.spec_in_batch:
+        plain = choose(layout, caches, False)
+        if company:
+            return Placement(plain, False)
+        yields = plain != BatchKind.SOLO and joins(plain, caches) and not solo_pipelined(layout, caches)
+        return Placement(kind, drafting, yields)
     return Placement(kind, drafting)
 
 
@@ -136,4 +144,10 @@ def make(kind: BatchKind, model: Any, layout: Layout, stream: Optional[Any] = No
         return RaggedBatch(model, pipelined=pipelined(layout, caches))
     if kind == BatchKind.MLX:
         return MlxBatch(model, clear_cache=layout.gpu)
+    return make_solo(model, layout, stream, caches)
+
+
+def make_solo(model: Any, layout: Layout, stream: Optional[Any] = None,
+              caches: CacheFacts = CacheFacts(plain_kv=True, mergeable=True)) -> SoloBatch:
+    """``make(BatchKind.SOLO, ...)``, typed as what it is: a solo batch can also ``hand_over`` its row."""
     return SoloBatch(model, stream, pipelined=solo_pipelined(layout, caches))

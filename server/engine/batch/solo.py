@@ -5,7 +5,9 @@ A batch of one is slower than the solo path (plain ``generate_step`` pipelines e
 sequence decodes here while it is its group's only one, or when no batch kind can hold it (a speculating row with a
 grammar, caches that cannot merge). ``SoloBatch`` is the ``Batch`` (server.engine.batch.protocol) over the two
 decoders: ``add`` takes its one row, the decoder opens at the first ``step``, ``remove`` closes it and hands back the
-caches with exactly the tokens they cover (each decoder's own account, below).
+caches with exactly the tokens they cover (each decoder's own account, below); ``hand_over`` closes it for a join,
+the row's next input unfed where the decoder allows (a speculative one: ``spec.verify.HandOver``), so a row over
+recurrent state or a wrapped window can join its group's batch from speculating alone.
 
 mlx-lm's ``generate_step`` pipelines every forward with the next one (``async_eval``). On a
 CPU the first token then arrives only after *two* forward passes: for a prefix-cache hit
@@ -27,7 +29,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import greedy_sampler
 
 from server.engine.batch.protocol import Covered, Emitted, Row, RowState
-from spec import speculative_decode
+from spec import HandOver, speculative_decode
 from spec.rewind import can_rewind
 
 __all__ = ["SoloBatch", "PlainDecode"]
@@ -124,6 +126,7 @@ class SoloBatch:
         self._emitted: list[int] = []  # the tokens its steps emitted since the join
         self._decoder: Any = None  # PlainDecode, or the speculative generator
         self._steps: Optional[Generator] = None  # the decoder's iteration
+        self._done = False  # the decoder's iteration ended (a speculative one then fed its last token)
 
     def __len__(self) -> int:
         return int(self._row is not None)
@@ -166,6 +169,7 @@ class SoloBatch:
             try:
                 token, logprobs, *_ = next(self._steps)  # speculative steps also say whether it was drafted
             except StopIteration:
+                self._done = True
                 return []
         self.steps += 1
         self.row_steps += 1
@@ -189,7 +193,31 @@ class SoloBatch:
             fed = self._decoder.fed_generated if isinstance(self._decoder, PlainDecode) else since_join
             tokens = history + self._emitted[:fed]
         self._row = self._state = self._decoder = self._steps = None
-        self._emitted = []
+        self._emitted, self._done = [], False
+        return [Covered(tokens, row.caches)]
+
+    def hand_over(self, seqs: Sequence) -> list[Covered]:
+        """``remove`` for a join: every token it emitted kept, and a speculative decoder told to leave its last token
+        unfed (``HandOver``), so the caches cover the history but its next input and need no trim (recurrent state and
+        wrapped windows cannot take one back: such a row's decoders are not ``pipelined``, so none fed ahead). Other
+        decoders close as in ``remove``: a pipelined one's caches can be trimmed (``Decoder._entry``), and a plain one
+        that is not pipelined fed nothing ahead."""
+        row = self._row
+        if row is None or len(seqs) != 1 or seqs[0] is not row.seq:
+            raise KeyError("not this solo batch's row")
+        steps = self._steps
+        if (self.pipelined or isinstance(self._decoder, PlainDecode) or steps is None or self._done
+                or not self._emitted):
+            return self.remove(seqs)
+        try:
+            steps.throw(HandOver())
+        except HandOver:
+            pass
+        else:
+            raise RuntimeError("the speculative decoder went on after HandOver")
+        tokens = list(row.history) + self._emitted[:-1]
+        self._row = self._state = self._decoder = self._steps = None
+        self._emitted, self._done = [], False
         return [Covered(tokens, row.caches)]
 
     def _open(self, row: Row, state: RowState):
@@ -201,7 +229,8 @@ class SoloBatch:
             return speculative_decode(
                 self.model, row.caches, history[-1], d.source, sampler=sampler,
                 logits_processors=row.rules.processors(history[:-1]), max_tokens=left,
-                num_draft_tokens=d.max_draft, stream=self.stream, policy=d.policy, stats=d.stats)
+                num_draft_tokens=d.max_draft, stream=self.stream, policy=d.policy, stats=d.stats,
+                pipelined=self.pipelined)
         return PlainDecode(self.model, row.caches, history, max_tokens=left, sampler=sampler,
                            stream=self.stream, processors_for=row.rules.processors, pipelined=self.pipelined)
 
