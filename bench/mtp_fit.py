@@ -36,11 +36,18 @@ the measured step costs give, so a reader can place a real checkpoint's acceptan
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+# float32 matmuls on a CUDA GPU run as TF32 unless MLX_ENABLE_TF32=0 (MLX's default is 1): ~1e-3 relative error, which
+# flips a random model's greedy near-ties between a verify forward and a one-token step, so a fitted head's text left
+# the continuations it was fitted on (12-05, H100: 0 of 3 texts equal to plain greedy in float32). bfloat16 is not
+# affected; set before MLX reads it
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -425,8 +432,8 @@ def main() -> int:
     tokenizer = loaded.tokenizer
     ids = context(tokenizer, args.context)
     prompts = [tokenizer.encode(t) for t in PROMPTS]
-    result = {**run_record(), "args": vars(args), "heads": provider.facts.__dict__ if provider.facts else None,
-              "rows": {}}
+    result = {**run_record(), "args": vars(args), "mlx_enable_tf32": os.environ.get("MLX_ENABLE_TF32"),
+              "heads": provider.facts.__dict__ if provider.facts else None, "rows": {}}
     if args.fit_steps:
         result["fit"] = fit_head(args, loaded, provider, prompts)
     import spec.rewind
