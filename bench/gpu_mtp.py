@@ -99,6 +99,10 @@ def main() -> int:
                     "%(default)s, the tokenizer's: bench/gpu_agents.py does the same)")
     ap.add_argument("--dtype", default="bfloat16", help="--shape: the weights' dtype")
     ap.add_argument("--tokenizer-dir", default=str(ROOT / ".whl" / "tok"), help="--shape: the tokenizer it gets")
+    ap.add_argument("--server-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="the servers' --dtype (default theirs: bfloat16 on a GPU). float32 serves a head fitted in "
+                         "float32 (bench/mtp_fit.py --dtype float32) on the numbers it was fitted on; with "
+                         "MLX_ENABLE_TF32=0 in the environment, which the servers inherit, its matmuls stay float32")
     ap.add_argument("--together", action=argparse.BooleanOptionalAction, default=None,
                     help="run every configuration's server at once, alternating round by round (default: on the "
                          "CPU; on a GPU one server at a time)")
@@ -131,7 +135,8 @@ def main() -> int:
                   f"{r['decode_s_mean']:6.2f} s", flush=True)
 
         def started(name: str):
-            server = peer_servers.Ours(Path(tmp) / name, path, extra=CONFIGS[name])
+            dtype = ("--dtype", args.server_dtype) if args.server_dtype else ()
+            server = peer_servers.Ours(Path(tmp) / name, path, extra=(*CONFIGS[name], *dtype))
             server.start()
             return server
 
