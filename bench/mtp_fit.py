@@ -396,7 +396,9 @@ def main() -> int:
                          "tokens follow no pattern a head could learn beyond the text it saw, so this is how a random "
                          "target reaches a real head's acceptance: by memory; say so where the figure is used)")
     ap.add_argument("--fit-lr", type=float, default=1e-3)
-    ap.add_argument("--fit-depth", type=int, default=2, choices=[1, 2])
+    ap.add_argument("--fit-depth", type=int, default=2, choices=[1, 2, 3, 4],
+                    help="chained drafts the fit trains (default 2; a Qwen-family head trains 3 and 4 exactly too, "
+                         "bench/mtp_train.py)")
     ap.add_argument("--fit-sequences", type=int, default=64, help="greedy continuations to fit on (default 64)")
     ap.add_argument("--fit-prompt-tokens", type=int, default=64)
     ap.add_argument("--fit-new-tokens", type=int, default=192)
