@@ -103,7 +103,7 @@ class Engine:
         return mx.stream(self.stream)
 
     def warmup_steps(self) -> list[WarmStep]:
-        return warm_up_steps(self.base, self.config.layout, self.prefill_chunk, self.stream)
+        return warm_up_steps(self.base, self.config.layout, self.prefill_chunk, self.stream, self.speculation)
 
     # -- what a request is, before it runs -------------------------------------------------------------------
     def draft_tokens(self, target: Target, params) -> int:

@@ -4,22 +4,26 @@ and the start-up check that this device can attend over a quantized KV cache."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import mlx.core as mx
 
 from server.engine.batch import BatchKind, Layout, Row, choose, make
 from server.engine.prefill import forward_together
 from server.engine.slot import ModelSlot
+from server.engine.speculation import Speculation
 from server.lane.seam import WarmStep
+from spec import FixedDraftLength, speculative_decode
 
 __all__ = ["warm_up_steps", "check_kv_quantization"]
 
 
-def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -> list[WarmStep]:
+def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream,
+                  speculation: Optional[Speculation] = None) -> list[WarmStep]:
     """The steps, in order: the weights; a prefill; one-token steps over its cache; a batched step of two rows; on a
     GPU, for a model whose prompts prefill together, a batched prefill of two padded rows, cold and past cached
-    prefixes (a chunk, then a tail of a few tokens). So the first requests pay none of it. On a GPU the prefill is two whole
+    prefixes (a chunk, then a tail of a few tokens); on a GPU, when the server speculates, a request's speculative
+    rounds on its own (``speculative_rounds``). So the first requests pay none of it. On a GPU the prefill is two whole
     --prefill-chunk chunks, the second over the first's cache (MLX compiles a kernel per shape: the first 2048-token
     chunk of a cold process cost 1.5-2x a warm one on the H200), one step each, so that no step is longer than one
     chunk's forward; on the CPU, where nothing is compiled, 8 tokens do. Each step runs on ``stream`` (the lane's);
@@ -86,6 +90,27 @@ def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -
         rows = forward_together(model, held.pop("rows"), [[7, 8, 9], [7, 8]])
         forward_together(model, rows, [[4, 5, 6], [4, 5, 6]])
 
+    def speculative_rounds() -> None:
+        # a request speculating alone (every hybrid's and window model's, and any alone): verify forwards of 1 +
+        # drafts tokens, its draft's own forwards (MTP heads, a draft model) and taking rejected drafts back (a hybrid
+        # chooses its recorded state: models.kernels.positions). On the H200 the first request of a Qwen3.5-9B server
+        # with --draft-kind mtp took 18.5 s against 2.0 s for the plain server's (bench/gpu_mtp.py, 2026-12-07)
+        assert speculation is not None
+        n = speculation.wanted(None, slot.facts)
+        if not n:
+            return
+        prompt = [3, 4, 5, 6] * 4  # a repeat, so the n-gram draft proposes too
+        caches = slot.new_caches()
+        plan = speculation.open(None, (), n)
+        source = plan.source
+        mx.eval(model(mx.array([prompt[:-1]]), cache=caches))
+        if getattr(source, "hears_hidden", False):
+            source.heard(0, prompt[:-1])
+        source.prefill(prompt[:-1])
+        for _ in speculative_decode(model, caches, prompt[-1], source, max_tokens=2 * (n + 1), num_draft_tokens=n,
+                                    stream=stream, policy=FixedDraftLength(n), pipelined=False):
+            pass
+
     steps = [WarmStep("weights", weights)]
     steps += [WarmStep(f"prefill chunk {part + 1}", prefill(part)) for part in range(2 if gpu else 1)]
     steps.append(WarmStep("one-token steps", one_token_steps))
@@ -96,6 +121,8 @@ def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream) -
         steps.append(WarmStep("batched prefill", batched_prefill))
         steps.append(WarmStep("batched prefill past a cache", batched_prefill_past_a_cache))
         steps.append(WarmStep("batched tail past a cache", batched_tail_past_a_cache))
+    if gpu and speculation is not None and speculation.wanted(None, slot.facts):
+        steps.append(WarmStep("speculative rounds", speculative_rounds))
     # the warm-up's buffers back to the device: its caches are garbage by now
     steps.append(WarmStep("free buffers", mx.clear_cache))
     return [WarmStep(s.name, on_stream(s.run)) for s in steps]

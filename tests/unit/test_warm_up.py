@@ -301,3 +301,44 @@ def test_the_engines_warm_up_is_its_old_work_in_steps_that_each_run(arch, gpu, n
     warm.load(steps)
     warm.run_all()
     assert warm.state == WarmState.DONE, warm.as_dict()
+
+
+@pytest.mark.parametrize("kind", ["ngram", "mtp"])
+def test_a_speculating_server_warms_a_request_speculating_on_its_own_on_a_gpu(kind):
+    """With speculation on, the GPU warm-up ends with a request's speculative rounds (verify forwards of 1 + drafts,
+    the draft's own forwards, rejected drafts taken back), on the zoo's hybrid with its MTP layer: each step runs here
+    on the CPU as the lane would run it (on a GPU they compile those kernels before the first request)."""
+    from types import SimpleNamespace
+
+    from cache.prompt_cache import NullPromptCache
+    from models.mtp import facts_of, tap
+    from server.engine.batch import Layout
+    from server.engine.engine import Engine, EngineConfig
+    from server.engine.speculation import Speculation
+    from server.stats import ServingStats
+    from spec import NgramProvider
+    from spec.mtp import MtpProvider
+    from tests.fixtures import zoo_mtp
+    from tests.fixtures.tiny_models import IdTokenizer
+
+    model, head = zoo_mtp.build("qwen3_5", vocab=257, seed=11)
+    provider = (NgramProvider() if kind == "ngram" else
+                MtpProvider(head, tap(model), identity="mtp:test", target_params=10 * head.params,
+                            facts=facts_of(head, "qwen3_5")))
+    speculation = Speculation(provider, num_draft_tokens=3, kind=kind)
+    loaded = SimpleNamespace(model=model, tokenizer=IdTokenizer(), fingerprint="0" * 16)
+    engine = Engine(loaded, NullPromptCache(), ServingStats(),
+                    EngineConfig(prefill_chunk=16, layout=Layout(batch_layout="ragged", gpu=True),
+                                 speculation=speculation))
+    engine.bind_stream()
+    steps = engine.warmup_steps()
+    assert [s.name for s in steps][-2:] == ["speculative rounds", "free buffers"]
+    warm = WarmUp("before-ready")
+    warm.load(steps)
+    warm.run_all()
+    assert warm.state == WarmState.DONE, warm.as_dict()
+
+    cpu = Engine(loaded, NullPromptCache(), ServingStats(),
+                 EngineConfig(prefill_chunk=16, layout=Layout(batch_layout="ragged"), speculation=speculation))
+    cpu.bind_stream()
+    assert "speculative rounds" not in [s.name for s in cpu.warmup_steps()]  # nothing compiles on the CPU
