@@ -63,6 +63,19 @@ def alone(model, prompt, n):
     return [int(t) for t, _ in generate_step(mx.array(prompt[-1:]), model, max_tokens=n, prompt_cache=caches)]
 
 
+def submit(lane, name, prompt, n=10):
+    """A greedy request of ``n`` tokens into the real lane (its namespace as the server gives it)."""
+    from server.lane.events import SamplingParams
+    from server.lane.sequence import Sequence
+
+    target = lane.engine.base_target()
+    params = SamplingParams(max_tokens=n, temperature=0.0)
+    seq = Sequence(prompt=list(prompt), params=params, sink=lambda e: None, id=name, target=target,
+                   ns=lane.engine.namespace_for(target, params))
+    lane.submit(seq)
+    return seq
+
+
 PROMPTS = [list(range(3, 40)), list(range(50, 57)), [9, 8, 7, 6, 5, 4, 3, 2, 1] * 3, list(range(60, 64))]
 HYBRID = CacheFacts(plain_kv=False, mergeable=True, recurrent=True, ragged=True)
 
@@ -137,9 +150,8 @@ def test_on_the_lane_four_hybrid_requests_arriving_at_different_times_make_their
 
     from cache.prompt_cache import PromptCache
     from server.engine.engine import Engine, EngineConfig
-    from server.lane.events import SamplingParams
     from server.lane.lane import Lane
-    from server.lane.sequence import Phase, Sequence
+    from server.lane.sequence import Phase
     from server.stats import ServingStats
     from tests.fixtures.tiny_models import IdTokenizer
 
@@ -149,14 +161,6 @@ def test_on_the_lane_four_hybrid_requests_arriving_at_different_times_make_their
         engine = Engine(loaded, cache, stats, EngineConfig(prefill_chunk=16))
         engine.bind_stream()
         return Lane(engine, cache, stats, max_batch=max_batch), cache
-
-    def submit(lane, name, prompt, n=10):
-        target = lane.engine.base_target()
-        params = SamplingParams(max_tokens=n, temperature=0.0)
-        seq = Sequence(prompt=list(prompt), params=params, sink=lambda e: None, id=name, target=target,
-                       ns=lane.engine.namespace_for(target, params))
-        lane.submit(seq)
-        return seq
 
     want = {}
     for i, p in enumerate(PROMPTS):
@@ -325,9 +329,8 @@ def test_a_hybrid_request_speculating_alone_joins_the_batch_when_others_arrive_a
     from cache.prompt_cache import PromptCache
     from server.engine.engine import Engine, EngineConfig
     from server.engine.speculation import SpecTotals, Speculation
-    from server.lane.events import SamplingParams
     from server.lane.lane import Lane
-    from server.lane.sequence import Phase, Sequence
+    from server.lane.sequence import Phase
     from server.stats import ServingStats
     from spec import NgramProvider
     from tests.fixtures.tiny_models import IdTokenizer
@@ -340,21 +343,13 @@ def test_a_hybrid_request_speculating_alone_joins_the_batch_when_others_arrive_a
     lane = Lane(engine, cache, stats, max_batch=8)
     lane.stats.spec = SpecTotals("ngram", 3)
 
-    def submit(name, prompt, n=14):
-        target = lane.engine.base_target()
-        params = SamplingParams(max_tokens=n, temperature=0.0)
-        seq = Sequence(prompt=list(prompt), params=params, sink=lambda e: None, id=name, target=target,
-                       ns=lane.engine.namespace_for(target, params))
-        lane.submit(seq)
-        return seq
-
     prompts = [[9, 8, 7, 6, 5, 4, 3, 2, 1] * 3, list(range(50, 57)), list(range(3, 40))]
     arrivals = [0, 6, 6]  # the first speculates alone for a few steps; then two arrive with company
     seqs, phases, facts = {}, set(), {}
     for tick in range(300):
         for i, at in enumerate(arrivals):
             if tick == at:
-                seqs[i] = submit(str(i), prompts[i])
+                seqs[i] = submit(lane, str(i), prompts[i], 14)
         if lane.idle() and len(seqs) == len(prompts):
             break
         lane.tick()
