@@ -318,13 +318,20 @@ def test_a_leave_moves_one_rows_state_into_its_hole_in_place_not_every_rows():
     assert grown <= 4 * row_bytes, (grown, row_bytes)  # a gather of the 7 live rows would be 14 rows' worth
 
 
-def test_a_hybrid_request_speculating_alone_joins_the_batch_when_others_arrive_and_keeps_its_tokens(model):
-    """A hybrid cannot speculate in a batch, so a request that arrives alone speculates on its own (n-gram drafts
-    here) and one that arrives with company decodes plainly. When company comes, the lone one joins the plain batch
-    and drafts no more (``SeqFacts.yields``): its solo decoder hands its caches over with its next input unfed
-    (recurrent state cannot take a fed token back). Every request makes its alone greedy tokens, the first one moved
-    from solo into the batch, and its stored run covers exactly what it computed."""
+@pytest.mark.parametrize("kind", ["hybrid", "window"])
+def test_a_request_speculating_alone_joins_the_batch_when_others_arrive_and_keeps_its_tokens(model, kind):
+    """A hybrid (or a sliding-window model) cannot speculate in a batch, so a request that arrives alone speculates on
+    its own (n-gram drafts here) and one that arrives with company decodes plainly. When company comes, the lone one
+    joins the plain batch and drafts no more (``SeqFacts.yields``): its solo decoder hands its caches over with its
+    next input unfed (recurrent state cannot take a fed token back, nor a wrapped window: the zoo's gpt-oss has 16-token
+    windows, the prompts wrap them). Every request makes its alone greedy tokens, the first one moved from solo into
+    the batch, and its stored run covers exactly what it computed."""
     from types import SimpleNamespace
+
+    if kind == "window":
+        from tests.fixtures import zoo
+
+        model = zoo.build("gpt_oss", vocab=97, seed=3)
 
     from cache.prompt_cache import PromptCache
     from server.engine.engine import Engine, EngineConfig
