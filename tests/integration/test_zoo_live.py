@@ -159,6 +159,7 @@ def test_requests_arriving_at_different_times_give_their_alone_text(served):
     clear(served.url)
     got = [None] * 4
     batched_before = batched_ticks(served.url)
+    joined_before = httpx.get(served.url + "/stats").json()["speculative"]["solo_joined_batch"]
 
     def one(i):
         got[i] = chat(served.url, prompts[i], max_tokens=64)[0]
@@ -171,6 +172,9 @@ def test_requests_arriving_at_different_times_give_their_alone_text(served):
         t.join(300)
     assert got == alone, served.name
     assert batched_ticks(served.url) > batched_before  # they did decode together
+    # the first arrived alone, so it was to speculate on its own (neither model can speculate in a batch): it joined
+    # the others' plain batch instead, its state handed over exactly (the texts above)
+    assert httpx.get(served.url + "/stats").json()["speculative"]["solo_joined_batch"] > joined_before
 
 
 def batched_ticks(url):
