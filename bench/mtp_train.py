@@ -126,7 +126,7 @@ def fit(loaded, head, tap, sequences: list[list[int]], steps: int, lr: float = 1
         batch: int = 4, log_every: int = 25, seed: int = 0) -> dict:
     """Train ``head.module`` (only) on ``sequences`` of one length (see the module docstring); it ends in the
     target's dtype. Returns the loss curve and the depth-1 agreement on the training positions, first and last."""
-    from models.mtp.heads import QWEN, SHAPES
+    from models.mtp.heads import DEEPSEEK, QWEN, SHAPES
 
     model = loaded.model
     rows = _targets(model, tap, sequences, batch=max(1, batch * 2))
@@ -148,19 +148,22 @@ def fit(loaded, head, tap, sequences: list[list[int]], steps: int, lr: float = 1
         e = head.embed(tokens)
         return e * head.embed_scale if head.embed_scale != 1.0 else e
 
-    exact = head.family == QWEN
+    exact = head.family in (QWEN, DEEPSEEK)
 
     def losses(s, h, a):
         tok, hid, lab1 = s[:, 1:-1], h[:, :-2], a[:, 1:-1]
         caches = head.make_caches()
-        out1 = forward(head.module, embed(tok), hid.astype(mx.float32), caches, "causal")
+        causal = mx.tril(mx.ones((tok.shape[1], tok.shape[1]), dtype=mx.bool_))[None, None]  # an array: a
+        # DeepSeek-style layer's latent attention takes no "causal" string
+        out1 = forward(head.module, embed(tok), hid.astype(mx.float32), caches, causal)
         logits1 = head.logits(out1.astype(hid.dtype)).astype(mx.float32)
         l1 = nn.losses.cross_entropy(logits1, lab1).mean()
         agree = (mx.argmax(logits1, axis=-1) == lab1).astype(mx.float32).mean()
         if depth < 2:
             return l1, (l1, agree)
         if exact:
-            return l1 + chain_losses(head.module, embed, head.logits, caches, s, a, out1, hid.dtype, depth), (l1, agree)
+            return l1 + chain_losses(head.family, head.module, embed, head.logits, caches, s, a, out1, hid.dtype,
+                                     depth), (l1, agree)
         took = (s[:, 2:-1] == a[:, 1:-2]).astype(mx.float32)  # the sequence went on with the target's token
         out2 = forward(head.module, embed(lab1[:, :-1]), out1[:, :-1].astype(hid.dtype).astype(mx.float32),
                        head.make_caches(), "causal")
@@ -200,29 +203,40 @@ def fit(loaded, head, tap, sequences: list[list[int]], steps: int, lr: float = 1
             "after": {"depth1_loss": l1.item(), "depth1_agreement": agree.item()}, "curve": curve}
 
 
-def chain_forward(module, embeds: mx.array, hidden: mx.array, e1: list, chain: list, d: int) -> tuple[mx.array, list]:
-    """A Qwen-family head's depth-``d`` entries (d >= 2) for every window position j at once, with the attention its
-    inference runs (spec.mtp ``draft_lazy``): the entry of position j + d - 1 sees the depth-1 entries of positions
-    0..j (``e1``: each layer's (keys, values) from the depth-1 forward) and its own chain's entries of depths
-    2..d-1 (``chain``: per depth, each layer's (keys, values)), itself last; its rotary position is j + d - 1.
-    ``embeds`` (B, L, H) the chain's tokens' embeddings, ``hidden`` the depth-(d-1) outputs. Returns the outputs and
-    this depth's (keys, values) per layer, to append to ``chain``."""
+def chain_forward(family: str, module, embeds: mx.array, hidden: mx.array, e1: list, chain: list,
+                  d: int) -> tuple[mx.array, list]:
+    """A head's depth-``d`` entries (d >= 2) for every window position j at once, with the attention its inference
+    runs (spec.mtp ``draft_lazy``): the entry of position j + d - 1 sees the depth-1 entries of positions 0..j (``e1``:
+    each layer's (keys, values) from the depth-1 forward) and its own chain's entries of depths 2..d-1 (``chain``:
+    per depth, each layer's (keys, values)), itself last; its rotary position is j + d - 1. ``embeds`` (B, L, H) the
+    chain's tokens' embeddings, ``hidden`` the depth-(d-1) outputs. Qwen-family heads (mlx-vlm's layers, positions
+    given) and DeepSeek-style ones (the target's own decoder layer, GLM-4.7-Flash's multi-head latent attention
+    included: positions from the cache's offset). Returns the outputs and this depth's (keys, values) per layer, to
+    append to ``chain``."""
+    from models.mtp.heads import DEEPSEEK, QWEN
+
     B, L, _ = embeds.shape
-    d_ = module
-    h = d_.fc(mx.concatenate([d_.pre_fc_norm_embedding(embeds), d_.pre_fc_norm_hidden(hidden)], axis=-1))
     width = L * d  # keys: the depth-1 entries, then one block of L per earlier chain depth, then this depth's
     rows = mx.arange(L)[:, None]
     cols = mx.arange(L)[None, :]
-    blocks = [cols <= rows] + [cols == rows] * (d - 1)
-    mask = mx.concatenate(blocks, axis=1)[None, None]  # (1, 1, L, L * d)
-    positions = mx.tile((mx.arange(L) + d - 1)[None, None], (3, 1, 1))  # Qwen3.5's 3 rotary sections, one text
+    mask = mx.concatenate([cols <= rows] + [cols == rows] * (d - 1), axis=1)[None, None]  # (1, 1, L, L * d)
     made = []
-    for i, layer in enumerate(d_.layers):
-        held = [e1[i]] + [c[i] for c in chain]
-        cache = _ChainCache(held, offset=width - L - 1)  # the layer reads offset + L + 1 mask columns: all of them
-        h = layer(h, mask=mask, cache=cache, position_ids=positions)
-        made.append(cache.made)
-    return d_.norm(h), made
+    if family == QWEN:
+        h = module.fc(mx.concatenate([module.pre_fc_norm_embedding(embeds), module.pre_fc_norm_hidden(hidden)],
+                                     axis=-1))
+        positions = mx.tile((mx.arange(L) + d - 1)[None, None], (3, 1, 1))  # Qwen3.5's 3 rotary sections, one text
+        for i, layer in enumerate(module.layers):
+            cache = _ChainCache([e1[i]] + [c[i] for c in chain], offset=width - L - 1)  # the layer reads offset +
+            # L + 1 mask columns: all of them
+            h = layer(h, mask=mask, cache=cache, position_ids=positions)
+            made.append(cache.made)
+        return module.norm(h), made
+    if family == DEEPSEEK:
+        h = module.eh_proj(mx.concatenate([module.enorm(embeds), module.hnorm(hidden)], axis=-1))
+        cache = _ChainCache([e1[0]] + [c[0] for c in chain], offset=d - 1)  # its rotary offset: j + d - 1
+        h = module.block(h, mask, cache)
+        return module.norm(h), [cache.made]
+    raise ValueError(f"no chained fit for {family} heads")
 
 
 class _ChainCache:
@@ -238,7 +252,7 @@ class _ChainCache:
                 mx.concatenate([v for _, v in self.held] + [values], axis=2))
 
 
-def chain_losses(module, embed, logits_of, caches: list, s, a, out1, dtype, depth: int) -> mx.array:
+def chain_losses(family: str, module, embed, logits_of, caches: list, s, a, out1, dtype, depth: int) -> mx.array:
     """Depths 2..``depth`` of a Qwen-family head, exactly as inference chains them (``chain_forward``), on the
     depth-1 forward's entries (``caches``, one KVCache per layer) and outputs (``out1``): the sum of each depth's
     mean cross-entropy over the positions where the sequence took the target's tokens."""
@@ -258,7 +272,7 @@ def chain_losses(module, embed, logits_of, caches: list, s, a, out1, dtype, dept
         toks = pad(a[:, d - 1: d - 1 + n], L - n)
         labels = pad(a[:, d: d + n], L - n)
         took = took * pad((s[:, d: d + n] == a[:, d - 1: d - 1 + n]).astype(mx.float32), L - n)
-        out, made = chain_forward(module, embed(toks), hidden.astype(mx.float32), e1, chain, d)
+        out, made = chain_forward(family, module, embed(toks), hidden.astype(mx.float32), e1, chain, d)
         logits = logits_of(out.astype(dtype)).astype(mx.float32)
         total = total + (nn.losses.cross_entropy(logits, labels) * took).sum() / mx.maximum(took.sum(), 1)
         hidden, chain = out, chain + [made]

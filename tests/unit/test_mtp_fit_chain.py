@@ -1,7 +1,9 @@
-"""bench/mtp_train.py's chained fit (issue 44 item 5): a Qwen-family head's depth-d entries, computed for every window
-position in one forward (``chain_forward``), equal what inference computes drafting one position at a time on the
-head's own caches (spec.mtp's ``draft_lazy``: the depth-1 entries up to the position, then the chain's), so the fit
-trains the drafts the server makes. A tiny random qwen3_5 with its MTP layer (tests.fixtures.zoo_mtp), float32."""
+"""bench/mtp_train.py's chained fit (issue 44 item 5): a head's depth-d entries, computed for every window position in
+one forward (``chain_forward``), equal what inference computes drafting one position at a time on the head's own
+caches (spec.mtp's ``draft_lazy``: the depth-1 entries up to the position, then the chain's), so the fit trains the
+drafts the server makes. Tiny random targets with their MTP layer (tests.fixtures.zoo_mtp), float32: a qwen3_5 (a
+Qwen-family head, mlx-vlm's layer) and a glm4_moe_lite (a DeepSeek-style head: the target's decoder layer, its
+multi-head latent attention)."""
 
 from __future__ import annotations
 
@@ -16,17 +18,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import mtp_train  # noqa: E402
 
-from models.mtp.heads import QWEN  # noqa: E402
+from models.mtp.heads import DEEPSEEK, QWEN  # noqa: E402
 from tests.fixtures import zoo_mtp  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def built():
+@pytest.fixture(scope="module", params=["qwen3_5", "glm4_moe_lite"])
+def built(request):
     from models.mtp import tap
 
-    model, head = zoo_mtp.build("qwen3_5", vocab=97)
-    assert head.family == QWEN
+    model, head = zoo_mtp.build(request.param, vocab=97)
+    assert head.family == (QWEN if request.param == "qwen3_5" else DEEPSEEK)
     return model, head, tap(model)
+
+
+def _causal(n):
+    return mx.tril(mx.ones((n, n), dtype=mx.bool_))[None, None]
 
 
 def _window(model, t, n=14, seed=3):
@@ -42,12 +48,12 @@ def test_each_chained_depth_equals_drafting_one_position_at_a_time(built):
     caches = head.make_caches()
     tok, hid = s[:, 1:-1], h[:, :-2]
     embed = head.embed
-    out1 = mtp_train.SHAPES_FOR_TEST(head)(head.module, embed(tok), hid, caches, "causal")
+    out1 = mtp_train.SHAPES_FOR_TEST(head)(head.module, embed(tok), hid, caches, _causal(tok.shape[1]))
     L = out1.shape[1]
     e1 = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
     # the chain at once: depth 2 and 3 for every j, teacher-forced on the target's tokens
-    out2, made2 = mtp_train.chain_forward(head.module, embed(a[:, 1: 1 + L]), out1, e1, [], 2)
-    out3, _ = mtp_train.chain_forward(head.module, embed(a[:, 2: 2 + L]), out2, e1, [made2], 3)
+    out2, made2 = mtp_train.chain_forward(head.family, head.module, embed(a[:, 1: 1 + L]), out1, e1, [], 2)
+    out3, _ = mtp_train.chain_forward(head.family, head.module, embed(a[:, 2: 2 + L]), out2, e1, [made2], 3)
     for j in (0, 3, L // 2, L - 2):
         # inference: the depth-1 entries of positions 0..j, then one entry per further draft
         kv = []
@@ -68,10 +74,12 @@ def test_the_chained_loss_trains_the_deeper_drafts(built):
     a = mx.argmax(model(s), axis=-1)
     h = t.last
     caches = head.make_caches()
-    out1 = mtp_train.SHAPES_FOR_TEST(head)(head.module, head.embed(s[:, 1:-1]), h[:, :-2], caches, "causal")
-    loss = mtp_train.chain_losses(head.module, head.embed, head.logits, caches, s, a, out1, mx.float32, 4)
+    out1 = mtp_train.SHAPES_FOR_TEST(head)(head.module, head.embed(s[:, 1:-1]), h[:, :-2], caches,
+                                           _causal(s.shape[1] - 2))
+    loss = mtp_train.chain_losses(head.family, head.module, head.embed, head.logits, caches, s, a, out1, mx.float32,
+                                  4)
     assert loss.item() > 0  # depths 2..4 of an untrained head are wrong somewhere
     # a window whose sequence never took the target's token has nothing to train beyond depth 1
     other = (a + 1) % 97
-    assert mtp_train.chain_losses(head.module, head.embed, head.logits, caches, other, a, out1, mx.float32,
-                                  4).item() == 0.0
+    assert mtp_train.chain_losses(head.family, head.module, head.embed, head.logits, caches, other, a, out1,
+                                  mx.float32, 4).item() == 0.0
