@@ -135,13 +135,17 @@ def speculative_decode(
 
     def settle() -> None:
         nonlocal over, open_round, unfed
+        exc = sys.exc_info()[1]
+        handing = isinstance(exc, HandOver)
+        if handing and open_round and walked:
+            # handed over at an accepted draft's yield: the verify forward fed that draft, and it is the sequence's
+            # next input now, so it goes back too
+            over += 1
         if over:
             take_back()
         if open_round:
             open_round = False
             source.commit(drafts if proposed is None else proposed, walked)  # unread: the verify forward failed
-        exc = sys.exc_info()[1]
-        handing = isinstance(exc, HandOver)
         clean = exc is None or handing or isinstance(exc, GeneratorExit)
         if unheard and clean:
             hear(fed[: 1 + walked])

@@ -187,3 +187,56 @@ def test_recurrent_state_beside_a_wrapped_window_cannot_rewind_and_decodes_plain
     got = [t for t, _, _ in speculative_decode(windowed, caches, PROMPT[-1], source, max_tokens=12, stats=stats)]
     assert got == plain(windowed, PROMPT, 12)
     assert stats.cannot_rewind == 1 and stats.drafted == 0
+
+
+@pytest.mark.parametrize("case", ["hybrid-chosen", "hybrid-replayed", "window"])
+def test_a_sequence_handed_over_at_any_token_leaves_its_caches_one_short_of_what_it_yielded(case, request):
+    """``HandOver`` thrown into the speculative decoder at any yield (an accepted draft's, a correction's, a bonus
+    token's) leaves a hybrid's caches covering the prompt and every yielded token but the last, the sequence's next
+    input, which a batch then feeds: plain decoding from there continues the plain greedy tokens. Recurrent state
+    cannot take a token back, so at an accepted draft's yield the decoder takes that draft back with the rejected
+    ones (the state chosen at the position before it, or replayed from the checkpoint); a wrapped window likewise."""
+    from models import kernels
+    from spec import rewind as rewind_module
+    from spec.verify import HandOver
+    from tests.unit.test_hybrid_batch import tiny_qwen3_next
+
+    choose = case != "hybrid-replayed"
+    if case == "window":
+        model, prompt = request.getfixturevalue("windowed"), PROMPT
+    else:
+        model, prompt = tiny_qwen3_next(seed=1), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+        if choose:
+            assert kernels.install(model) > 0 and kernels.positions.watch(model) == 2
+    n = 40
+    want = plain(model, prompt, n)
+
+    def decoder():
+        caches = prefilled(model, prompt[:-1])
+        source = NgramSource()
+        source.prefill(prompt[:-1])
+        return caches, speculative_decode(model, caches, prompt[-1], source, max_tokens=n, num_draft_tokens=4,
+                                          pipelined=False)
+
+    rewind_module.CHOOSE = choose
+    try:
+        full = list(decoder()[1])
+        assert [t for t, _, _ in full] == want
+        # stop right after accepted drafts' yields and after the target's own tokens, three of each
+        drafted = [i + 1 for i, (_, _, d) in enumerate(full[:-1]) if d][:3]
+        own = [i + 1 for i, (_, _, d) in enumerate(full[:-1]) if not d][:3]
+        assert drafted and own
+        for stop in drafted + own:
+            caches, gen = decoder()
+            got = [next(gen) for _ in range(stop)]
+            with pytest.raises(HandOver):
+                gen.throw(HandOver())
+            tokens = [t for t, _, _ in got]
+            assert tokens == want[:stop]
+            kv = [c for c in caches if isinstance(c, KVCache)]
+            assert all(c.offset == len(prompt) + stop - 1 for c in kv), stop  # the last yielded token unfed
+            more = [int(t) for t, _ in generate_step(mx.array(tokens[-1:]), model, max_tokens=n - stop,
+                                                      prompt_cache=caches)]
+            assert tokens + more == want, stop
+    finally:
+        rewind_module.CHOOSE = True
