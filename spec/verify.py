@@ -27,7 +27,8 @@ recurrent state its policy pauses instead of stopping.
 Handing the sequence over (``HandOver`` thrown into the generator at a yield, by a decoder whose row joins a batch):
 it settles as ``close()`` does but leaves the last yielded token unfed, its next input, so the caches cover the
 sequence but that token, which is what a batch's row starts from; recurrent state and wrapped windows could not be
-cut back to it. Not once plain decoding took over (it fed ahead): ``pipelined`` False keeps that from happening.
+cut back to it. Where that token was an accepted draft (the verify forward fed it), it is taken back with the
+rejected ones. Not once plain decoding took over (it fed ahead): ``pipelined`` False keeps that from happening.
 """
 
 from __future__ import annotations
