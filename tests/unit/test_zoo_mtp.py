@@ -123,6 +123,8 @@ def test_four_requests_together_make_their_alone_text_and_store_whole_runs(mtp, 
         assert lane.stats.spec.as_dict()["in_batch"]["steps"] > 0, name
         assert (calls["draft_lazy"] > 0, calls["draft"] > 0) == ((True, False) if with_verdict else (False, True)), \
             (name, calls)
+    else:  # the first arrived alone, to speculate on its own, and joined the others' plain batch (choose.place)
+        assert lane.stats.spec.as_dict()["solo_joined_batch"] >= 1, name
     nxt = PROMPTS[2] + want[2] + [50, 51]  # the next turn of one that arrived beside others, alone
     again, done = run(lane, nxt, n=10)
     assert again == alone(model, nxt, 10), name
