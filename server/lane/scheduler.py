@@ -30,8 +30,8 @@ without a model (tests/unit/test_scheduler.py). The rules, in plan order:
    (plain ``generate_step`` beats a batch of one); otherwise it joins its group's batch, and the group's solo
    sequences that may move migrate in with it. Speculative sequences and caches that cannot merge stay solo, but
    one that speculates alone only for want of company (``yields``: its model cannot speculate in a batch) joins the
-   batch, drafting no more, once its group has one or other rows start: it migrates in like a solo sequence, or,
-   ready now, starts in the batch.
+   batch, drafting no more, once its group has one or other rows start or decode on their own: it migrates in like
+   a solo sequence, or, ready now, starts in the batch.
 5. Leave: a batch down to one row, with nothing else of its group prefilling or decoding, goes on solo.
 6. Decode: one step of every group's batch (each adapter has its own: no group waits for another) and of every
    solo sequence. Then one lane task, if one waits.
@@ -259,11 +259,11 @@ class Scheduler:
         migrating: set = set()
         for group in dict.fromkeys([*plain, *solo_only]):
             new = plain.get(group, [])
-            if new or batch_rows.get(group):  # company: those that would speculate alone start in the batch
+            others = [s for s in live if s.phase == Phase.SOLO and s.group == group and (s.joinable or s.yields)]
+            if new or batch_rows.get(group) or others:  # company: those that would speculate alone start batched
                 yielding = [s for s in solo_only.get(group, []) if s.yields]
                 new = new + yielding
                 solo_only[group] = [s for s in solo_only.get(group, []) if not s.yields]
-            others = [s for s in live if s.phase == Phase.SOLO and s.group == group and (s.joinable or s.yields)]
             alone = len(new) == 1 and not batch_rows.get(group) and not others
             batch = () if (alone or not new) else tuple(others + new)
             migrating.update(others if batch else ())

@@ -335,6 +335,11 @@ def test_a_yielding_sequence_ready_beside_a_batch_starts_in_it_and_alone_goes_so
     plan = sched().schedule([seq("q", batchable=False, yields=True)], [])
     assert starts(plan) == [(None, [], ["q"])] and names(plan.solo) == ["q"]
 
+    # ready after a plain one that went solo (it was ready first, alone): the two start a batch, not two solos
+    solo = [seq("p", phase=Phase.SOLO, prefilled=True, generated=2)]
+    plan = sched().schedule([seq("q", batchable=False, yields=True)], solo)
+    assert starts(plan) == [(None, ["p", "q"], [])] and plan.decode == (None,) and not plan.solo
+
 
 @pytest.mark.parametrize("kwargs", [dict(grammar=GRAMMAR), dict(window=8)])
 def test_a_sequence_that_cannot_move_stays_where_it_is(kwargs):
