@@ -1,4 +1,5 @@
-"""Runtime facts of this process: which BLAS MLX runs on, which device, which dtype by default.
+"""Runtime facts of this process: which BLAS MLX runs on, which device, which dtype by default, whether float32 stays
+float32 on a CUDA GPU (``full_float32``).
 
 On Linux the mlx-cpu wheel bundles the reference Netlib BLAS, ~48x slower for float32 matmuls than
 OpenBLAS. The dynamic loader only lets a library win symbol lookup when it is loaded first, so the
@@ -12,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["ensure_blas", "blas_info", "device_name", "default_dtype", "hide_torch", "evaluate_all_arrays",
-           "OPENBLAS_CANDIDATES"]
+__all__ = ["ensure_blas", "blas_info", "device_name", "default_dtype", "full_float32", "hide_torch",
+           "evaluate_all_arrays", "OPENBLAS_CANDIDATES"]
 
 OPENBLAS_CANDIDATES: tuple[str, ...] = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -165,3 +166,15 @@ def evaluate_all_arrays(model) -> None:
     every = model.filter_and_map(lambda _m, _k, v: isinstance(v, (mx.array, dict, list)))
     leaves = (pair[1] for pair in tree_flatten(every))
     mx.eval([v for v in leaves if isinstance(v, mx.array)])
+
+
+def full_float32(dtype, environ) -> bool:
+    """``--dtype float32``: float32 matmuls stay float32 on a CUDA GPU. MLX's CUDA backend runs them as TF32 unless
+    ``MLX_ENABLE_TF32=0`` (its default is 1): ~1e-3 relative error, which flipped a random 9B model's greedy near-ties
+    between a one-token step and a verify forward on the H200 (bench/mtp_fit.py, BENCHMARKS.md 2026-12-07), where a
+    user asking for float32 asks for its precision. MLX reads the variable at its first float32 matmul, after this.
+    One the environment sets is the user's and stays. True when it was set here."""
+    if dtype != "float32" or "MLX_ENABLE_TF32" in environ:
+        return False
+    environ["MLX_ENABLE_TF32"] = "0"
+    return True

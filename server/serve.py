@@ -1,7 +1,7 @@
 """Assemble model, cache, lane and app from the command line's settings (server.config.ServerConfig), then run
 uvicorn.
 
-(About 530 lines, one job: assembly and process lifecycle. Each part it wires (kernels, adapters, embedder, web
+(About 535 lines, one job: assembly and process lifecycle. Each part it wires (kernels, adapters, embedder, web
 policy, distributed group, tiered cache, memory budget, speculation, the on-demand models, graceful shutdown) is one
 small function; the parts themselves live elsewhere: the cost model's file in cache.rates, the kernel cache's
 directory in models.loading.home.)
@@ -41,18 +41,6 @@ def engine_config(cfg: ServerConfig, speculation=None):
                         read_shared_prefix=not cfg.debug_copy_hits)
 
 
-def full_float32(dtype, environ) -> bool:
-    """``--dtype float32``: float32 matmuls stay float32 on a CUDA GPU. MLX's CUDA backend runs them as TF32 unless
-    ``MLX_ENABLE_TF32=0`` (its default is 1): ~1e-3 relative error, which flipped a random 9B model's greedy near-ties
-    between a one-token step and a verify forward on the H200 (bench/mtp_fit.py, BENCHMARKS.md 2026-12-07), where a
-    user asking for float32 asks for its precision. MLX reads the variable at its first float32 matmul, after this.
-    One the environment sets is the user's and stays. True when it was set here."""
-    if dtype != "float32" or "MLX_ENABLE_TF32" in environ:
-        return False
-    environ["MLX_ENABLE_TF32"] = "0"
-    return True
-
-
 def _configure_kernels(cfg: ServerConfig) -> None:
     """--attention, --kernels and the --debug-* kernel knobs, before any model is loaded (the kernels are installed at load);
     and where MLX's CUDA backend keeps the kernels it compiles: under $MLX_LANE_HOME (a restart then compiles
@@ -63,11 +51,12 @@ def _configure_kernels(cfg: ServerConfig) -> None:
     from cache import host_copies
     from models import attention, kernels, mlx_lane_home
     from models.loading.home import kernel_cache_dir
+    from models.runtime import full_float32
     from server.engine import distributed, prefill
     from server.lane import cuda_profile
 
     os.environ.setdefault("MLX_PTX_CACHE_DIR", str(kernel_cache_dir(mlx_lane_home())))
-    full_float32(cfg.dtype, os.environ)
+    full_float32(cfg.dtype, os.environ)  # before the first float32 matmul reads it
 
     attention.configure(cfg.attention != "mlx",
                         gpu_split=cfg.debug_gpu_attention_split,

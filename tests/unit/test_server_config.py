@@ -51,7 +51,7 @@ def test_serve_help_lists_the_draft_kinds_mtp_included():
 def test_float32_weights_keep_float32_matmuls_unless_the_environment_says_otherwise():
     """--dtype float32 asks MLX's CUDA backend for full float32 products (it runs them as TF32 by default);
     MLX_ENABLE_TF32 set by the user stays as it is, and other dtypes leave the environment alone."""
-    from server.serve import full_float32
+    from models.runtime import full_float32
 
     env: dict = {}
     assert full_float32("float32", env) and env == {"MLX_ENABLE_TF32": "0"}
