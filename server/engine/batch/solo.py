@@ -192,8 +192,7 @@ class SoloBatch:
             since_join = state.covered(None if kept is None else kept[0]) - len(history)
             fed = self._decoder.fed_generated if isinstance(self._decoder, PlainDecode) else since_join
             tokens = history + self._emitted[:fed]
-        self._row = self._state = self._decoder = self._steps = None
-        self._emitted, self._done = [], False
+        self._clear()
         return [Covered(tokens, row.caches)]
 
     def hand_over(self, seqs: Sequence) -> list[Covered]:
@@ -216,9 +215,13 @@ class SoloBatch:
         else:
             raise RuntimeError("the speculative decoder went on after HandOver")
         tokens = list(row.history) + self._emitted[:-1]
+        self._clear()
+        return [Covered(tokens, row.caches)]
+
+    def _clear(self) -> None:
+        """No row, no decoder: ready for the next ``add``."""
         self._row = self._state = self._decoder = self._steps = None
         self._emitted, self._done = [], False
-        return [Covered(tokens, row.caches)]
 
     def _open(self, row: Row, state: RowState):
         history = list(row.history)
