@@ -509,6 +509,10 @@ def main() -> int:
                 R["runs"].append(run)
                 save()
                 m = run.get("metrics")
+                if m and m["ttft_mean_s"] is None:  # every request failed (e.g. the peer ran out of memory)
+                    print(f"round {rnd + 1} {K}x{T} {n:7s} every request failed ({m['requests_failed']}): see "
+                          "the run's log_first_traceback", flush=True)
+                    continue
                 print(f"round {rnd + 1} {K}x{T} {n:7s} " + (
                     f"wall {m['wall_s']:7.2f}s  mean TTFT {m['ttft_mean_s']:.3f}s  p95 {m['ttft_p95_s']:.3f}s  "
                     f"{m['tok_s']:7.1f} tok/s  cached {m['cached_tokens']}/{m['prompt_tokens']}  failed "
