@@ -16,6 +16,10 @@ itself does for such chunks, so the lane's share can be told from the model's:
 Rates are new tokens per second of that chunk. ``--lane-attention N`` installs the server's CUDA attention
 (models.attention.gpu: the fused decode kernel, and steps of 2..N queries past cached keys composed of plain ops
 instead of cuDNN, models.attention.composed); without it the model runs mlx-lm's (cuDNN for every chunk).
+``--lane-prefill-max N`` installs it too, with a lone row's chunks of 9..N tokens through the fused kernel (its width
+read at run time: `--debug-gpu-attention-prefill-max`), and checks that kernel's logits against cuDNN's.
+
+    bash bench/gpu.sh bench/gpu_prefill_after_hit.py --model-dir DIR --chunks 128,330,1024 --lane-prefill-max 2048
 
     bash bench/gpu.sh bench/gpu_prefill_after_hit.py --model-dir /dev/shm/mlx-lane-agents-model   # after gpu_agents
     python bench/gpu_prefill_after_hit.py --shape gpt-oss-tiny --dtype float32 --context 300 --chunks 16,64 --rows 3
@@ -51,6 +55,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--lane-attention", type=int, default=None, metavar="N",
                     help="install models.attention.gpu with --debug-gpu-attention-composed-max N (0: cuDNN always)")
+    ap.add_argument("--lane-prefill-max", type=int, default=None, metavar="N",
+                    help="install models.attention.gpu with --debug-gpu-attention-prefill-max N: a lone row's "
+                         "chunks of 9..N tokens through the fused kernel; its logits checked against cuDNN's")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     args = ap.parse_args()
 
@@ -72,12 +79,13 @@ def main() -> int:
     from models import kernels
 
     kernels.install(model)  # as the server does: models.kernels' gated delta rule / Mamba-2 step on CUDA and the CPU
-    if args.lane_attention is not None:
+    if args.lane_attention is not None or args.lane_prefill_max is not None:
         from models.attention import gpu as lane_attention
 
-        lane_attention.configure(True, composed_max=args.lane_attention)
+        composed_max = 8 if args.lane_attention is None else args.lane_attention
+        lane_attention.configure(True, composed_max=composed_max, prefill_max=args.lane_prefill_max or 0)
         print(f"lane attention: {lane_attention.install(model)} modules switched, composed up to "
-              f"{args.lane_attention} queries", flush=True)
+              f"{composed_max} queries, lone chunks of 9..{args.lane_prefill_max or 0} in the kernel", flush=True)
     mx.eval(model.parameters())
     print(f"model {what} ready in {time.perf_counter() - t0:.1f}s on {mx.default_device()}", flush=True)
 
@@ -101,7 +109,8 @@ def main() -> int:
 
     import os
 
-    R: dict = {"cudnn_sdpa": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1"), "lane_attention": args.lane_attention, "model": what, "device": str(mx.default_device()), "context": args.context, "solo": {}, "together": {}}
+    R: dict = {"cudnn_sdpa": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1"), "lane_attention": args.lane_attention,
+               "lane_prefill_max": args.lane_prefill_max, "model": what, "device": str(mx.default_device()), "context": args.context, "solo": {}, "together": {}}
     solo(args.context, 64, 99)  # warm-up: the kernels of a chunk over a cache
     for n in [int(x) for x in args.chunks.split(",")]:
         first = solo(args.context, n, 0)  # this shape's first forward
@@ -133,6 +142,26 @@ def main() -> int:
         R["composed_vs_cudnn"] = {"max_abs_logit_diff": mx.abs(ours - theirs).max().item(),
                                   "argmax_agree": mx.mean(ours.argmax(-1) == theirs.argmax(-1)).item()}
         print(f"composed vs cuDNN, 330 tokens after {args.context}: {R['composed_vs_cudnn']}", flush=True)
+
+    if args.lane_prefill_max:  # the fused kernel's logits against cuDNN's for the same chunks over the same cache
+        from models.attention import gpu as lane_attention
+
+        def chunk_logits(n: int, prefill_max: int) -> mx.array:
+            lane_attention.configure(True, composed_max=8 if args.lane_attention is None else args.lane_attention,
+                                     prefill_max=prefill_max)
+            caches = cache_of(args.context, 7)
+            out = model(mx.array(tokens(n, 8))[None], cache=caches)[0].astype(mx.float32)
+            mx.eval(out)
+            return out
+
+        R["kernel_vs_cudnn"] = {}
+        for n in [int(x) for x in args.chunks.split(",") if 8 < int(x) <= args.lane_prefill_max]:
+            ours, theirs = chunk_logits(n, args.lane_prefill_max), chunk_logits(n, 0)
+            R["kernel_vs_cudnn"][str(n)] = {"max_abs_logit_diff": mx.abs(ours - theirs).max().item(),
+                                            "argmax_agree": mx.mean(ours.argmax(-1) == theirs.argmax(-1)).item()}
+        lane_attention.configure(True, composed_max=8 if args.lane_attention is None else args.lane_attention,
+                                 prefill_max=args.lane_prefill_max)
+        print(f"fused kernel vs cuDNN after {args.context} cached: {R['kernel_vs_cudnn']}", flush=True)
 
     B, n = args.rows, args.together_chunk
     lengths = [args.context + 37 * i for i in range(B)]

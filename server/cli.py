@@ -280,6 +280,11 @@ def _serve_parser(sub) -> None:
                         "hit, a single sequence's verify step) runs as plain matmuls and a softmax instead of "
                         "cuDNN, which plans each new shape anew (default 8: verify steps; 0: cuDNN always) "
                         "[MLX_LANE_DEBUG_GPU_ATTENTION_COMPOSED_MAX]")
+    d.add_argument("--debug-gpu-attention-prefill-max", type=int, metavar="N",
+                   default=int(_env("debug_gpu_attention_prefill_max", "0")),
+                   help="on CUDA, a single sequence's prompt chunk of 9..N tokens attends in mlx-lane's fused kernel "
+                        "(its length read at run time) instead of cuDNN, which builds a plan for each new shape "
+                        "(default 0: cuDNN) [MLX_LANE_DEBUG_GPU_ATTENTION_PREFILL_MAX]")
     d.add_argument("--debug-no-conv-kernel", action="store_true", default=_env_flag("debug_no_conv_kernel"),
                    help="hybrids' short depthwise convolutions go through mlx's conv1d (on CUDA cuDNN, a plan per "
                         "input shape; on the CPU a loop) instead of models.kernels.conv (a CUDA kernel; the CPU's "

@@ -84,6 +84,7 @@ class ServerConfig:
     debug_gpu_attention_split: int
     debug_gpu_attention_unroll: int
     debug_gpu_attention_composed_max: int
+    debug_gpu_attention_prefill_max: int
     debug_no_conv_kernel: bool
     debug_moe_sort_min: int
     debug_moe_dense_max: int

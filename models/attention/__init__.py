@@ -39,11 +39,13 @@ class RowRanges(Protocol):
         ...
 
 
-def configure(on: bool = True, *, gpu_split: int = 256, gpu_unroll: int = 4, gpu_composed_max: int = 8) -> None:
-    """``on`` False (`--attention mlx`): MLX's own attention everywhere. The CUDA kernel's two tuning knobs, and
-    up to how many queries per row a step past cached keys runs composed (composed.py) instead of cuDNN."""
+def configure(on: bool = True, *, gpu_split: int = 256, gpu_unroll: int = 4, gpu_composed_max: int = 8,
+              gpu_prefill_max: int = 0) -> None:
+    """``on`` False (`--attention mlx`): MLX's own attention everywhere. The CUDA kernel's two tuning knobs, up to
+    how many queries per row a step past cached keys runs composed (composed.py) instead of cuDNN, and up to how
+    many a single sequence's prompt chunk runs in the kernel (``gpu.PREFILL_MAX``)."""
     cpu.configure(on)
-    gpu.configure(on, gpu_split, gpu_unroll, gpu_composed_max)
+    gpu.configure(on, gpu_split, gpu_unroll, gpu_composed_max, gpu_prefill_max)
 
 
 def fused_batch_attention() -> bool:

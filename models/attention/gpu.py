@@ -1,7 +1,7 @@
 """Attention of a decode batch on an NVIDIA GPU: one fused kernel over rows of different lengths, no mask.
 
-(About 430 lines, one job: the kernel's two CUDA sources are ~200 of them, kept beside the Python that launches them,
-their reference and the rule of where they apply; the composed path for verify steps is its own module, composed.py.)
+(About 500 lines, one job: the kernel's two CUDA sources are ~200 of them, kept beside the Python that launches them,
+their reference and the rules of where they apply; the composed path for verify steps is its own module, composed.py.)
 
 A decode batch holds rows of different lengths in one KV buffer: mlx-lm's ``BatchKVCache`` left-pads them to a
 common end, our ``RaggedKV`` left-aligns them and masks what lies past each row's end. Either way the model passes
@@ -26,7 +26,10 @@ or plain heads, a batch cache whose ranges are known, a step of at most ``MAX_WI
 else to mlx-lm's own: long prefill chunks (cuDNN takes those), single sequences (MLX's own vector kernel), quantized
 KV, mlx-lm's rotating batch caches. A step of a few queries past more cached keys than queries (a single sequence's
 verify step) runs ``composed.composed_attention`` instead of cuDNN (``composed.applies``): cuDNN plans every new
-shape, and those steps' shapes are all new. `--attention mlx` (``configure(on=False)``) leaves mlx-lm's path in place (to compare).
+shape, and those steps' shapes are all new. With `--debug-gpu-attention-prefill-max N` a single sequence's prompt chunk
+of ``MAX_WIDTH`` + 1 .. N tokens runs the same kernel too, its width read at run time (``prefill_ranges``; off by
+default until measured on a GPU). `--attention mlx` (``configure(on=False)``) leaves mlx-lm's path in place (to
+compare).
 """
 
 from __future__ import annotations
@@ -42,6 +45,13 @@ from models.mlx_compat import batch_index, right_padding
 __all__ = ["install", "row_ranges", "ranged_attention", "reference_attention", "MAX_WIDTH", "SPLIT"]
 
 MAX_WIDTH = 8  # queries per row the kernel takes (a decode step: 1; a verify step: 1 + drafts)
+# A lone sequence's prompt chunk of MAX_WIDTH + 1 .. PREFILL_MAX queries through the kernel too, its width a runtime
+# value (``_RUNTIME_WIDTH``: one compiled kernel for every chunk length), instead of cuDNN, which builds an execution
+# plan for each new (queries, keys) shape: ~80 ms a forward on the H100 (gpt-oss-20b agents, BENCHMARKS.md
+# 2026-12-07), and nearly every forward of an agent's turn is a new shape. 0: never (the default, until measured:
+# `--debug-gpu-attention-prefill-max`, bench/gpu_prefill_after_hit.py --lane-prefill-max)
+PREFILL_MAX = 0
+PREFILL_PARTIALS_MAX = 1 << 29  # bytes of float32 partial results one call may write (past that: cuDNN)
 # Tuning knobs for A/B runs (bench/gpu_attention.py, bench/gpu_agents.py): `mlx-lane serve --debug-gpu-attention-split`
 # / `--debug-gpu-attention-unroll`, set through ``configure`` before a model is loaded
 SPLIT = 256  # key positions per block of the first pass
@@ -294,49 +304,66 @@ _SINK_TERM = r"""
   }
 """
 
+# The same two passes with the step's width (and the first pass's query chunks) read at run time, not compiled in:
+# a prompt chunk's length is new nearly every forward, and a template value would compile a kernel for each
+_RUNTIME_WIDTH = "  const int W = q_shape[2];\n  const int NCHUNK = gridDim.y / k_shape[1];\n"
+_MERGE_RUNTIME_WIDTH = "  const int W = po_shape[2];\n"
+
 _kernels: dict = {}
 
 
 def _kernel(name: str):
+    """``partial``, ``merge``, ``merge_sinks``; with a ``_runtime`` suffix, the same with the width read at run
+    time (``kernel_sources``)."""
     if name not in _kernels:
-        if name == "partial":
-            _kernels[name] = mx.fast.cuda_kernel(
-                name="mlx_lane_ranged_attention_partial", input_names=["q", "k", "v", "start", "last", "scale"],
-                output_names=["po", "pm", "pl"], source=_PARTIAL, ensure_row_contiguous=False)
-        elif name == "merge":
-            _kernels[name] = mx.fast.cuda_kernel(
-                name="mlx_lane_ranged_attention_merge", input_names=["po", "pm", "pl"], output_names=["out"],
-                source=_MERGE.replace("SINK_TERM", ""), ensure_row_contiguous=True)
-        else:  # "merge_sinks"
-            _kernels[name] = mx.fast.cuda_kernel(
-                name="mlx_lane_ranged_attention_merge_sinks", input_names=["po", "pm", "pl", "sinks"],
-                output_names=["out"], source=_MERGE.replace("SINK_TERM", _SINK_TERM), ensure_row_contiguous=True)
+        base = name.removesuffix("_runtime")
+        inputs = {"partial": ["q", "k", "v", "start", "last", "scale"], "merge": ["po", "pm", "pl"],
+                  "merge_sinks": ["po", "pm", "pl", "sinks"]}[base]
+        outputs = ["po", "pm", "pl"] if base == "partial" else ["out"]
+        _kernels[name] = mx.fast.cuda_kernel(
+            name=f"mlx_lane_ranged_attention_{name}", input_names=inputs, output_names=outputs,
+            source=kernel_sources(runtime_width=name != base)[base], ensure_row_contiguous=base != "partial")
     return _kernels[name]
 
 
+def kernel_sources(runtime_width: bool = False) -> dict[str, str]:
+    """The kernels' CUDA bodies: ``partial``, ``merge``, ``merge_sinks``. With ``runtime_width`` the width ``W`` (and
+    the first pass's ``NCHUNK``) are locals read from the arrays' shapes and the grid, not template values."""
+    partial, merge = _PARTIAL, _MERGE
+    if runtime_width:
+        partial, merge = _RUNTIME_WIDTH + partial, _MERGE_RUNTIME_WIDTH + merge
+    return {"partial": partial, "merge": merge.replace("SINK_TERM", ""),
+            "merge_sinks": merge.replace("SINK_TERM", _SINK_TERM)}
+
+
 def ranged_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, start: mx.array,
-                     last: mx.array, window: int = 0, sinks: Optional[mx.array] = None) -> mx.array:
+                     last: mx.array, window: int = 0, sinks: Optional[mx.array] = None,
+                     runtime_width: bool = False) -> mx.array:
     """``softmax(q k^T * scale) v`` where row b's query i sees key columns ``start[b] .. last[b] + i`` (both int32,
     shape (B,)), and within a sliding ``window`` (> 0) only the last ``window`` of them (``last[b] + i - window + 1``
     on); ``sinks`` (H,): one more logit per query head in the softmax, with no value (gpt-oss). ``queries`` (B, H,
     W, D), ``keys``/``values`` (B, KV, S, D) with H a multiple of KV, any strides with the head dimension contiguous
-    (views into a cache's buffers are not copied). The fused CUDA kernel: call it only where ``_applies`` says so."""
+    (views into a cache's buffers are not copied). The fused CUDA kernel: call it only where ``_applies`` (a decode
+    or verify step) or ``_prefill_ranges`` (``runtime_width``: a prompt chunk, its width not compiled in) says so."""
     B, H, W, D = queries.shape
     kv, S = keys.shape[1], keys.shape[2]
     rep = H // kv
     gc = _QUERIES_PER_BLOCK
     chunks = -(-rep * W // gc)
     splits = max(1, -(-S // SPLIT))
-    po, pm, pl = _kernel("partial")(
+    suffix = "_runtime" if runtime_width else ""
+    width = [] if runtime_width else [("W", W)]
+    po, pm, pl = _kernel("partial" + suffix)(
         inputs=[queries, keys, values, start, last, mx.array([scale], dtype=mx.float32)],
-        template=[("T", queries.dtype), ("D", D), ("GC", gc), ("W", W), ("REP", rep), ("NCHUNK", chunks),
-                  ("SPLIT", SPLIT), ("U", UNROLL), ("WINDOW", int(window))],
+        template=[("T", queries.dtype), ("D", D), ("GC", gc), *width, ("REP", rep),
+                  *([] if runtime_width else [("NCHUNK", chunks)]), ("SPLIT", SPLIT), ("U", UNROLL),
+                  ("WINDOW", int(window))],
         grid=(splits * 128, kv * chunks, B), threadgroup=(128, 1, 1),
         output_shapes=[(B, H, W, splits, D), (B, H, W, splits), (B, H, W, splits)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])
     merge, inputs = ("merge", [po, pm, pl]) if sinks is None else ("merge_sinks", [po, pm, pl, sinks])
-    (out,) = _kernel(merge)(
-        inputs=inputs, template=[("T", queries.dtype), ("D", D), ("W", W), ("HQ", H)],
+    (out,) = _kernel(merge + suffix)(
+        inputs=inputs, template=[("T", queries.dtype), ("D", D), *width, ("HQ", H)],
         grid=(B * H * W * D, 1, 1), threadgroup=(D, 1, 1),
         output_shapes=[(B, H, W, D)], output_dtypes=[queries.dtype])
     return out
@@ -380,12 +407,50 @@ def row_ranges(cache, width: int) -> Optional[tuple[mx.array, mx.array]]:
 
 
 def _applies(queries: mx.array, keys: mx.array, values: mx.array, cache) -> bool:
+    """A batch's decode or verify step (B > 1, 1..MAX_WIDTH queries a row) the kernel takes."""
+    return (_kinds_apply(queries, keys, values, cache) and 1 <= queries.shape[2] <= MAX_WIDTH
+            and queries.shape[0] > 1)
+
+
+def _kinds_apply(queries: mx.array, keys: mx.array, values: mx.array, cache) -> bool:
+    """Head size, dtypes and grouping the kernel takes; KV not quantized."""
     if hasattr(cache, "bits") or queries.ndim != 4 or keys.ndim != 4:
         return False
+    H, D = queries.shape[1], queries.shape[3]
+    return (D in _HEAD_SIZES and values.shape[-1] == D and keys.shape[-1] == D and H % keys.shape[1] == 0
+            and queries.dtype in (mx.bfloat16, mx.float16) and keys.dtype == queries.dtype
+            and values.dtype == queries.dtype)
+
+
+def prefill_ranges(queries: mx.array, keys: mx.array, values: mx.array,
+                   cache) -> Optional[tuple[mx.array, mx.array, int]]:
+    """Where a lone sequence's prompt chunk of ``MAX_WIDTH`` + 1 .. ``PREFILL_MAX`` queries takes the kernel
+    (``runtime_width``): ``(start, last, window)`` of its one row, else None (cuDNN takes it, as before).
+
+    The chunk's keys are what its layer's ``update_and_fetch`` returned, in position order, its own positions last:
+    mlx-lm's ``KVCache`` (the buffer's first ``offset`` columns) and, for a chunk of more than one token,
+    ``RotatingKVCache`` without kept tokens (the window's last ``max_size - 1`` positions, then the chunk's, its
+    ``_update_concat``). Query i sees columns up to ``S - W + i``, and in a window the last ``max_size`` of them:
+    what the model's mask (``"causal"`` aligned to the last key, or ``create_causal_mask(W, S - W, max_size)``) says.
+    Also within ``PREFILL_PARTIALS_MAX`` bytes of partial results and the grid's 65,535 blocks in y."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
     B, H, W, D = queries.shape
-    return (1 <= W <= MAX_WIDTH and B > 1 and D in _HEAD_SIZES and values.shape[-1] == D and keys.shape[-1] == D
-            and H % keys.shape[1] == 0 and queries.dtype in (mx.bfloat16, mx.float16)
-            and keys.dtype == queries.dtype and values.dtype == queries.dtype)
+    if not (PREFILL_MAX and MAX_WIDTH < W <= PREFILL_MAX and B == 1 and _kinds_apply(queries, keys, values, cache)):
+        return None
+    kind = type(cache)
+    if kind is KVCache:
+        window = 0
+    elif kind is RotatingKVCache and cache.keep == 0:
+        window = int(cache.max_size)
+    else:
+        return None
+    S, kv = keys.shape[2], keys.shape[1]
+    splits = -(-S // SPLIT)
+    chunks = -(-(H // kv) * W // _QUERIES_PER_BLOCK)
+    if S < W or H * W * splits * (D + 2) * 4 > PREFILL_PARTIALS_MAX or kv * chunks > 65535:
+        return None
+    return mx.array([0], dtype=mx.int32), mx.array([S - W], dtype=mx.int32), window
 
 
 def _wrap(original):
@@ -395,6 +460,11 @@ def _wrap(original):
             if ranges is not None:  # a window layer of the ragged batch says its window (0: none)
                 return ranged_attention(queries, keys, values, scale, *ranges,
                                         window=getattr(cache, "attention_window", 0), sinks=sinks)
+        prefill = prefill_ranges(queries, keys, values, cache) if PREFILL_MAX else None
+        if prefill is not None:
+            start, last, window = prefill
+            return ranged_attention(queries, keys, values, scale, start, last, window=window, sinks=sinks,
+                                    runtime_width=True)
         if composed.applies(queries, keys, cache):
             return composed.composed_attention(queries, keys, values, scale, mask, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -404,13 +474,15 @@ def _wrap(original):
     return scaled_dot_product_attention
 
 
-def configure(on: bool = True, split: int = 256, unroll: int = 4, composed_max: int = 8) -> None:
+def configure(on: bool = True, split: int = 256, unroll: int = 4, composed_max: int = 8, prefill_max: int = 0) -> None:
     """The process's settings (server.serve, from `--attention` and the `--debug-gpu-attention-*` flags); kernels
-    compiled before keep theirs. ``composed_max`` 0: every multi-query step goes to mlx-lm's (cuDNN)."""
-    global _ON, SPLIT, UNROLL
-    if split < 32 or unroll < 1:
-        raise ValueError(f"GPU attention split {split} (at least 32) or unroll {unroll} (at least 1) out of range")
-    _ON, SPLIT, UNROLL = bool(on), int(split), int(unroll)
+    compiled before keep theirs. ``composed_max`` 0: every multi-query step goes to mlx-lm's (cuDNN);
+    ``prefill_max``: ``PREFILL_MAX``."""
+    global _ON, SPLIT, UNROLL, PREFILL_MAX
+    if split < 32 or unroll < 1 or prefill_max < 0:
+        raise ValueError(f"GPU attention split {split} (at least 32), unroll {unroll} (at least 1) or prefill max "
+                         f"{prefill_max} (at least 0) out of range")
+    _ON, SPLIT, UNROLL, PREFILL_MAX = bool(on), int(split), int(unroll), int(prefill_max)
     composed.configure(composed_max)
 
 

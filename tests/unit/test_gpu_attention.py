@@ -141,3 +141,126 @@ def test_the_wrapper_hands_what_does_not_apply_to_mlx_lm():
     q, k, v = (mx.random.normal((1, 2, 1, 16)) for _ in range(3))
     out = wrapped(q, k, v, cache=KVCache(), scale=0.25, mask=None)  # float32, one row: not the kernel's
     assert calls == [None] and out.shape == (1, 2, 1, 16)
+
+
+# -- a lone sequence's prompt chunk through the kernel (--debug-gpu-attention-prefill-max) -----------------------
+
+
+@pytest.fixture
+def prefill_on():
+    gpu_attention.configure(prefill_max=64)
+    try:
+        yield
+    finally:
+        gpu_attention.configure()
+
+
+PD = 64  # a head size the kernel takes
+
+
+def _filled(n: int, seed: int) -> KVCache:
+    mx.random.seed(seed)
+    c = KVCache()
+    c.update_and_fetch(mx.random.normal((1, KV, n, PD)).astype(mx.bfloat16),
+                       mx.random.normal((1, KV, n, PD)).astype(mx.bfloat16))
+    return c
+
+
+def _chunk_through(cache, W: int, seed: int, dtype=mx.bfloat16):
+    """``cache`` after a forward's W-token chunk as a model runs it: the mask built first, then ``update_and_fetch``."""
+    h = mx.zeros((1, W, 8))  # the hidden states the model builds its mask from: only their length counts
+    mask = base.create_attention_mask(h, cache, window_size=getattr(cache, "max_size", None))  # gpt-oss's call
+    mx.random.seed(seed)
+    nk, nv = mx.random.normal((1, KV, W, PD)), mx.random.normal((1, KV, W, PD))
+    q = mx.random.normal((1, 3 * KV, W, PD))
+    keys, values = cache.update_and_fetch(nk.astype(dtype), nv.astype(dtype))
+    return q.astype(dtype), keys, values, mask
+
+
+@pytest.mark.parametrize("cached", [0, 37, 300])
+def test_a_lone_chunks_ranges_are_its_causal_mask(prefill_on, cached):
+    """mlx-lm's KVCache after a 16-token chunk over ``cached`` positions: the kernel's (start, last) is what the
+    model's "causal" mask (aligned to the last key) says."""
+    cache = _filled(cached, 3) if cached else KVCache()
+    q, keys, values, mask = _chunk_through(cache, 16, 5)
+    assert mask == "causal"
+    start, last, window = gpu_attention.prefill_ranges(q, keys, values, cache)
+    assert start.tolist() == [0] and last.tolist() == [cached] and window == 0
+    f = [a.astype(mx.float32) for a in (q, keys, values)]
+    ours = gpu_attention.reference_attention(*f, PD ** -0.5, start, last)
+    theirs = mx.fast.scaled_dot_product_attention(*f, scale=PD ** -0.5, mask=mask)
+    assert mx.allclose(ours, theirs, atol=1e-4)
+
+
+@pytest.mark.parametrize("history, decoded", [(3, 0), (20, 0), (20, 7), (5, 9)])
+def test_a_lone_chunks_window_is_its_rotating_caches_mask(prefill_on, history, decoded):
+    """mlx-lm's RotatingKVCache (a 12-token window) after prompt chunks and decode steps (its buffer wrapped), then
+    a 16-token chunk: its keys come back in position order, and the kernel's range and window are its mask's."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    cache = RotatingKVCache(max_size=12, keep=0)
+    mx.random.seed(11)
+    if history:
+        cache.update_and_fetch(*(mx.random.normal((1, KV, history, PD)).astype(mx.bfloat16) for _ in range(2)))
+    for _ in range(decoded):
+        cache.update_and_fetch(*(mx.random.normal((1, KV, 1, PD)).astype(mx.bfloat16) for _ in range(2)))
+    q, keys, values, mask = _chunk_through(cache, 16, 13)
+    start, last, window = gpu_attention.prefill_ranges(q, keys, values, cache)
+    assert window == 12 and start.tolist() == [0] and last.tolist() == [keys.shape[2] - 16]
+    f = [a.astype(mx.float32) for a in (q, keys, values)]
+    sinks = mx.random.normal((3 * KV,))
+    ours = gpu_attention.reference_attention(*f, PD ** -0.5, start, last, window=window, sinks=sinks)
+    theirs = mx.fast.scaled_dot_product_attention(*f, scale=PD ** -0.5, mask=mask, sinks=sinks)
+    assert mx.allclose(ours, theirs, atol=1e-4)
+
+
+def test_only_lone_16_bit_chunks_within_the_limit_take_the_kernel(prefill_on):
+    from mlx_lm.models.cache import RotatingKVCache
+
+    cache = KVCache()
+    q, keys, values, _ = _chunk_through(cache, 16, 1)
+    assert gpu_attention.prefill_ranges(q, keys, values, cache) is not None
+    assert gpu_attention.prefill_ranges(q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
+                                        cache) is None  # float32: cuDNN's
+    short = q[:, :, :gpu_attention.MAX_WIDTH]  # a verify step's width: the composed path's
+    assert gpu_attention.prefill_ranges(short, keys, values, cache) is None
+    long = mx.zeros((1, 3 * KV, 65, PD), dtype=mx.bfloat16)  # past --debug-gpu-attention-prefill-max 64
+    long_kv = mx.zeros((1, KV, 65, PD), dtype=mx.bfloat16)
+    assert gpu_attention.prefill_ranges(long, long_kv, long_kv, KVCache()) is None
+    rows = mx.concatenate([q, q])  # two rows: a gathered prefill (mlx-lm's batch cache keeps its mask)
+    assert gpu_attention.prefill_ranges(rows, mx.concatenate([keys] * 2), mx.concatenate([values] * 2), cache) is None
+    assert gpu_attention.prefill_ranges(q, keys, values, RotatingKVCache(max_size=8, keep=4)) is None  # kept tokens
+    assert gpu_attention.prefill_ranges(q, keys, values, object()) is None  # a cache whose layout it does not know
+    try:
+        gpu_attention.PREFILL_PARTIALS_MAX, saved = 1024, gpu_attention.PREFILL_PARTIALS_MAX
+        assert gpu_attention.prefill_ranges(q, keys, values, cache) is None  # its partial results would not fit
+    finally:
+        gpu_attention.PREFILL_PARTIALS_MAX = saved
+    gpu_attention.configure()  # the default: off
+    assert gpu_attention.prefill_ranges(q, keys, values, cache) is None
+
+
+def test_the_wrapper_sends_a_lone_chunk_to_the_runtime_width_kernel(prefill_on, monkeypatch):
+    taken = []
+
+    def kernel(queries, keys, values, scale, start, last, window=0, sinks=None, runtime_width=False):
+        taken.append((start.tolist(), last.tolist(), window, runtime_width))
+        return gpu_attention.reference_attention(queries, keys, values, scale, start, last, window, sinks)
+
+    monkeypatch.setattr(gpu_attention, "ranged_attention", kernel)
+    wrapped = gpu_attention._wrap(lambda *a, **k: pytest.fail("cuDNN's path taken for a lone chunk"))
+    cache = _filled(40, 2)
+    q, keys, values, mask = _chunk_through(cache, 24, 4)
+    out = wrapped(q, keys, values, cache=cache, scale=PD ** -0.5, mask=mask)
+    assert taken == [([0], [40], 0, True)] and out.shape == q.shape
+
+
+def test_the_runtime_width_kernels_read_the_width_from_their_arrays():
+    """The prompt-chunk kernels are the decode kernels with ``W`` and ``NCHUNK`` declared from the arrays' shapes
+    and the grid (MLX passes ``k_shape`` / ``po_shape`` because the source names them), nothing else changed."""
+    fixed, runtime = gpu_attention.kernel_sources(), gpu_attention.kernel_sources(runtime_width=True)
+    assert runtime["partial"] == ("  const int W = q_shape[2];\n  const int NCHUNK = gridDim.y / k_shape[1];\n"
+                                  + fixed["partial"])
+    for name in ("merge", "merge_sinks"):
+        assert runtime[name] == "  const int W = po_shape[2];\n" + fixed[name]
+    assert "(idx / W) % HQ" in runtime["merge_sinks"]  # the sinks' head index reads the width too
