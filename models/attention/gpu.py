@@ -424,31 +424,39 @@ def _kinds_apply(queries: mx.array, keys: mx.array, values: mx.array, cache) -> 
 
 def prefill_ranges(queries: mx.array, keys: mx.array, values: mx.array,
                    cache) -> Optional[tuple[mx.array, mx.array, int]]:
-    """Where a lone sequence's prompt chunk of ``MAX_WIDTH`` + 1 .. ``PREFILL_MAX`` queries takes the kernel
-    (``runtime_width``): ``(start, last, window)`` of its one row, else None (cuDNN takes it, as before).
+    """Where a prompt chunk of ``MAX_WIDTH`` + 1 .. ``PREFILL_MAX`` queries a row takes the kernel (``runtime_width``):
+    ``(start, last, window)`` of its rows, else None (cuDNN takes it, as before).
 
-    The chunk's keys are what its layer's ``update_and_fetch`` returned, in position order, its own positions last:
-    mlx-lm's ``KVCache`` (the buffer's first ``offset`` columns) and, for a chunk of more than one token,
-    ``RotatingKVCache`` without kept tokens (the window's last ``max_size - 1`` positions, then the chunk's, its
-    ``_update_concat``). Query i sees columns up to ``S - W + i``, and in a window the last ``max_size`` of them:
-    what the model's mask (``"causal"`` aligned to the last key, or ``create_causal_mask(W, S - W, max_size)``) says.
+    The chunk's keys are what its layer's ``update_and_fetch`` returned, the chunk's own positions last:
+    - a lone sequence over mlx-lm's ``KVCache`` (the buffer's first ``offset`` columns): query i sees columns
+      ``0 .. S - W + i``, the model's ``"causal"`` mask aligned to the last key;
+    - a lone sequence over ``RotatingKVCache`` without kept tokens (a chunk of more than one token goes through its
+      ``_update_concat``: the window's last ``max_size - 1`` positions, then the chunk's, in position order): the same
+      within the last ``max_size`` columns, ``create_causal_mask(W, S - W, window_size=max_size)``;
+    - rows prefilled together in mlx-lm's ``BatchKVCache`` (``PromptProcessingBatch``: left-padded, shorter chunks
+      right-padded): row b's query i sees ``left_padding[b] .. _idx - W + i``, its mask (which has no right padding:
+      a row's padded tail comes after its real queries, so they never see it; finalize rolls it away).
     Also within ``PREFILL_PARTIALS_MAX`` bytes of partial results and the grid's 65,535 blocks in y."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
     B, H, W, D = queries.shape
-    if not (PREFILL_MAX and MAX_WIDTH < W <= PREFILL_MAX and B == 1 and _kinds_apply(queries, keys, values, cache)):
+    if not (PREFILL_MAX and MAX_WIDTH < W <= PREFILL_MAX and _kinds_apply(queries, keys, values, cache)):
+        return None
+    S, kv = keys.shape[2], keys.shape[1]
+    splits = -(-S // SPLIT)
+    chunks = -(-(H // kv) * W // _QUERIES_PER_BLOCK)
+    if S < W or B * H * W * splits * (D + 2) * 4 > PREFILL_PARTIALS_MAX or kv * chunks > 65535:
         return None
     kind = type(cache)
+    if kind is BatchKVCache and batch_index(cache) == S:
+        return cache.left_padding.astype(mx.int32), mx.full((B,), S - W, dtype=mx.int32), 0
+    if B != 1:
+        return None
     if kind is KVCache:
         window = 0
     elif kind is RotatingKVCache and cache.keep == 0:
         window = int(cache.max_size)
     else:
-        return None
-    S, kv = keys.shape[2], keys.shape[1]
-    splits = -(-S // SPLIT)
-    chunks = -(-(H // kv) * W // _QUERIES_PER_BLOCK)
-    if S < W or H * W * splits * (D + 2) * 4 > PREFILL_PARTIALS_MAX or kv * chunks > 65535:
         return None
     return mx.array([0], dtype=mx.int32), mx.array([S - W], dtype=mx.int32), window
 

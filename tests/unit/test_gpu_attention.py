@@ -264,3 +264,72 @@ def test_the_runtime_width_kernels_read_the_width_from_their_arrays():
     for name in ("merge", "merge_sinks"):
         assert runtime[name] == "  const int W = po_shape[2];\n" + fixed[name]
     assert "(idx / W) % HQ" in runtime["merge_sinks"]  # the sinks' head index reads the width too
+
+
+def test_rows_prefilled_together_ranges_are_their_batch_mask(prefill_on):
+    """mlx-lm's PromptProcessingBatch: rows of different cached lengths merged (left-padded), chunks of different
+    lengths right-padded to the longest (``prepare``), the mask built before the update: each row's range is what
+    its mask says, for every query, the padded ones included (a real query never sees a row's padded tail: it comes
+    after it)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    rows = [_filled(n, i) for i, n in enumerate([30, 7, 52])]
+    batch = BatchKVCache.merge(rows)
+    W, lengths = 20, [20, 12, 17]
+    batch.prepare(lengths=lengths, right_padding=[W - n for n in lengths])
+    mask = base.create_attention_mask(mx.zeros((3, W, 8)), batch)
+    mx.random.seed(21)
+    q = mx.random.normal((3, 3 * KV, W, PD)).astype(mx.bfloat16)
+    keys, values = batch.update_and_fetch(*(mx.random.normal((3, KV, W, PD)).astype(mx.bfloat16) for _ in range(2)))
+    start, last, window = gpu_attention.prefill_ranges(q, keys, values, batch)
+    assert start.tolist() == [22, 45, 0] and last.tolist() == [52] * 3 and window == 0
+    f = [a.astype(mx.float32) for a in (q, keys, values)]
+    ours = gpu_attention.reference_attention(*f, PD ** -0.5, start, last)
+    theirs = mx.fast.scaled_dot_product_attention(*f, scale=PD ** -0.5, mask=mask)
+    assert mx.allclose(ours, theirs, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+def test_a_models_chunks_through_the_kernels_path_give_mlx_lms_logits(prefill_on, monkeypatch, name):
+    """A zoo model (head size 64; gpt-oss with its 16-token windows, which wrap here, and its sinks) with the server's
+    CUDA attention wrapper, the kernel stood in for by its reference: a 30-token chunk, then a 12-token chunk over
+    it, give mlx-lm's logits, every attention call of both chunks taken by the kernel's path. In float32 (the CPU's
+    mixture-of-experts product takes nothing else), so the wrapper's 16-bit rule is set aside here (tested above)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from models import hook
+    from tests.fixtures import zoo
+
+    monkeypatch.setitem(zoo.ZOO, name, {**zoo.ZOO[name], "head_dim": 64})
+    model = zoo.build(name, vocab=256, seed=4)
+    monkeypatch.setattr(gpu_attention, "_kinds_apply", lambda q, k, v, cache: q.shape[-1] == 64)
+    taken = []
+
+    def kernel(queries, keys, values, scale, start, last, window=0, sinks=None, runtime_width=False):
+        taken.append((queries.shape[2], window))
+        return gpu_attention.reference_attention(queries, keys, values, scale, start, last, window, sinks)
+
+    monkeypatch.setattr(gpu_attention, "ranged_attention", kernel)
+    prompt = mx.array([[(11 * i + 5) % 250 + 3 for i in range(42)]])
+
+    def logits() -> mx.array:
+        caches = make_prompt_cache(model)
+        model(prompt[:, :30], cache=caches)
+        out = model(prompt[:, 30:], cache=caches).astype(mx.float32)
+        mx.eval(out)
+        return out
+
+    switched_before = hook.restore(model, hook.ATTENTION)  # another test's CPU path: mlx-lm's own for the oracle
+    try:
+        theirs = logits()
+        assert hook.switch(model, gpu_attention._wrap) > 0
+        ours = logits()
+    finally:
+        hook.restore(model, hook.ATTENTION)
+        for module, fn in switched_before:
+            setattr(module, hook.ATTENTION, fn)
+    layers = len(model.layers)
+    assert len(taken) == 2 * layers and {w for w, _ in taken} == {30, 12}
+    if name == "gpt_oss":
+        assert {window for _, window in taken} == {0, zoo.WINDOW}
+    assert mx.allclose(ours, theirs, atol=1e-3, rtol=1e-4).item()
