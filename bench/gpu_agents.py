@@ -127,8 +127,10 @@ OURS_VARIANTS = {
     "ours_graph_4g": ((), {"MLX_MAX_OPS_PER_BUFFER": "400", "MLX_MAX_MB_PER_BUFFER": "4000"}),
     "ours_graph_16g": ((), {"MLX_MAX_OPS_PER_BUFFER": "1600", "MLX_MAX_MB_PER_BUFFER": "16000"}),
     "ours_no_composed": (("--debug-gpu-attention-composed-max", "0"), {}),  # every chunk past a hit through cuDNN
-    # a lone row's prompt chunks of 9..2048 tokens in the fused kernel (width at run time), not cuDNN's per-shape plans
-    "ours_ranged_prefill": (("--debug-gpu-attention-prefill-max", "2048"), {}),
+    # prompt chunks of 9..512 (2048) tokens in the fused kernel (width at run time), not cuDNN's per-shape plans: the
+    # kernel takes 4 queries a block on CUDA cores, so long chunks may cost it more than a plan saves
+    "ours_ranged_prefill": (("--debug-gpu-attention-prefill-max", "512"), {}),
+    "ours_ranged_prefill_2k": (("--debug-gpu-attention-prefill-max", "2048"), {}),
     # MLX's freed buffers stay cached after prefill forwards (no mx.clear_cache): what handing them back costs
     "ours_keep_buffers": (("--debug-keep-prefill-buffers",), {}),
     "ours_prefill_wait": (("--debug-prefill-wait",), {}),  # each prefill forward's wait for the queued steps apart
