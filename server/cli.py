@@ -282,9 +282,10 @@ def _serve_parser(sub) -> None:
                         "[MLX_LANE_DEBUG_GPU_ATTENTION_COMPOSED_MAX]")
     d.add_argument("--debug-gpu-attention-prefill-max", type=int, metavar="N",
                    default=int(_env("debug_gpu_attention_prefill_max", "0")),
-                   help="on CUDA, a single sequence's prompt chunk of 9..N tokens attends in mlx-lane's fused kernel "
-                        "(its length read at run time) instead of cuDNN, which builds a plan for each new shape "
-                        "(default 0: cuDNN) [MLX_LANE_DEBUG_GPU_ATTENTION_PREFILL_MAX]")
+                   help="on CUDA, a prompt chunk of 9..N tokens a row (a single sequence's, or rows prefilled "
+                        "together) attends in mlx-lane's fused kernel (its length read at run time) instead of "
+                        "cuDNN, which builds a plan for each new shape (default 0: cuDNN) "
+                        "[MLX_LANE_DEBUG_GPU_ATTENTION_PREFILL_MAX]")
     d.add_argument("--debug-no-conv-kernel", action="store_true", default=_env_flag("debug_no_conv_kernel"),
                    help="hybrids' short depthwise convolutions go through mlx's conv1d (on CUDA cuDNN, a plan per "
                         "input shape; on the CPU a loop) instead of models.kernels.conv (a CUDA kernel; the CPU's "

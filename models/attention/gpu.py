@@ -26,9 +26,9 @@ or plain heads, a batch cache whose ranges are known, a step of at most ``MAX_WI
 else to mlx-lm's own: long prefill chunks (cuDNN takes those), single sequences (MLX's own vector kernel), quantized
 KV, mlx-lm's rotating batch caches. A step of a few queries past more cached keys than queries (a single sequence's
 verify step) runs ``composed.composed_attention`` instead of cuDNN (``composed.applies``): cuDNN plans every new
-shape, and those steps' shapes are all new. With `--debug-gpu-attention-prefill-max N` a single sequence's prompt chunk
-of ``MAX_WIDTH`` + 1 .. N tokens runs the same kernel too, its width read at run time (``prefill_ranges``; off by
-default until measured on a GPU). `--attention mlx` (``configure(on=False)``) leaves mlx-lm's path in place (to
+shape, and those steps' shapes are all new. With `--debug-gpu-attention-prefill-max N` a prompt chunk of
+``MAX_WIDTH`` + 1 .. N tokens a row runs the same kernel too, its width read at run time (``prefill_ranges``: a single
+sequence's, or rows prefilled together; off by default until measured on a GPU). `--attention mlx` (``configure(on=False)``) leaves mlx-lm's path in place (to
 compare).
 """
 
@@ -45,7 +45,7 @@ from models.mlx_compat import batch_index, right_padding
 __all__ = ["install", "row_ranges", "ranged_attention", "reference_attention", "MAX_WIDTH", "SPLIT"]
 
 MAX_WIDTH = 8  # queries per row the kernel takes (a decode step: 1; a verify step: 1 + drafts)
-# A lone sequence's prompt chunk of MAX_WIDTH + 1 .. PREFILL_MAX queries through the kernel too, its width a runtime
+# A prompt chunk of MAX_WIDTH + 1 .. PREFILL_MAX queries a row through the kernel too, its width a runtime
 # value (``_RUNTIME_WIDTH``: one compiled kernel for every chunk length), instead of cuDNN, which builds an execution
 # plan for each new (queries, keys) shape: ~80 ms a forward on the H100 (gpt-oss-20b agents, BENCHMARKS.md
 # 2026-12-07), and nearly every forward of an agent's turn is a new shape. 0: never (the default, until measured:
