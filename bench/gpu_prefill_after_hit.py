@@ -17,7 +17,8 @@ Rates are new tokens per second of that chunk. ``--lane-attention N`` installs t
 (models.attention.gpu: the fused decode kernel, and steps of 2..N queries past cached keys composed of plain ops
 instead of cuDNN, models.attention.composed); without it the model runs mlx-lm's (cuDNN for every chunk).
 ``--lane-prefill-max N`` installs it too, with a lone row's chunks of 9..N tokens through the fused kernel (its width
-read at run time: `--debug-gpu-attention-prefill-max`), and checks that kernel's logits against cuDNN's.
+read at run time: `--debug-gpu-attention-prefill-max`), times the same chunks again with cuDNN in the same process
+(``solo_cudnn``), and checks the kernel's logits against cuDNN's.
 
     bash bench/gpu.sh bench/gpu_prefill_after_hit.py --model-dir DIR --chunks 128,330,1024 --lane-prefill-max 2048
 
@@ -112,20 +113,33 @@ def main() -> int:
     R: dict = {"cudnn_sdpa": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1"), "lane_attention": args.lane_attention,
                "lane_prefill_max": args.lane_prefill_max, "model": what, "device": str(mx.default_device()), "context": args.context, "solo": {}, "together": {}}
     solo(args.context, 64, 99)  # warm-up: the kernels of a chunk over a cache
-    for n in [int(x) for x in args.chunks.split(",")]:
-        first = solo(args.context, n, 0)  # this shape's first forward
-        times = [solo(args.context, n, r) for r in range(1, args.reps + 1)]
-        cold_first = solo(0, n, 0)
-        cold = [solo(0, n, r) for r in range(1, args.reps + 1)]
-        new = [solo(args.context + 3 + r, n + 1 + r, r) for r in range(args.reps)]  # shapes never seen
-        R["solo"][str(n)] = {"after_hit_first_s": first, "after_hit_s": times,
-                             "after_hit_tok_s": round(n / statistics.median(times), 1),
-                             "cold_first_s": cold_first, "cold_s": cold,
-                             "cold_tok_s": round(n / statistics.median(cold), 1),
-                             "new_shape_s": new, "new_shape_tok_s": round(n / statistics.median(new), 1)}
-        print(f"solo N={n}: after {args.context} cached {R['solo'][str(n)]['after_hit_tok_s']} tok/s "
-              f"(first {first * 1e3:.0f} ms, later {statistics.median(times) * 1e3:.0f} ms, each a new shape "
-              f"{statistics.median(new) * 1e3:.0f} ms), cold {R['solo'][str(n)]['cold_tok_s']} tok/s", flush=True)
+
+    def solo_table(key: str, label: str) -> None:
+        R[key] = {}
+        for n in [int(x) for x in args.chunks.split(",")]:
+            first = solo(args.context, n, 0)  # this shape's first forward
+            times = [solo(args.context, n, r) for r in range(1, args.reps + 1)]
+            cold_first = solo(0, n, 0)
+            cold = [solo(0, n, r) for r in range(1, args.reps + 1)]
+            new = [solo(args.context + 3 + r, n + 1 + r, r) for r in range(args.reps)]  # shapes never seen
+            R[key][str(n)] = {"after_hit_first_s": first, "after_hit_s": times,
+                              "after_hit_tok_s": round(n / statistics.median(times), 1),
+                              "cold_first_s": cold_first, "cold_s": cold,
+                              "cold_tok_s": round(n / statistics.median(cold), 1),
+                              "new_shape_s": new, "new_shape_tok_s": round(n / statistics.median(new), 1)}
+            print(f"{label} N={n}: after {args.context} cached {R[key][str(n)]['after_hit_tok_s']} tok/s "
+                  f"(first {first * 1e3:.0f} ms, later {statistics.median(times) * 1e3:.0f} ms, each a new shape "
+                  f"{statistics.median(new) * 1e3:.0f} ms), cold {R[key][str(n)]['cold_tok_s']} tok/s", flush=True)
+
+    solo_table("solo", "solo")
+    if args.lane_prefill_max:  # the same chunks with cuDNN's plans, in the same process (its shapes are new to cuDNN)
+        from models.attention import gpu as lane_attention
+
+        lane_attention.configure(True, composed_max=8 if args.lane_attention is None else args.lane_attention,
+                                 prefill_max=0)
+        solo_table("solo_cudnn", "solo, cuDNN")
+        lane_attention.configure(True, composed_max=8 if args.lane_attention is None else args.lane_attention,
+                                 prefill_max=args.lane_prefill_max)
 
     if args.lane_attention:  # the composed path's logits against cuDNN's for the same chunk over the same cache
         from models.attention import composed
