@@ -435,9 +435,13 @@ def prefill_ranges(queries: mx.array, keys: mx.array, values: mx.array,
       within the last ``max_size`` columns, ``create_causal_mask(W, S - W, window_size=max_size)``;
     - rows prefilled together in mlx-lm's ``BatchKVCache`` (``PromptProcessingBatch``: left-padded, shorter chunks
       right-padded): row b's query i sees ``left_padding[b] .. _idx - W + i``, its mask (which has no right padding:
-      a row's padded tail comes after its real queries, so they never see it; finalize rolls it away).
+      a row's padded tail comes after its real queries, so they never see it; finalize rolls it away);
+    - and in ``BatchRotatingKVCache`` (its ``_update_concat``: position order, the window's last ``max_size - 1``
+      columns, then the chunk's; ``left_padding`` moved by what it trimmed): the same within the last ``max_size``
+      columns, what its mask says for every real query (a padded query may see other columns: its output is
+      discarded, its keys rolled away).
     Also within ``PREFILL_PARTIALS_MAX`` bytes of partial results and the grid's 65,535 blocks in y."""
-    from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
     B, H, W, D = queries.shape
     if not (PREFILL_MAX and MAX_WIDTH < W <= PREFILL_MAX and _kinds_apply(queries, keys, values, cache)):
@@ -450,6 +454,8 @@ def prefill_ranges(queries: mx.array, keys: mx.array, values: mx.array,
     kind = type(cache)
     if kind is BatchKVCache and batch_index(cache) == S:
         return cache.left_padding.astype(mx.int32), mx.full((B,), S - W, dtype=mx.int32), 0
+    if kind is BatchRotatingKVCache and batch_index(cache) == S:
+        return cache.left_padding.astype(mx.int32), mx.full((B,), S - W, dtype=mx.int32), int(cache.max_size)
     if B != 1:
         return None
     if kind is KVCache:

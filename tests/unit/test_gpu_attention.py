@@ -293,7 +293,8 @@ def test_rows_prefilled_together_ranges_are_their_batch_mask(prefill_on):
 def test_a_models_chunks_through_the_kernels_path_give_mlx_lms_logits(prefill_on, monkeypatch, name):
     """A zoo model (head size 64; gpt-oss with its 16-token windows, which wrap here, and its sinks) with the server's
     CUDA attention wrapper, the kernel stood in for by its reference: a 30-token chunk, then a 12-token chunk over
-    it, give mlx-lm's logits, every attention call of both chunks taken by the kernel's path. In float32 (the CPU's
+    it, and three rows' chunks of 12, 10 and 7 tokens prefilled together over 30, 9 and 21 cached (mlx-lm's batch
+    caches, right padding pending) give mlx-lm's logits, every attention call taken by the kernel's path. In float32 (the CPU's
     mixture-of-experts product takes nothing else), so the wrapper's 16-bit rule is set aside here (tested above)."""
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -311,11 +312,24 @@ def test_a_models_chunks_through_the_kernels_path_give_mlx_lms_logits(prefill_on
 
     monkeypatch.setattr(gpu_attention, "ranged_attention", kernel)
     prompt = mx.array([[(11 * i + 5) % 250 + 3 for i in range(42)]])
+    cached, chunks = [30, 9, 21], [12, 10, 7]  # three rows prefilled together, as PromptProcessingBatch does them
 
-    def logits() -> mx.array:
+    def logits() -> list:
         caches = make_prompt_cache(model)
         model(prompt[:, :30], cache=caches)
-        out = model(prompt[:, 30:], cache=caches).astype(mx.float32)
+        alone = model(prompt[:, 30:], cache=caches).astype(mx.float32)
+        rows = []
+        for n in cached:
+            row = make_prompt_cache(model)
+            model(prompt[:, :n], cache=row)
+            rows.append(row)
+        batch = [type(layer[0]).merge(list(layer)) for layer in zip(*rows)]
+        W = max(chunks)
+        for c in batch:
+            c.prepare(lengths=chunks, right_padding=[W - n for n in chunks])
+        tokens = mx.array([[int(t) for t in prompt[0, n: n + k]] + [0] * (W - k) for n, k in zip(cached, chunks)])
+        together = model(tokens, cache=batch).astype(mx.float32)
+        out = [alone] + [together[b, :k] for b, k in enumerate(chunks)]
         mx.eval(out)
         return out
 
@@ -329,7 +343,46 @@ def test_a_models_chunks_through_the_kernels_path_give_mlx_lms_logits(prefill_on
         for module, fn in switched_before:
             setattr(module, hook.ATTENTION, fn)
     layers = len(model.layers)
-    assert len(taken) == 2 * layers and {w for w, _ in taken} == {30, 12}
+    # every layer: the lone row's 30- and 12-token chunks, the three rows' own 30, 9 and 21, then their chunks
+    # together (12 wide, right-padded)
+    assert [w for w, _ in taken].count(12) == 2 * layers and len(taken) == 6 * layers
     if name == "gpt_oss":
         assert {window for _, window in taken} == {0, zoo.WINDOW}
-    assert mx.allclose(ours, theirs, atol=1e-3, rtol=1e-4).item()
+    for o, t in zip(ours, theirs):
+        assert mx.allclose(o, t, atol=1e-3, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("history, decoded, lengths", [
+    ([5, 20, 9], [0, 3, 0], [16, 10, 13]),  # chunks of different lengths: right padding pending
+    ([30, 2, 14], [2, 0, 9], None),  # wrapped windows, equal chunks
+    ([40, 40, 1], [5, 0, 0], None),
+])
+def test_rows_prefilled_together_over_windows_see_what_their_mask_says(prefill_on, history, decoded, lengths):
+    """mlx-lm's BatchRotatingKVCache (12-token windows, rows wrapped or not, some right-padded): every real query's
+    output is what the mask the model builds gives (a padded query's is discarded)."""
+    from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
+
+    def window_row(n, d, seed):
+        mx.random.seed(seed)
+        c = RotatingKVCache(max_size=12, keep=0)
+        if n:
+            c.update_and_fetch(*(mx.random.normal((1, KV, n, PD)).astype(mx.bfloat16) for _ in range(2)))
+        for _ in range(d):
+            c.update_and_fetch(*(mx.random.normal((1, KV, 1, PD)).astype(mx.bfloat16) for _ in range(2)))
+        return c
+
+    W = 16
+    batch = BatchRotatingKVCache.merge([window_row(n, d, i) for i, (n, d) in enumerate(zip(history, decoded))])
+    if lengths:
+        batch.prepare(lengths=lengths, right_padding=[W - n for n in lengths])
+    mask = base.create_attention_mask(mx.zeros((3, W, 8)), batch, window_size=12)  # gpt-oss's call
+    mx.random.seed(5)
+    q = mx.random.normal((3, 3 * KV, W, PD)).astype(mx.bfloat16)
+    keys, values = batch.update_and_fetch(*(mx.random.normal((3, KV, W, PD)).astype(mx.bfloat16) for _ in range(2)))
+    start, last, window = gpu_attention.prefill_ranges(q, keys, values, batch)
+    assert window == 12 and last.tolist() == [keys.shape[2] - W] * 3
+    f = [a.astype(mx.float32) for a in (q, keys, values)]
+    ours = gpu_attention.reference_attention(*f, PD ** -0.5, start, last, window=window)
+    theirs = mx.fast.scaled_dot_product_attention(*f, scale=PD ** -0.5, mask=mask)
+    for b, n in enumerate(lengths or [W] * 3):
+        assert mx.allclose(ours[b, :, :n], theirs[b, :, :n], atol=1e-4), b
