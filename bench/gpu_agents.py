@@ -266,11 +266,22 @@ def card_total_bytes() -> int | None:
         return None
 
 
-def peer_cache_bytes_for(card_bytes: int | None) -> int | None:
-    """mlx_lm.server's prompt-cache cap for a card of ``card_bytes``: None (the issue's 60 GB) on a card of 100 GB or
-    more or without a GPU, else 40 GB, the most that let the peer run 16 agents beside a 9B model's weights on an
-    80 GB card (with 60 GB it ran out of device memory there and all its requests failed)."""
-    return None if card_bytes is None or card_bytes >= 100e9 else 40_000_000_000
+# mlx_lm.server's settings that ran 16 x 4 agents on an 80 GB H100 beside each shape's weights (the issue's are 60 GB of
+# prompt cache and 8 prompts prefilled at once): Qwen3.5-9B with 40 GB (2026-12-06; 60 GB ran out of device memory);
+# Llama-3-8B with 20 GB (2026-12-07: 40 GB lost its generation thread in the fourth turn, 32 requests failed);
+# gpt-oss-20b's 40 GB of weights with 20 GB and 4 prompts at once (2026-12-07: with 8 its first prompt batch ran out
+# of device memory and every request failed)
+SMALL_CARD_PEER = {"qwen3.5-9b": (40_000_000_000, None), "llama3-8b": (20_000_000_000, None),
+                   "gpt-oss-20b": (20_000_000_000, 4)}
+
+
+def peer_settings_for(card_bytes: int | None, shape: str) -> tuple[int | None, int | None]:
+    """mlx_lm.server's (prompt-cache cap, prompts prefilled at once) for ``shape`` on a card of ``card_bytes``: the
+    issue's (None, None) on a card of 100 GB or more or without a GPU; on a smaller card what ran there
+    (``SMALL_CARD_PEER``), else a 40 GB cap."""
+    if card_bytes is None or card_bytes >= 100e9:
+        return None, None
+    return SMALL_CARD_PEER.get(shape, (40_000_000_000, None))
 
 
 def kernel_cache_files(ours: bool) -> int:
@@ -368,13 +379,14 @@ def main() -> int:
     ap.add_argument("--ours-args", default="", help="extra `mlx-lane serve` arguments (one shell-quoted string)")
     ap.add_argument("--peer-cache-bytes", type=int, default=None,
                     help="mlx_lm.server's --prompt-cache-bytes (default: the issue's 60 GB on a card of 100 GB or "
-                         "more, else 40 GB: on an 80 GB H100 the peer lost its generation thread with 60 GB on "
-                         "Qwen3.5-9B and Llama-3-8B, and ran 16 x 4 Qwen3.5-9B agents with 40 GB, 2026-12-06)")
+                         "more, else what ran on an 80 GB H100 for the shape, SMALL_CARD_PEER: 40 GB for "
+                         "Qwen3.5-9B, 20 GB for Llama-3-8B and gpt-oss-20b)")
     ap.add_argument("--peer-prefill-step", type=int, default=None,
                     help="mlx_lm.server's --prefill-step-size instead of its default 2048 (on an 80 GB H100 the "
                          "Qwen3.5-9B peer ran out of device memory in its first batched prefill, 2026-12-06)")
     ap.add_argument("--peer-prompt-concurrency", type=int, default=None,
-                    help="mlx_lm.server's --prompt-concurrency instead of the issue's 8 (prompts it prefills at once)")
+                    help="mlx_lm.server's --prompt-concurrency instead of the issue's 8 (prompts it prefills at once; "
+                         "default on a card under 100 GB: 4 for gpt-oss-20b, SMALL_CARD_PEER)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -391,8 +403,14 @@ def main() -> int:
     tokenizer = load_tokenizer(model_dir)
     system = system_prompt(tokenizer, args.system_tokens, args.seed)
     peer_args = MLX_LM_ARGS
-    if args.peer_cache_bytes is None:
-        args.peer_cache_bytes = peer_cache_bytes_for(card_total_bytes())
+    small_cache, small_concurrency = peer_settings_for(card_total_bytes(), args.shape)
+    if args.peer_cache_bytes is None and small_cache is not None:
+        args.peer_cache_bytes = small_cache
+        print(f"a card under 100 GB: mlx_lm.server gets --prompt-cache-bytes {small_cache} (what ran there)", flush=True)
+    if args.peer_prompt_concurrency is None and small_concurrency is not None:
+        args.peer_prompt_concurrency = small_concurrency
+        print(f"a card under 100 GB: mlx_lm.server gets --prompt-concurrency {small_concurrency} (with 8 it ran out "
+              "of device memory there)", flush=True)
     if args.peer_cache_bytes is not None:
         i = peer_args.index("--prompt-cache-bytes")
         peer_args = peer_args[:i + 1] + (str(args.peer_cache_bytes),) + peer_args[i + 2:]
