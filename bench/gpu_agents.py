@@ -406,7 +406,8 @@ def main() -> int:
     small_cache, small_concurrency = peer_settings_for(card_total_bytes(), args.shape)
     if args.peer_cache_bytes is None and small_cache is not None:
         args.peer_cache_bytes = small_cache
-        print(f"a card under 100 GB: mlx_lm.server gets --prompt-cache-bytes {small_cache} (what ran there)", flush=True)
+        print(f"a card under 100 GB: mlx_lm.server gets --prompt-cache-bytes {small_cache} (what ran there)",
+              flush=True)
     if args.peer_prompt_concurrency is None and small_concurrency is not None:
         args.peer_prompt_concurrency = small_concurrency
         print(f"a card under 100 GB: mlx_lm.server gets --prompt-concurrency {small_concurrency} (with 8 it ran out "

@@ -28,8 +28,8 @@ KV, mlx-lm's rotating batch caches. A step of a few queries past more cached key
 verify step) runs ``composed.composed_attention`` instead of cuDNN (``composed.applies``): cuDNN plans every new
 shape, and those steps' shapes are all new. With `--debug-gpu-attention-prefill-max N` a prompt chunk of
 ``MAX_WIDTH`` + 1 .. N tokens a row runs the same kernel too, its width read at run time (``prefill_ranges``: a single
-sequence's, or rows prefilled together; off by default until measured on a GPU). `--attention mlx` (``configure(on=False)``) leaves mlx-lm's path in place (to
-compare).
+sequence's, or rows prefilled together; off by default until measured on a GPU). `--attention mlx`
+(``configure(on=False)``) leaves mlx-lm's path in place (to compare).
 """
 
 from __future__ import annotations
@@ -344,7 +344,7 @@ def ranged_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     on); ``sinks`` (H,): one more logit per query head in the softmax, with no value (gpt-oss). ``queries`` (B, H,
     W, D), ``keys``/``values`` (B, KV, S, D) with H a multiple of KV, any strides with the head dimension contiguous
     (views into a cache's buffers are not copied). The fused CUDA kernel: call it only where ``_applies`` (a decode
-    or verify step) or ``_prefill_ranges`` (``runtime_width``: a prompt chunk, its width not compiled in) says so."""
+    or verify step) or ``prefill_ranges`` (``runtime_width``: a prompt chunk, its width not compiled in) says so."""
     B, H, W, D = queries.shape
     kv, S = keys.shape[1], keys.shape[2]
     rep = H // kv

@@ -294,8 +294,9 @@ def test_a_models_chunks_through_the_kernels_path_give_mlx_lms_logits(prefill_on
     """A zoo model (head size 64; gpt-oss with its 16-token windows, which wrap here, and its sinks) with the server's
     CUDA attention wrapper, the kernel stood in for by its reference: a 30-token chunk, then a 12-token chunk over
     it, and three rows' chunks of 12, 10 and 7 tokens prefilled together over 30, 9 and 21 cached (mlx-lm's batch
-    caches, right padding pending) give mlx-lm's logits, every attention call taken by the kernel's path. In float32 (the CPU's
-    mixture-of-experts product takes nothing else), so the wrapper's 16-bit rule is set aside here (tested above)."""
+    caches, right padding pending) give mlx-lm's logits, every attention call taken by the kernel's path. In
+    float32 (the CPU's mixture-of-experts product takes nothing else), so the wrapper's 16-bit rule is set aside
+    here (tested above)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from models import hook
