@@ -98,6 +98,11 @@ SHAPES["glm4.7-flash"] = dict(model_type="glm4_moe_lite", vocab_size=154880, hid
                               norm_topk_prob=True, n_group=1, topk_group=1, num_experts_per_tok=4,
                               first_k_dense_replace=1, rms_norm_eps=1e-5, rope_theta=1e6,
                               partial_rotary_factor=1.0, num_nextn_predict_layers=0)
+# GLM-4.7-Flash's layers at a depth that fits an 80 GB card in float32 (6.0e9 parameters with the vocabulary cut to
+# 49,152: 24 GB), for bench/mtp_fit.py's DeepSeek-style head fitted on its own numbers (issue 44): the full 47 layers
+# are ~120 GB in float32, and in bfloat16 a fit's text flips at near-ties. The head's share of a step is ~10% here
+# (one MoE layer beside ten) against ~2% at full depth, so its speed-ups understate the real model's
+SHAPES["glm4.7-flash-10l"] = {**SHAPES["glm4.7-flash"], "num_hidden_layers": 10}
 SHAPES["glm4.7-flash-tiny"] = {**SHAPES["glm4.7-flash"], "hidden_size": 256, "intermediate_size": 512,
                                "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
                                "num_key_value_heads": 4, "n_routed_experts": 8, "kv_lora_rank": 64,
