@@ -7,7 +7,9 @@ Three parts, in-process, random data / a random Llama-3-8B-shaped bf16 model (be
   check    the kernel against a float32 masked reference (``models.attention.gpu.reference_attention``) for several
            shapes: grouped heads (32 over 8, 9 over 3, 64 over 8), head sizes 128 and 64, widths 1 and 5 (a verify
            step), rows of very different lengths, left-padded rows, gpt-oss's 128-token windows and attention sinks;
-           max |difference| per shape (bf16 output: <= 0.02)
+           and prompt chunks of 5-330 tokens through the kernel with its width read at run time
+           (``runtime_width``, `--debug-gpu-attention-prefill-max`), head sizes 64, 128 and 256, alone and
+           together; max |difference| per shape (bf16 output: <= 0.02)
   attention  one layer's attention alone, median ms: the kernel vs ``mx.fast.scaled_dot_product_attention`` with
            the batch's bool mask (what every layer runs now) vs the same without a mask over rows of one length
            (MLX's own fused vector kernel: what a batch could cost if MLX had a ragged kernel)
@@ -86,19 +88,33 @@ def part_check() -> dict:
         (16, 16, 4, 256, 1, [0] * 16, [5400 - 37 * r for r in range(16)], 0, False),
         (4, 16, 4, 256, 5, [0, 3, 0, 0], [4000, 100, 17, 129], 0, False),
     ]
+    # prompt chunks through the kernel with its width read at run time (--debug-gpu-attention-prefill-max): a lone
+    # row after a hit, rows prefilled together (left-padded starts), each head size, windows and sinks
+    prefill = [
+        (1, 32, 8, 128, 330, [0], [5000], 0, False),
+        (1, 32, 8, 128, 16, [0], [0], 0, False),  # a cold chunk: no cached keys
+        (3, 32, 8, 128, 100, [37, 0, 900], [1500, 1500, 1500], 0, False),
+        (1, 64, 8, 64, 257, [0], [5200], 0, True),  # gpt-oss full layers with sinks
+        (1, 64, 8, 64, 257, [0], [127], 128, True),  # its window layers: the window's last 127 keys, then the chunk
+        (4, 64, 8, 64, 120, [0, 5, 60, 0], [127] * 4, 128, True),
+        (1, 16, 4, 256, 200, [0], [4000], 0, False),  # Qwen3.5's full-attention layers
+        (2, 32, 8, 128, 5, [0, 0], [300, 300], 0, False),  # a width the compiled-width kernel also takes
+    ]
     out = []
-    for B, H, KV, D, W, starts, lasts, window, with_sinks in cases:
+    for (B, H, KV, D, W, starts, lasts, window, with_sinks), runtime in [*((c, False) for c in cases),
+                                                                          *((c, True) for c in prefill)]:
         S = (max(lasts) if lasts else 2048 - W) + W
         if lasts is None:
             lasts = [S - W] * B
         q, k, v = qkv(B, H, KV, S, D, W)
         sinks = mx.random.normal((H,)).astype(mx.bfloat16) if with_sinks else None
         start, last = mx.array(starts, dtype=mx.int32), mx.array(lasts, dtype=mx.int32)
-        got = ga.ranged_attention(q, k, v, D ** -0.5, start, last, window=window, sinks=sinks).astype(mx.float32)
+        got = ga.ranged_attention(q, k, v, D ** -0.5, start, last, window=window, sinks=sinks,
+                                  runtime_width=runtime).astype(mx.float32)
         ref = ga.reference_attention(q, k, v, D ** -0.5, start, last, window=window, sinks=sinks).astype(mx.float32)
         err = float(mx.max(mx.abs(got - ref)).item())
         out.append({"B": B, "H": H, "KV": KV, "D": D, "W": W, "S": S, "window": window, "sinks": with_sinks,
-                    "max_abs_diff": err, "ok": err <= 0.02})
+                    "runtime_width": runtime, "max_abs_diff": err, "ok": err <= 0.02})
         print("check", out[-1], flush=True)
     return {"cases": out, "ok": all(c["ok"] for c in out)}
 
