@@ -80,13 +80,13 @@ def main() -> int:
     from models import kernels
 
     kernels.install(model)  # as the server does: models.kernels' gated delta rule / Mamba-2 step on CUDA and the CPU
+    composed_max = 8 if args.lane_attention is None else args.lane_attention  # the server's default: 8
     if args.lane_attention is not None or args.lane_prefill_max is not None:
         from models.attention import gpu as lane_attention
 
-        composed_max = 8 if args.lane_attention is None else args.lane_attention
         lane_attention.configure(True, composed_max=composed_max, prefill_max=args.lane_prefill_max or 0)
         print(f"lane attention: {lane_attention.install(model)} modules switched, composed up to "
-              f"{composed_max} queries, lone chunks of 9..{args.lane_prefill_max or 0} in the kernel", flush=True)
+              f"{composed_max} queries, prompt chunks of 9..{args.lane_prefill_max or 0} in the kernel", flush=True)
     mx.eval(model.parameters())
     print(f"model {what} ready in {time.perf_counter() - t0:.1f}s on {mx.default_device()}", flush=True)
 
@@ -135,10 +135,10 @@ def main() -> int:
     if args.lane_prefill_max:  # the same chunks with cuDNN's plans, in the same process (its shapes are new to cuDNN)
         from models.attention import gpu as lane_attention
 
-        lane_attention.configure(True, composed_max=8 if args.lane_attention is None else args.lane_attention,
+        lane_attention.configure(True, composed_max=composed_max,
                                  prefill_max=0)
         solo_table("solo_cudnn", "solo, cuDNN")
-        lane_attention.configure(True, composed_max=8 if args.lane_attention is None else args.lane_attention,
+        lane_attention.configure(True, composed_max=composed_max,
                                  prefill_max=args.lane_prefill_max)
 
     if args.lane_attention:  # the composed path's logits against cuDNN's for the same chunk over the same cache
@@ -161,7 +161,7 @@ def main() -> int:
         from models.attention import gpu as lane_attention
 
         def chunk_logits(n: int, prefill_max: int) -> mx.array:
-            lane_attention.configure(True, composed_max=8 if args.lane_attention is None else args.lane_attention,
+            lane_attention.configure(True, composed_max=composed_max,
                                      prefill_max=prefill_max)
             caches = cache_of(args.context, 7)
             out = model(mx.array(tokens(n, 8))[None], cache=caches)[0].astype(mx.float32)
@@ -173,7 +173,7 @@ def main() -> int:
             ours, theirs = chunk_logits(n, args.lane_prefill_max), chunk_logits(n, 0)
             R["kernel_vs_cudnn"][str(n)] = {"max_abs_logit_diff": mx.abs(ours - theirs).max().item(),
                                             "argmax_agree": mx.mean(ours.argmax(-1) == theirs.argmax(-1)).item()}
-        lane_attention.configure(True, composed_max=8 if args.lane_attention is None else args.lane_attention,
+        lane_attention.configure(True, composed_max=composed_max,
                                  prefill_max=args.lane_prefill_max)
         print(f"fused kernel vs cuDNN after {args.context} cached: {R['kernel_vs_cudnn']}", flush=True)
 
