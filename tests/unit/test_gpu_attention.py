@@ -289,15 +289,16 @@ def test_rows_prefilled_together_ranges_are_their_batch_mask(prefill_on):
     assert mx.allclose(ours, theirs, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+@pytest.mark.parametrize("name", ["llama", "gpt_oss", "qwen3_5"])
 def test_a_models_chunks_through_the_kernels_path_give_mlx_lms_logits(prefill_on, monkeypatch, name):
-    """A zoo model (head size 64; gpt-oss with its 16-token windows, which wrap here, and its sinks) with the server's
+    """A zoo model (head size 64; gpt-oss with its 16-token windows, which wrap here, and its sinks; Qwen3.5's hybrid,
+    its gated delta-net layers beside the attention ones) with the server's
     CUDA attention wrapper, the kernel stood in for by its reference: a 30-token chunk, then a 12-token chunk over
     it, and three rows' chunks of 12, 10 and 7 tokens prefilled together over 30, 9 and 21 cached (mlx-lm's batch
     caches, right padding pending) give mlx-lm's logits, every attention call taken by the kernel's path. In
     float32 (the CPU's mixture-of-experts product takes nothing else), so the wrapper's 16-bit rule is set aside
     here (tested above)."""
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
     from models import hook
     from tests.fixtures import zoo
@@ -343,8 +344,8 @@ def test_a_models_chunks_through_the_kernels_path_give_mlx_lms_logits(prefill_on
         hook.restore(model, hook.ATTENTION)
         for module, fn in switched_before:
             setattr(module, hook.ATTENTION, fn)
-    layers = len(model.layers)
-    # every layer: the lone row's 30- and 12-token chunks, the three rows' own 30, 9 and 21, then their chunks
+    layers = sum(1 for c in make_prompt_cache(model) if not isinstance(c, ArraysCache))  # attention layers
+    # every attention layer: the lone row's 30- and 12-token chunks, the three rows' own 30, 9 and 21, then their chunks
     # together (12 wide, right-padded)
     assert [w for w, _ in taken].count(12) == 2 * layers and len(taken) == 6 * layers
     if name == "gpt_oss":
