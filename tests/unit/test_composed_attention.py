@@ -41,6 +41,19 @@ def test_boolean_and_additive_array_masks_broadcast_as_the_fused_kernel_does(sha
 
 
 @pytest.mark.parametrize("mask", [None, "causal"])
+def test_values_wider_than_keys_as_latent_attention_has_them(mask):
+    """GLM-4.7-Flash / DeepSeek-V3's multi-head latent attention: 192-wide queries and keys, 256-wide values (scaled
+    down here). Its verify steps reached this path on the H100 (2026-12-07) and failed to reshape."""
+    q, k, _ = _inputs(D=12)
+    mx.random.seed(5)
+    v = mx.random.normal((2, 2, 19, 16))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    got = composed_attention(q, k, v, 0.25, mask)
+    assert got.shape == (2, 8, 5, 16)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
 def test_sinks_add_one_logit_per_query_head_with_no_value(mask):
     q, k, v = _inputs(H=4, kv=2)
     sinks = mx.array([0.5, -1.0, 2.0, 0.0])
