@@ -399,6 +399,10 @@ def main() -> int:
     ap.add_argument("--fit-depth", type=int, default=2, choices=[1, 2, 3, 4],
                     help="chained drafts the fit trains (default 2; a Qwen-family head trains 3 and 4 exactly too, "
                          "bench/mtp_train.py)")
+    ap.add_argument("--fit-experts", choices=["gather", "dense"], default="gather",
+                    help="how a mixture-of-experts head's experts compute while it trains (bench/mtp_train.py fit): "
+                         "gather (mlx-lm's gather_mm, the default) or dense (every expert for every token, no "
+                         "gather_mm gradient)")
     ap.add_argument("--fit-sequences", type=int, default=64, help="greedy continuations to fit on (default 64)")
     ap.add_argument("--fit-prompt-tokens", type=int, default=64)
     ap.add_argument("--fit-new-tokens", type=int, default=192)
@@ -509,7 +513,7 @@ def fit_head(args, loaded, provider, prompts) -> dict:
     print(f"{len(sequences)} greedy continuations ({args.fit_on}) of {min(map(len, sequences))}-{max(map(len, sequences))} "
           f"tokens in {made_s:.1f} s", flush=True)
     fitted = mtp_train.fit(loaded, provider.head, provider.tap, sequences, args.fit_steps, lr=args.fit_lr,
-                           depth=args.fit_depth, batch=args.fit_batch)
+                           depth=args.fit_depth, batch=args.fit_batch, experts=args.fit_experts)
     out = args.save or (args.model_dir if args.shape else None)
     if out:
         mtp_train.write_heads(provider.head, loaded.model, Path(loaded.path), Path(out))

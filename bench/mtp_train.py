@@ -21,7 +21,9 @@ Parts, each used by bench/mtp_fit.py:
     fit_prompts(tokenizer, n, tokens, seed)     windows of Python's own standard library sources (not the prompts the
                                                 fitted head is measured on)
     continuations(model, prompts, new_tokens)   the target's greedy continuations, batched
-    fit(loaded, head, sequences, steps, ...)    AdamW on the module's parameters; the loss curve
+    fit(loaded, head, sequences, steps, ...)    AdamW on the module's parameters; the loss curve; experts gathered
+                                                or dense (a mixture-of-experts head)
+    grad_norms(grads)                           the first step's gradient norm per parameter group
     write_heads(head, model, src, out)          the fitted head as its family's checkpoint tensors (mtp.safetensors,
                                                 the index pointing the heads' names at it); the rest of ``src``
                                                 linked, so ``mlx-lane serve --model out --draft-kind mtp`` drafts with it
@@ -122,10 +124,50 @@ def _targets(model, tap, sequences: list[list[int]], batch: int) -> list[tuple[m
     return out
 
 
+def grad_norms(grads) -> dict[str, float]:
+    """The gradient's norm per parameter group (a path up to its third part, e.g. ``layers.0.mlp``, or the first
+    parameter name past a group of experts): which parts of the head a step trains at all."""
+    from mlx.utils import tree_flatten
+
+    sums: dict[str, mx.array] = {}
+    for name, g in tree_flatten(grads):
+        parts = name.split(".")
+        group = ".".join(parts[:4] if "switch_mlp" in parts or "experts" in parts else parts[:3])
+        sq = (g.astype(mx.float32) ** 2).sum()
+        sums[group] = sums[group] + sq if group in sums else sq
+    return {k: round(float(mx.sqrt(v).item()), 6) for k, v in sorted(sums.items())}
+
+
 def fit(loaded, head, tap, sequences: list[list[int]], steps: int, lr: float = 1e-3, depth: int = 2,
-        batch: int = 4, log_every: int = 25, seed: int = 0) -> dict:
+        batch: int = 4, log_every: int = 25, seed: int = 0, experts: str = "gather") -> dict:
     """Train ``head.module`` (only) on ``sequences`` of one length (see the module docstring); it ends in the
-    target's dtype. Returns the loss curve and the depth-1 agreement on the training positions, first and last."""
+    target's dtype. Returns the loss curve, the first step's gradient norm per parameter group (``grad_norms``) and
+    the depth-1 agreement on the training positions, first and last.
+
+    ``experts``: how a mixture-of-experts head (GLM-4.7-Flash's, DeepSeek's) computes its experts while it trains:
+    ``gather`` (mlx-lm's ``gather_mm``, sorted; its gradient on CUDA is mlx's ``GatherMM`` vjp) or ``dense`` (every
+    expert for every training token as batched matrix products, models.kernels.moe, then each token's own: the same
+    sums without a gather, so no ``GatherMM`` gradient). A 10-layer GLM-4.7-Flash head fitted with ``gather`` on the
+    H100 (12-07) stayed at a depth-1 loss of 3.3 where a dense Qwen3.5 head reached 0.008; ``dense`` tells whether
+    the experts' gradient was the cause."""
+    if experts not in ("gather", "dense"):
+        raise ValueError(f"experts {experts!r}: gather or dense")
+    if experts == "dense":
+        from models.kernels import moe
+
+        switched = moe.switch(head.module)
+        saved = moe.DENSE_MAX
+        moe.DENSE_MAX = 1 << 30
+        try:
+            return {**_fit(loaded, head, tap, sequences, steps, lr, depth, batch, log_every, seed),
+                    "experts": experts, "expert_layers_dense": switched}
+        finally:
+            moe.DENSE_MAX = saved
+    return {**_fit(loaded, head, tap, sequences, steps, lr, depth, batch, log_every, seed), "experts": experts}
+
+
+def _fit(loaded, head, tap, sequences: list[list[int]], steps: int, lr: float, depth: int, batch: int,
+         log_every: int, seed: int) -> dict:
     from models.mtp.heads import DEEPSEEK, QWEN, SHAPES
 
     model = loaded.model
@@ -183,12 +225,16 @@ def fit(loaded, head, tap, sequences: list[list[int]], steps: int, lr: float = 1
     curve = []
     t0 = time.perf_counter()
     before = None
+    norms: dict[str, float] = {}
     for step in range(steps):
         s, h, a = windows([rng.randrange(n) for _ in range(batch)])
         if before is None:
             l1, agree = losses(s, h, a)[1]
             before = {"depth1_loss": l1.item(), "depth1_agreement": agree.item()}
         loss, grads = grad_fn(s, h, a)
+        if step == 0:
+            norms = grad_norms(grads)
+            print(f"  gradient norms at step 0: {norms}", flush=True)
         opt.update(head.module, grads)
         mx.eval(loss, head.module.parameters(), opt.state)
         if step % log_every == 0 or step == steps - 1:
@@ -199,7 +245,7 @@ def fit(loaded, head, tap, sequences: list[list[int]], steps: int, lr: float = 1
     head.module.set_dtype(first_dtype)
     mx.eval(head.module.parameters())
     return {"steps": steps, "lr": lr, "depth": depth, "batch": batch, "sequences": n, "window": span,
-            "seconds": round(time.perf_counter() - t0, 1), "before": before,
+            "seconds": round(time.perf_counter() - t0, 1), "before": before, "grad_norms": norms,
             "after": {"depth1_loss": l1.item(), "depth1_agreement": agree.item()}, "curve": curve}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import switch_layers
 from mlx_lm.models.gpt_oss import MLPBlock, ModelArgs
 
@@ -63,6 +63,31 @@ def test_every_expert_for_every_token_gives_mlx_lms_outputs(rows, length, sort_m
     got = block(x)
     assert got.shape == want.shape
     assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_every_expert_for_every_token_trains_as_mlx_lms_sorted_gather(sort_min):
+    """bench/mtp_train.py fits a mixture-of-experts MTP head dense (``--fit-experts dense``) to keep mlx's GatherMM
+    gradient out of it: the dense call's gradient, experts and router alike, is mlx-lm's sorted gather_mm's (a
+    training window: 2 x 40 tokens, 320 pairs, past mlx-lm's sort threshold)."""
+    block = gpt_oss_block()
+    x = mx.random.normal((2, 40, HIDDEN))
+    target = mx.random.normal((2, 40, HIDDEN))
+
+    def loss(module, x):
+        return ((module(x) - target) ** 2).mean()
+
+    grad = nn.value_and_grad(block, loss)
+    want_loss, want = grad(block, x)
+    moe.switch(block)
+    moe.DENSE_MAX = 1 << 30
+    got_loss, got = nn.value_and_grad(block, loss)(block, x)
+    assert abs(got_loss.item() - want_loss.item()) < 1e-5
+    flat_want, flat_got = dict(tree_flatten(want)), dict(tree_flatten(got))
+    assert flat_want.keys() == flat_got.keys()
+    assert any("experts" in k for k in flat_want)
+    for k, w in flat_want.items():
+        assert mx.abs(w).max().item() > 0, k  # every part trains
+        assert mx.allclose(flat_got[k], w, atol=1e-5, rtol=1e-4).item(), k
 
 
 def test_dense_stays_off_past_its_tokens_and_for_quantized_experts(sort_min):
