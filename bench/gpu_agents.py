@@ -87,7 +87,15 @@ import peers as peer_servers  # noqa: E402
 from agent_workload import SYSTEM_PROMPT, TASKS, stream_chat, tool_chunk  # noqa: E402
 from concurrent_agents import PROBE, lane_block, probe_metrics, run_agents, run_metrics  # noqa: E402
 
-TARGET_WALL = 0.4  # issue 22: ours / mlx_lm.server wall on this workload
+TARGET_WALL = 0.4  # issues 22, 43: ours / mlx_lm.server wall on this workload (16 x 4, llama3-8b, gpt-oss-20b)
+
+
+def target_wall(shape: str, turns: int) -> float:
+    """Issue 43's target for ours / mlx_lm.server's wall: 16 cold prompts at once (one turn) <= 0.9 on every shape;
+    the agents' turns <= 0.45 on a Qwen3.5 hybrid, <= 0.40 elsewhere."""
+    if turns == 1:
+        return 0.9
+    return 0.45 if shape.startswith("qwen3.5") else TARGET_WALL
 # mlx-lane at its defaults, and variants of it to compare with (each is started as `ours` is, plus these)
 OURS_VARIANTS = {
     "ours": ((), {}),
@@ -553,10 +561,11 @@ def main() -> int:
             p = statistics.median(m["wall_s"] for m in got["mlx_lm"])
             to = statistics.median(m["ttft_mean_s"] for m in got["ours"])
             tp = statistics.median(m["ttft_mean_s"] for m in got["mlx_lm"])
+            target = target_wall(args.shape or "", T)
             R["ratios"][f"{K}x{T}"] = {"wall_ours_over_mlx_lm": round(o / p, 3),
                                       "ttft_mean_ours_over_mlx_lm": round(to / tp, 3),
-                                      "target_wall": TARGET_WALL, "met": o / p <= TARGET_WALL}
-            print(f"{K}x{T}: wall ours/mlx_lm {o / p:.3f} (target <= {TARGET_WALL}), mean TTFT {to / tp:.3f}")
+                                      "target_wall": target, "met": o / p <= target}
+            print(f"{K}x{T}: wall ours/mlx_lm {o / p:.3f} (target <= {target}), mean TTFT {to / tp:.3f}")
         for v in (n for n in names if n in OURS_VARIANTS and n != "ours"):  # each variant against ours
             if got.get("ours") and got.get(v):
                 o = statistics.median(m["wall_s"] for m in got["ours"])
