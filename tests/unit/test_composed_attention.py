@@ -109,3 +109,51 @@ def test_the_cuda_wrapper_composes_verify_sized_steps_past_cached_keys_and_hands
     q, k, v = _inputs(B=1, W=5, S=40)
     attend(q, k, v, None, 0.25, "causal")
     assert calls == [5]
+
+
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "llama"])
+def test_a_verify_sized_chunk_past_a_prompt_composes_to_mlx_lms_logits(name, monkeypatch):
+    """A GLM-4.7-Flash (the zoo's DeepSeek-V3 layers, values 48 wide and keys 32: multi-head latent attention computes
+    a prompt chunk with keys and values of different widths, as the real model's 192 and 256) and the zoo's llama
+    with the server's CUDA attention wrapper: a 5-token chunk past a 30-token prompt (what a verify step or a short turn past
+    a cache hit is) is composed in every attention layer and gives mlx-lm's logits. Before 2026-12-07 the latent
+    attention's chunk failed to reshape here (on the H100, GLM-4.7-Flash's verify step)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from models import hook
+    from models.attention import gpu
+    from tests.fixtures import zoo
+
+    monkeypatch.setitem(zoo.ZOO, "glm4_moe_lite", {**zoo.ZOO["deepseek_v3"], "v_head_dim": 48})
+    model = zoo.build(name, vocab=256, seed=4)
+    prompt = mx.array([[(7 * i + 3) % 250 + 3 for i in range(35)]])
+    widths = []
+    real = composed.composed_attention
+
+    def counted(queries, keys, values, *args, **kwargs):
+        widths.append((queries.shape[-1], values.shape[-1]))
+        return real(queries, keys, values, *args, **kwargs)
+
+    def logits():
+        caches = make_prompt_cache(model)
+        model(prompt[:, :30], cache=caches)
+        out = model(prompt[:, 30:], cache=caches).astype(mx.float32)
+        mx.eval(out)
+        return out
+
+    switched_before = hook.restore(model, hook.ATTENTION)
+    try:
+        theirs = logits()
+        assert hook.switch(model, gpu._wrap) > 0
+        composed.composed_attention = counted
+        ours = logits()
+    finally:
+        composed.composed_attention = real
+        hook.restore(model, hook.ATTENTION)
+        for module, fn in switched_before:
+            setattr(module, hook.ATTENTION, fn)
+    # the 5-token chunk in every layer (all attention here); the cold 30-token prompt went to mlx-lm's
+    assert len(widths) == len(make_prompt_cache(model)) > 1
+    if name == "glm4_moe_lite":
+        assert set(widths) == {(32, 48)}, widths
+    _close(ours, theirs, tol=1e-4)
