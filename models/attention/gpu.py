@@ -28,7 +28,9 @@ KV, mlx-lm's rotating batch caches. A step of a few queries past more cached key
 verify step) runs ``composed.composed_attention`` instead of cuDNN (``composed.applies``): cuDNN plans every new
 shape, and those steps' shapes are all new. With `--debug-gpu-attention-prefill-max N` a prompt chunk of
 ``MAX_WIDTH`` + 1 .. N tokens a row runs the same kernel too, its width read at run time (``prefill_ranges``: a single
-sequence's, or rows prefilled together; off by default until measured on a GPU). `--attention mlx`
+sequence's, or rows prefilled together; off by default). A step whose mask is an additive array never takes the
+kernel (``scores_in_mask``: multi-head latent attention, DeepSeek-V3 / GLM-4.7-Flash, passes its rotary scores as
+the mask, which the kernel's ranges would drop); composed adds such a mask as MLX does. `--attention mlx`
 (``configure(on=False)``) leaves mlx-lm's path in place (to compare).
 """
 
@@ -467,8 +469,20 @@ def prefill_ranges(queries: mx.array, keys: mx.array, values: mx.array,
     return mx.array([0], dtype=mx.int32), mx.array([S - W], dtype=mx.int32), window
 
 
+def scores_in_mask(mask) -> bool:
+    """An additive (not boolean) array mask: it may carry scores of its own, not only who sees whom (multi-head
+    latent attention, DeepSeek-V3 / GLM-4.7-Flash, passes its rotary part's scores as the mask), so the kernel, which
+    replaces a mask by each row's visible columns, must not take it. mlx-lm's and the batches' masks are boolean or
+    ``"causal"``."""
+    return isinstance(mask, mx.array) and mask.dtype != mx.bool_
+
+
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if scores_in_mask(mask):  # composed adds it as MLX's fallback does; else mlx-lm's
+            if composed.applies(queries, keys, cache):
+                return composed.composed_attention(queries, keys, values, scale, mask, sinks)
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         if _applies(queries, keys, values, cache):
             ranges = row_ranges(cache, queries.shape[2])
             if ranges is not None:  # a window layer of the ragged batch says its window (0: none)

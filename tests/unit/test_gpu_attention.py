@@ -388,3 +388,83 @@ def test_rows_prefilled_together_over_windows_see_what_their_mask_says(prefill_o
     theirs = mx.fast.scaled_dot_product_attention(*f, scale=PD ** -0.5, mask=mask)
     for b, n in enumerate(lengths or [W] * 3):
         assert mx.allclose(ours[b, :, :n], theirs[b, :, :n], atol=1e-4), b
+
+
+# -- masks that carry scores (multi-head latent attention) ---------------------------------------------------------
+
+
+def test_an_additive_mask_is_never_replaced_by_ranges(monkeypatch):
+    """A batch's decode-shaped 16-bit step takes the kernel with a boolean mask (its ranges say the same) and never
+    with an additive one, which may carry scores (``scores_in_mask``): that goes to mlx-lm's function, or composed
+    for a verify-sized step past cached keys."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    taken, handed = [], []
+    monkeypatch.setattr(gpu_attention, "ranged_attention", lambda *a, **k: taken.append(1) or a[0])
+
+    def original(queries, keys, values, cache, scale, mask, sinks=None):
+        handed.append(mask.dtype)
+        return queries
+
+    wrapped = gpu_attention._wrap(original)
+    cache = BatchKVCache([0, 0])
+    mx.random.seed(3)
+    k, v = (mx.random.normal((2, 2, 9, 64)).astype(mx.bfloat16) for _ in range(2))
+    keys, values = cache.update_and_fetch(k, v)
+    q = mx.random.normal((2, 4, 1, 64)).astype(mx.bfloat16)
+    seen = mx.ones((2, 1, 1, 9), dtype=mx.bool_)
+    wrapped(q, keys, values, cache=cache, scale=0.125, mask=seen)
+    assert taken == [1] and handed == []
+    wrapped(q, keys, values, cache=cache, scale=0.125, mask=mx.zeros((2, 4, 1, 9), dtype=mx.bfloat16))
+    assert taken == [1] and handed == [mx.bfloat16]
+    assert gpu_attention.scores_in_mask(mx.zeros((1,))) and not gpu_attention.scores_in_mask(seen)
+    assert not gpu_attention.scores_in_mask("causal") and not gpu_attention.scores_in_mask(None)
+
+
+def test_latent_attention_rows_verifying_together_give_mlx_lms_logits(monkeypatch):
+    """GLM-4.7-Flash's latent attention (the zoo's DeepSeek-V3 layers, 64-wide heads, which the kernel's sizes
+    include, as DeepSeek-V3's 128) passes its rotary scores as an additive mask. Three rows verifying 3 tokens
+    together over 30, 9 and 21 cached (mlx-lm's ``BatchKVCache``) through the server's CUDA wrapper, the kernel
+    stood in for by its reference (float32, the 16-bit rule set aside as above), give mlx-lm's logits: the kernel,
+    which knows only each row's visible columns, is not asked (it would drop the rotary part)."""
+    from mlx_lm.models.cache import KVCache as Lone
+
+    from models import hook
+    from tests.fixtures import zoo
+
+    monkeypatch.setitem(zoo.ZOO, "glm4_moe_lite", {**zoo.ZOO["deepseek_v3"], "qk_nope_head_dim": 64,
+                                                   "v_head_dim": 64})
+    model = zoo.build("glm4_moe_lite", vocab=256, seed=4)
+    monkeypatch.setattr(gpu_attention, "_kinds_apply", lambda q, k, v, cache: q.shape[-1] == 64)
+    taken = []
+
+    def kernel(queries, keys, values, scale, start, last, window=0, sinks=None, runtime_width=False):
+        taken.append(queries.shape[2])
+        return gpu_attention.reference_attention(queries, keys, values, scale, start, last, window, sinks)
+
+    monkeypatch.setattr(gpu_attention, "ranged_attention", kernel)
+    prompt = [(13 * i + 7) % 250 + 3 for i in range(40)]
+    cached = [30, 9, 21]
+
+    def logits():
+        rows = []
+        for n in cached:
+            row = [Lone() for _ in model.layers]
+            model(mx.array([prompt[:n]]), cache=row)
+            rows.append(row)
+        batch = [type(layer[0]).merge(list(layer)) for layer in zip(*rows)]
+        out = model(mx.array([prompt[n: n + 3] for n in cached]), cache=batch).astype(mx.float32)
+        mx.eval(out)
+        return out
+
+    switched_before = hook.restore(model, hook.ATTENTION)
+    try:
+        theirs = logits()
+        assert hook.switch(model, gpu_attention._wrap) > 0
+        ours = logits()
+    finally:
+        hook.restore(model, hook.ATTENTION)
+        for module, fn in switched_before:
+            setattr(module, hook.ATTENTION, fn)
+    assert taken == []
+    assert mx.allclose(ours, theirs, atol=1e-4, rtol=1e-4).item()
