@@ -5,6 +5,7 @@ import pytest
 
 from models.attention import composed
 from models.attention.composed import composed_attention
+from tests.fixtures.attention_oracle import theirs_and_ours
 
 
 def _inputs(B=2, H=8, kv=2, W=5, S=19, D=16, dtype=mx.float32, seed=0):
@@ -120,7 +121,6 @@ def test_a_verify_sized_chunk_past_a_prompt_composes_to_mlx_lms_logits(name, mon
     attention's chunk failed to reshape here (on the H100, GLM-4.7-Flash's verify step)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from models import hook
     from models.attention import gpu
     from tests.fixtures import zoo
 
@@ -141,17 +141,11 @@ def test_a_verify_sized_chunk_past_a_prompt_composes_to_mlx_lms_logits(name, mon
         mx.eval(out)
         return out
 
-    switched_before = hook.restore(model, hook.ATTENTION)
+    composed.composed_attention = counted  # the oracle's run calls mlx-lm's function only
     try:
-        theirs = logits()
-        assert hook.switch(model, gpu._wrap) > 0
-        composed.composed_attention = counted
-        ours = logits()
+        theirs, ours = theirs_and_ours(model, gpu._wrap, logits)
     finally:
         composed.composed_attention = real
-        hook.restore(model, hook.ATTENTION)
-        for module, fn in switched_before:
-            setattr(module, hook.ATTENTION, fn)
     # the 5-token chunk in every layer (all attention here); the cold 30-token prompt went to mlx-lm's
     assert len(widths) == len(make_prompt_cache(model)) > 1
     if name == "glm4_moe_lite":

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import KVCache
 
 from models.attention import gpu as gpu_attention
 from server.engine.batch.ragged_kv import RaggedKV
+from tests.fixtures.attention_oracle import theirs_and_ours
 
 KV, D = 2, 16
 
@@ -300,7 +301,6 @@ def test_a_models_chunks_through_the_kernels_path_give_mlx_lms_logits(prefill_on
     here (tested above)."""
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-    from models import hook
     from tests.fixtures import zoo
 
     monkeypatch.setitem(zoo.ZOO, name, {**zoo.ZOO[name], "head_dim": 64})
@@ -335,15 +335,7 @@ def test_a_models_chunks_through_the_kernels_path_give_mlx_lms_logits(prefill_on
         mx.eval(out)
         return out
 
-    switched_before = hook.restore(model, hook.ATTENTION)  # another test's CPU path: mlx-lm's own for the oracle
-    try:
-        theirs = logits()
-        assert hook.switch(model, gpu_attention._wrap) > 0
-        ours = logits()
-    finally:
-        hook.restore(model, hook.ATTENTION)
-        for module, fn in switched_before:
-            setattr(module, hook.ATTENTION, fn)
+    theirs, ours = theirs_and_ours(model, gpu_attention._wrap, logits)  # mlx-lm's own as the oracle
     layers = sum(1 for c in make_prompt_cache(model) if not isinstance(c, ArraysCache))  # attention layers
     # every attention layer: the lone row's 30- and 12-token chunks, the three rows' own 30, 9 and 21, then their chunks
     # together (12 wide, right-padded)
@@ -429,7 +421,6 @@ def test_latent_attention_rows_verifying_together_give_mlx_lms_logits(monkeypatc
     which knows only each row's visible columns, is not asked (it would drop the rotary part)."""
     from mlx_lm.models.cache import KVCache as Lone
 
-    from models import hook
     from tests.fixtures import zoo
 
     monkeypatch.setitem(zoo.ZOO, "glm4_moe_lite", {**zoo.ZOO["deepseek_v3"], "qk_nope_head_dim": 64,
@@ -457,14 +448,6 @@ def test_latent_attention_rows_verifying_together_give_mlx_lms_logits(monkeypatc
         mx.eval(out)
         return out
 
-    switched_before = hook.restore(model, hook.ATTENTION)
-    try:
-        theirs = logits()
-        assert hook.switch(model, gpu_attention._wrap) > 0
-        ours = logits()
-    finally:
-        hook.restore(model, hook.ATTENTION)
-        for module, fn in switched_before:
-            setattr(module, hook.ATTENTION, fn)
+    theirs, ours = theirs_and_ours(model, gpu_attention._wrap, logits)
     assert taken == []
     assert mx.allclose(ours, theirs, atol=1e-4, rtol=1e-4).item()
