@@ -1,6 +1,6 @@
 """Attention of a decode batch on an NVIDIA GPU: one fused kernel over rows of different lengths, no mask.
 
-(About 520 lines, one job: the kernel's two CUDA sources are ~200 of them, kept beside the Python that launches them,
+(About 535 lines, one job: the kernel's two CUDA sources are ~200 of them, kept beside the Python that launches them,
 their reference and the rules of where they apply; the composed path for verify steps is its own module, composed.py.)
 
 A decode batch holds rows of different lengths in one KV buffer: mlx-lm's ``BatchKVCache`` left-pads them to a
