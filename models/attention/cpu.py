@@ -36,8 +36,8 @@ __all__ = ["install", "routes", "grouped_attention", "segmented_attention"]
 
 def grouped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                       mask: Optional[mx.array | str], sinks: Optional[mx.array] = None) -> Optional[mx.array]:
-    """``softmax(q k^T * scale + mask) v`` for ``queries`` (B, H, L, D) over ``keys``/``values`` (B, KV, S, D), H a
-    multiple of KV; ``mask`` None, ``"causal"`` (query i sees keys up to i + S - L), or a bool / additive array of
+    """``softmax(q k^T * scale + mask) v`` for ``queries`` (B, H, L, D) over ``keys`` (B, KV, S, D) and ``values``
+    (B, KV, S, Dv), H a multiple of KV (the result is (B, H, L, Dv)); ``mask`` None, ``"causal"`` (query i sees keys up to i + S - L), or a bool / additive array of
     shape (L, S), (B or 1, 1, L, S); ``sinks`` (H,): each head's sink logit, one more column of its softmax that
     weighs no value. Returns None for a mask it does not take (the caller falls back)."""
     return segmented_attention(queries, [(keys, values)], scale, mask, sinks)
@@ -85,7 +85,7 @@ def segmented_attention(queries: mx.array, segments: list, scale: float,
             part = weights[..., col: col + n] @ v
             out = part if out is None else out + part
             col += n
-    return out.reshape(B, H, L, D)
+    return out.reshape(B, H, L, out.shape[-1])  # the values' width (latent attention's differs from the keys')
 
 
 def _softmax(scores: mx.array) -> mx.array:

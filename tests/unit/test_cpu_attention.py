@@ -32,6 +32,17 @@ def test_grouped_attention_equals_the_fused_path_for_every_mask_kind(L, S):
         assert mx.allclose(ours, theirs, atol=1e-5), type(mask)
 
 
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_values_of_another_width_than_the_keys_come_out_at_their_width(mask):
+    """Multi-head latent attention's prompt side (GLM-4.7-Flash: 192-wide keys, 256-wide values)."""
+    q, k, _ = _qkv(2, 6, 2, 4, 29)
+    v = mx.random.normal((2, 2, 29, 24))
+    ours = cpu_attention.grouped_attention(q, k, v, 0.25, mask)
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    assert ours.shape == theirs.shape == (2, 6, 4, 24)
+    assert mx.allclose(ours, theirs, atol=1e-5)
+
+
 @pytest.mark.parametrize("L,S", [(1, 37), (4, 29)])
 def test_attention_sinks_take_their_share_of_the_softmax_as_the_fused_path_does(L, S):
     """gpt-oss's sinks: one logit per head, a softmax column that weighs no value; with a sliding-window mask too."""
