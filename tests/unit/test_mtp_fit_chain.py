@@ -83,3 +83,30 @@ def test_the_chained_loss_trains_the_deeper_drafts(built):
     other = (a + 1) % 97
     assert mtp_train.chain_losses(head.family, head.module, head.embed, head.logits, caches, other, a, out1,
                                   mx.float32, 4).item() == 0.0
+
+
+def test_a_mixture_of_experts_head_trains_alike_with_experts_gathered_or_dense():
+    """``fit(..., experts="dense")`` (``bench/mtp_fit.py --fit-experts dense``) computes the head's experts without
+    mlx's gather_mm, and its first step's gradient, group by group, is the gathered fit's (the same head, the same
+    windows), and the module's rule is restored after."""
+    from types import SimpleNamespace
+
+    from models.kernels import moe
+    from models.mtp import tap
+
+    rule = moe.DENSE_MAX
+    norms, heads = {}, {}
+    for experts in ("gather", "dense"):
+        model, head = zoo_mtp.build("glm4_moe_lite", vocab=97)
+        sequences = mtp_train.continuations(model, [[5, 9, 2, 7], [3, 1, 4, 1]], 24)
+        got = mtp_train.fit(SimpleNamespace(model=model), head, tap(model), sequences, steps=1, depth=2, batch=2,
+                            experts=experts)
+        assert got["experts"] == experts and got.get("expert_layers_dense", 1) >= 1
+        norms[experts], heads[experts] = got["grad_norms"], head
+    assert heads["dense"] is not heads["gather"]
+    experts_groups = [k for k in norms["gather"] if "switch_mlp" in k]
+    assert experts_groups and all(norms["gather"][k] > 0 for k in experts_groups)
+    assert norms["dense"].keys() == norms["gather"].keys()
+    for k, v in norms["gather"].items():
+        assert abs(norms["dense"][k] - v) <= 1e-4 * max(1.0, v), (k, v, norms["dense"][k])
+    assert moe.DENSE_MAX == rule
