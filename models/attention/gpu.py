@@ -54,6 +54,12 @@ MAX_WIDTH = 8  # queries per row the kernel takes (a decode step: 1; a verify st
 # `--debug-gpu-attention-prefill-max`, bench/gpu_prefill_after_hit.py --lane-prefill-max)
 PREFILL_MAX = 0
 PREFILL_PARTIALS_MAX = 1 << 29  # bytes of float32 partial results one call may write (past that: cuDNN)
+# Query-key pairs (rows x queries x keys) one call may take: the kernel takes 4 queries a block on CUDA cores, so its
+# cost grows with chunk x context, where cuDNN's, once planned, grows far slower. Measured on the H100 (gpt-oss-20b
+# after a 5k hit, BENCHMARKS.md 2026-12-07, thirteenth session): ~17 ns more a pair than a planned cuDNN call over
+# the model's layers, so past ~4M pairs it costs more than a new shape's plan (~70 ms); at 330 x 5,330 (1.8M) it was
+# 75 vs 117 ms, at 1,024 x 6,024 (6.2M) 196 vs 162. Past this: cuDNN.
+PREFILL_PAIRS_MAX = 3_000_000
 # Tuning knobs for A/B runs (bench/gpu_attention.py, bench/gpu_agents.py): `mlx-lane serve --debug-gpu-attention-split`
 # / `--debug-gpu-attention-unroll`, set through ``configure`` before a model is loaded
 SPLIT = 256  # key positions per block of the first pass
@@ -442,7 +448,8 @@ def prefill_ranges(queries: mx.array, keys: mx.array, values: mx.array,
       columns, then the chunk's; ``left_padding`` moved by what it trimmed): the same within the last ``max_size``
       columns, what its mask says for every real query (a padded query may see other columns: its output is
       discarded, its keys rolled away).
-    Also within ``PREFILL_PARTIALS_MAX`` bytes of partial results and the grid's 65,535 blocks in y."""
+    Also within ``PREFILL_PARTIALS_MAX`` bytes of partial results, ``PREFILL_PAIRS_MAX`` query-key pairs (past that
+    the kernel's arithmetic costs more than cuDNN's plan) and the grid's 65,535 blocks in y."""
     from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
     B, H, W, D = queries.shape
@@ -451,7 +458,8 @@ def prefill_ranges(queries: mx.array, keys: mx.array, values: mx.array,
     S, kv = keys.shape[2], keys.shape[1]
     splits = -(-S // SPLIT)
     chunks = -(-(H // kv) * W // _QUERIES_PER_BLOCK)
-    if S < W or B * H * W * splits * (D + 2) * 4 > PREFILL_PARTIALS_MAX or kv * chunks > 65535:
+    if (S < W or B * H * W * splits * (D + 2) * 4 > PREFILL_PARTIALS_MAX or kv * chunks > 65535
+            or B * W * S > PREFILL_PAIRS_MAX):
         return None
     kind = type(cache)
     if kind is BatchKVCache and batch_index(cache) == S:

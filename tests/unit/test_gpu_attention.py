@@ -237,6 +237,14 @@ def test_only_lone_16_bit_chunks_within_the_limit_take_the_kernel(prefill_on):
         assert gpu_attention.prefill_ranges(q, keys, values, cache) is None  # its partial results would not fit
     finally:
         gpu_attention.PREFILL_PARTIALS_MAX = saved
+    S = keys.shape[2]
+    try:
+        gpu_attention.PREFILL_PAIRS_MAX, saved = 16 * S, gpu_attention.PREFILL_PAIRS_MAX
+        assert gpu_attention.prefill_ranges(q, keys, values, cache) is not None  # 16 queries x S keys: at the cap
+        gpu_attention.PREFILL_PAIRS_MAX = 16 * S - 1
+        assert gpu_attention.prefill_ranges(q, keys, values, cache) is None  # past it: cuDNN's
+    finally:
+        gpu_attention.PREFILL_PAIRS_MAX = saved
     gpu_attention.configure()  # the default: off
     assert gpu_attention.prefill_ranges(q, keys, values, cache) is None
 
