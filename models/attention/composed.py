@@ -55,8 +55,9 @@ def composed_attention(queries: mx.array, keys: mx.array, values: mx.array, scal
                        mask: Union[None, str, mx.array] = None, sinks: Optional[mx.array] = None) -> mx.array:
     """``softmax(q k^T * scale + mask) v`` for ``queries`` (B, H, W, D), ``keys`` (B, KV, S, D) and ``values``
     (B, KV, S, Dv), H a multiple of KV (Dv may differ from D: multi-head latent attention, GLM-4.7-Flash / DeepSeek-V3,
-    has 192-wide keys and 256-wide values); the result is (B, H, W, Dv); ``mask`` None, ``"causal"`` (query i sees keys up to ``S - W + i``) or an array broadcastable to
-    (B, H, W, S), boolean (True: seen) or additive; ``sinks`` (H,): one more logit per query head, with no value."""
+    has 192-wide keys and 256-wide values); the result is (B, H, W, Dv). ``mask`` None, ``"causal"`` (query i sees
+    keys up to ``S - W + i``) or an array broadcastable to (B, H, W, S), boolean (True: seen) or additive; ``sinks``
+    (H,): one more logit per query head, with no value."""
     B, H, W, D = queries.shape
     kv, S = keys.shape[1], keys.shape[2]
     rep = H // kv

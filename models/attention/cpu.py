@@ -37,9 +37,10 @@ __all__ = ["install", "routes", "grouped_attention", "segmented_attention"]
 def grouped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                       mask: Optional[mx.array | str], sinks: Optional[mx.array] = None) -> Optional[mx.array]:
     """``softmax(q k^T * scale + mask) v`` for ``queries`` (B, H, L, D) over ``keys`` (B, KV, S, D) and ``values``
-    (B, KV, S, Dv), H a multiple of KV (the result is (B, H, L, Dv)); ``mask`` None, ``"causal"`` (query i sees keys up to i + S - L), or a bool / additive array of
-    shape (L, S), (B or 1, 1, L, S); ``sinks`` (H,): each head's sink logit, one more column of its softmax that
-    weighs no value. Returns None for a mask it does not take (the caller falls back)."""
+    (B, KV, S, Dv), H a multiple of KV (the result is (B, H, L, Dv)); ``mask`` None, ``"causal"`` (query i sees keys
+    up to i + S - L), or a bool / additive array of shape (L, S), (B or 1, 1, L, S); ``sinks`` (H,): each head's sink
+    logit, one more column of its softmax that weighs no value. Returns None for a mask it does not take (the caller
+    falls back)."""
     return segmented_attention(queries, [(keys, values)], scale, mask, sinks)
 
 
