@@ -107,6 +107,12 @@ SHAPES["glm4.7-flash-tiny"] = {**SHAPES["glm4.7-flash"], "hidden_size": 256, "in
                                "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
                                "num_key_value_heads": 4, "n_routed_experts": 8, "kv_lora_rank": 64,
                                "q_lora_rank": 96, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}
+# A GLM-4.7-Flash-style model 768 wide (2 layers, 8 experts): the narrowest where the head's fit at
+# --fit-lr 3e-3 stalls on the CPU as glm4.7-flash-10l's did on the H100, and 1e-3 fits (BENCHMARKS.md, 2026-12-07)
+SHAPES["glm4.7-flash-mid"] = {**SHAPES["glm4.7-flash"], "hidden_size": 768, "intermediate_size": 1536,
+                              "moe_intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 8,
+                              "num_key_value_heads": 8, "n_routed_experts": 8, "kv_lora_rank": 128,
+                              "q_lora_rank": 192, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 96}
 PROMPT_VOCAB = 49152
 REQUEST_TIMEOUT = 120.0  # the SmolLM2 tokenizer's ids: prompts use ids in [3, 49152)
 T0 = time.monotonic()
