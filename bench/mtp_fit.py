@@ -395,7 +395,9 @@ def main() -> int:
                          "prompts; measured: the measured prompts' own continuations (a random-weight target's "
                          "tokens follow no pattern a head could learn beyond the text it saw, so this is how a random "
                          "target reaches a real head's acceptance: by memory; say so where the figure is used)")
-    ap.add_argument("--fit-lr", type=float, default=1e-3)
+    ap.add_argument("--fit-lr", type=float, default=1e-3,
+                    help="AdamW's peak learning rate, cosine-decayed (default 1e-3; 3e-3 fitted the Qwen3.5-9B head, "
+                         "but stalls a DeepSeek/GLM-style head from 768 wide: BENCHMARKS.md, 2026-12-07)")
     ap.add_argument("--fit-depth", type=int, default=2, choices=[1, 2, 3, 4],
                     help="chained drafts the fit trains (default 2; a Qwen-family head trains 3 and 4 exactly too, "
                          "bench/mtp_train.py)")
