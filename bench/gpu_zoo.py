@@ -131,7 +131,10 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.reference_kernel and args.dtype == "float32":  # the CPU's MoE product takes float32 only
-        gpu_attention._kinds_apply = lambda q, k, v, cache: q.shape[-1] == k.shape[-1] == v.shape[-1] == 64
+        def sized(queries, keys, values, cache) -> bool:
+            return queries.shape[-1] == keys.shape[-1] == values.shape[-1] == 64
+
+        gpu_attention._kinds_apply = sized
     gpu_attention.configure(prefill_max=0)
     results, failed = [], 0
     for name in args.names.split(","):
