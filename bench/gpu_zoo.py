@@ -115,8 +115,8 @@ def check(name: str, dtype: str, reference_kernel: bool) -> dict:
     calls = paths.pop("calls", 0)
     result: dict = {"name": name, "paths": {**paths, "mlx-lm": calls - sum(paths.values())}}
     for k in theirs:
-        diff = mx.abs(ours[k] - theirs[k]).max().item()
-        agree = (mx.argmax(ours[k], axis=-1) == mx.argmax(theirs[k], axis=-1)).astype(mx.float32).mean().item()
+        diff = float(mx.abs(ours[k] - theirs[k]).max().item())
+        agree = float((mx.argmax(ours[k], axis=-1) == mx.argmax(theirs[k], axis=-1)).astype(mx.float32).mean().item())
         result[k] = {"max_abs_logit_diff": round(diff, 5), "argmax_agree": round(agree, 4)}
     return result
 
