@@ -284,7 +284,8 @@ def _serve_parser(sub) -> None:
                    default=int(_env("debug_gpu_attention_prefill_max", "0")),
                    help="on CUDA, a prompt chunk of 9..N tokens a row (a single sequence's, or rows prefilled "
                         "together) attends in mlx-lane's fused kernel (its length read at run time) instead of "
-                        "cuDNN, which builds a plan for each new shape (default 0: cuDNN) "
+                        "cuDNN, which builds a plan for each new shape; calls of more than 3M query-key pairs stay "
+                        "with cuDNN (default 0: cuDNN) "
                         "[MLX_LANE_DEBUG_GPU_ATTENTION_PREFILL_MAX]")
     d.add_argument("--debug-no-conv-kernel", action="store_true", default=_env_flag("debug_no_conv_kernel"),
                    help="hybrids' short depthwise convolutions go through mlx's conv1d (on CUDA cuDNN, a plan per "

@@ -1,6 +1,6 @@
 """Attention of a decode batch on an NVIDIA GPU: one fused kernel over rows of different lengths, no mask.
 
-(About 535 lines, one job: the kernel's two CUDA sources are ~200 of them, kept beside the Python that launches them,
+(About 540 lines, one job: the kernel's two CUDA sources are ~200 of them, kept beside the Python that launches them,
 their reference and the rules of where they apply; the composed path for verify steps is its own module, composed.py.)
 
 A decode batch holds rows of different lengths in one KV buffer: mlx-lm's ``BatchKVCache`` left-pads them to a
@@ -462,10 +462,9 @@ def prefill_ranges(queries: mx.array, keys: mx.array, values: mx.array,
             or B * W * S > PREFILL_PAIRS_MAX):
         return None
     kind = type(cache)
-    if kind is BatchKVCache and batch_index(cache) == S:
-        return cache.left_padding.astype(mx.int32), mx.full((B,), S - W, dtype=mx.int32), 0
-    if kind is BatchRotatingKVCache and batch_index(cache) == S:
-        return cache.left_padding.astype(mx.int32), mx.full((B,), S - W, dtype=mx.int32), int(cache.max_size)
+    if kind in (BatchKVCache, BatchRotatingKVCache) and batch_index(cache) == S:
+        window = int(cache.max_size) if kind is BatchRotatingKVCache else 0
+        return cache.left_padding.astype(mx.int32), mx.full((B,), S - W, dtype=mx.int32), window
     if B != 1:
         return None
     if kind is KVCache:
