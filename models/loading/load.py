@@ -179,6 +179,25 @@ def read_context_length(model_dir: Path) -> int | None:
     return _context_length(config, Path(model_dir)) if isinstance(config, dict) else None
 
 
+def _load_overlapped(model_dir: Path, dtype) -> tuple[Any, Any, dict]:
+    """mlx-lm's ``load``, with its two halves overlapped: the tokenizer is read on a second thread while this one reads
+    the weights, casts them to ``dtype`` and evaluates them (``evaluate_all_arrays``: on this thread, whose stream the
+    lane's requires). MLX's evaluation releases the GIL, so the tokenizer's seconds (a 200k-entry vocabulary on
+    gpt-oss) hide behind the weights' instead of following them (issue 45: ready first). The cast is part of the read
+    (the arrays are lazy until then), so a checkpoint of another dtype never sits in memory twice."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+    from mlx_lm.utils import load_tokenizer
+
+    model, config = mlx_lm_load_model(model_dir, lazy=True)
+    with ThreadPoolExecutor(1, thread_name_prefix="mlx-lane-tokenizer") as pool:
+        tokenizer = pool.submit(load_tokenizer, model_dir, eos_token_ids=config.get("eos_token_id"))
+        model.set_dtype(dtype)
+        evaluate_all_arrays(model)
+        return model, tokenizer.result(), config
+
+
 def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, group: Any = None,
                source: str = "auto") -> LoadedModel:
     """Resolve `spec` (see module doc), load it with mlx-lm (or mlx-vlm: `source`, see the module doc) and cast its
@@ -198,19 +217,17 @@ def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, gr
             raise ModelLoadError(f"{model_dir} loads through mlx-vlm, which this server does not shard over "
                                  "processes; serve it in one process")
         return _load_from_mlx_vlm(model_dir, model_id, dtype)
-    from mlx_lm.utils import load as mlx_lm_load
-
     try:
         if group is None:
-            model, tokenizer, config = mlx_lm_load(str(model_dir), return_config=True)
+            model, tokenizer, config = _load_overlapped(Path(model_dir), getattr(mx, dtype))
         else:
             from models.loading.sharding import load_shard
 
             model, tokenizer, config = load_shard(model_dir, group)
+            model.set_dtype(getattr(mx, dtype))
+            evaluate_all_arrays(model)
     except (ValueError, FileNotFoundError, OSError, KeyError) as e:
         raise ModelLoadError(f"mlx-lm could not load {model_dir}: {e}") from e
-    model.set_dtype(getattr(mx, dtype))
-    evaluate_all_arrays(model)
     install_cpu_attention(model)  # on the CPU only: grouped-query attention without copying K/V per query head
     install_gpu_attention(model)  # on CUDA only: a decode batch's attention in one kernel, rows of their own lengths
     install_kernels(model)  # off Metal: the gated delta rule and Mamba-2's step as kernels / the chunked form
