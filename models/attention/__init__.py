@@ -8,7 +8,8 @@ place where one applies (``models.loading.load`` installs both at load; only one
                       not copy the cached prefix)
     gpu.py            on CUDA: a decode batch's rows of different lengths in one fused kernel, no mask; it reads each
                       row's visible columns through the declared view ``RowRanges`` below (the ragged batch's layers,
-                      server.engine.batch.ragged_kv, implement it) or mlx-lm's ``BatchKVCache``'s own fields
+                      server.engine.batch.ragged_kv, implement it) or mlx-lm's ``BatchKVCache``'s own fields; and a
+                      single sequence's decode or verify step over a ``SharedPrefixKVCache``'s segments, as cpu.py
     composed.py       on CUDA: a step of a few queries past cached keys (a verify step) in plain ops, where cuDNN
                       would plan each new shape
 
@@ -23,9 +24,9 @@ from typing import Protocol, runtime_checkable
 import mlx.core as mx
 
 from models.attention import cpu, gpu
-from models.hook import attention_path
+from models.hook import attention_path, switched_functions
 
-__all__ = ["RowRanges", "configure", "attention_path", "fused_batch_attention"]
+__all__ = ["RowRanges", "configure", "attention_path", "fused_batch_attention", "reads_segments"]
 
 
 @runtime_checkable
@@ -51,3 +52,14 @@ def configure(on: bool = True, *, gpu_split: int = 256, gpu_unroll: int = 4, gpu
 def fused_batch_attention() -> bool:
     """Does a decode batch's attention run in the fused CUDA kernel here (the ragged layout pays on a GPU then)?"""
     return gpu.enabled()
+
+
+def reads_segments(model) -> bool:
+    """True when every attention of ``model``'s modules goes through a wrapper of this package that reads a
+    ``SharedPrefixKVCache``'s segments where they lie (cpu.py's, gpu.py's): then a RAM hit's caches may be handed to the
+    model as such (server.engine.slot ``reads_shared_prefix``)."""
+    from mlx_lm.models import base
+
+    fns = switched_functions(model)
+    return bool(fns) and all(getattr(fn, "mlx_lane_original", None) is base.scaled_dot_product_attention
+                             and getattr(fn, "mlx_lane_reads_segments", False) for fn in fns)

@@ -29,9 +29,9 @@ import mlx.core as mx
 import numpy as np
 
 from models.hook import switch, switched_functions
-from models.attention.shared_prefix import SharedPrefixKVCache
+from models.attention.shared_prefix import SharedPrefixKVCache, segmented_attention
 
-__all__ = ["install", "routes", "grouped_attention", "segmented_attention"]
+__all__ = ["install", "grouped_attention"]
 
 
 def grouped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
@@ -41,52 +41,7 @@ def grouped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     up to i + S - L), or a bool / additive array of shape (L, S), (B or 1, 1, L, S); ``sinks`` (H,): each head's sink
     logit, one more column of its softmax that weighs no value. Returns None for a mask it does not take (the caller
     falls back)."""
-    return segmented_attention(queries, [(keys, values)], scale, mask, sinks)
-
-
-def segmented_attention(queries: mx.array, segments: list, scale: float,
-                        mask: Optional[mx.array | str], sinks: Optional[mx.array] = None) -> Optional[mx.array]:
-    """``grouped_attention`` over keys and values held in pieces along the sequence axis (``segments``: (keys,
-    values) pairs in position order, e.g. ``models.attention.shared_prefix``'s shared prefix and own tail), read where they lie:
-    each piece's scores, one softmax over all of them (the mask applies to their columns in order), each piece's
-    weighted values summed. Nothing the size of the keys or values is copied."""
-    B, H, L, D = queries.shape
-    kv = segments[0][0].shape[1]
-    S = sum(k.shape[2] for k, _ in segments)
-    rep = H // kv
-    if isinstance(mask, str):
-        if mask != "causal":
-            return None
-        mask = mx.arange(S)[None, :] <= (mx.arange(L) + (S - L))[:, None]
-    if mask is not None and not (mask.ndim == 2 or (mask.ndim == 4 and mask.shape[1] == 1)):
-        return None
-    q = (queries * scale).reshape(B, kv, rep * L, D)
-    parts = [q @ k.swapaxes(-1, -2) for k, _ in segments]
-    scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
-    if mask is not None:
-        scores = scores.reshape(B, kv, rep, L, S)
-        m = mask if mask.ndim == 2 else mask[:, :, None]  # (B, 1, 1, L, S): every head of every group
-        if m.dtype == mx.bool_:
-            scores = mx.where(m, scores, mx.array(-mx.inf, scores.dtype))
-        else:
-            scores = scores + m
-        scores = scores.reshape(B, kv, rep * L, S)
-    if sinks is not None:  # one more column per head: its sink logit (rep query heads per KV head, in order)
-        sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, kv, rep, 1, 1), (B, kv, rep, L, 1))
-        scores = mx.concatenate([scores.reshape(B, kv, rep, L, S), sink], axis=-1).reshape(B, kv, rep * L, S + 1)
-    weights = _softmax(scores)
-    if sinks is not None:
-        weights = weights[..., :S]
-    if len(segments) == 1:
-        out = weights @ segments[0][1]
-    else:
-        out, col = None, 0
-        for k, v in segments:
-            n = k.shape[2]
-            part = weights[..., col: col + n] @ v
-            out = part if out is None else out + part
-            col += n
-    return out.reshape(B, H, L, out.shape[-1])  # the values' width (latent attention's differs from the keys')
+    return segmented_attention(queries, [(keys, values)], scale, mask, sinks, softmax=_softmax)
 
 
 def _softmax(scores: mx.array) -> mx.array:
@@ -137,7 +92,7 @@ def _pool():
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if isinstance(cache, SharedPrefixKVCache):  # keys/values: its lazy concatenation, unused
-            out = segmented_attention(queries, cache.segments(), scale, mask, sinks)
+            out = segmented_attention(queries, cache.segments(), scale, mask, sinks, softmax=_softmax)
             if out is not None:
                 return out
         if not hasattr(cache, "bits") and queries.ndim == 4 and keys.ndim == 4 \
@@ -149,17 +104,8 @@ def _wrap(original):
 
     scaled_dot_product_attention.mlx_lane_original = original
     scaled_dot_product_attention.mlx_lane_path = "cpu"
+    scaled_dot_product_attention.mlx_lane_reads_segments = True  # models.attention.reads_segments
     return scaled_dot_product_attention
-
-
-def routes(model) -> bool:
-    """True when every attention of ``model``'s modules goes through this module's function (``install`` switched
-    them all): then a ``SharedPrefixKVCache`` can be given to the model (its segments are read where they lie)."""
-    from mlx_lm.models import base
-
-    fns = switched_functions(model)
-    return bool(fns) and all(getattr(fn, "mlx_lane_original", None) is base.scaled_dot_product_attention
-                             and getattr(fn, "mlx_lane_path", None) == "cpu" for fn in fns)
 
 
 _ON = True  # --attention mlx: MLX's own attention everywhere

@@ -41,6 +41,7 @@ from typing import Optional
 import mlx.core as mx
 
 from models.attention import composed
+from models.attention.shared_prefix import SharedPrefixKVCache, segmented_attention
 from models.hook import switch
 from models.mlx_compat import batch_index, right_padding
 
@@ -484,8 +485,24 @@ def scores_in_mask(mask) -> bool:
     return isinstance(mask, mx.array) and mask.dtype != mx.bool_
 
 
+def reads_segments(queries: mx.array, cache) -> bool:
+    """A step of at most ``MAX_WIDTH`` queries (a decode or verify step) over a RAM hit's ``SharedPrefixKVCache``, its
+    scores (B x H x L x S) under ``composed.MAX_SCORES``: read where the cached entry lies (``segmented_attention``),
+    instead of the one buffer MLX's kernels want, which the first new token would fill by copying the whole prefix
+    (~4.3 GB at 32k tokens of Llama-3-8B: issue 45). Longer chunks take the segments' concatenation (one copy, as a
+    ``KVCache`` growing past its room makes) and the paths below."""
+    if not isinstance(cache, SharedPrefixKVCache) or queries.ndim != 4:
+        return False
+    B, H, L, _ = queries.shape
+    return L <= MAX_WIDTH and B * H * L * cache.offset <= composed.MAX_SCORES
+
+
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if reads_segments(queries, cache):  # keys / values: the segments' lazy concatenation, then left unused
+            out = segmented_attention(queries, cache.segments(), scale, mask, sinks)
+            if out is not None:  # None: a mask with a head axis (latent attention), taken below
+                return out
         if scores_in_mask(mask):  # composed adds it as MLX's fallback does; else mlx-lm's
             if composed.applies(queries, keys, cache):
                 return composed.composed_attention(queries, keys, values, scale, mask, sinks)
@@ -506,6 +523,7 @@ def _wrap(original):
 
     scaled_dot_product_attention.mlx_lane_original = original
     scaled_dot_product_attention.mlx_lane_path = "cuda"
+    scaled_dot_product_attention.mlx_lane_reads_segments = True  # models.attention.reads_segments
     return scaled_dot_product_attention
 
 

@@ -7,26 +7,30 @@ tokens of the default model (47 MB over 30 layers, mostly first-touch page fault
 grows with the conversation: the price of every agent turn's hit.
 
 ``SharedPrefixKVCache`` keeps the entry's arrays as a read-only first segment and writes new positions into a
-``KVCache`` of its own (the tail). ``models.attention.cpu`` attends over both segments where they lie (the scores of
-each, one softmax over all, each segment's weighted values summed), so nothing is copied. For anything else it is a
+``KVCache`` of its own (the tail). ``segmented_attention`` (below) attends over both segments where they lie (the
+scores of each, one softmax over all, each segment's weighted values summed), so nothing is copied:
+``models.attention.cpu`` for every step on the CPU, ``models.attention.gpu`` for decode and verify steps on CUDA. For anything else it is a
 ``KVCache``: ``keys`` / ``values`` are the lazy concatenation of the two segments (MLX computes it only if something
 evaluates it), ``offset``, ``trim``, ``make_mask`` and ``update_and_fetch`` behave as KVCache's. Two exceptions:
 ``state`` is the segments (so that ``mx.eval(c.state)`` after a chunk evaluates what was written, not a copy), and
 the cache is not a plain ``KVCache`` for the rest of the server: ``flatten`` gives one (the prefix cache, the batch
 and the SSD tier see only those).
 
-Used by the lane for a solo sequence's hit (``share_prefix``) where the model's attention goes through
-``models.attention.cpu`` (on a GPU the batch copies rows anyway, and MLX's kernels want one buffer).
+Used by the lane for a solo sequence's hit (``share_prefix``) where every attention of the model goes through one of
+those (``models.attention.reads_segments``). On CUDA a prompt chunk past ``MAX_WIDTH`` queries reads the lazy
+concatenation instead (MLX's kernels want one buffer: one copy of the prefix, as mlx-lm's ``KVCache`` makes when a
+chunk outgrows its room), and a row joining a batch is copied into the batch's buffers either way
+(``RaggedKV.extend`` writes the segments where they go).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-__all__ = ["SharedPrefixKVCache", "share_prefix", "flatten"]
+__all__ = ["SharedPrefixKVCache", "share_prefix", "flatten", "segmented_attention"]
 
 
 class SharedPrefixKVCache(KVCache):
@@ -147,3 +151,57 @@ def flatten(caches: list) -> list:
     out = [c.flatten() if isinstance(c, SharedPrefixKVCache) else c for c in caches]
     mx.eval([a for c in out if c.keys is not None for a in (c.keys, c.values)])
     return out
+
+
+def _precise_softmax(scores: mx.array) -> mx.array:
+    return mx.softmax(scores, axis=-1, precise=True)
+
+
+def segmented_attention(queries: mx.array, segments: list, scale: float, mask: Optional[mx.array | str],
+                        sinks: Optional[mx.array] = None, softmax: Callable[[mx.array], mx.array] = _precise_softmax
+                        ) -> Optional[mx.array]:
+    """``softmax(q k^T * scale + mask) v`` for ``queries`` (B, H, L, D) over keys and values held in pieces along the
+    sequence axis (``segments``: (keys (B, KV, S_i, D), values (B, KV, S_i, Dv)) pairs in position order, e.g. a
+    shared prefix and a cache's own tail), read where they lie: each piece's scores, one ``softmax`` over all of them
+    (float32; the mask applies to their columns in order), each piece's weighted values summed. Nothing the size of
+    the keys or values is copied. H a multiple of KV; ``mask`` None, ``"causal"`` (query i sees keys up to
+    i + S - L), or a bool / additive array of shape (L, S), (B or 1, 1, L, S); ``sinks`` (H,): each head's sink
+    logit, one more column of its softmax that weighs no value. Returns None for a mask it does not take (the caller
+    falls back). ``models.attention.cpu`` passes its numpy softmax; on CUDA ``models.attention.gpu`` takes MLX's."""
+    B, H, L, D = queries.shape
+    kv = segments[0][0].shape[1]
+    S = sum(k.shape[2] for k, _ in segments)
+    rep = H // kv
+    if isinstance(mask, str):
+        if mask != "causal":
+            return None
+        mask = mx.arange(S)[None, :] <= (mx.arange(L) + (S - L))[:, None]
+    if mask is not None and not (mask.ndim == 2 or (mask.ndim == 4 and mask.shape[1] == 1)):
+        return None
+    q = (queries * scale).reshape(B, kv, rep * L, D)
+    parts = [q @ k.swapaxes(-1, -2) for k, _ in segments]
+    scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    if mask is not None:
+        scores = scores.reshape(B, kv, rep, L, S)
+        m = mask if mask.ndim == 2 else mask[:, :, None]  # (B, 1, 1, L, S): every head of every group
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, mx.array(-mx.inf, scores.dtype))
+        else:
+            scores = scores + m
+        scores = scores.reshape(B, kv, rep * L, S)
+    if sinks is not None:  # one more column per head: its sink logit (rep query heads per KV head, in order)
+        sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, kv, rep, 1, 1), (B, kv, rep, L, 1))
+        scores = mx.concatenate([scores.reshape(B, kv, rep, L, S), sink], axis=-1).reshape(B, kv, rep * L, S + 1)
+    weights = softmax(scores)
+    if sinks is not None:
+        weights = weights[..., :S]
+    if len(segments) == 1:
+        out = weights @ segments[0][1]
+    else:
+        out, col = None, 0
+        for k, v in segments:
+            n = k.shape[2]
+            part = weights[..., col: col + n] @ v
+            out = part if out is None else out + part
+            col += n
+    return out.reshape(B, H, L, out.shape[-1])  # the values' width (latent attention's differs from the keys')

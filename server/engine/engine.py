@@ -52,7 +52,7 @@ class EngineConfig:
     kv_group_size: int = 64  # --kv-group-size
     layout: Layout = field(default_factory=Layout)  # --batch-layout, --no-spec-batch, the device
     speculation: Optional[Speculation] = None  # --draft-model / --draft-kind
-    read_shared_prefix: bool = True  # not --debug-copy-hits: a CPU hit reads its cached prefix in place
+    read_shared_prefix: bool = True  # not --debug-copy-hits: a hit reads its cached prefix in place
 
 
 class Engine:
@@ -220,9 +220,10 @@ class Engine:
         return hit.length
 
     def _taken(self, slot: Slot, hit) -> list:
-        """A hit's caches for a plain sequence: on the CPU path of ``models.attention.cpu`` they read the entry's
-        KV where it lies (``SharedPrefixKVCache``: the first new token does not copy the whole prefix); they become
-        plain ``KVCache`` again where they are stored or join mlx-lm's batch."""
+        """A hit's caches for a plain sequence: where every attention of the model reads segments
+        (``models.attention.reads_segments``: the CPU's and the CUDA wrappers) they read the entry's KV where it lies
+        (``SharedPrefixKVCache``: the first new token does not copy the whole prefix); they become plain ``KVCache``
+        again where they are stored or join mlx-lm's batch."""
         if not slot.facts.reads_shared_prefix:
             return hit.caches
         caches = share_prefix(hit.caches)

@@ -17,8 +17,7 @@ from typing import Any, Callable, Optional
 
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from models.attention import attention_path
-from models.attention.cpu import routes as routes_cpu_attention
+from models.attention import attention_path, reads_segments
 from models.errors import ModelLoadError
 from models.facts import CacheFacts, DraftHeads, ModelFacts
 from models.kernels import expert_path, kernel_path
@@ -91,8 +90,8 @@ def measure(model, *, base: bool, kv_bits: Optional[int] = None, kv_group_size: 
         prefills_together=kv_bits is None and all(
             type(c) in (KVCache, RotatingKVCache) or (isinstance(c, ArraysCache) and exact_state) for c in layers),
         # a hit's caches may read the cached entry where it lies (models.attention.shared_prefix): plain KV layers,
-        # and every attention of the model through models.attention.cpu (which reads segments)
-        reads_shared_prefix=read_shared_prefix and plain_kv and routes_cpu_attention(model),
+        # and every attention of the model through a wrapper that reads segments (models.attention.cpu, .gpu)
+        reads_shared_prefix=read_shared_prefix and plain_kv and reads_segments(model),
         attention=attention_path(model),
         recurrent_path=kernel_path(model),
         expert_path=expert_path(model),

@@ -1,6 +1,8 @@
 """models.attention.shared_prefix: a hit's caches that read the entry's KV where it lies give the logits of a plain copy, never
 write into the entry, trim back into the prefix, and become plain KVCache layers (the same positions) for whatever
-stores or batches them; the engine hands them out only where the model's attention reads segments."""
+stores or batches them; the engine hands them out only where the model's attention reads segments: the CPU's wrapper
+(models.attention.cpu) and the CUDA one (models.attention.gpu, switched in here on the CPU: its decode and verify
+steps read the segments, longer chunks their concatenation)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from cache.copying import fork
+from models import hook
 from models.attention import cpu as cpu_attention
+from models.attention import gpu as gpu_attention
+from models.attention import reads_segments
 from models.attention.shared_prefix import SharedPrefixKVCache, flatten, share_prefix
 from tests.fixtures.tiny_models import tiny_llama
 
@@ -23,12 +28,49 @@ def _entry(model, n: int, seed: int = 0) -> list:
     return caches
 
 
-@pytest.fixture
-def model():
+@pytest.fixture(params=["cpu", "cuda"])
+def model(request):
     m = tiny_llama(3)
-    cpu_attention.install(m)  # as load_model does on the CPU
-    assert cpu_attention.routes(m)
-    return m
+    if request.param == "cpu":
+        cpu_attention.install(m)  # as load_model does on the CPU
+    else:
+        hook.restore(m, hook.ATTENTION)
+        assert hook.switch(m, gpu_attention._wrap) > 0  # as install does on CUDA
+    assert reads_segments(m)
+    yield m
+    hook.restore(m, hook.ATTENTION)
+
+
+def test_only_a_model_whose_every_attention_reads_segments_is_given_them():
+    m = tiny_llama(3)
+    hook.restore(m, hook.ATTENTION)
+    assert not reads_segments(m)  # mlx-lm's own attention
+    assert hook.switch(m, gpu_attention._wrap) > 0
+    assert reads_segments(m)
+    first = next(mod for mod in hook._modules(m) if getattr(mod, hook.ATTENTION, None) is not None)
+    setattr(first, hook.ATTENTION, getattr(first, hook.ATTENTION).mlx_lane_original)  # one module left on mlx-lm's
+    assert not reads_segments(m)
+
+
+def test_the_cuda_wrapper_reads_segments_for_steps_and_joins_them_for_chunks():
+    mx.random.seed(3)
+    prefix = (mx.random.normal((1, 2, 40, 16)), mx.random.normal((1, 2, 40, 16)))
+    cache = SharedPrefixKVCache(*prefix)
+    taken = []
+    wrapped = gpu_attention._wrap(lambda q, k, v, **kw: taken.append(k.shape[2]) or q[..., :16])
+    for width in (1, gpu_attention.MAX_WIDTH):  # a decode step, the widest verify step: read where they lie
+        q = mx.random.normal((1, 4, width, 16))
+        keys, values = cache.update_and_fetch(mx.random.normal((1, 2, width, 16)), mx.random.normal((1, 2, width, 16)))
+        mask = "causal" if width > 1 else None
+        out = wrapped(q, keys, values, cache=cache, scale=0.25, mask=mask)
+        expected = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25, mask=mask)
+        assert mx.allclose(out, expected, atol=1e-5), float(mx.max(mx.abs(out - expected)))
+    assert taken == []
+    width = gpu_attention.MAX_WIDTH + 1  # a prompt chunk: the joined keys, to cuDNN's path (or composed)
+    q = mx.random.normal((1, 4, width, 16))
+    keys, values = cache.update_and_fetch(mx.random.normal((1, 2, width, 16)), mx.random.normal((1, 2, width, 16)))
+    wrapped(q, keys, values, cache=cache, scale=0.25, mask="causal")
+    assert taken == [40 + 1 + gpu_attention.MAX_WIDTH + width]
 
 
 def test_segments_and_plain_view_hold_the_same_positions():
@@ -65,7 +107,8 @@ def test_a_hit_through_shared_segments_gives_a_plain_copys_logits_and_leaves_the
         p.update_and_fetch(mx.array(e.keys[..., :e.offset, :]), mx.array(e.values[..., :e.offset, :]))
     mx.random.seed(5)
     chunk = mx.random.randint(3, 200, (1, 6))  # a multi-token chunk (causal mask over both segments), then steps
-    for ids in (chunk, chunk[:, :1], chunk[:, 2:3]):
+    long_chunk = mx.random.randint(3, 200, (1, 12))  # past the CUDA wrapper's MAX_WIDTH: the joined segments there
+    for ids in (chunk, chunk[:, :1], chunk[:, 2:3], long_chunk, chunk[:, 3:4]):
         a = model(ids, cache=shared)
         b = model(ids, cache=plain)
         assert mx.allclose(a, b, atol=1e-4), float(mx.max(mx.abs(a - b)))
@@ -117,3 +160,10 @@ def test_a_ragged_batch_takes_shared_rows_as_they_lie(model):
     assert a.lengths == b.lengths == [33, 11]
     for x, y in zip(a._keys + a._values, b._keys + b._values):
         assert mx.array_equal(x, y)
+
+
+def test_the_engine_hands_shared_hits_to_a_model_on_either_wrapper(model):
+    from server.engine.slot import measure
+
+    assert measure(model, base=True).reads_shared_prefix
+    assert not measure(model, base=True, read_shared_prefix=False).reads_shared_prefix  # --debug-copy-hits
