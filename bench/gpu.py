@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -851,6 +852,10 @@ def main() -> int:
     ap.add_argument("--kv-dir")
     ap.add_argument("--reuse-model", action="store_true",
                     help="use the model already in --model-dir / the default place when its config.json exists")
+    ap.add_argument("--server-args", default="",
+                    help="more flags for the decode / ttft phases' server A, one string after '=' (e.g. "
+                         "--server-args=--debug-copy-hits: a RAM hit that copies its prefix, to compare with one read "
+                         "in place)")
     ap.add_argument("--phases", default="decode,ttft,quant,ssd,ssd_kv8,kv_files",
                     help="comma list, in this order: decode, ttft, quant (4-bit weights), ssd (bf16 KV), "
                          "ssd_kv8 (8-bit KV through the server), kv_files (bf16 vs 8-bit KV file write/read); "
@@ -913,8 +918,9 @@ def main() -> int:
         model = mlx_lm.load(str(model_dir))[0] if phases & {"decode", "ttft"} else None
 
     if phases & {"decode", "ttft"}:
+        R["server_args"] = args.server_args
         a = Server("A_ram", "--model", str(model_dir), "--dtype", args.dtype, "--cache-bytes", args.cache_bytes,
-                   "--no-ssd-cache", "--prefill-chunk", str(args.prefill_chunk))
+                   "--no-ssd-cache", "--prefill-chunk", str(args.prefill_chunk), *shlex.split(args.server_args))
         try:
             if "decode" in phases:
                 guarded("decode", phase_decode, a, model, args, rng, eos)
