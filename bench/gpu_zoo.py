@@ -10,6 +10,9 @@ agent's turn makes:
     chunk    a lone 30-token prompt, then a 5-token chunk past it (a verify step; a short turn after a hit): composed
     verify   three rows of 30, 9 and 21 cached tokens verifying 3 tokens together (mlx-lm's batch caches): the kernel
     decode   the same rows' next token, one step: the kernel
+    hit_verify / hit_decode   a RAM hit on the lone 30-token prompt (its caches read where they lie:
+             models.attention.shared_prefix, where every layer is plain KV), 4 tokens verified past it, then one:
+             segments
 
 Per architecture and forward: the largest logit difference, the share of positions whose argmax agrees, and which
 path each attention call took (kernel / composed / mlx-lm's). An architecture that fails is reported with its
@@ -39,10 +42,13 @@ from common import machine_facts, write_result  # noqa: E402
 from models import hook  # noqa: E402
 from models.attention import composed  # noqa: E402
 from models.attention import gpu as gpu_attention  # noqa: E402
+from models.attention.shared_prefix import share_prefix  # noqa: E402
+from cache.copying import fork  # noqa: E402
 from tests.fixtures import zoo  # noqa: E402
 
 PROMPT = [(13 * i + 7) % 250 + 3 for i in range(40)]
 CACHED = [30, 9, 21]  # the three rows' cached tokens; each verifies the 3 tokens after them
+FORWARDS = ("chunk", "verify", "decode", "hit_verify", "hit_decode")
 
 
 def forwards(model) -> dict[str, mx.array]:
@@ -58,6 +64,12 @@ def forwards(model) -> dict[str, mx.array]:
     batch = [type(layer[0]).merge(list(layer)) for layer in zip(*rows)]
     out["verify"] = model(mx.array([PROMPT[n: n + 3] for n in CACHED]), cache=batch)
     out["decode"] = model(mx.array([[PROMPT[n + 3]] for n in CACHED]), cache=batch)
+    entry = make_prompt_cache(model)
+    model(mx.array([PROMPT[:30]]), cache=entry)
+    mx.eval([c.state for c in entry])
+    hit = share_prefix(fork(entry))  # mlx-lm's attention reads the segments' concatenation; the server's, the segments
+    out["hit_verify"] = model(mx.array([PROMPT[30:34]]), cache=hit)
+    out["hit_decode"] = model(mx.array([[PROMPT[34]]]), cache=hit)
     out = {k: v.astype(mx.float32) for k, v in out.items()}
     mx.eval(out)
     return out
@@ -75,7 +87,8 @@ def check(name: str, dtype: str, reference_kernel: bool) -> dict:
         zoo.ZOO[name] = config
     model.set_dtype(getattr(mx, dtype))
     paths: Counter = Counter()
-    kernel, compose = gpu_attention.ranged_attention, composed.composed_attention
+    kernel, compose, segmented = (gpu_attention.ranged_attention, composed.composed_attention,
+                                  gpu_attention.segmented_attention)
 
     def counted_kernel(*args, **kwargs):
         paths["kernel"] += 1
@@ -89,6 +102,10 @@ def check(name: str, dtype: str, reference_kernel: bool) -> dict:
         paths["composed"] += 1
         return compose(*args, **kwargs)
 
+    def counted_segments(*args, **kwargs):
+        paths["segments"] += 1
+        return segmented(*args, **kwargs)
+
     def wrap(original):  # the server's wrapper, its calls counted; hook.restore puts ``original`` back
         inner = gpu_attention._wrap(original)
 
@@ -101,6 +118,7 @@ def check(name: str, dtype: str, reference_kernel: bool) -> dict:
 
     switched_before = hook.restore(model, hook.ATTENTION)
     gpu_attention.ranged_attention, composed.composed_attention = counted_kernel, counted_composed
+    gpu_attention.segmented_attention = counted_segments
     try:
         theirs = forwards(model)
         paths.clear()
@@ -109,6 +127,7 @@ def check(name: str, dtype: str, reference_kernel: bool) -> dict:
         ours = forwards(model)
     finally:
         gpu_attention.ranged_attention, composed.composed_attention = kernel, compose
+        gpu_attention.segmented_attention = segmented
         hook.restore(model, hook.ATTENTION)
         for module, fn in switched_before:
             setattr(module, hook.ATTENTION, fn)
@@ -142,12 +161,12 @@ def main() -> int:
             r = check(name, args.dtype, args.reference_kernel)
         except Exception as e:  # one architecture's failure is the finding; the rest still run
             r = {"name": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
-        ok = "error" not in r and all(r[k]["argmax_agree"] >= 0.98 for k in ("chunk", "verify", "decode"))
+        ok = "error" not in r and all(r[k]["argmax_agree"] >= 0.98 for k in FORWARDS)
         failed += not ok
         r["ok"] = ok
         results.append(r)
         detail = r.get("error") or "  ".join(f"{k} {r[k]['max_abs_logit_diff']}/{r[k]['argmax_agree']}"
-                                             for k in ("chunk", "verify", "decode"))
+                                             for k in FORWARDS)
         print(f"{'ok  ' if ok else 'FAIL'} {name:18s} {detail}  paths {r.get('paths')}", flush=True)
     print(f"{len(results) - failed} of {len(results)} architectures agree with mlx-lm's attention", flush=True)
     if args.out:
