@@ -109,11 +109,18 @@ class SharedPrefixKVCache(KVCache):
     def empty(self) -> bool:
         return self.offset == 0
 
-    def flatten(self) -> KVCache:
-        """A plain KVCache holding the same positions (one copy, made when evaluated)."""
+    def flatten(self, room: int = 0) -> KVCache:
+        """A plain KVCache holding the same positions (one copy, made when evaluated), with ``room`` more positions
+        in its buffers (zeros past ``offset``: the next tokens are written in place, as mlx-lm's KVCache grows)."""
         out = KVCache()
         if self.offset:
-            out.keys, out.values, out.offset = self.keys, self.values, self.offset
+            keys, values = self.keys, self.values
+            assert keys is not None and values is not None  # it holds positions
+            if room > 0:
+                keys = mx.concatenate([keys, mx.zeros(keys.shape[:2] + (room,) + keys.shape[3:], keys.dtype)], axis=2)
+                values = mx.concatenate(
+                    [values, mx.zeros(values.shape[:2] + (room,) + values.shape[3:], values.dtype)], axis=2)
+            out.keys, out.values, out.offset = keys, values, self.offset
         return out
 
 
@@ -143,12 +150,13 @@ def share_prefix(caches: list) -> list:
     return [SharedPrefixKVCache.over(c) for c in caches]
 
 
-def flatten(caches: list) -> list:
-    """Plain ``KVCache`` layers for what stores or batches them (``SharedPrefixKVCache.flatten``; others as they
-    are), evaluated: a stored entry must not hold a lazy copy that its next taker would pay for."""
+def flatten(caches: list, room: int = 0) -> list:
+    """Plain ``KVCache`` layers for what stores or batches them (``SharedPrefixKVCache.flatten``, with ``room`` more
+    positions; others as they are), evaluated: a stored entry must not hold a lazy copy that its next taker would pay
+    for."""
     if not any(isinstance(c, SharedPrefixKVCache) for c in caches):
         return caches
-    out = [c.flatten() if isinstance(c, SharedPrefixKVCache) else c for c in caches]
+    out = [c.flatten(room) if isinstance(c, SharedPrefixKVCache) else c for c in caches]
     mx.eval([a for c in out if c.keys is not None for a in (c.keys, c.values)])
     return out
 

@@ -87,3 +87,29 @@ def test_repair_random_state_reseeds_only_a_state_a_failed_compiled_sampler_left
         mx.eval(mx.random.uniform(shape=(2,)))
     assert repair_random_state() is True
     mx.eval(make_sampler(temp=0.7)(x), mx.random.uniform(shape=(2,)))
+
+
+@pytest.mark.parametrize("n", [1, 3, 24])
+def test_a_shared_hit_on_a_gpu_becomes_one_buffer_after_its_first_token(model, n):
+    """one_buffer (a GPU): the hit's first token reads the entry where it lies; then the row's own list holds plain
+    KVCache layers with room, the same tokens as generate_step's, and the entry is never written into."""
+    from mlx_lm.models.cache import KVCache
+
+    from cache.copying import fork
+    from models.attention.shared_prefix import SharedPrefixKVCache, share_prefix
+
+    entry = prefilled(model, PROMPT)
+    before = [mx.array(c.keys) for c in entry]
+    caches = share_prefix(fork(entry))
+    assert all(isinstance(c, SharedPrefixKVCache) for c in caches)
+    steps = PlainDecode(model, caches, PROMPT, max_tokens=n, sampler=make_sampler(0.0),
+                        processors_for=lambda h: [], stream=mx.default_stream(mx.default_device()), one_buffer=True)
+    it = iter(steps)
+    got = [next(it)[0]]
+    assert all(isinstance(c, SharedPrefixKVCache) for c in caches)  # the first token copied nothing
+    got += [t for t, _ in it]
+    assert got == reference(model, PROMPT, n)
+    if n > 1:
+        assert all(type(c) is KVCache and c.keys.shape[2] >= c.offset + 1 for c in caches)
+        assert caches[0].offset == len(PROMPT) + n
+    assert all(mx.array_equal(b, c.keys) for b, c in zip(before, entry))

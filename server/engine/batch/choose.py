@@ -150,4 +150,4 @@ def make(kind: BatchKind, model: Any, layout: Layout, stream: Optional[Any] = No
 def make_solo(model: Any, layout: Layout, stream: Optional[Any] = None,
               caches: CacheFacts = CacheFacts(plain_kv=True, mergeable=True)) -> SoloBatch:
     """``make(BatchKind.SOLO, ...)``, typed as what it is: a solo batch can also ``hand_over`` its row."""
-    return SoloBatch(model, stream, pipelined=solo_pipelined(layout, caches))
+    return SoloBatch(model, stream, pipelined=solo_pipelined(layout, caches), one_buffer=layout.gpu)

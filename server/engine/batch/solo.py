@@ -15,6 +15,10 @@ with one new token that is 2x the time-to-first-token it could be. ``PlainDecode
 the first token alone, hands it out at once, and then continues with ``generate_step`` fed
 that token, so the rest of the stream keeps mlx-lm's pipelining.
 
+A RAM hit's caches may read the cached entry where it lies (models.attention.shared_prefix). On a GPU
+(``one_buffer``) that holds for the first token only: the steps after it take MLX's fused one-query kernel, which
+wants one buffer, so the decoder copies the entry once, right after handing out the first token.
+
 Cache contract: after the iteration ends or is closed, the caches cover the prompt plus the
 first ``fed_generated`` yielded tokens: all of them once the pipeline started, none when the
 request ended on its first token (feeding it would cost a forward nobody needs).
@@ -26,8 +30,10 @@ from typing import Any, Callable, ClassVar, Generator, Iterator, Optional, Seque
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import greedy_sampler
 
+from models.attention.shared_prefix import flatten as flatten_shared
 from server.engine.batch.protocol import Covered, Emitted, Row, RowState
 from spec import HandOver, speculative_decode
 from spec.rewind import can_rewind
@@ -41,7 +47,8 @@ class PlainDecode:
     its caches cover everything but the last token it yielded, and the row can move into a batch exactly."""
 
     def __init__(self, model, caches: list, prompt: Sequence[int], *, max_tokens: int, sampler,
-                 processors_for: Callable[[Sequence[int]], list], stream, pipelined: bool = True):
+                 processors_for: Callable[[Sequence[int]], list], stream, pipelined: bool = True,
+                 one_buffer: bool = False):
         self.model = model
         self.caches = caches
         self.prompt = prompt
@@ -50,6 +57,7 @@ class PlainDecode:
         self.processors_for = processors_for  # history -> logits processors that see it
         self.stream = stream
         self.pipelined = pipelined
+        self.one_buffer = one_buffer  # a hit's shared-prefix layers become one buffer after the first token
         self.fed_generated = 0
         self._rest: Optional[Generator[tuple[Any, mx.array], None, None]] = None
         self._yielded = 0
@@ -62,6 +70,11 @@ class PlainDecode:
         yield first, logprobs
         if self.max_tokens == 1:
             return
+        if self.one_buffer:
+            # on CUDA a hit's first token read the cached entry where it lies (models.attention.gpu); the steps
+            # after it take MLX's fused one-query kernel, which wants one buffer: the copy the first token did not
+            # wait for, made once, with room for the tokens to come (in place: the list is the row's)
+            self.caches[:] = flatten_shared(self.caches, room=KVCache.step)
         if not self.pipelined:
             yield from self._one_at_a_time(first)
             return
@@ -115,9 +128,10 @@ class SoloBatch:
 
     kind: ClassVar[str] = "solo"
 
-    def __init__(self, model, stream=None, pipelined: bool = True):
+    def __init__(self, model, stream=None, pipelined: bool = True, one_buffer: bool = False):
         self.model = model
         self.pipelined = pipelined  # False: a model with recurrent state (see PlainDecode)
+        self.one_buffer = one_buffer  # True on a GPU (see PlainDecode)
         self.stream = stream if stream is not None else mx.default_stream(mx.default_device())
         self.steps = 0
         self.row_steps = 0
@@ -235,5 +249,6 @@ class SoloBatch:
                 num_draft_tokens=d.max_draft, stream=self.stream, policy=d.policy, stats=d.stats,
                 pipelined=self.pipelined)
         return PlainDecode(self.model, row.caches, history, max_tokens=left, sampler=sampler,
-                           stream=self.stream, processors_for=row.rules.processors, pipelined=self.pipelined)
+                           stream=self.stream, processors_for=row.rules.processors, pipelined=self.pipelined,
+                           one_buffer=self.one_buffer)
 
