@@ -139,6 +139,10 @@ OURS_VARIANTS = {
     # kernel takes 4 queries a block on CUDA cores, so long chunks may cost it more than a plan saves
     "ours_ranged_prefill": (("--debug-gpu-attention-prefill-max", "512"), {}),
     "ours_ranged_prefill_2k": (("--debug-gpu-attention-prefill-max", "2048"), {}),
+    # prompt chunks for cuDNN padded up to multiples of 64 queries and 1,024 (256) keys: turns of nearby lengths meet
+    # a plan already built (models.attention.buckets)
+    "ours_cudnn_buckets": (("--debug-cudnn-buckets", "64,1024"), {}),
+    "ours_cudnn_buckets_256": (("--debug-cudnn-buckets", "64,256"), {}),
     # MLX's freed buffers stay cached after prefill forwards (no mx.clear_cache): what handing them back costs
     "ours_keep_buffers": (("--debug-keep-prefill-buffers",), {}),
     "ours_prefill_wait": (("--debug-prefill-wait",), {}),  # each prefill forward's wait for the queued steps apart

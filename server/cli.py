@@ -287,6 +287,12 @@ def _serve_parser(sub) -> None:
                         "cuDNN, which builds a plan for each new shape; calls of more than 3M query-key pairs stay "
                         "with cuDNN (default 0: cuDNN) "
                         "[MLX_LANE_DEBUG_GPU_ATTENTION_PREFILL_MAX]")
+    d.add_argument("--debug-cudnn-buckets", metavar="Q,K", type=_cudnn_buckets,
+                   default=_env("debug_cudnn_buckets", "0,0"),
+                   help="on CUDA, a prompt chunk's attention that cuDNN takes is padded up to a multiple of Q "
+                        "queries and K keys (what a real query sees is unchanged), so that turns of nearby lengths "
+                        "reuse cuDNN's plans instead of building one per new shape (models.attention.buckets; e.g. "
+                        "64,1024; default 0,0: off, until measured served) [MLX_LANE_DEBUG_CUDNN_BUCKETS]")
     d.add_argument("--debug-no-conv-kernel", action="store_true", default=_env_flag("debug_no_conv_kernel"),
                    help="hybrids' short depthwise convolutions go through mlx's conv1d (on CUDA cuDNN, a plan per "
                         "input shape; on the CPU a loop) instead of models.kernels.conv (a CUDA kernel; the CPU's "
@@ -324,6 +330,18 @@ def _serve_parser(sub) -> None:
     d.add_argument("--debug-trace-collectives", action="store_true", default=_env_flag("debug_trace_collectives"),
                    help="a model sharded over processes logs every collective of the lane's plans on every rank "
                         "[MLX_LANE_DEBUG_TRACE_COLLECTIVES=1]")
+
+
+def _cudnn_buckets(spec: str) -> str:
+    """--debug-cudnn-buckets Q,K: two whole numbers, both 0 (off) or both positive; a usage error otherwise."""
+    try:
+        q, k = (int(part) for part in spec.split(","))
+        if q < 0 or k < 0 or (q == 0) != (k == 0):
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{spec!r}: give Q,K, two whole numbers, both 0 (off) or both positive "
+                                         "(e.g. 64,1024)") from None
+    return f"{q},{k}"
 
 
 def _profile_steps(spec: str) -> str:

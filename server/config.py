@@ -85,6 +85,7 @@ class ServerConfig:
     debug_gpu_attention_unroll: int
     debug_gpu_attention_composed_max: int
     debug_gpu_attention_prefill_max: int
+    debug_cudnn_buckets: str  # "Q,K" (server.cli checks it); "0,0": off
     debug_no_conv_kernel: bool
     debug_moe_sort_min: int
     debug_moe_dense_max: int

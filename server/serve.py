@@ -62,7 +62,8 @@ def _configure_kernels(cfg: ServerConfig) -> None:
                         gpu_split=cfg.debug_gpu_attention_split,
                         gpu_unroll=cfg.debug_gpu_attention_unroll,
                         gpu_composed_max=cfg.debug_gpu_attention_composed_max,
-                        gpu_prefill_max=cfg.debug_gpu_attention_prefill_max)
+                        gpu_prefill_max=cfg.debug_gpu_attention_prefill_max,
+                        cudnn_buckets=tuple(int(n) for n in cfg.debug_cudnn_buckets.split(",")))
     kernels.configure(cfg.kernels != "mlx", conv=not cfg.debug_no_conv_kernel, moe_sort_min=cfg.debug_moe_sort_min,
                       moe_dense_max=cfg.debug_moe_dense_max)
     host_copies.configure(host_copies=cfg.debug_ssd_host_copies)

@@ -12,6 +12,8 @@ place where one applies (``models.loading.load`` installs both at load; only one
                       single sequence's decode or verify step over a ``SharedPrefixKVCache``'s segments, as cpu.py
     composed.py       on CUDA: a step of a few queries past cached keys (a verify step) in plain ops, where cuDNN
                       would plan each new shape
+    buckets.py        on CUDA: a prompt chunk for cuDNN padded up to a few shapes, so that its plans are reused
+                      (`--debug-cudnn-buckets`, off by default)
 
 ``configure(...)`` is the process's choice (server.serve, from `--attention` and the `--debug-gpu-attention-*`
 flags), made before a model is loaded; ``attention_path(model)`` says which path a loaded model runs (/stats).
@@ -23,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 
-from models.attention import cpu, gpu
+from models.attention import buckets, cpu, gpu
 from models.hook import attention_path, switched_functions
 
 __all__ = ["RowRanges", "configure", "attention_path", "fused_batch_attention", "reads_segments"]
@@ -41,12 +43,14 @@ class RowRanges(Protocol):
 
 
 def configure(on: bool = True, *, gpu_split: int = 256, gpu_unroll: int = 4, gpu_composed_max: int = 8,
-              gpu_prefill_max: int = 0) -> None:
+              gpu_prefill_max: int = 0, cudnn_buckets: tuple[int, ...] = (0, 0)) -> None:
     """``on`` False (`--attention mlx`): MLX's own attention everywhere. The CUDA kernel's two tuning knobs, up to
-    how many queries per row a step past cached keys runs composed (composed.py) instead of cuDNN, and up to how
-    many a single sequence's prompt chunk runs in the kernel (``gpu.PREFILL_MAX``)."""
+    how many queries per row a step past cached keys runs composed (composed.py) instead of cuDNN, up to how many a
+    single sequence's prompt chunk runs in the kernel (``gpu.PREFILL_MAX``), and the (queries, keys) buckets a chunk
+    for cuDNN is padded to (buckets.py; (0, 0): off)."""
     cpu.configure(on)
     gpu.configure(on, gpu_split, gpu_unroll, gpu_composed_max, gpu_prefill_max)
+    buckets.configure(*cudnn_buckets)
 
 
 def fused_batch_attention() -> bool:

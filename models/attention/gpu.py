@@ -40,7 +40,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from models.attention import composed
+from models.attention import buckets, composed
 from models.attention.shared_prefix import SharedPrefixKVCache, segmented_attention
 from models.hook import switch
 from models.mlx_compat import batch_index, right_padding
@@ -519,6 +519,11 @@ def _wrap(original):
                                     runtime_width=True)
         if composed.applies(queries, keys, cache):
             return composed.composed_attention(queries, keys, values, scale, mask, sinks)
+        if not hasattr(cache, "bits") and buckets.applies(queries, keys, values, mask):  # a chunk for cuDNN
+            out = buckets.padded_attention(queries, keys, values, scale, mask, sinks,
+                                           lambda q, k, v, **kw: original(q, k, v, cache=cache, **kw))
+            if out is not None:
+                return out
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.mlx_lane_original = original
