@@ -8,8 +8,9 @@ step at a time, only while the lane is idle:
 
 - a grace first: no step before a request was served or ``grace_s`` passed since ready, so a request sent right
   after /health answers does not queue behind a step;
-- after any work, a step waits for ``settle_s`` of idleness, so a client that sends its next request as soon as it
-  has the last answer finds the lane free;
+- after any work, a step waits for ``settle_s`` (5 s) of idleness, so a client that sends its next request within
+  seconds of the last answer (an agent after a quick tool call) finds the lane free: a GPU's step compiles for up to
+  ~12 s and cannot be cut short;
 - between steps the lane looks for work again: a request waits for at most the one step in progress (each is about
   one --prefill-chunk forward or less);
 - a step that raises ends the warm-up (logged once); the lane serves on, as it did when the warm-up ran before ready.
@@ -50,7 +51,11 @@ class WarmState(str, enum.Enum):
 
 
 GRACE_S = 1.5  # after ready, before the first step when no request came
-SETTLE_S = 0.25  # of idleness after the lane's last work, before the next step
+# of idleness after the lane's last work, before the next step. A GPU's step compiles for seconds and cannot be cut
+# short: at 0.25 s, a RAM hit sent 0.5 s after the previous answer waited 4.7-12.2 s behind a Llama-3-8B step on the
+# H200 (BENCHMARKS.md, 2026-12-07, fourteenth session), where an agent's next turn after a quick tool call comes
+# within a second or two. So the warm-up waits for a pause longer than such turns
+SETTLE_S = 5.0
 
 
 class WarmUp:
