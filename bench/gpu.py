@@ -563,6 +563,13 @@ def phase_ttft(srv: Server, args, rng) -> None:
         if fresh:  # issue 22 item 8: the first request in a fresh process vs the warm cold prefills below
             R["first_request"] = {"length": L, "ttft_s": w["ttft_s"]}
             log(f"first request of a fresh server ({L} tokens, cold): {w['ttft_s']:.3f}s")
+        # the steady state: the warm-up behind the requests (server.lane.warm) finished, so that no hit below waits
+        # for one of its steps (on the H200 a step compiles for up to ~12 s)
+        t = time.perf_counter()
+        while (srv.stats().get("lane") or {}).get("warm_up", {}).get("state") in ("pending", "running") \
+                and time.perf_counter() - t < 180:
+            time.sleep(0.5)
+        R.setdefault("warm_up_waits_s", {})[str(L)] = round(time.perf_counter() - t, 2)
         cold, hit, hit_idle, rows = [], [], [], []
         for i in range(args.ttft_reps):
             p = rand_prompt(rng, L)
