@@ -149,7 +149,8 @@ def fit(loaded, head, tap, sequences: list[list[int]], steps: int, lr: float = 1
     expert for every training token as batched matrix products, models.kernels.moe, then each token's own: the same
     sums without a gather, so no ``GatherMM`` gradient; tests/unit/test_mtp_fit_chain.py: the same gradient). Built
     when a 10-layer GLM-4.7-Flash head stalled on the H100 (12-07) at a depth-1 loss of 3.3; the cause was its
-    learning rate (3e-3; from 768 wide a DeepSeek-style head fits at 1e-3, BENCHMARKS.md), not the gather."""
+    learning rate (3e-3; from 768 wide a DeepSeek-style head fits at 1e-3 on the CPU, and the 10-layer shape at 3e-4
+    on the H200, BENCHMARKS.md), not the gather."""
     if experts not in ("gather", "dense"):
         raise ValueError(f"experts {experts!r}: gather or dense")
     if experts == "dense":
