@@ -14,9 +14,11 @@ agent's turn makes:
              models.attention.shared_prefix, where every layer is plain KV), 4 tokens verified past it, then one:
              segments
 
-Per architecture and forward: the largest logit difference, the share of positions whose argmax agrees, and which
-path each attention call took (kernel / composed / mlx-lm's). An architecture that fails is reported with its
-error, and the run goes on.
+Per architecture and forward: the largest logit difference, the share of positions whose argmax agrees, the largest
+logit error of ours and of mlx-lm's own against mlx-lm's forward in float32 (the noise floor of the dtype), and which
+path each attention call took (kernel / composed / segments / mlx-lm's). A forward agrees when every argmax does or
+its error is within the noise (``NOISE_FACTOR``). An architecture that fails is reported with its error, and the run
+goes on.
 
     bash bench/gpu.sh bench/gpu_zoo.py                                  # the device: bf16, the real kernel
     python bench/gpu_zoo.py --dtype float32 --reference-kernel          # this CPU: the script itself, the kernel's
@@ -49,6 +51,11 @@ from tests.fixtures import zoo  # noqa: E402
 PROMPT = [(13 * i + 7) % 250 + 3 for i in range(40)]
 CACHED = [30, 9, 21]  # the three rows' cached tokens; each verifies the 3 tokens after them
 FORWARDS = ("chunk", "verify", "decode", "hit_verify", "hit_decode")
+# A forward agrees when every argmax does, or when its largest logit error against mlx-lm's float32 forward is at most
+# NOISE_FACTOR x mlx-lm's own 16-bit error + NOISE_SLACK: a tiny random model's logits have near-ties that 16-bit
+# rounding flips either way (on the H200, 2026-12-07: qwen3 and glm4_moe lost one argmax of 4-5 with logit differences
+# the size of every other architecture's)
+NOISE_FACTOR, NOISE_SLACK = 2.0, 0.05
 
 
 def forwards(model) -> dict[str, mx.array]:
@@ -129,6 +136,9 @@ def check(name: str, dtype: str, reference_kernel: bool) -> dict:
         gpu_attention.ranged_attention, composed.composed_attention = kernel, compose
         gpu_attention.segmented_attention = segmented
         hook.restore(model, hook.ATTENTION)
+        # the noise floor: mlx-lm's own forwards in float32, against which both 16-bit runs are measured
+        model.set_dtype(mx.float32)
+        exact = forwards(model)
         for module, fn in switched_before:
             setattr(module, hook.ATTENTION, fn)
     calls = paths.pop("calls", 0)
@@ -136,7 +146,11 @@ def check(name: str, dtype: str, reference_kernel: bool) -> dict:
     for k in theirs:
         diff = float(mx.abs(ours[k] - theirs[k]).max().item())
         agree = float((mx.argmax(ours[k], axis=-1) == mx.argmax(theirs[k], axis=-1)).astype(mx.float32).mean().item())
-        result[k] = {"max_abs_logit_diff": round(diff, 5), "argmax_agree": round(agree, 4)}
+        floor = float(mx.abs(theirs[k] - exact[k]).max().item())  # mlx-lm's own error in this dtype
+        error = float(mx.abs(ours[k] - exact[k]).max().item())
+        result[k] = {"max_abs_logit_diff": round(diff, 5), "argmax_agree": round(agree, 4),
+                     "error_vs_float32": round(error, 5), "mlx_lm_error_vs_float32": round(floor, 5),
+                     "within_noise": error <= NOISE_FACTOR * floor + NOISE_SLACK}
     return result
 
 
@@ -161,11 +175,12 @@ def main() -> int:
             r = check(name, args.dtype, args.reference_kernel)
         except Exception as e:  # one architecture's failure is the finding; the rest still run
             r = {"name": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
-        ok = "error" not in r and all(r[k]["argmax_agree"] >= 0.98 for k in FORWARDS)
+        ok = "error" not in r and all(r[k]["argmax_agree"] >= 0.98 or r[k]["within_noise"] for k in FORWARDS)
         failed += not ok
         r["ok"] = ok
         results.append(r)
         detail = r.get("error") or "  ".join(f"{k} {r[k]['max_abs_logit_diff']}/{r[k]['argmax_agree']}"
+                                             f"/{r[k]['error_vs_float32']}<={r[k]['mlx_lm_error_vs_float32']}"
                                              for k in FORWARDS)
         print(f"{'ok  ' if ok else 'FAIL'} {name:18s} {detail}  paths {r.get('paths')}", flush=True)
     print(f"{len(results) - failed} of {len(results)} architectures agree with mlx-lm's attention", flush=True)
