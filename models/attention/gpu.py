@@ -1,7 +1,8 @@
 """Attention of a decode batch on an NVIDIA GPU: one fused kernel over rows of different lengths, no mask.
 
-(About 540 lines, one job: the kernel's two CUDA sources are ~200 of them, kept beside the Python that launches them,
-their reference and the rules of where they apply; the composed path for verify steps is its own module, composed.py.)
+(About 565 lines, one job: the kernel's two CUDA sources are ~200 of them, kept beside the Python that launches them,
+their reference and the rules of where they apply; the composed path for verify steps is its own module, composed.py,
+the segments of a RAM hit are read by shared_prefix.py's function, and the buckets for cuDNN are buckets.py.)
 
 A decode batch holds rows of different lengths in one KV buffer: mlx-lm's ``BatchKVCache`` left-pads them to a
 common end, our ``RaggedKV`` left-aligns them and masks what lies past each row's end. Either way the model passes

@@ -9,8 +9,8 @@ grows with the conversation: the price of every agent turn's hit.
 ``SharedPrefixKVCache`` keeps the entry's arrays as a read-only first segment and writes new positions into a
 ``KVCache`` of its own (the tail). ``segmented_attention`` (below) attends over both segments where they lie (the
 scores of each, one softmax over all, each segment's weighted values summed), so nothing is copied:
-``models.attention.cpu`` for every step on the CPU, ``models.attention.gpu`` for decode and verify steps on CUDA. For anything else it is a
-``KVCache``: ``keys`` / ``values`` are the lazy concatenation of the two segments (MLX computes it only if something
+``models.attention.cpu`` for every step on the CPU, ``models.attention.gpu`` for decode and verify steps on CUDA. For
+anything else it is a ``KVCache``: ``keys`` / ``values`` are the lazy concatenation of the two segments (MLX computes it only if something
 evaluates it), ``offset``, ``trim``, ``make_mask`` and ``update_and_fetch`` behave as KVCache's. Two exceptions:
 ``state`` is the segments (so that ``mx.eval(c.state)`` after a chunk evaluates what was written, not a copy), and
 the cache is not a plain ``KVCache`` for the rest of the server: ``flatten`` gives one (the prefix cache, the batch

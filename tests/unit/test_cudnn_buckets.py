@@ -50,7 +50,8 @@ def test_rows_prefilled_together_padded_see_what_their_mask_says(lengths):
     # mlx-lm's batch: rows left-padded to a common end, a causal mask that hides each row's padding
     pad = mx.array([S - L - n for n in lengths])
     cols, rows = mx.arange(S), mx.arange(L) + (S - L)
-    mask = (cols[None, None, None, :] <= rows[None, None, :, None]) & (cols[None, None, None, :] >= pad[:, None, None, None])
+    seen = cols[None, None, None, :] <= rows[None, None, :, None]
+    mask = seen & (cols[None, None, None, :] >= pad[:, None, None, None])
     ours = buckets.padded_attention(q, k, v, 0.3, mask, None, _attention, query_bucket=16, key_bucket=64)
     _same(ours, _attention(q, k, v, scale=0.3, mask=mask))
 
