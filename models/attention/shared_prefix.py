@@ -144,7 +144,7 @@ def _joined(parts: list) -> Optional[mx.array]:
 def share_prefix(caches: list) -> list:
     """A hit's caches as ``SharedPrefixKVCache`` where every layer is a plain ``KVCache`` holding positions;
     otherwise the same list. The caller decides that the model's attention reads segments
-    (``models.attention.cpu.routes``)."""
+    (``models.attention.reads_segments``)."""
     if not caches or not all(type(c) is KVCache and c.keys is not None and c.offset for c in caches):
         return caches
     return [SharedPrefixKVCache.over(c) for c in caches]
