@@ -91,13 +91,30 @@ def padded_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     if mask.dtype != mx.bool_ or mask.ndim not in (2, 4) or (mask.ndim == 4 and mask.shape[1] != 1):
         return None
     rows = _round_up(L, query_bucket) - L
+    m = _padded_mask(mask, L, S, rows, end)
+    return attention(_pad(queries, 0, rows), k, v, scale=scale, mask=m, sinks=sinks)[:, :, :L]
+
+
+# The last two masks padded, with the masks they came from (held, so that an id is never reused meanwhile): a model's
+# layers share one mask a forward (two where window layers alternate with full ones), so each is padded once a
+# forward, not once a layer (rows prefilled together at 2k x 6k: ~100 MB a copy)
+_PADDED: list[tuple[mx.array, tuple[int, int], mx.array]] = []
+_PADDED_KEPT = 2  # held between forwards too: a window layer's and a full layer's
+
+
+def _padded_mask(mask: mx.array, L: int, S: int, rows: int, end: int) -> mx.array:
+    for source, pads, padded in _PADDED:
+        if source is mask and pads == (rows, end):
+            return padded
     m = mask.reshape(1, 1, L, S) if mask.ndim == 2 else mx.broadcast_to(mask, (mask.shape[0], 1, L, S))
     if end:
         m = mx.concatenate([m, mx.zeros((m.shape[0], 1, L, end), mx.bool_)], axis=3)
     if rows:
         first_key = mx.arange(S + end) == 0  # a padded query sees one key: no row of nothing
         m = mx.concatenate([m, mx.broadcast_to(first_key, (m.shape[0], 1, rows, S + end))], axis=2)
-    return attention(_pad(queries, 0, rows), k, v, scale=scale, mask=m, sinks=sinks)[:, :, :L]
+    _PADDED.insert(0, (mask, (rows, end), m))
+    del _PADDED[_PADDED_KEPT:]
+    return m
 
 
 def _pad(x: mx.array, front: int, end: int) -> mx.array:

@@ -128,3 +128,21 @@ def test_a_models_chunks_through_the_cuda_wrapper_with_buckets_give_mlx_lms_logi
     for a, b in zip(theirs, ours):
         assert mx.allclose(a, b, atol=1e-4), float(mx.max(mx.abs(a - b)))
     assert padded  # the chunks took the padded path
+
+
+def test_a_forwards_layers_share_one_padded_mask():
+    """The layers of one forward pass the same mask: it is padded once, not once a layer; another mask is its own."""
+    q, k, v = _inputs(2, 6, 30, seed=3)
+    mask = mx.ones((2, 1, 6, 30), mx.bool_)
+    seen = []
+
+    def attention(q_, k_, v_, *, scale, mask, sinks=None):
+        seen.append(mask)
+        return _attention(q_, k_, v_, scale=scale, mask=mask, sinks=sinks)
+
+    for _ in range(3):
+        buckets.padded_attention(q, k, v, 0.3, mask, None, attention, query_bucket=16, key_bucket=64)
+    assert seen[0] is seen[1] is seen[2]
+    buckets.padded_attention(q, k, v, 0.3, mx.ones((2, 1, 6, 30), mx.bool_), None, attention, query_bucket=16,
+                             key_bucket=64)
+    assert seen[3] is not seen[0]
