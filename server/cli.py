@@ -5,7 +5,7 @@ Every ``serve`` flag can also be given as an environment variable ``MLX_LANE_<FL
 line wins over the environment.
 
 (About 420 lines, one job: the command line's grammar. 76 flags, each with its default, its environment variable and
-the help text README's table repeats, and four small validators that make a malformed value a usage error; what a
+the help text README's table repeats, and two small validators that make a malformed value a usage error; what a
 flag does lives where it is used, server.config carries the parsed values, server.serve wires them. Splitting the
 flags by group over several files would only scatter one parser.)
 """
