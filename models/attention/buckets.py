@@ -70,10 +70,9 @@ def applies(queries: mx.array, keys: mx.array, values: mx.array, mask) -> bool:
 
 def padded_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
                      sinks: Optional[mx.array], attention: Callable, query_bucket: int = 0,
-                     key_bucket: int = 0) -> Optional[mx.array]:
+                     key_bucket: int = 0) -> mx.array:
     """``attention(queries, keys, values, scale=, mask=, sinks=)`` computed over shapes padded up to the buckets (the
-    module doc says how); the module's buckets when none are given. None where the mask is not one this pads (the
-    caller calls ``attention`` itself)."""
+    module doc says how); the module's buckets when none are given. ``mask``: one that ``applies`` takes."""
     query_bucket, key_bucket = query_bucket or QUERY_BUCKET, key_bucket or KEY_BUCKET
     L, S = queries.shape[2], keys.shape[2]
     if mask is None:  # every query sees every key: only the queries are padded (a padded key would be seen)
@@ -84,12 +83,10 @@ def padded_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     k, v = _pad(keys, 0, end), _pad(values, 0, end)
     if isinstance(mask, str):
         if mask != "causal":
-            return None
+            raise ValueError(f"no padding for the attention mask {mask!r}")
         front = min(_round_up(L + end, query_bucket) - (L + end), max(S - L, 0))  # at most the cached keys
         out = attention(_pad(queries, front, end), k, v, scale=scale, mask="causal", sinks=sinks)
         return out[:, :, front: front + L]
-    if mask.dtype != mx.bool_ or mask.ndim not in (2, 4) or (mask.ndim == 4 and mask.shape[1] != 1):
-        return None
     rows = _round_up(L, query_bucket) - L
     m = _padded_mask(mask, L, S, rows, end)
     return attention(_pad(queries, 0, rows), k, v, scale=scale, mask=m, sinks=sinks)[:, :, :L]

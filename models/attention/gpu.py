@@ -521,10 +521,8 @@ def _wrap(original):
         if composed.applies(queries, keys, cache):
             return composed.composed_attention(queries, keys, values, scale, mask, sinks)
         if not hasattr(cache, "bits") and buckets.applies(queries, keys, values, mask):  # a chunk for cuDNN
-            out = buckets.padded_attention(queries, keys, values, scale, mask, sinks,
-                                           lambda q, k, v, **kw: original(q, k, v, cache=cache, **kw))
-            if out is not None:
-                return out
+            return buckets.padded_attention(queries, keys, values, scale, mask, sinks,
+                                            lambda q, k, v, **kw: original(q, k, v, cache=cache, **kw))
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.mlx_lane_original = original

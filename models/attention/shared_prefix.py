@@ -117,9 +117,8 @@ class SharedPrefixKVCache(KVCache):
             keys, values = self.keys, self.values
             assert keys is not None and values is not None  # it holds positions
             if room > 0:
-                keys = mx.concatenate([keys, mx.zeros(keys.shape[:2] + (room,) + keys.shape[3:], keys.dtype)], axis=2)
-                values = mx.concatenate(
-                    [values, mx.zeros(values.shape[:2] + (room,) + values.shape[3:], values.dtype)], axis=2)
+                keys, values = (mx.concatenate([a, mx.zeros(a.shape[:2] + (room,) + a.shape[3:], a.dtype)], axis=2)
+                                for a in (keys, values))
             out.keys, out.values, out.offset = keys, values, self.offset
         return out
 
