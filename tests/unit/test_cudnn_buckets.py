@@ -90,11 +90,11 @@ def test_configure_takes_both_or_neither():
     assert buckets.QUERY_BUCKET == buckets.KEY_BUCKET == 0
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt_oss", "gemma3_text"])
+@pytest.mark.parametrize("name", ["llama", "gpt_oss", "gemma3_text", "qwen3_5"])
 def test_a_models_chunks_through_the_cuda_wrapper_with_buckets_give_mlx_lms_logits(name, monkeypatch):
-    """A zoo model (gpt-oss: sinks and window layers; gemma3: window masks) through models.attention.gpu's wrapper
-    with the buckets on: a lone 12-token chunk past a 30-token prompt, then three rows prefilled together past
-    cached tokens of their own, give mlx-lm's logits; and the padded path was taken."""
+    """A zoo model (gpt-oss: sinks and window layers; gemma3: window masks; qwen3.5: a hybrid) through
+    models.attention.gpu's wrapper with the buckets on: a lone 12-token chunk past a 30-token prompt, then three rows
+    prefilled together past cached tokens of their own, give mlx-lm's logits; and the padded path was taken."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from models.attention import gpu as gpu_attention
