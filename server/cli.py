@@ -257,6 +257,13 @@ def _serve_parser(sub) -> None:
                         "the one step in progress), 'before-ready' (all of it before the port opens), 'off' (the "
                         "first requests compile what they use). A model sharded over processes warms up before "
                         "ready. /stats lane.warm_up shows its state [MLX_LANE_WARM_UP]")
+    p.add_argument("--kernel-warmers", type=_warmers, metavar="N|auto", default=_warmers(_env("kernel_warmers", "auto")),
+                   help="helper processes that compile the first requests' GPU kernels while the weights are read "
+                        "(each loads the model's thinnest prefix of layers and publishes what it compiles into the "
+                        "kernel cache; the warm-up then finds them there). 'auto' (the default): on a CUDA GPU, one "
+                        "per warm-up chain the kernel cache lacks (none once an earlier start warmed them), at most "
+                        "one per 4 CPU cores; none on the CPU. 0: none. /stats startup.kernel_warmers shows them "
+                        "[MLX_LANE_KERNEL_WARMERS]")
     p.add_argument("--keepalive", type=float, default=float(_env("keepalive", "10")),
                    help="seconds between SSE keep-alive comments while waiting (default 10)")
     p.add_argument("--shutdown-timeout", type=float, default=float(_env("shutdown_timeout", "30")),
@@ -335,6 +342,19 @@ def _serve_parser(sub) -> None:
     d.add_argument("--debug-trace-collectives", action="store_true", default=_env_flag("debug_trace_collectives"),
                    help="a model sharded over processes logs every collective of the lane's plans on every rank "
                         "[MLX_LANE_DEBUG_TRACE_COLLECTIVES=1]")
+
+
+def _warmers(spec: str) -> int | None:
+    """--kernel-warmers: 'auto' (None) or a count of 0 to 16."""
+    if str(spec).strip().lower() == "auto":
+        return None
+    try:
+        n = int(spec)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{spec!r}: give a number of processes (0-16) or 'auto'") from None
+    if not 0 <= n <= 16:
+        raise argparse.ArgumentTypeError(f"{n}: give 0 to 16 processes, or 'auto'")
+    return n
 
 
 def _cudnn_buckets(spec: str) -> str:

@@ -41,7 +41,7 @@ def engine_config(cfg: ServerConfig, speculation=None):
                         read_shared_prefix=not cfg.debug_copy_hits)
 
 
-def _configure_kernels(cfg: ServerConfig) -> None:
+def configure_kernels(cfg: ServerConfig) -> None:
     """--attention, --kernels and the --debug-* kernel knobs, before any model is loaded (the kernels are installed at load);
     and where MLX's CUDA backend keeps the kernels it compiles: under $MLX_LANE_HOME (a restart then compiles
     nothing: on the H200 a first start spent 36 of its 50 s compiling), unless MLX_PTX_CACHE_DIR says otherwise
@@ -91,11 +91,12 @@ def build_state(cfg: ServerConfig):
 
     from server.startup import TIMELINE
 
-    _configure_kernels(cfg)
+    configure_kernels(cfg)
     _check_mlx_lm()
     flags = parse_model_flags(cfg.model)
     group = _group(cfg, flags)
     TIMELINE.mark("mlx and the process group")
+    warmers = _kernel_warmers(cfg, flags.base, group)
     loaded = load_model(flags.base, cfg.dtype, progress=True, group=group, source=cfg.model_source)
     loaded = _with_kv_scheme(loaded, cfg)
     TIMELINE.mark("weights")
@@ -137,6 +138,8 @@ def build_state(cfg: ServerConfig):
     lane = Lane(engine, prompt_cache, stats, max_queue=cfg.max_queue, max_batch=max_batch, budget=budget,
                 prefill_batch=prefill_batch, replay=replay, warm_up=cfg.warm_up,
                 prefill_together_max=_prefill_together_max(cfg))
+    if warmers is not None:
+        lane.warm.hold_while(warmers.busy)  # its steps would compile what the warmers are compiling
     TIMELINE.mark("kv price")
     if tiered is not None and cfg.ssd_write_when == "idle":
         tiered.set_write_gate(lane.idle)  # the disk waits for a lane with nothing queued or running
@@ -180,6 +183,19 @@ def build_state(cfg: ServerConfig):
         keep_billing_header=cfg.keep_billing_header,
         distributed=group.describe() if group is not None else None,
     )
+
+
+def _kernel_warmers(cfg: ServerConfig, model_spec: str, group):
+    """The helper processes that compile the first requests' kernels while the weights are read
+    (server.kernel_warmers), or None (a model sharded over processes: its ranks warm up together, before ready)."""
+    from server.kernel_warmers import start_kernel_warmers
+    from server.startup import TIMELINE
+
+    if group is not None:
+        return None
+    warmers = start_kernel_warmers(cfg, model_spec)
+    TIMELINE.attach("kernel_warmers", warmers.as_dict)
+    return warmers
 
 
 def _check_mlx_lm() -> None:
@@ -493,6 +509,9 @@ def serve(args: argparse.Namespace) -> int:
                      state.lane.executor.device_lost)
     elif state.ssd is not None:
         save_cost_model(_rates_path(state.loaded.fingerprint), state.ssd.cost_model)
+    from server.kernel_warmers import stop_all
+
+    stop_all()  # warmers still compiling (a server stopped within seconds of its start)
     # Shutdown is complete: the lane has stopped and the SSD tier was flushed (fsynced) in the lifespan.
     # Exit now, skipping interpreter teardown: MLX's static destructors can abort ("terminate called
     # without an active exception", status -6) while daemon threads that own MLX streams still exist.

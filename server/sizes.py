@@ -133,11 +133,23 @@ def memory_of_others() -> int:
     on device 0, whose memory is the other ranks'."""
     if not on_cuda() or os.environ.get("MLX_RANK") is not None:
         return 0
+    if _OTHERS_AT_START:
+        return _OTHERS_AT_START[0]
     from server.device_memory import snapshot
 
     snap = snapshot()
     outside = (snap or {}).get("outside_pool_bytes")
     return max(0, int(outside) - OWN_OUTSIDE_POOL) if outside is not None else 0
+
+
+_OTHERS_AT_START: list[int] = []  # memory_of_others as remembered before this process started helpers of its own
+
+
+def remember_memory_of_others() -> None:
+    """Ask ``memory_of_others`` now and answer that from now on: the kernel warmers (server.kernel_warmers) are this
+    server's own helpers, started before the weights are read, and must not shrink its budget while they run."""
+    if not _OTHERS_AT_START:
+        _OTHERS_AT_START.append(memory_of_others())
 
 
 def allocator_limits(budget_bytes: int, device_bytes: int) -> tuple[int, int]:

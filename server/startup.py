@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 __all__ = ["Timeline", "TIMELINE", "process_age"]
 
@@ -38,6 +38,7 @@ class Timeline:
         self._last = self._start
         self.phases: list[tuple[str, float]] = []
         self.ready_s: Optional[float] = None
+        self._details: dict[str, Callable[[], dict]] = {}
 
     def mark(self, phase: str) -> float:
         """End ``phase`` now; returns its seconds."""
@@ -57,9 +58,14 @@ class Timeline:
         parts = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.phases if seconds >= 0.05)
         return f"ready {total:.1f}s after the process started ({parts})"
 
+    def attach(self, name: str, describe: Callable[[], dict]) -> None:
+        """A part of the start-up that goes on after ready (the kernel warmers): /stats ``startup.<name>``."""
+        self._details[name] = describe
+
     def as_dict(self) -> dict:
         return {"ready_s": round(self.ready_s, 3) if self.ready_s is not None else None,
-                "phases": {name: round(seconds, 3) for name, seconds in self.phases}}
+                "phases": {name: round(seconds, 3) for name, seconds in self.phases},
+                **{name: describe() for name, describe in self._details.items()}}
 
 
 TIMELINE = Timeline()

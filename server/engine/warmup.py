@@ -4,6 +4,7 @@ and the start-up check that this device can attend over a quantized KV cache."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -15,7 +16,11 @@ from server.engine.speculation import Speculation
 from server.lane.seam import WarmStep
 from spec import FixedDraftLength, speculative_decode
 
-__all__ = ["warm_up_steps", "check_kv_quantization"]
+__all__ = ["warm_up_steps", "check_kv_quantization", "WARMER_CHAINS"]
+
+# the chains of steps a kernel warmer runs in a process of its own (server.kernel_warmers), one chain a process at
+# most: each compiles its own kernels. Not the speculative rounds: a warmer loads no draft model nor MTP heads
+WARMER_CHAINS = ("prefill", "batched step", "batched prefill", "past a cache")
 
 
 def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream,
@@ -112,20 +117,20 @@ def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream,
             pass
 
     steps = [WarmStep("weights", weights)]
-    steps += [WarmStep(f"prefill chunk {part + 1}", prefill(part)) for part in range(2 if gpu else 1)]
-    steps.append(WarmStep("one-token steps", one_token_steps))
+    steps += [WarmStep(f"prefill chunk {part + 1}", prefill(part), "prefill") for part in range(2 if gpu else 1)]
+    steps.append(WarmStep("one-token steps", one_token_steps, "prefill"))
     kind = choose(layout, slot.facts.caches, speculating=False)
     if kind != BatchKind.SOLO:
-        steps.append(WarmStep(f"batched step ({kind.value})", batched_step))
+        steps.append(WarmStep(f"batched step ({kind.value})", batched_step, "batched step"))
     if gpu and slot.facts.prefills_together:  # what the lane gathers into batched forwards (classify)
-        steps.append(WarmStep("batched prefill", batched_prefill))
-        steps.append(WarmStep("batched prefill past a cache", batched_prefill_past_a_cache))
-        steps.append(WarmStep("batched tail past a cache", batched_tail_past_a_cache))
+        steps.append(WarmStep("batched prefill", batched_prefill, "batched prefill"))
+        steps.append(WarmStep("batched prefill past a cache", batched_prefill_past_a_cache, "past a cache"))
+        steps.append(WarmStep("batched tail past a cache", batched_tail_past_a_cache, "past a cache"))
     if gpu and speculation is not None and speculation.wanted(None, slot.facts):
-        steps.append(WarmStep("speculative rounds", speculative_rounds))
+        steps.append(WarmStep("speculative rounds", speculative_rounds, "speculative rounds"))
     # the warm-up's buffers back to the device: its caches are garbage by now
     steps.append(WarmStep("free buffers", mx.clear_cache))
-    return [WarmStep(s.name, on_stream(s.run)) for s in steps]
+    return [replace(s, run=on_stream(s.run)) for s in steps]
 
 
 def check_kv_quantization(slot: ModelSlot) -> None:

@@ -173,10 +173,13 @@ class Ended:
 class WarmStep:
     """One step of the engine's warm-up (server.lane.warm runs them in order, on the lane thread): ``run()`` computes
     it on the lane's stream and raises on failure; ``name`` is for the log. A step is at most about one
-    --prefill-chunk forward: a request that arrives while one runs waits for that step alone."""
+    --prefill-chunk forward: a request that arrives while one runs waits for that step alone. ``chain``: see below."""
 
     name: str
     run: Callable[[], None]
+    # steps of one chain share state (a cache one grows, the next uses) and run in order in one process; a kernel
+    # warmer (server.kernel_warmers) runs whole chains. "": a step of its own, which compiles nothing worth a warmer
+    chain: str = ""
 
 
 class LaneEngine(Protocol):

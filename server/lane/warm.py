@@ -13,7 +13,9 @@ step at a time, only while the lane is idle:
   ~12 s and cannot be cut short;
 - between steps the lane looks for work again: a request waits for at most the one step in progress (each is about
   one --prefill-chunk forward or less);
-- a step that raises ends the warm-up (logged once); the lane serves on, as it did when the warm-up ran before ready.
+- a step that raises ends the warm-up (logged once); the lane serves on, as it did when the warm-up ran before ready;
+- while the kernel warmers (server.kernel_warmers) compile the steps' kernels in processes of their own, no step runs
+  (``hold_while``): the steps then find those kernels in the kernel cache.
 
 ``WarmUp`` holds the plan and the account; it decides nothing about the lane's queue. The lane asks ``delay()`` only
 while it is idle and calls ``worked()`` after each tick that had work; the rule is unit-tested on a fake clock
@@ -56,6 +58,7 @@ GRACE_S = 1.5  # after ready, before the first step when no request came
 # H200 (BENCHMARKS.md, 2026-12-07, fourteenth session), where an agent's next turn after a quick tool call comes
 # within a second or two. So the warm-up waits for a pause longer than such turns
 SETTLE_S = 5.0
+HOLD_POLL_S = 0.5  # how often a held warm-up asks again whether the kernel warmers are done
 
 
 class WarmUp:
@@ -72,6 +75,7 @@ class WarmUp:
         self.seconds = 0.0  # spent running steps (not the idle time between them)
         self._ready_at: Optional[float] = None
         self._last_work: Optional[float] = None  # the end of the lane's last tick with work, since ready
+        self._hold: Callable[[], bool] = lambda: False
 
     # -- the plan --------------------------------------------------------------------------------------------------
     def load(self, steps: Sequence[WarmStep]) -> None:
@@ -87,6 +91,11 @@ class WarmUp:
         log.exception("warm-up: %s failed; serving without a warm-up", what)
         self.state = WarmState.FAILED
 
+    def hold_while(self, busy: Callable[[], bool]) -> None:
+        """No step while ``busy()``: the kernel warmers (server.kernel_warmers) compile the steps' kernels in other
+        processes meanwhile, and a step now would compile them a second time, a request waiting behind it."""
+        self._hold = busy
+
     @property
     def finished(self) -> bool:
         """No step will run any more: done, failed or off."""
@@ -95,6 +104,8 @@ class WarmUp:
     # -- before ready ----------------------------------------------------------------------------------------------
     def run_all(self) -> None:
         """Every step now, in order, until one fails (--warm-up before-ready)."""
+        while self._hold():  # the warmers' kernels, then the steps find them compiled
+            time.sleep(HOLD_POLL_S)
         while not self.finished:
             self.step()
 
@@ -113,6 +124,8 @@ class WarmUp:
         work, then asks again."""
         if self.finished or self.mode != WarmMode.BEHIND or self._ready_at is None:
             return None
+        if self._hold():
+            return HOLD_POLL_S
         if self._last_work is not None:
             due = self._last_work + self.settle_s
         else:

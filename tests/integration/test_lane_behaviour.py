@@ -234,3 +234,41 @@ def test_a_profiled_range_of_batch_steps_runs_and_the_answers_stay_whole(guarded
     log = guarded_server.log()
     assert "CUDA profiler range: batch steps 2..3 begin (cuProfilerStart unavailable)" in log
     assert log.count("CUDA profiler range") == 2  # one range, once
+
+
+def test_kernel_warmers_run_beside_the_first_start_and_not_after_a_restart(tmp_path, default_model_dir):
+    """--kernel-warmers 2 (on a GPU 'auto' starts them; here they are named): two helper processes run the warm-up's
+    chains on the model's thin prefix of layers while the server starts; the server's own warm-up waits for them,
+    then runs; a request is served meanwhile; each chain leaves its marker in the kernel cache, so the next start on
+    the same home starts none and says why."""
+    env = {"MLX_LANE_HOME": str(tmp_path / "home")}
+    args = ("--model", str(default_model_dir), "--cache-bytes", "64M", "--warm-up", "behind", "--kernel-warmers", "2")
+    srv = ServerProc(*args, env=env)
+    try:
+        first = httpx.get(srv.url + "/stats").json()["startup"]["kernel_warmers"]
+        assert first["processes"] == 2 and "not in the kernel cache" in first["why"], first
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+        def settled():
+            stats = httpx.get(srv.url + "/stats").json()
+            done = all(w["state"] == "done" for w in stats["startup"]["kernel_warmers"]["warmers"])
+            return stats if done and stats["lane"]["warm_up"]["state"] == "done" else None
+
+        stats = wait_for(settled, timeout=180)
+        assert stats, httpx.get(srv.url + "/stats").json()
+        warmers = stats["startup"]["kernel_warmers"]["warmers"]
+        assert sorted(c for w in warmers for c in w["chains"]) == sorted(
+            ["prefill", "batched step", "batched prefill", "past a cache"])
+        assert all(w["layers"] == 1 for w in warmers)  # SmolLM2's layers are all alike: a prefix of one
+        assert any("prefill chunk 1" in w["steps"] for w in warmers)
+    finally:
+        assert srv.stop() == 0, srv.log()
+    markers = list((tmp_path / "home" / "ptx").glob("*/*/warmed/*/*"))
+    assert sorted(p.name for p in markers) == sorted(["prefill", "batched step", "batched prefill", "past a cache"])
+    again = ServerProc(*args, env=env)
+    try:
+        second = httpx.get(again.url + "/stats").json()["startup"]["kernel_warmers"]
+        assert second["processes"] == 0 and "earlier start" in second["why"], second
+    finally:
+        assert again.stop() == 0, again.log()

@@ -1,0 +1,254 @@
+"""Kernel warmers: helper processes that compile the CUDA kernels the first requests use while the server reads its
+weights (issue 45: from launch to the first answer).
+
+On a GPU a fresh server's first requests wait for MLX to compile kernels (NVRTC, one at a time on the thread that
+evaluates): on an H100, gpt-oss-20b's first tiny request took 15.9 s with an empty kernel cache against 0.55 s with the
+kernels of an earlier start (BENCHMARKS.md, 2026-12-07, twelfth session); the kernel cache then keeps them across
+restarts (models.loading.home). Those compiles depend on the kinds of layers a forward runs, not on the weights nor on
+how many layers there are. So at start, before the weights are read, the server starts up to ``--kernel-warmers``
+processes (by default on a CUDA GPU: one per chain of warm-up steps missing from the kernel cache, at most one per 4
+CPU cores); each loads the model's thinnest prefix of layers (models.loading.thin), runs its chains of the warm-up
+steps (server.engine.warmup, ``WARMER_CHAINS``: a prompt's chunks, a batched step, a batched prefill, chunks past a
+cache) and publishes each compiled module into the kernel cache whole (models.loading.kernel_files). They compile in
+parallel with each other and with the weights' reading; the server's own warm-up (server.lane.warm) waits for them,
+then finds their kernels on disk.
+
+A chain once warmed leaves a marker (``<kernel cache>/warmed/<key>/<chain>``, the key: the model's config, dtype and
+the settings and sources that shape its kernels), so a restart starts no warmer. A warmer that fails or outlives
+``DEADLINE_S`` costs nothing but its kernels: the first requests compile what is missing, as without warmers. /stats
+``startup.kernel_warmers`` says what each did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("mlx_lane.warmers")
+
+__all__ = ["KernelWarmers", "start_kernel_warmers", "stop_all", "warm_key", "split_chains", "CORES_PER_WARMER", "DEADLINE_S"]
+
+CORES_PER_WARMER = 4  # NVRTC takes a core a compile; the server's own load and the warmers' imports want the rest
+DEADLINE_S = 600.0  # a warmer still running after this is stopped (its kernels so far are published)
+# the sources whose changes change the kernels a warm-up compiles (with mlx's version, in the kernel cache's path)
+_KERNEL_SOURCES = ("models/attention", "models/kernels", "server/engine/warmup.py", "server/engine/batch")
+
+
+def _sources_digest() -> str:
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for rel in _KERNEL_SOURCES:
+        path = root / rel
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        for f in files:
+            try:
+                h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+            except OSError:
+                continue
+    return h.hexdigest()
+
+
+def warm_key(cfg, model_dir: Path, dtype: str) -> str:
+    """What the kernels a warm-up compiles depend on: the model's config, the dtype, the settings that choose its
+    paths (layout, attention, kernels, KV bits, the prompt chunk) and mlx-lane's kernel sources."""
+    chosen = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k in ("batch_layout", "attention", "kernels", "kv_bits", "kv_group_size", "prefill_chunk",
+                       "debug_copy_hits", "no_spec_batch", "debug_no_draft_batch")
+              or k.startswith("debug_gpu_attention") or k in ("debug_cudnn_buckets", "debug_no_conv_kernel",
+                                                               "debug_moe_sort_min", "debug_moe_dense_max")}
+    try:
+        config = (Path(model_dir) / "config.json").read_bytes()
+    except OSError:
+        config = b""
+    h = hashlib.sha256()
+    h.update(config)
+    h.update(json.dumps({"dtype": dtype, **chosen}, sort_keys=True, default=str).encode())
+    h.update(_sources_digest().encode())
+    return h.hexdigest()[:24]
+
+
+def split_chains(chains: list[str], processes: int) -> list[list[str]]:
+    """``chains`` dealt over ``processes`` warmers (the first chain, a prompt's, which every request needs, first)."""
+    processes = max(0, min(processes, len(chains)))
+    out: list[list[str]] = [[] for _ in range(processes)]
+    for i, chain in enumerate(chains):
+        if processes:
+            out[i % processes].append(chain)
+    return out
+
+
+@dataclass
+class _Warmer:
+    chains: list[str]
+    proc: subprocess.Popen
+    log_path: Path
+    started: float = field(default_factory=time.monotonic)
+    ended: Optional[float] = None
+    result: dict = field(default_factory=dict)
+
+
+class KernelWarmers:
+    """The warmers of this start (possibly none, with the reason); ``busy()`` while any runs (the lane's warm-up
+    holds its steps meanwhile: server.lane.warm)."""
+
+    def __init__(self, warmers: list[_Warmer], why: str, deadline_s: float = DEADLINE_S):
+        self._warmers = warmers
+        self.why = why
+        self._deadline = time.monotonic() + deadline_s
+        self._lock = threading.Lock()
+        _STARTED.append(self)
+        for w in warmers:
+            threading.Thread(target=self._watch, args=(w,), name="mlx-lane-warmer-watch", daemon=True).start()
+
+    def _watch(self, w: _Warmer) -> None:
+        out, _ = w.proc.communicate()
+        lines = [line for line in (out or "").splitlines() if line.startswith("{")]
+        try:
+            result = json.loads(lines[-1]) if lines else {}
+        except ValueError:
+            result = {}
+        with self._lock:
+            w.ended = time.monotonic()
+            w.result = result if isinstance(result, dict) else {}
+        seconds = w.ended - w.started
+        if w.proc.returncode == 0:
+            log.info("kernel warmer (%s) done in %.1fs: %d modules compiled and published", ", ".join(w.chains),
+                     seconds, int(w.result.get("published", 0)))
+        else:
+            log.warning("kernel warmer (%s) stopped after %.1fs (exit %s): %s; the first requests compile what it did "
+                        "not (its log: %s)", ", ".join(w.chains), seconds, w.proc.returncode,
+                        w.result.get("error", "no result"), w.log_path)
+
+    def busy(self) -> bool:
+        """Any warmer still running; past the deadline every one is stopped and this is False."""
+        running = [w for w in self._warmers if w.proc.poll() is None]
+        if running and time.monotonic() > self._deadline:
+            log.warning("kernel warmers still running after %.0fs: stopped", DEADLINE_S)
+            self.stop()
+            return False
+        return bool(running)
+
+    def stop(self) -> None:
+        """Terminate the warmers still running (the server's shutdown)."""
+        for w in self._warmers:
+            if w.proc.poll() is None:
+                try:
+                    w.proc.terminate()
+                except OSError:
+                    pass
+
+    def as_dict(self) -> dict:
+        """/stats ``startup.kernel_warmers``."""
+        now = time.monotonic()
+        with self._lock:
+            rows = [{"chains": w.chains, "state": ("running" if w.proc.poll() is None else
+                                                   "done" if w.proc.returncode == 0 else "failed"),
+                     "seconds": round((w.ended or now) - w.started, 2), "pid": w.proc.pid,
+                     **{k: w.result[k] for k in ("published", "staged", "layers", "steps", "error") if k in w.result}}
+                    for w in self._warmers]
+        return {"processes": len(rows), "why": self.why, "warmers": rows}
+
+
+_STARTED: list[KernelWarmers] = []
+
+
+def stop_all() -> None:
+    """Terminate every warmer this process started that still runs (the server's exit skips atexit hooks)."""
+    for warmers in _STARTED:
+        warmers.stop()
+
+
+def _forget_old_runs(folder: Path) -> None:
+    """Remove the folders (settings, logs, staging) of earlier servers' warmers whose server no longer runs."""
+    import shutil
+
+    try:
+        runs = list(folder.iterdir())
+    except OSError:
+        return
+    for run in runs:
+        try:
+            os.kill(int(run.name), 0)
+            continue  # that server still runs
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(run, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _on_cuda() -> bool:
+    import mlx.core as mx
+
+    try:
+        return mx.default_device() == mx.gpu and bool(mx.cuda.is_available())
+    except AttributeError:
+        return False
+
+
+def start_kernel_warmers(cfg, model_spec: str) -> KernelWarmers:
+    """Start this server's warmers (see the module docstring) for the model ``model_spec`` names; returns them, or
+    none with the reason. Call after the kernel settings are configured (MLX_PTX_CACHE_DIR set) and before the
+    weights are read."""
+    from models.loading.load import DTYPES, resolve_local
+    from models.loading.thin import thin_config
+    from models.runtime import default_dtype
+    from server.engine.warmup import WARMER_CHAINS
+
+    wanted = cfg.kernel_warmers
+    if wanted == 0:
+        return KernelWarmers([], "--kernel-warmers 0")
+    if cfg.warm_up == "off":
+        return KernelWarmers([], "--warm-up off")
+    if wanted is None and not _on_cuda():
+        return KernelWarmers([], "not a CUDA GPU (nothing to compile ahead)")
+    model_dir = resolve_local(model_spec)
+    if model_dir is None:
+        return KernelWarmers([], "the model is not a local mlx-lm directory")
+    shared = os.environ.get("MLX_PTX_CACHE_DIR")
+    if not shared:
+        return KernelWarmers([], "no kernel cache directory")
+    dtype = cfg.dtype if cfg.dtype in DTYPES else default_dtype()
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        overrides = thin_config(config)
+    except (OSError, ValueError):
+        overrides = None
+    if overrides is None:
+        return KernelWarmers([], "no thin prefix of this model's layers could be built")
+    markers = Path(shared) / "warmed" / warm_key(cfg, model_dir, dtype)
+    missing = [c for c in WARMER_CHAINS if not (markers / c).exists()]
+    if not missing:
+        return KernelWarmers([], "every chain warmed by an earlier start (the kernel cache holds its kernels)")
+    count = wanted if wanted is not None else max(1, (os.cpu_count() or 1) // CORES_PER_WARMER)
+    from server.sizes import remember_memory_of_others
+
+    remember_memory_of_others()  # the device's other users, asked before the warmers hold memory of their own
+    run_dir = Path(shared) / "warmers" / str(os.getpid())
+    _forget_old_runs(run_dir.parent)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=list))
+    warmers = []
+    for i, chains in enumerate(split_chains(missing, count)):
+        log_path = run_dir / f"warmer-{i}.log"
+        cmd = [sys.executable, "-m", "server.kernel_warmer", "--config", str(run_dir / "config.json"),
+               "--model-dir", str(model_dir), "--dtype", dtype, "--overrides", json.dumps(overrides),
+               "--chains", ",".join(chains), "--shared", shared, "--staging", str(run_dir / f"staging-{i}"),
+               "--markers", str(markers)]
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
+                                    text=True, cwd=str(Path(__file__).resolve().parent.parent))
+        warmers.append(_Warmer(chains, proc, log_path))
+    log.info("kernel warmers: %d processes compiling %s ahead (a thin model of %s layers)", len(warmers),
+             ", ".join(missing), overrides.get("num_hidden_layers", (overrides.get("text_config") or {}).get(
+                 "num_hidden_layers", "all")))
+    return KernelWarmers(warmers, f"{len(missing)} chains not in the kernel cache")
