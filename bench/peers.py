@@ -24,7 +24,12 @@ from pathlib import Path
 from common import ROOT, ServerProc, free_port
 
 LLAMACPP_SCRIPT = ROOT / "bench" / "llamacpp_peer.sh"
-LABELS = {"ours": "mlx-lane", "mlx_lm": "mlx_lm.server", "llama_cpp": "llama.cpp server (llama-cpp-python)"}
+LABELS = {"ours": "mlx-lane", "mlx_lm": "mlx_lm.server", "llama_cpp": "llama.cpp server (llama-cpp-python)",
+          "ours_no_warmers": "mlx-lane --kernel-warmers 0"}
+# variants of ours, each under its name with a home of its own (bench/single_request.py --servers ours,ours_no_warmers)
+OURS_VARIANTS: dict[str, tuple[str, ...]] = {
+    "ours_no_warmers": ("--kernel-warmers", "0"),  # no helper processes compiling kernels ahead (issue 45)
+}
 ALL = tuple(LABELS)
 
 
@@ -112,8 +117,9 @@ class Ours(Peer):
     name = "ours"
 
     def __init__(self, workdir: Path, model_dir: Path, persistent: bool = False, extra: tuple[str, ...] = (),
-                 env: dict | None = None):
+                 env: dict | None = None, name: str = "ours"):
         super().__init__(workdir, persistent)
+        self.name = name  # a variant's name keeps a home of its own: no variant finds another's kernels
         self.model_dir = model_dir
         self.extra = extra
         self.env = env or {}  # more environment for the server (e.g. MLX_LANE_ATTENTION=mlx: `--attention mlx`)
@@ -130,7 +136,7 @@ class Ours(Peer):
         ssd = ("--ssd-cache", str(self.workdir / "ours-kv")) if self.persistent else ("--no-ssd-cache",)
         # the run's own MLX_LANE_HOME: measured cache rates persist across its restarts, never the user's
         # no /v1/embeddings: a fresh home would fetch its model from PyPI at every start, and no benchmark uses it
-        env = {"MLX_LANE_HOME": str(self.workdir / "ours-home"), "MLX_LANE_EMBEDDING_MODEL": "none", **self.env}
+        env = {"MLX_LANE_HOME": str(self.workdir / f"{self.name}-home"), "MLX_LANE_EMBEDDING_MODEL": "none", **self.env}
         t = time.perf_counter()
         self.proc = ServerProc("--model", str(self.model_dir), "--log-level", "warning", *ssd, *self.extra,
                                env=env, startup_timeout=300, prefix=self.prefix)
@@ -193,8 +199,9 @@ class MlxLm(_Popen):
     name = "mlx_lm"
 
     def __init__(self, workdir: Path, model_dir: Path, persistent: bool = False, extra: tuple[str, ...] = (),
-                 env: dict | None = None):
+                 env: dict | None = None, name: str = "ours"):
         super().__init__(workdir, persistent)
+        self.name = name  # a variant's name keeps a home of its own: no variant finds another's kernels
         self.model_dir = model_dir
         self.extra = extra
         self.env = env or {}  # more environment for the server (e.g. MLX_PTX_CACHE_DIR: a kernel cache of its own)
@@ -264,6 +271,8 @@ def make(names: list[str], workdir: Path, persistent: bool = False,
     for n in names:
         if n == "ours":
             out.append(Ours(workdir, model_dir, persistent, extra=tuple(extra.get(n, ()))))
+        elif n in OURS_VARIANTS:
+            out.append(Ours(workdir, model_dir, persistent, extra=OURS_VARIANTS[n] + tuple(extra.get(n, ())), name=n))
         elif n == "mlx_lm":
             out.append(MlxLm(workdir, model_dir, persistent, extra=tuple(extra.get(n, ()))))
         elif n == "llama_cpp":

@@ -18,6 +18,8 @@ holds: `make test` installs torch, which transformers imports when present; ours
     python bench/single_request.py --servers ours,mlx_lm,llama_cpp --rounds 3
     python bench/single_request.py --servers ours,mlx_lm --rounds 0 --startup-rounds 5   # start-up alone
     python bench/single_request.py --servers ours,mlx_lm --model /tmp/shape --rounds 0 --startup-rounds 2  # H200
+    python bench/single_request.py --servers ours,ours_no_warmers,mlx_lm --model /tmp/shape --rounds 0 \
+        --startup-rounds 2     # the kernel warmers' share (bench/peers.py OURS_VARIANTS: each a home of its own)
 
 The first start of ours finds a fresh MLX_LANE_HOME (no kernel cache); the later ones find what it compiled, so
 the summary gives both. mlx_lm.server likewise: its CUDA kernels go to a folder of this run (MLX_PTX_CACHE_DIR),
@@ -176,6 +178,8 @@ def main() -> None:
                     if "first_answer_again_s" in o and "first_answer_again_s" in v:
                         ratios[n]["first_answer_again_ours_over_peer_fresh"] = round(
                             o["first_answer_again_s"]["median"] / v["first_answer_fresh_s"], 3)
+                        ratios[n]["first_answer_again_ours_over_peer_again"] = round(
+                            o["first_answer_again_s"]["median"] / v["first_answer_again_s"]["median"], 3)
                 if not rows:
                     continue
                 ratios[n] = {**ratios.get(n, {}), "prefill_ours_over_peer": round(o["prefill_tok_s"]["median"] / v["prefill_tok_s"]["median"], 3),
