@@ -199,9 +199,8 @@ class MlxLm(_Popen):
     name = "mlx_lm"
 
     def __init__(self, workdir: Path, model_dir: Path, persistent: bool = False, extra: tuple[str, ...] = (),
-                 env: dict | None = None, name: str = "ours"):
+                 env: dict | None = None):
         super().__init__(workdir, persistent)
-        self.name = name  # a variant's name keeps a home of its own: no variant finds another's kernels
         self.model_dir = model_dir
         self.extra = extra
         self.env = env or {}  # more environment for the server (e.g. MLX_PTX_CACHE_DIR: a kernel cache of its own)

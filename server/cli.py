@@ -406,6 +406,10 @@ def main(argv: list[str] | None = None) -> int:
 
         ensure_blas(["-m", "server.cli"] + argv)  # re-exec with OpenBLAS preloaded when available
         hide_torch()  # transformers would import an installed torch the server never uses (seconds of every start)
+        from server.config import ServerConfig
+        from server.kernel_warmers import start_early
+
+        start_early(ServerConfig.from_args(args))  # before the server's own imports: theirs overlap them
         from server.serve import serve
 
         return serve(args)

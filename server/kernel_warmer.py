@@ -2,7 +2,7 @@
 
 It compiles into a staging directory of its own (``MLX_PTX_CACHE_DIR``, set before MLX compiles anything), which
 starts with the shared kernel cache's modules (models.loading.kernel_files.stage); loads the model's thin prefix of
-layers (models.loading.thin) with the server's own settings (the ``ServerConfig`` the server wrote) and paths; runs the
+layers (models.loading.thin: it finds them itself) with the server's own settings (the ``ServerConfig`` the server wrote) and paths; runs the
 warm-up steps of its chains (server.engine.warmup) on a stream of its own; after each step publishes the modules it
 compiled into the shared cache; marks each chain warmed; prints one JSON line (what it did, or the error) and exits.
 It exits when the server does (Linux: the parent's death signal), and never writes into the shared directory but
@@ -59,13 +59,15 @@ def warm(args: argparse.Namespace) -> dict:
     import mlx.core as mx
 
     from models.loading.generation_defaults import NO_DEFAULTS
-    from models.loading.thin import load_thin
+    from models.loading.thin import load_thin, thin_config
     from server.engine.slot import ModelSlot
     from server.engine.warmup import warm_up_steps
     from server.serve import configure_kernels, engine_config
 
     configure_kernels(cfg)  # the server's paths and knobs (MLX_PTX_CACHE_DIR stays the staging directory)
-    overrides = json.loads(args.overrides)
+    overrides = thin_config(json.loads((Path(args.model_dir) / "config.json").read_text()))
+    if overrides is None:
+        raise RuntimeError("no thin prefix of this model's layers could be built (models.loading.thin)")
     model, _ = load_thin(Path(args.model_dir), args.dtype, overrides)
     loaded = SimpleNamespace(model=model, tokenizer=SimpleNamespace(eos_token_ids=[], vocab={}),
                              model_id="kernel-warmer", fingerprint="kernel-warmer", context_length=0, vision=None,
@@ -96,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="the server's settings (ServerConfig as JSON)")
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--dtype", required=True)
-    ap.add_argument("--overrides", required=True, help="the thin model's config overrides (JSON)")
     ap.add_argument("--chains", required=True, help="comma list of warm-up chains to run")
     ap.add_argument("--shared", required=True, help="the kernel cache directory the server reads")
     ap.add_argument("--staging", required=True, help="this warmer's own directory (removed at exit)")

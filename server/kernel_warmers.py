@@ -36,7 +36,7 @@ from typing import Optional
 
 log = logging.getLogger("mlx_lane.warmers")
 
-__all__ = ["KernelWarmers", "start_kernel_warmers", "stop_all", "warm_key", "split_chains", "CORES_PER_WARMER", "DEADLINE_S"]
+__all__ = ["KernelWarmers", "start_kernel_warmers", "start_early", "early", "stop_all", "warm_key", "split_chains", "CORES_PER_WARMER", "DEADLINE_S"]
 
 CORES_PER_WARMER = 4  # NVRTC takes a core a compile; the server's own load and the warmers' imports want the rest
 DEADLINE_S = 600.0  # a warmer still running after this is stopped (its kernels so far are published)
@@ -195,12 +195,40 @@ def _on_cuda() -> bool:
         return False
 
 
+def _local_model_dir(spec: str) -> Optional[Path]:
+    """The mlx-lm directory ``spec`` names, found without importing mlx-lm (a warmer starts before the server's
+    imports): a directory with a config.json whose ``model_type`` mlx-lm has a module for, or a fetched packaged
+    model ('default' included); None otherwise (a GGUF to convert, a hub repo, a model only mlx-vlm computes)."""
+    import importlib.util
+
+    from models.loading.default import DEFAULT_MODEL
+    from models.loading.packaged import PACKAGED_MODELS, canonical_name, is_converted, packaged_paths
+
+    name = DEFAULT_MODEL if spec == "default" else canonical_name(spec)
+    if name is not None and name in PACKAGED_MODELS:
+        path = packaged_paths(name)[1]
+        if not is_converted(path, PACKAGED_MODELS[name].sha256):
+            return None
+    else:
+        path = Path(spec).expanduser()
+    try:
+        config = json.loads((path / "config.json").read_text())
+        found = importlib.util.find_spec("mlx_lm")
+    except (OSError, ValueError, ImportError):
+        return None
+    model_type = str(config.get("model_type") or "") if isinstance(config, dict) else ""
+    places = list(found.submodule_search_locations or []) if found is not None else []
+    if not model_type or not any((Path(p) / "models" / f"{model_type.replace('-', '_')}.py").is_file() for p in places):
+        return None
+    return path
+
+
 def start_kernel_warmers(cfg, model_spec: str) -> KernelWarmers:
     """Start this server's warmers (see the module docstring) for the model ``model_spec`` names; returns them, or
-    none with the reason. Call after the kernel settings are configured (MLX_PTX_CACHE_DIR set) and before the
-    weights are read."""
-    from models.loading.load import DTYPES, resolve_local
-    from models.loading.thin import thin_config
+    none with the reason. Light: it imports neither mlx-lm nor the server, so that ``server.cli`` calls it first
+    (``start_early``) and the warmers' own imports and compiles overlap the server's imports and weights. It sets
+    ``MLX_PTX_CACHE_DIR`` (unless set) as the server's kernel settings do."""
+    from models.loading.home import kernel_cache_dir, mlx_lane_home
     from models.runtime import default_dtype
     from server.engine.warmup import WARMER_CHAINS
 
@@ -209,22 +237,15 @@ def start_kernel_warmers(cfg, model_spec: str) -> KernelWarmers:
         return KernelWarmers([], "--kernel-warmers 0")
     if cfg.warm_up == "off":
         return KernelWarmers([], "--warm-up off")
+    if os.environ.get("MLX_RANK") is not None:
+        return KernelWarmers([], "a model sharded over processes (its ranks warm up together)")
     if wanted is None and not _on_cuda():
         return KernelWarmers([], "not a CUDA GPU (nothing to compile ahead)")
-    model_dir = resolve_local(model_spec)
+    model_dir = _local_model_dir(model_spec)
     if model_dir is None:
         return KernelWarmers([], "the model is not a local mlx-lm directory")
-    shared = os.environ.get("MLX_PTX_CACHE_DIR")
-    if not shared:
-        return KernelWarmers([], "no kernel cache directory")
-    dtype = cfg.dtype if cfg.dtype in DTYPES else default_dtype()
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-        overrides = thin_config(config)
-    except (OSError, ValueError):
-        overrides = None
-    if overrides is None:
-        return KernelWarmers([], "no thin prefix of this model's layers could be built")
+    shared = os.environ.setdefault("MLX_PTX_CACHE_DIR", str(kernel_cache_dir(mlx_lane_home())))
+    dtype = cfg.dtype if cfg.dtype in ("float32", "bfloat16", "float16") else default_dtype()
     markers = Path(shared) / "warmed" / warm_key(cfg, model_dir, dtype)
     missing = [c for c in WARMER_CHAINS if not (markers / c).exists()]
     if not missing:
@@ -241,14 +262,30 @@ def start_kernel_warmers(cfg, model_spec: str) -> KernelWarmers:
     for i, chains in enumerate(split_chains(missing, count)):
         log_path = run_dir / f"warmer-{i}.log"
         cmd = [sys.executable, "-m", "server.kernel_warmer", "--config", str(run_dir / "config.json"),
-               "--model-dir", str(model_dir), "--dtype", dtype, "--overrides", json.dumps(overrides),
-               "--chains", ",".join(chains), "--shared", shared, "--staging", str(run_dir / f"staging-{i}"),
-               "--markers", str(markers)]
+               "--model-dir", str(model_dir), "--dtype", dtype, "--chains", ",".join(chains), "--shared", shared,
+               "--staging", str(run_dir / f"staging-{i}"), "--markers", str(markers)]
         with open(log_path, "w") as log_file:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
                                     text=True, cwd=str(Path(__file__).resolve().parent.parent))
         warmers.append(_Warmer(chains, proc, log_path))
-    log.info("kernel warmers: %d processes compiling %s ahead (a thin model of %s layers)", len(warmers),
-             ", ".join(missing), overrides.get("num_hidden_layers", (overrides.get("text_config") or {}).get(
-                 "num_hidden_layers", "all")))
+    log.info("kernel warmers: %d processes compiling %s ahead", len(warmers), ", ".join(missing))
     return KernelWarmers(warmers, f"{len(missing)} chains not in the kernel cache")
+
+
+_EARLY: list[KernelWarmers] = []
+
+
+def start_early(cfg) -> None:
+    """``server.cli``'s call, first thing for ``serve``: the warmers of the base model (``--model``), kept for
+    ``early()``. A failure here never stops the server: it starts without warmers."""
+    from server.pool.flags import parse_model_flags
+
+    try:
+        _EARLY.append(start_kernel_warmers(cfg, parse_model_flags(cfg.model).base))
+    except Exception as exc:  # noqa: BLE001 - the warmers are an optimisation; the server starts without them
+        _EARLY.append(KernelWarmers([], f"could not start: {type(exc).__name__}: {exc}"))
+
+
+def early() -> Optional[KernelWarmers]:
+    """The warmers ``start_early`` started (or decided against), or None where it was not called."""
+    return _EARLY[-1] if _EARLY else None

@@ -188,12 +188,12 @@ def build_state(cfg: ServerConfig):
 def _kernel_warmers(cfg: ServerConfig, model_spec: str, group):
     """The helper processes that compile the first requests' kernels while the weights are read
     (server.kernel_warmers), or None (a model sharded over processes: its ranks warm up together, before ready)."""
-    from server.kernel_warmers import start_kernel_warmers
+    from server.kernel_warmers import early, start_kernel_warmers
     from server.startup import TIMELINE
 
     if group is not None:
         return None
-    warmers = start_kernel_warmers(cfg, model_spec)
+    warmers = early() or start_kernel_warmers(cfg, model_spec)  # server.cli starts them first thing
     TIMELINE.attach("kernel_warmers", warmers.as_dict)
     return warmers
 

@@ -24,7 +24,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from models.attention.cpu import install as install_cpu_attention
 from models.attention.gpu import install as install_gpu_attention
@@ -44,7 +44,7 @@ from models.loading.vlm_text import load_vlm_text
 from models.loading.vlm_text import source as source_of
 from models.runtime import default_dtype, evaluate_all_arrays
 
-__all__ = ["LoadedModel", "load_model", "DTYPES", "resolve_gguf", "read_context_length", "install_paths", "resolve_local"]
+__all__ = ["LoadedModel", "load_model", "DTYPES", "resolve_gguf", "read_context_length", "install_paths"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -204,27 +204,6 @@ def install_paths(model) -> None:
     install_gpu_attention(model)  # on CUDA only: a decode batch's attention in one kernel, rows of their own lengths
     install_kernels(model)  # off Metal: the gated delta rule and Mamba-2's step as kernels / the chunked form
     install_mamba_lengths(model)  # nemotron_h's batched prompts stop each row's state at its end
-
-
-def resolve_local(spec: str) -> Optional[Path]:
-    """The model directory ``spec`` names where that needs no hub nor a conversion of the user's file (an mlx-lm
-    directory, a fetched packaged model, the default model, obtained here if it is not yet); None otherwise, or
-    where it is served through mlx-vlm (a kernel warmer's question: server.kernel_warmers)."""
-    try:
-        name = None if spec == "default" else canonical_name(spec)
-        if spec == "default":  # obtained now rather than by load_model a moment later
-            path = ensure_default_model(True)
-        elif name is not None:
-            path = packaged_paths(name)[1]
-            if not is_converted(path, PACKAGED_MODELS[name].sha256):
-                return None
-        else:
-            path = Path(spec).expanduser()
-            if not (path / "config.json").is_file():
-                return None
-        return path if source_of(_read_config(path), "auto") == "mlx-lm" else None
-    except (ModelLoadError, OSError):
-        return None
 
 
 def load_model(spec: str, dtype: str | None = None, *, progress: bool = True, group: Any = None,

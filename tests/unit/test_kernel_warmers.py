@@ -183,13 +183,12 @@ def test_the_warm_up_is_held_while_the_warmers_run():
 # -- one warmer, for real (the CPU: it runs its steps and marks its chains; nothing to publish) -------------------------
 def test_a_warmer_process_runs_its_chains_on_a_thin_hybrid_and_marks_them(tmp_path, default_model_dir):
     path = zoo.write("qwen3_5", tmp_path / "qwen3_5", default_model_dir, vocab=64)
-    overrides = thin_config(json.loads((path / "config.json").read_text()))
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(json.dumps(asdict(_cfg(dtype="float32")), default=list))
     shared, markers = tmp_path / "ptx", tmp_path / "ptx" / "warmed" / "k"
     _module_files(shared, "earlier")
     r = subprocess.run([sys.executable, "-m", "server.kernel_warmer", "--config", str(cfg_file), "--model-dir",
-                        str(path), "--dtype", "float32", "--overrides", json.dumps(overrides), "--chains",
+                        str(path), "--dtype", "float32", "--chains",
                         "prefill,batched step", "--shared", str(shared), "--staging", str(tmp_path / "staging"),
                         "--markers", str(markers)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -205,7 +204,7 @@ def test_a_warmer_that_fails_says_why_and_marks_nothing(tmp_path, default_model_
     cfg_file.write_text(json.dumps(asdict(_cfg()), default=list))
     markers = tmp_path / "warmed"
     r = subprocess.run([sys.executable, "-m", "server.kernel_warmer", "--config", str(cfg_file), "--model-dir",
-                        str(tmp_path / "nowhere"), "--dtype", "float32", "--overrides", "{}", "--chains", "prefill",
+                        str(tmp_path / "nowhere"), "--dtype", "float32", "--chains", "prefill",
                         "--shared", str(tmp_path / "ptx"), "--staging", str(tmp_path / "staging"),
                         "--markers", str(markers)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 1
