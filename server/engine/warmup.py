@@ -11,8 +11,10 @@ import mlx.core as mx
 
 from server.engine.batch import BatchKind, Layout, Row, choose, make
 from server.engine.prefill import forward_together
+from server.engine.sampling import build_sampler, sample_rows
 from server.engine.slot import ModelSlot
 from server.engine.speculation import Speculation
+from server.lane.events import SamplingParams
 from server.lane.seam import WarmStep
 from spec import FixedDraftLength, speculative_decode
 
@@ -20,12 +22,13 @@ __all__ = ["warm_up_steps", "check_kv_quantization", "WARMER_CHAINS"]
 
 # the chains of steps a kernel warmer runs in a process of its own (server.kernel_warmers), one chain a process at
 # most: each compiles its own kernels. Not the speculative rounds: a warmer loads no draft model nor MTP heads
-WARMER_CHAINS = ("prefill", "batched step", "batched prefill", "past a cache")
+WARMER_CHAINS = ("prefill", "sampling", "batched step", "batched prefill", "past a cache")
 
 
 def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream,
                   speculation: Optional[Speculation] = None) -> list[WarmStep]:
-    """The steps, in order: the weights; a prefill; one-token steps over its cache; a batched step of two rows; on a
+    """The steps, in order: the weights; a prefill; one-token steps over its cache; sampling (greedy and mlx-lm's
+    compiled draws, one row and two); a batched step of two rows; on a
     GPU, for a model whose prompts prefill together, a batched prefill of two padded rows, cold and past cached
     prefixes (a chunk, then a tail of a few tokens); on a GPU, when the server speculates, a request's speculative
     rounds on its own (``speculative_rounds``). So the first requests pay none of it. On a GPU the prefill is two whole
@@ -58,6 +61,19 @@ def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream,
         caches = held.pop("caches")
         for _ in range(4 if gpu else 1):
             mx.eval(model(mx.array([[1]]), cache=caches))
+
+    def sampling() -> None:
+        # a request's tokens: log-probabilities from the last position's logits, then its sampler (greedy; mlx-lm's
+        # compiled temperature / top-p / top-k / min-p draws), alone (a solo decode) and over two rows (a batch
+        # draws its rows in one call): no other step samples, so a fresh process's first request compiled these
+        logits = model(mx.array([[1, 2, 3]]), cache=slot.new_caches())[:, -1, :]
+        rows = mx.concatenate([logits, logits], axis=0)
+        for params in (SamplingParams(max_tokens=1, temperature=0.0), SamplingParams(max_tokens=1, temperature=0.7,
+                       top_p=0.9), SamplingParams(max_tokens=1, temperature=0.7, top_k=20, min_p=0.05)):
+            sampler = build_sampler(params)
+            one = logits - mx.logsumexp(logits, keepdims=True)
+            both = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+            mx.eval(sampler(one), one, sample_rows(both, [sampler, sampler]), both)
 
     def batched_step() -> None:
         batch = make(kind, model, layout, stream, slot.facts.caches)
@@ -119,6 +135,7 @@ def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream,
     steps = [WarmStep("weights", weights)]
     steps += [WarmStep(f"prefill chunk {part + 1}", prefill(part), "prefill") for part in range(2 if gpu else 1)]
     steps.append(WarmStep("one-token steps", one_token_steps, "prefill"))
+    steps.append(WarmStep("sampling", sampling, "sampling"))
     kind = choose(layout, slot.facts.caches, speculating=False)
     if kind != BatchKind.SOLO:
         steps.append(WarmStep(f"batched step ({kind.value})", batched_step, "batched step"))

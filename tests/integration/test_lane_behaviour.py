@@ -259,13 +259,14 @@ def test_kernel_warmers_run_beside_the_first_start_and_not_after_a_restart(tmp_p
         assert stats, httpx.get(srv.url + "/stats").json()
         warmers = stats["startup"]["kernel_warmers"]["warmers"]
         assert sorted(c for w in warmers for c in w["chains"]) == sorted(
-            ["prefill", "batched step", "batched prefill", "past a cache"])
+            ["prefill", "sampling", "batched step", "batched prefill", "past a cache"])
         assert all(w["layers"] == 1 for w in warmers)  # SmolLM2's layers are all alike: a prefix of one
         assert any("prefill chunk 1" in w["steps"] for w in warmers)
     finally:
         assert srv.stop() == 0, srv.log()
     markers = list((tmp_path / "home" / "ptx").glob("*/*/warmed/*/*"))
-    assert sorted(p.name for p in markers) == sorted(["prefill", "batched step", "batched prefill", "past a cache"])
+    assert sorted(p.name for p in markers) == sorted(["prefill", "sampling", "batched step", "batched prefill",
+                                                      "past a cache"])
     again = ServerProc(*args, env=env)
     try:
         second = httpx.get(again.url + "/stats").json()["startup"]["kernel_warmers"]
