@@ -10,8 +10,10 @@ processes (by default on a CUDA GPU: one per chain of warm-up steps missing from
 CPU cores); each loads the model's thinnest prefix of layers (models.loading.thin), runs its chains of the warm-up
 steps (server.engine.warmup, ``WARMER_CHAINS``: a prompt's chunks, a batched step, a batched prefill, chunks past a
 cache) and publishes each compiled module into the kernel cache whole (models.loading.kernel_files). They compile in
-parallel with each other and with the weights' reading; the server's own warm-up (server.lane.warm) waits for them,
-then finds their kernels on disk.
+parallel with each other and with the server's imports and weights (``start_early``: server.cli starts them first
+thing); the server's own warm-up (server.lane.warm) waits for them, then finds their kernels on disk, and its first
+request waits (``FIRST_WAIT_S`` at most) for the warmers of a prompt's and a sampler's kernels, which are ahead of it:
+MLX looks a kernel up in the kernel cache once, when it first needs it, and compiles it itself if it is not there.
 
 A chain once warmed leaves a marker (``<kernel cache>/warmed/<key>/<chain>``, the key: the model's config, dtype and
 the settings and sources that shape its kernels), so a restart starts no warmer. A warmer that fails or outlives
@@ -36,10 +38,14 @@ from typing import Optional
 
 log = logging.getLogger("mlx_lane.warmers")
 
-__all__ = ["KernelWarmers", "start_kernel_warmers", "start_early", "early", "stop_all", "warm_key", "split_chains", "CORES_PER_WARMER", "DEADLINE_S"]
+__all__ = ["KernelWarmers", "start_kernel_warmers", "start_early", "early", "stop_all", "FIRST_CHAINS", "FIRST_WAIT_S", "warm_key", "split_chains", "CORES_PER_WARMER", "DEADLINE_S"]
 
 CORES_PER_WARMER = 4  # NVRTC takes a core a compile; the server's own load and the warmers' imports want the rest
 DEADLINE_S = 600.0  # a warmer still running after this is stopped (its kernels so far are published)
+# the chains a first request needs, and how long the lane's first work may wait for their warmers: they started before
+# the server's imports, so they are ahead of a request that would compile the same kernels from the start
+FIRST_CHAINS = ("prefill", "sampling")
+FIRST_WAIT_S = 30.0
 # the sources whose changes change the kernels a warm-up compiles (with mlx's version, in the kernel cache's path)
 _KERNEL_SOURCES = ("models/attention", "models/kernels", "server/engine/warmup.py", "server/engine/batch")
 
@@ -137,6 +143,11 @@ class KernelWarmers:
             self.stop()
             return False
         return bool(running)
+
+    def busy_with(self, chains) -> bool:
+        """A warmer of any of ``chains`` still running (within the deadline, as ``busy``)."""
+        wanted = set(chains)
+        return self.busy() and any(w.proc.poll() is None and wanted & set(w.chains) for w in self._warmers)
 
     def stop(self) -> None:
         """Terminate the warmers still running (the server's shutdown)."""

@@ -209,3 +209,22 @@ def test_a_warmer_that_fails_says_why_and_marks_nothing(tmp_path, default_model_
                         "--markers", str(markers)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 1
     assert "error" in json.loads(r.stdout.strip().splitlines()[-1]) and not markers.exists()
+
+
+def test_the_lanes_first_work_waits_for_the_prompt_warmers_once_and_within_its_bound():
+    warm = WarmUp("behind")
+    polls = []
+
+    def busy():
+        polls.append(1)
+        return len(polls) < 4  # done at the fourth look
+
+    warm.hold_first_work(busy, max_s=30.0)
+    warm.before_work()
+    assert len(polls) == 4
+    warm.before_work()  # the second work never waits
+    assert len(polls) == 4
+    stuck = WarmUp("behind")
+    stuck.hold_first_work(lambda: True, max_s=0.2)  # a warmer that never finishes: the bound ends the wait
+    stuck.before_work()
+    assert stuck._first_hold is None
