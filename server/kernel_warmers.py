@@ -7,7 +7,7 @@ kernels of an earlier start (BENCHMARKS.md, 2026-12-07, twelfth session); the ke
 restarts (models.loading.home). Those compiles depend on the kinds of layers a forward runs, not on the weights nor on
 how many layers there are. So at start, before the weights are read, the server starts up to ``--kernel-warmers``
 processes (by default on a CUDA GPU: one per chain of warm-up steps missing from the kernel cache, at most one per 4
-CPU cores); each loads the model's thinnest prefix of layers (models.loading.thin), runs its chains of the warm-up
+CPU cores and as many as half the card's room beside the weights holds: ``card_room``); each loads the model's thinnest prefix of layers (models.loading.thin), runs its chains of the warm-up
 steps (server.engine.warmup, ``WARMER_CHAINS``: a prompt's chunks, a batched step, a batched prefill, chunks past a
 cache) and publishes each compiled module into the kernel cache whole (models.loading.kernel_files). They compile in
 parallel with each other and with the server's imports and weights (``start_early``: server.cli starts them first
@@ -262,6 +262,11 @@ def start_kernel_warmers(cfg, model_spec: str) -> KernelWarmers:
     if not missing:
         return KernelWarmers([], "every chain warmed by an earlier start (the kernel cache holds its kernels)")
     count = wanted if wanted is not None else max(1, (os.cpu_count() or 1) // CORES_PER_WARMER)
+    room = card_room(model_dir)
+    if room is not None:
+        count = min(count, room)
+        if count < 1:
+            return KernelWarmers([], "no room on the card beside the weights for a warmer's thin model")
     from server.sizes import remember_memory_of_others
 
     remember_memory_of_others()  # the device's other users, asked before the warmers hold memory of their own
@@ -281,6 +286,35 @@ def start_kernel_warmers(cfg, model_spec: str) -> KernelWarmers:
         warmers.append(_Warmer(chains, proc, log_path))
     log.info("kernel warmers: %d processes compiling %s ahead", len(warmers), ", ".join(missing))
     return KernelWarmers(warmers, f"{len(missing)} chains not in the kernel cache")
+
+
+WARMER_CONTEXT_BYTES = 1 << 30  # a warmer's CUDA context, libraries and buffers beside its thin model
+THIN_LAYERS_AT_MOST = 4  # layers a thin model keeps in the zoo and the bench's shapes (Qwen3.5: 4, most: 1-2)
+
+
+def card_room(model_dir: Path) -> Optional[int]:
+    """How many warmers the card holds beside the model's weights (None where the driver does not say: the CPU).
+    A warmer holds the embedding, the head and a few layers: at most ``THIN_LAYERS_AT_MOST + 2`` layers' share of the
+    checkpoint's bytes, and ``WARMER_CONTEXT_BYTES``; the server's own weights and half of what is left stay free."""
+    if not _on_cuda():
+        return None
+    from server.device_memory import driver
+
+    dm = driver()
+    card = dm.card() if dm is not None else None
+    if card is None:
+        return None
+    used, total = card
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        layers = int(config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
+                     or THIN_LAYERS_AT_MOST)
+    except (OSError, ValueError, TypeError, AttributeError):
+        layers = THIN_LAYERS_AT_MOST
+    per_warmer = weights * min(1.0, (THIN_LAYERS_AT_MOST + 2) / max(1, layers)) + WARMER_CONTEXT_BYTES
+    spare = (total - used - weights) / 2
+    return max(0, int(spare // per_warmer))
 
 
 _EARLY: list[KernelWarmers] = []

@@ -228,3 +228,20 @@ def test_the_lanes_first_work_waits_for_the_prompt_warmers_once_and_within_its_b
     stuck.hold_first_work(lambda: True, max_s=0.2)  # a warmer that never finishes: the bound ends the wait
     stuck.before_work()
     assert stuck._first_hold is None
+
+
+def test_the_card_holds_as_many_warmers_as_half_its_room_beside_the_weights(tmp_path, monkeypatch):
+    """A 40 GB checkpoint of 24 layers (gpt-oss-20b in bf16): on an 80 GB card one warmer, on a 141 GB card four;
+    a card that the weights nearly fill, none."""
+    from server import device_memory, kernel_warmers
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 24}))
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.truncate(40 << 30)  # sparse: its size is what counts
+    monkeypatch.setattr(kernel_warmers, "_on_cuda", lambda: True)
+    for total_gib, expected in ((80, 1), (141, 4), (44, 0)):
+        card = type("Card", (), {"card": lambda self, t=total_gib: (1 << 29, t << 30)})()
+        monkeypatch.setattr(device_memory, "driver", lambda c=card: c)
+        assert kernel_warmers.card_room(tmp_path) == expected, total_gib
+    monkeypatch.setattr(kernel_warmers, "_on_cuda", lambda: False)
+    assert kernel_warmers.card_room(tmp_path) is None
