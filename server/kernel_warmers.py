@@ -1,19 +1,27 @@
-"""Kernel warmers: helper processes that compile the CUDA kernels the first requests use while the server reads its
-weights (issue 45: from launch to the first answer).
+"""Kernel warmers: helper processes that compile the CUDA kernels of the warm-up while the server starts (issue 45:
+from launch to the first answer). Off by default (``--kernel-warmers 0``): measured, they did not bring the first
+answer sooner (below).
 
 On a GPU a fresh server's first requests wait for MLX to compile kernels (NVRTC, one at a time on the thread that
 evaluates): on an H100, gpt-oss-20b's first tiny request took 15.9 s with an empty kernel cache against 0.55 s with the
 kernels of an earlier start (BENCHMARKS.md, 2026-12-07, twelfth session); the kernel cache then keeps them across
 restarts (models.loading.home). Those compiles depend on the kinds of layers a forward runs, not on the weights nor on
-how many layers there are. So at start, before the weights are read, the server starts up to ``--kernel-warmers``
-processes (by default on a CUDA GPU: one per chain of warm-up steps missing from the kernel cache, at most one per 4
-CPU cores and as many as half the card's room beside the weights holds: ``card_room``); each loads the model's thinnest prefix of layers (models.loading.thin), runs its chains of the warm-up
-steps (server.engine.warmup, ``WARMER_CHAINS``: a prompt's chunks, a batched step, a batched prefill, chunks past a
-cache) and publishes each compiled module into the kernel cache whole (models.loading.kernel_files). They compile in
-parallel with each other and with the server's imports and weights (``start_early``: server.cli starts them first
-thing); the server's own warm-up (server.lane.warm) waits for them, then finds their kernels on disk, and its first
-request waits (``FIRST_WAIT_S`` at most) for the warmers of a prompt's and a sampler's kernels, which are ahead of it:
-MLX looks a kernel up in the kernel cache once, when it first needs it, and compiles it itself if it is not there.
+how many layers there are. So with ``--kernel-warmers N|auto`` the server starts, first thing (``start_early``:
+server.cli, before its own imports), up to N processes ('auto' on a CUDA GPU: one per chain of warm-up steps missing
+from the kernel cache, at most one per 4 CPU cores and as many as half the card's room beside the weights holds:
+``card_room``); each loads the model's thinnest prefix of layers (models.loading.thin), runs its chains of the warm-up
+steps (server.engine.warmup, ``WARMER_CHAINS``: a prompt's chunks, sampling, a batched step, a batched prefill, chunks
+past a cache) and publishes each compiled module into the kernel cache whole (models.loading.kernel_files). The
+server's own warm-up (server.lane.warm) waits for them, then finds their kernels on disk. Requests never wait for
+them: MLX looks a kernel up in the kernel cache once, when it first needs it, and compiles it itself if it is not
+there.
+
+Measured on an H100 with a Llama-3-8B shape (BENCHMARKS.md, 2026-12-07, fifteenth session): a fresh start answered
+its first tiny request after 14.7 s without warmers; the warmers' own start (imports, the thin model) took as long as
+the server's imports and weights, so the one chain a first request needs was published no sooner than the server
+compiled it itself, and a first request made to wait for the warmers (a form since removed) answered after 39.8 s,
+the sampling chain alone compiling 9 modules for 33 s. What the warmers do move off the server is the batched
+kernels (18.8 s for the batched step's chain), which its warm-up would compile behind the requests: not measured.
 
 A chain once warmed leaves a marker (``<kernel cache>/warmed/<key>/<chain>``, the key: the model's config, dtype and
 the settings and sources that shape its kernels), so a restart starts no warmer. A warmer that fails or outlives
@@ -38,14 +46,10 @@ from typing import Optional
 
 log = logging.getLogger("mlx_lane.warmers")
 
-__all__ = ["KernelWarmers", "start_kernel_warmers", "start_early", "early", "stop_all", "FIRST_CHAINS", "FIRST_WAIT_S", "warm_key", "split_chains", "CORES_PER_WARMER", "DEADLINE_S"]
+__all__ = ["KernelWarmers", "start_kernel_warmers", "start_early", "early", "stop_all", "warm_key", "split_chains", "CORES_PER_WARMER", "DEADLINE_S"]
 
 CORES_PER_WARMER = 4  # NVRTC takes a core a compile; the server's own load and the warmers' imports want the rest
 DEADLINE_S = 600.0  # a warmer still running after this is stopped (its kernels so far are published)
-# the chains a first request needs, and how long the lane's first work may wait for their warmers: they started before
-# the server's imports, so they are ahead of a request that would compile the same kernels from the start
-FIRST_CHAINS = ("prefill", "sampling")
-FIRST_WAIT_S = 30.0
 # the sources whose changes change the kernels a warm-up compiles (with mlx's version, in the kernel cache's path)
 _KERNEL_SOURCES = ("models/attention", "models/kernels", "server/engine/warmup.py", "server/engine/batch")
 
@@ -143,11 +147,6 @@ class KernelWarmers:
             self.stop()
             return False
         return bool(running)
-
-    def busy_with(self, chains) -> bool:
-        """A warmer of any of ``chains`` still running (within the deadline, as ``busy``)."""
-        wanted = set(chains)
-        return self.busy() and any(w.proc.poll() is None and wanted & set(w.chains) for w in self._warmers)
 
     def stop(self) -> None:
         """Terminate the warmers still running (the server's shutdown)."""

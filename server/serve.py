@@ -139,10 +139,7 @@ def build_state(cfg: ServerConfig):
                 prefill_batch=prefill_batch, replay=replay, warm_up=cfg.warm_up,
                 prefill_together_max=_prefill_together_max(cfg))
     if warmers is not None:
-        from server.kernel_warmers import FIRST_CHAINS, FIRST_WAIT_S
-
         lane.warm.hold_while(warmers.busy)  # its steps would compile what the warmers are compiling
-        lane.warm.hold_first_work(lambda: warmers.busy_with(FIRST_CHAINS), FIRST_WAIT_S)
     TIMELINE.mark("kv price")
     if tiered is not None and cfg.ssd_write_when == "idle":
         tiered.set_write_gate(lane.idle)  # the disk waits for a lane with nothing queued or running

@@ -27,8 +27,9 @@ WARMER_CHAINS = ("prefill", "sampling", "batched step", "batched prefill", "past
 
 def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream,
                   speculation: Optional[Speculation] = None) -> list[WarmStep]:
-    """The steps, in order: the weights; a prefill; one-token steps over its cache; sampling (greedy and mlx-lm's
-    compiled draws, one row and two); a batched step of two rows; on a
+    """The steps, in order: the weights; a prefill; one-token steps over its cache; a short prompt's tokens drawn by
+    each kind of sampler (greedy and mlx-lm's compiled draws, one row and two: three steps); a batched step of two
+    rows; on a
     GPU, for a model whose prompts prefill together, a batched prefill of two padded rows, cold and past cached
     prefixes (a chunk, then a tail of a few tokens); on a GPU, when the server speculates, a request's speculative
     rounds on its own (``speculative_rounds``). So the first requests pay none of it. On a GPU the prefill is two whole
@@ -62,18 +63,20 @@ def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream,
         for _ in range(4 if gpu else 1):
             mx.eval(model(mx.array([[1]]), cache=caches))
 
-    def sampling() -> None:
-        # a request's tokens: log-probabilities from the last position's logits, then its sampler (greedy; mlx-lm's
-        # compiled temperature / top-p / top-k / min-p draws), alone (a solo decode) and over two rows (a batch
-        # draws its rows in one call): no other step samples, so a fresh process's first request compiled these
-        logits = model(mx.array([[1, 2, 3]]), cache=slot.new_caches())[:, -1, :]
-        rows = mx.concatenate([logits, logits], axis=0)
-        for params in (SamplingParams(max_tokens=1, temperature=0.0), SamplingParams(max_tokens=1, temperature=0.7,
-                       top_p=0.9), SamplingParams(max_tokens=1, temperature=0.7, top_k=20, min_p=0.05)):
-            sampler = build_sampler(params)
+    def sampling(*params: SamplingParams) -> Callable[[], None]:
+        # a short prompt's forward, then its tokens drawn: log-probabilities from the last position's logits and the
+        # request's sampler (greedy; mlx-lm's compiled draws), alone (a solo decode) and over two rows (a batch draws
+        # its rows in one call). No other step did: on an H100 a kernel warmer's sampling chain compiled 9 modules in
+        # 33 s (BENCHMARKS.md, 2026-12-07, fifteenth session), so it is three steps, each a few samplers
+        def run() -> None:
+            logits = model(mx.array([[1, 2, 3]]), cache=slot.new_caches())[:, -1, :]
+            rows = mx.concatenate([logits, logits], axis=0)
             one = logits - mx.logsumexp(logits, keepdims=True)
             both = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
-            mx.eval(sampler(one), one, sample_rows(both, [sampler, sampler]), both)
+            for p in params:
+                sampler = build_sampler(p)
+                mx.eval(sampler(one), one, sample_rows(both, [sampler, sampler]), both)
+        return run
 
     def batched_step() -> None:
         batch = make(kind, model, layout, stream, slot.facts.caches)
@@ -135,7 +138,11 @@ def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream,
     steps = [WarmStep("weights", weights)]
     steps += [WarmStep(f"prefill chunk {part + 1}", prefill(part), "prefill") for part in range(2 if gpu else 1)]
     steps.append(WarmStep("one-token steps", one_token_steps, "prefill"))
-    steps.append(WarmStep("sampling", sampling, "sampling"))
+    steps += [WarmStep("short prompt, greedy and temperature", sampling(SamplingParams(1, 0.0), SamplingParams(1, 0.7)),
+                       "sampling"),
+              WarmStep("sampling with top-p", sampling(SamplingParams(1, 0.7, top_p=0.9)), "sampling"),
+              WarmStep("sampling with top-k and min-p", sampling(SamplingParams(1, 0.7, top_k=20, min_p=0.05)),
+                       "sampling")]
     kind = choose(layout, slot.facts.caches, speculating=False)
     if kind != BatchKind.SOLO:
         steps.append(WarmStep(f"batched step ({kind.value})", batched_step, "batched step"))

@@ -284,7 +284,6 @@ class Lane:
             if warm_now:  # outside the lock: submit() goes on; what arrives waits for this one step
                 self.warm.step()
                 continue
-            self.warm.before_work()  # the first work may wait for the kernel warmers (server.lane.warm)
             try:
                 busy = self.tick()
                 failed_ticks = 0

@@ -15,8 +15,7 @@ step at a time, only while the lane is idle:
   one --prefill-chunk forward or less);
 - a step that raises ends the warm-up (logged once); the lane serves on, as it did when the warm-up ran before ready;
 - while the kernel warmers (server.kernel_warmers) compile the steps' kernels in processes of their own, no step runs
-  (``hold_while``): the steps then find those kernels in the kernel cache; and the lane's very first work waits for
-  the warmers of a prompt's kernels, within a bound (``hold_first_work``).
+  (``hold_while``): the steps then find those kernels in the kernel cache. Requests never wait for the warmers.
 
 ``WarmUp`` holds the plan and the account; it decides nothing about the lane's queue. The lane asks ``delay()`` only
 while it is idle and calls ``worked()`` after each tick that had work; the rule is unit-tested on a fake clock
@@ -60,7 +59,6 @@ GRACE_S = 1.5  # after ready, before the first step when no request came
 # within a second or two. So the warm-up waits for a pause longer than such turns
 SETTLE_S = 5.0
 HOLD_POLL_S = 0.5  # how often a held warm-up asks again whether the kernel warmers are done
-FIRST_POLL_S = 0.05  # how often a held first request asks again
 
 
 class WarmUp:
@@ -78,7 +76,6 @@ class WarmUp:
         self._ready_at: Optional[float] = None
         self._last_work: Optional[float] = None  # the end of the lane's last tick with work, since ready
         self._hold: Callable[[], bool] = lambda: False
-        self._first_hold: Optional[tuple[Callable[[], bool], float]] = None  # (busy, at most seconds): hold_first_work
 
     # -- the plan --------------------------------------------------------------------------------------------------
     def load(self, steps: Sequence[WarmStep]) -> None:
@@ -98,26 +95,6 @@ class WarmUp:
         """No step while ``busy()``: the kernel warmers (server.kernel_warmers) compile the steps' kernels in other
         processes meanwhile, and a step now would compile them a second time, a request waiting behind it."""
         self._hold = busy
-
-    def hold_first_work(self, busy: Callable[[], bool], max_s: float) -> None:
-        """The lane's first tick with work waits while ``busy()``, for at most ``max_s``: the kernel warmers compiling
-        what a first request needs (a prompt's forward, its sampling) started before the server's imports, so they
-        finish before the request could compile the same kernels itself from the start (MLX reads a kernel from the
-        kernel cache only when it first needs it; after that it compiles its own)."""
-        self._first_hold = (busy, max_s)
-
-    def before_work(self) -> None:
-        """Lane thread, before a tick with work: the first time, wait as ``hold_first_work`` says; then never."""
-        if self._first_hold is None:
-            return
-        (busy, max_s), self._first_hold = self._first_hold, None
-        deadline = time.monotonic() + max_s
-        waited = 0.0
-        while busy() and time.monotonic() < deadline:
-            time.sleep(FIRST_POLL_S)
-            waited += FIRST_POLL_S
-        if waited:
-            log.info("first request: waited %.1fs for the kernel warmers' prompt and sampling kernels", waited)
 
     @property
     def finished(self) -> bool:

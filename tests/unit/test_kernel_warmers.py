@@ -150,8 +150,8 @@ def test_no_warmers_off_a_gpu_by_default_nor_when_told_and_the_reason_is_said(tm
 
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
     spec = str(default_model_dir)
-    assert "CUDA" in start_kernel_warmers(_cfg(), spec).why  # auto on the CPU
-    assert start_kernel_warmers(_cfg(kernel_warmers=0), spec).why == "--kernel-warmers 0"
+    assert "CUDA" in start_kernel_warmers(_cfg(kernel_warmers=None), spec).why  # auto on the CPU
+    assert start_kernel_warmers(_cfg(), spec).why == "--kernel-warmers 0"  # the default
     assert start_kernel_warmers(_cfg(kernel_warmers=2, warm_up="off"), spec).why == "--warm-up off"
     none = start_kernel_warmers(_cfg(kernel_warmers=2), str(tmp_path / "missing"))
     assert none.as_dict() == {"processes": 0, "why": "the model is not a local mlx-lm directory", "warmers": []}
@@ -209,25 +209,6 @@ def test_a_warmer_that_fails_says_why_and_marks_nothing(tmp_path, default_model_
                         "--markers", str(markers)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 1
     assert "error" in json.loads(r.stdout.strip().splitlines()[-1]) and not markers.exists()
-
-
-def test_the_lanes_first_work_waits_for_the_prompt_warmers_once_and_within_its_bound():
-    warm = WarmUp("behind")
-    polls = []
-
-    def busy():
-        polls.append(1)
-        return len(polls) < 4  # done at the fourth look
-
-    warm.hold_first_work(busy, max_s=30.0)
-    warm.before_work()
-    assert len(polls) == 4
-    warm.before_work()  # the second work never waits
-    assert len(polls) == 4
-    stuck = WarmUp("behind")
-    stuck.hold_first_work(lambda: True, max_s=0.2)  # a warmer that never finishes: the bound ends the wait
-    stuck.before_work()
-    assert stuck._first_hold is None
 
 
 def test_the_card_holds_as_many_warmers_as_half_its_room_beside_the_weights(tmp_path, monkeypatch):

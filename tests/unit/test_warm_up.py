@@ -268,12 +268,13 @@ def test_a_sharded_lane_warms_up_before_ready_whatever_was_asked():
 
 
 # -- the real engine's steps, on a tiny model -------------------------------------------------------------------------
-GPU_STEPS = ["weights", "prefill chunk 1", "prefill chunk 2", "one-token steps", "sampling", "batched step (ragged)",
+SAMPLING = ["short prompt, greedy and temperature", "sampling with top-p", "sampling with top-k and min-p"]
+GPU_STEPS = ["weights", "prefill chunk 1", "prefill chunk 2", "one-token steps", *SAMPLING, "batched step (ragged)",
              "batched prefill", "batched prefill past a cache", "batched tail past a cache", "free buffers"]
 
 
 @pytest.mark.parametrize("arch, gpu, names", [
-    ("llama", False, ["weights", "prefill chunk 1", "one-token steps", "sampling", "batched step (ragged)",
+    ("llama", False, ["weights", "prefill chunk 1", "one-token steps", *SAMPLING, "batched step (ragged)",
                       "free buffers"]),
     ("llama", True, GPU_STEPS),
     # a hybrid prefills together too (its padding kept out of the state): its batched forwards past cached
