@@ -305,19 +305,26 @@ def test_prompts_prefilled_together_in_one_batched_forward_give_their_alone_text
 
 def test_admin_profile_shows_the_lane_thread_stepping_the_batch_while_streams_run(batch_server):
     url = batch_server.url
-    bodies = [{"messages": msgs(t), "max_tokens": 40, "temperature": 0,
+    bodies = [{"messages": msgs(t), "max_tokens": 100, "temperature": 0,
                "logit_bias": {"2": -100}} for t in TOPICS[:4]]  # no early end: the lane stays busy
     got: dict = {}
 
-    def profile():
-        got["r"] = httpx.get(url + "/admin/profile", params={"seconds": 2.0, "interval_ms": 2,
-                                                              "threads": "mlx-lane,MainThread"}, timeout=60)
+    def streams():
+        got["streams"] = concurrently(stream_chat, [(url, b) for b in bodies])
 
-    sampler = threading.Thread(target=profile)
-    sampler.start()
-    concurrently(stream_chat, [(url, b) for b in bodies])
-    sampler.join(60)
-    r = got["r"]
+    runner = threading.Thread(target=streams)
+    runner.start()
+
+    def batching():  # the profile starts once the four rows decode together (on a loaded machine prefills take long)
+        return (httpx.get(url + "/stats").json()["lane"]["batch_size"]["current"] or 0) >= 2
+
+    deadline = time.monotonic() + 120
+    while not batching() and time.monotonic() < deadline and runner.is_alive():
+        time.sleep(0.05)
+    r = httpx.get(url + "/admin/profile", params={"seconds": 1.0, "interval_ms": 2,
+                                                   "threads": "mlx-lane,MainThread"}, timeout=60)
+    runner.join(300)
+    assert len(got["streams"]) == 4
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "profile" and body["samples"] > 50 and body["missing_threads"] == []
