@@ -305,7 +305,7 @@ def test_prompts_prefilled_together_in_one_batched_forward_give_their_alone_text
 
 def test_admin_profile_shows_the_lane_thread_stepping_the_batch_while_streams_run(batch_server):
     url = batch_server.url
-    bodies = [{"messages": msgs(t), "max_tokens": 100, "temperature": 0,
+    bodies = [{"messages": msgs(t), "max_tokens": 60, "temperature": 0,
                "logit_bias": {"2": -100}} for t in TOPICS[:4]]  # no early end: the lane stays busy
     got: dict = {}
 
