@@ -25,10 +25,10 @@ from common import ROOT, ServerProc, free_port
 
 LLAMACPP_SCRIPT = ROOT / "bench" / "llamacpp_peer.sh"
 LABELS = {"ours": "mlx-lane", "mlx_lm": "mlx_lm.server", "llama_cpp": "llama.cpp server (llama-cpp-python)",
-          "ours_no_warmers": "mlx-lane --kernel-warmers 0"}
-# variants of ours, each under its name with a home of its own (bench/single_request.py --servers ours,ours_no_warmers)
+          "ours_warmers": "mlx-lane --kernel-warmers auto"}
+# variants of ours, each under its name with a home of its own (bench/single_request.py --servers ours,ours_warmers)
 OURS_VARIANTS: dict[str, tuple[str, ...]] = {
-    "ours_no_warmers": ("--kernel-warmers", "0"),  # no helper processes compiling kernels ahead (issue 45)
+    "ours_warmers": ("--kernel-warmers", "auto"),  # helper processes compiling the warm-up's kernels (issue 45)
 }
 ALL = tuple(LABELS)
 

@@ -18,7 +18,7 @@ holds: `make test` installs torch, which transformers imports when present; ours
     python bench/single_request.py --servers ours,mlx_lm,llama_cpp --rounds 3
     python bench/single_request.py --servers ours,mlx_lm --rounds 0 --startup-rounds 5   # start-up alone
     python bench/single_request.py --servers ours,mlx_lm --model /tmp/shape --rounds 0 --startup-rounds 2  # H200
-    python bench/single_request.py --servers ours,ours_no_warmers,mlx_lm --model /tmp/shape --rounds 0 \
+    python bench/single_request.py --servers ours,ours_warmers,mlx_lm --model /tmp/shape --rounds 0 \
         --startup-rounds 2     # the kernel warmers' share (bench/peers.py OURS_VARIANTS: each a home of its own)
 
 The first start of ours finds a fresh MLX_LANE_HOME (no kernel cache); the later ones find what it compiled, so
