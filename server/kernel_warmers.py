@@ -10,7 +10,7 @@ how many layers there are. So with ``--kernel-warmers N|auto`` the server starts
 server.cli, before its own imports), up to N processes ('auto' on a CUDA GPU: one per chain of warm-up steps missing
 from the kernel cache, at most one per 4 CPU cores and as many as half the card's room beside the weights holds:
 ``card_room``); each loads the model's thinnest prefix of layers (models.loading.thin), runs its chains of the warm-up
-steps (server.engine.warmup, ``WARMER_CHAINS``: a prompt's chunks, sampling, a batched step, a batched prefill, chunks
+steps (server.engine.warmup, ``server.lane.seam.WARMER_CHAINS``: a prompt's chunks, sampling, a batched step, a batched prefill, chunks
 past a cache) and publishes each compiled module into the kernel cache whole (models.loading.kernel_files). The
 server's own warm-up (server.lane.warm) waits for them, then finds their kernels on disk. Requests never wait for
 them: MLX looks a kernel up in the kernel cache once, when it first needs it, and compiles it itself if it is not
@@ -238,10 +238,6 @@ def start_kernel_warmers(cfg, model_spec: str) -> KernelWarmers:
     none with the reason. Light: it imports neither mlx-lm nor the server, so that ``server.cli`` calls it first
     (``start_early``) and the warmers' own imports and compiles overlap the server's imports and weights. It sets
     ``MLX_PTX_CACHE_DIR`` (unless set) as the server's kernel settings do."""
-    from models.loading.home import kernel_cache_dir, mlx_lane_home
-    from models.runtime import default_dtype
-    from server.engine.warmup import WARMER_CHAINS
-
     wanted = cfg.kernel_warmers
     if wanted == 0:
         return KernelWarmers([], "--kernel-warmers 0")
@@ -251,6 +247,10 @@ def start_kernel_warmers(cfg, model_spec: str) -> KernelWarmers:
         return KernelWarmers([], "a model sharded over processes (its ranks warm up together)")
     if wanted is None and not _on_cuda():
         return KernelWarmers([], "not a CUDA GPU (nothing to compile ahead)")
+    from models.loading.home import kernel_cache_dir, mlx_lane_home
+    from models.runtime import default_dtype
+    from server.lane.seam import WARMER_CHAINS
+
     model_dir = _local_model_dir(model_spec)
     if model_dir is None:
         return KernelWarmers([], "the model is not a local mlx-lm directory")

@@ -18,11 +18,7 @@ from server.lane.events import SamplingParams
 from server.lane.seam import WarmStep
 from spec import FixedDraftLength, speculative_decode
 
-__all__ = ["warm_up_steps", "check_kv_quantization", "WARMER_CHAINS"]
-
-# the chains of steps a kernel warmer runs in a process of its own (server.kernel_warmers), one chain a process at
-# most: each compiles its own kernels. Not the speculative rounds: a warmer loads no draft model nor MTP heads
-WARMER_CHAINS = ("prefill", "sampling", "batched step", "batched prefill", "past a cache")
+__all__ = ["warm_up_steps", "check_kv_quantization"]
 
 
 def warm_up_steps(slot: ModelSlot, layout: Layout, prefill_chunk: int, stream,

@@ -182,6 +182,12 @@ class WarmStep:
     chain: str = ""
 
 
+# the chains of steps a kernel warmer runs in a process of its own (server.kernel_warmers, which reads this without
+# importing the engine), in the order they are dealt; server.engine.warmup names its steps' chains from these. Not the
+# speculative rounds: a warmer loads no draft model nor MTP heads
+WARMER_CHAINS = ("prefill", "sampling", "batched step", "batched prefill", "past a cache")
+
+
 class LaneEngine(Protocol):
     """The verbs of the lane's executor (lane thread only, except ``namespace_for`` and ``classify``, which are
     pure). Each raises on failure; the lane then ends that sequence with ``fail``."""

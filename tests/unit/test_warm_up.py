@@ -299,6 +299,9 @@ def test_the_engines_warm_up_is_its_old_work_in_steps_that_each_run(arch, gpu, n
     engine.bind_stream()
     steps = engine.warmup_steps()
     assert [s.name for s in steps] == names
+    from server.lane.seam import WARMER_CHAINS
+
+    assert {s.chain for s in steps} - {""} <= set(WARMER_CHAINS)  # every chain a kernel warmer can be dealt
     warm = WarmUp("before-ready")
     warm.load(steps)
     warm.run_all()
