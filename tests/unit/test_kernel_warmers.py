@@ -226,3 +226,15 @@ def test_the_card_holds_as_many_warmers_as_half_its_room_beside_the_weights(tmp_
         assert kernel_warmers.card_room(tmp_path) == expected, total_gib
     monkeypatch.setattr(kernel_warmers, "_on_cuda", lambda: False)
     assert kernel_warmers.card_room(tmp_path) is None
+
+
+def test_the_model_is_found_without_mlx_lm_for_directories_it_has_classes_for(tmp_path, default_model_dir):
+    from server.kernel_warmers import _local_model_dir
+
+    assert _local_model_dir(str(default_model_dir)) == default_model_dir
+    assert _local_model_dir("default") == default_model_dir  # the packaged default, once fetched
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no_such_arch_xyz", "num_hidden_layers": 2}))
+    assert _local_model_dir(str(unknown)) is None  # mlx-lm has no module for it (mlx-vlm's, say)
+    assert _local_model_dir("owner/some-repo") is None  # a hub id: never fetched here
