@@ -7,6 +7,8 @@ engine; the process wiring above them all; server -> cache, models, spec, never 
                          app, uvicorn, shutdown
     catalog.py           what the server serves: model names, --model-alias patterns, LoRA adapters
     pool/                the on-demand models (--model NAME=PATH, --models-dir): residency policy, loads, leases
+    startup/             the start-up timeline (/stats startup) and the opt-in kernel warmers beside it (warmers.py
+                         starts and watches them; warmer.py is one warmer's process)
     stats.py             serving counters (/stats, /metrics); errors.py: the APIError hierarchy; sizes.py
                          (byte sizes and the device's defaults); memory.py (the admission budget's assembly);
                          device_memory.py (a CUDA card's memory as the driver counts it)

@@ -4,8 +4,8 @@ Every ``serve`` flag can also be given as an environment variable ``MLX_LANE_<FL
 (upper case, dashes as underscores), e.g. ``MLX_LANE_PORT=9000``; a flag on the command
 line wins over the environment.
 
-(About 420 lines, one job: the command line's grammar. 76 flags, each with its default, its environment variable and
-the help text README's table repeats, and two small validators that make a malformed value a usage error; what a
+(About 450 lines, one job: the command line's grammar. 72 flags, each with its default, its environment variable and
+the help text README's table repeats, and three small validators that make a malformed value a usage error; what a
 flag does lives where it is used, server.config carries the parsed values, server.serve wires them. Splitting the
 flags by group over several files would only scatter one parser.)
 """
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_blas(["-m", "server.cli"] + argv)  # re-exec with OpenBLAS preloaded when available
         hide_torch()  # transformers would import an installed torch the server never uses (seconds of every start)
         from server.config import ServerConfig
-        from server.kernel_warmers import start_early
+        from server.startup.warmers import start_early
 
         start_early(ServerConfig.from_args(args))  # before the server's own imports: theirs overlap them
         from server.serve import serve

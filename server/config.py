@@ -78,7 +78,7 @@ class ServerConfig:
     cuda_pool_keep: Optional[int]  # --cuda-pool-keep: bytes the CUDA pool keeps freed (None: the driver's default)
     pipeline: bool
     warm_up: str  # --warm-up: before-ready | behind | off (server.lane.warm)
-    kernel_warmers: Optional[int]  # --kernel-warmers: None = auto (server.kernel_warmers)
+    kernel_warmers: Optional[int]  # --kernel-warmers: None = auto (server.startup.warmers)
     # -- to compare and to debug -----------------------------------------------------------------------------------
     debug_copy_hits: bool
     debug_no_draft_batch: bool

@@ -1,9 +1,9 @@
 """Assemble model, cache, lane and app from the command line's settings (server.config.ServerConfig), then run
 uvicorn.
 
-(About 535 lines, one job: assembly and process lifecycle. Each part it wires (kernels, adapters, embedder, web
-policy, distributed group, tiered cache, memory budget, speculation, the on-demand models, graceful shutdown) is one
-small function; the parts themselves live elsewhere: the cost model's file in cache.rates, the kernel cache's
+(About 555 lines, one job: assembly and process lifecycle. Each part it wires (kernels, the kernel warmers, adapters,
+embedder, web policy, distributed group, tiered cache, memory budget, speculation, the on-demand models, graceful
+shutdown) is one small function; the parts themselves live elsewhere: the cost model's file in cache.rates, the kernel cache's
 directory in models.loading.home.)
 """
 
@@ -187,8 +187,8 @@ def build_state(cfg: ServerConfig):
 
 def _kernel_warmers(cfg: ServerConfig, model_spec: str, group):
     """The helper processes that compile the first requests' kernels while the weights are read
-    (server.kernel_warmers), or None (a model sharded over processes: its ranks warm up together, before ready)."""
-    from server.kernel_warmers import early, start_kernel_warmers
+    (server.startup.warmers), or None (a model sharded over processes: its ranks warm up together, before ready)."""
+    from server.startup.warmers import early, start_kernel_warmers
     from server.startup import TIMELINE
 
     if group is not None:
@@ -509,7 +509,7 @@ def serve(args: argparse.Namespace) -> int:
                      state.lane.executor.device_lost)
     elif state.ssd is not None:
         save_cost_model(_rates_path(state.loaded.fingerprint), state.ssd.cost_model)
-    from server.kernel_warmers import stop_all
+    from server.startup.warmers import stop_all
 
     stop_all()  # warmers still compiling (a server stopped within seconds of its start)
     # Shutdown is complete: the lane has stopped and the SSD tier was flushed (fsynced) in the lifespan.

@@ -146,7 +146,7 @@ _OTHERS_AT_START: list[int] = []  # memory_of_others as remembered before this p
 
 
 def remember_memory_of_others() -> None:
-    """Ask ``memory_of_others`` now and answer that from now on: the kernel warmers (server.kernel_warmers) are this
+    """Ask ``memory_of_others`` now and answer that from now on: the kernel warmers (server.startup.warmers) are this
     server's own helpers, started before the weights are read, and must not shrink its budget while they run."""
     if not _OTHERS_AT_START:
         _OTHERS_AT_START.append(memory_of_others())

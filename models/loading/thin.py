@@ -1,6 +1,6 @@
 """A model's thinnest prefix of layers that still holds every kind of layer it has: what a kernel warmer computes.
 
-A kernel warmer (server.kernel_warmers) compiles, in a process of its own, the CUDA kernels the server's first
+A kernel warmer (server.startup.warmers) compiles, in a process of its own, the CUDA kernels the server's first
 requests will use, while the server reads its weights. Which kernels a forward compiles depends on the kinds of
 layers it runs (plain or sliding-window attention, a gated delta-net, a Mamba-2 mixer, dense or expert MLPs), their
 shapes and dtypes, never on how many layers of each there are. So the warmer loads only the first ``k`` layers, ``k``

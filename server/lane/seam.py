@@ -178,11 +178,11 @@ class WarmStep:
     name: str
     run: Callable[[], None]
     # steps of one chain share state (a cache one grows, the next uses) and run in order in one process; a kernel
-    # warmer (server.kernel_warmers) runs whole chains. "": a step of its own, which compiles nothing worth a warmer
+    # warmer (server.startup.warmers) runs whole chains. "": a step of its own, which compiles nothing worth a warmer
     chain: str = ""
 
 
-# the chains of steps a kernel warmer runs in a process of its own (server.kernel_warmers, which reads this without
+# the chains of steps a kernel warmer runs in a process of its own (server.startup.warmers, which reads this without
 # importing the engine), in the order they are dealt; server.engine.warmup names its steps' chains from these. Not the
 # speculative rounds: a warmer loads no draft model nor MTP heads
 WARMER_CHAINS = ("prefill", "sampling", "batched step", "batched prefill", "past a cache")

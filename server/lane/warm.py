@@ -14,7 +14,7 @@ step at a time, only while the lane is idle:
 - between steps the lane looks for work again: a request waits for at most the one step in progress (each is about
   one --prefill-chunk forward or less);
 - a step that raises ends the warm-up (logged once); the lane serves on, as it did when the warm-up ran before ready;
-- while the kernel warmers (server.kernel_warmers) compile the steps' kernels in processes of their own, no step runs
+- while the kernel warmers (server.startup.warmers) compile the steps' kernels in processes of their own, no step runs
   (``hold_while``): the steps then find those kernels in the kernel cache. Requests never wait for the warmers.
 
 ``WarmUp`` holds the plan and the account; it decides nothing about the lane's queue. The lane asks ``delay()`` only
@@ -92,7 +92,7 @@ class WarmUp:
         self.state = WarmState.FAILED
 
     def hold_while(self, busy: Callable[[], bool]) -> None:
-        """No step while ``busy()``: the kernel warmers (server.kernel_warmers) compile the steps' kernels in other
+        """No step while ``busy()``: the kernel warmers (server.startup.warmers) compile the steps' kernels in other
         processes meanwhile, and a step now would compile them a second time, a request waiting behind it."""
         self._hold = busy
 

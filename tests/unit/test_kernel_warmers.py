@@ -1,4 +1,4 @@
-"""Kernel warmers (server.kernel_warmers, issue 45), without a GPU: the thin prefix of layers a warmer loads
+"""Kernel warmers (server.startup.warmers, issue 45), without a GPU: the thin prefix of layers a warmer loads
 (models.loading.thin) holds every kind of layer of each zoo architecture and computes like the whole model's first
 layers; the kernel cache's files are published whole, the .ptx last (models.loading.kernel_files); who starts how
 many warmers, and why none; the warm-up held while they run (server.lane.warm); one warmer process for real on a zoo
@@ -126,7 +126,7 @@ def _cfg(**kw):
 
 
 def test_chains_are_dealt_over_the_processes_the_prompts_first():
-    from server.kernel_warmers import split_chains
+    from server.startup.warmers import split_chains
 
     chains = ["prefill", "batched step", "batched prefill", "past a cache"]
     assert split_chains(chains, 4) == [["prefill"], ["batched step"], ["batched prefill"], ["past a cache"]]
@@ -135,7 +135,7 @@ def test_chains_are_dealt_over_the_processes_the_prompts_first():
 
 
 def test_the_key_changes_with_what_shapes_the_kernels_only(tmp_path, default_model_dir):
-    from server.kernel_warmers import warm_key
+    from server.startup.warmers import warm_key
 
     base = warm_key(_cfg(), default_model_dir, "float32")
     assert warm_key(_cfg(port=9999, api_key="x"), default_model_dir, "float32") == base
@@ -146,7 +146,7 @@ def test_the_key_changes_with_what_shapes_the_kernels_only(tmp_path, default_mod
 
 def test_no_warmers_off_a_gpu_by_default_nor_when_told_and_the_reason_is_said(tmp_path, monkeypatch,
                                                                           default_model_dir):
-    from server.kernel_warmers import start_kernel_warmers
+    from server.startup.warmers import start_kernel_warmers
 
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
     spec = str(default_model_dir)
@@ -187,7 +187,7 @@ def test_a_warmer_process_runs_its_chains_on_a_thin_hybrid_and_marks_them(tmp_pa
     cfg_file.write_text(json.dumps(asdict(_cfg(dtype="float32")), default=list))
     shared, markers = tmp_path / "ptx", tmp_path / "ptx" / "warmed" / "k"
     _module_files(shared, "earlier")
-    r = subprocess.run([sys.executable, "-m", "server.kernel_warmer", "--config", str(cfg_file), "--model-dir",
+    r = subprocess.run([sys.executable, "-m", "server.startup.warmer", "--config", str(cfg_file), "--model-dir",
                         str(path), "--dtype", "float32", "--chains",
                         "prefill,batched step", "--shared", str(shared), "--staging", str(tmp_path / "staging"),
                         "--markers", str(markers)], capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -203,7 +203,7 @@ def test_a_warmer_that_fails_says_why_and_marks_nothing(tmp_path, default_model_
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(json.dumps(asdict(_cfg()), default=list))
     markers = tmp_path / "warmed"
-    r = subprocess.run([sys.executable, "-m", "server.kernel_warmer", "--config", str(cfg_file), "--model-dir",
+    r = subprocess.run([sys.executable, "-m", "server.startup.warmer", "--config", str(cfg_file), "--model-dir",
                         str(tmp_path / "nowhere"), "--dtype", "float32", "--chains", "prefill",
                         "--shared", str(tmp_path / "ptx"), "--staging", str(tmp_path / "staging"),
                         "--markers", str(markers)], capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -214,7 +214,8 @@ def test_a_warmer_that_fails_says_why_and_marks_nothing(tmp_path, default_model_
 def test_the_card_holds_as_many_warmers_as_half_its_room_beside_the_weights(tmp_path, monkeypatch):
     """A 40 GB checkpoint of 24 layers (gpt-oss-20b in bf16): on an 80 GB card one warmer, on a 141 GB card four;
     a card that the weights nearly fill, none."""
-    from server import device_memory, kernel_warmers
+    from server import device_memory
+    from server.startup import warmers as kernel_warmers
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 24}))
     with open(tmp_path / "model.safetensors", "wb") as f:
@@ -229,7 +230,7 @@ def test_the_card_holds_as_many_warmers_as_half_its_room_beside_the_weights(tmp_
 
 
 def test_the_model_is_found_without_mlx_lm_for_directories_it_has_classes_for(tmp_path, default_model_dir):
-    from server.kernel_warmers import _local_model_dir
+    from server.startup.warmers import _local_model_dir
 
     assert _local_model_dir(str(default_model_dir)) == default_model_dir
     assert _local_model_dir("default") == default_model_dir  # the packaged default, once fetched

@@ -1,4 +1,4 @@
-"""One kernel warmer's process (server.kernel_warmers starts it; ``python -m server.kernel_warmer --help``).
+"""One kernel warmer's process (server.startup.warmers starts it; ``python -m server.startup.warmer --help``).
 
 It compiles into a staging directory of its own (``MLX_PTX_CACHE_DIR``, set before MLX compiles anything), which
 starts with the shared kernel cache's modules (models.loading.kernel_files.stage); loads the model's thin prefix of
@@ -92,7 +92,7 @@ def warm(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.kernel_warmer",
+    ap = argparse.ArgumentParser(prog="python -m server.startup.warmer",
                                  description="compile a model's kernels ahead into a shared kernel cache (started "
                                              "by mlx-lane serve: --kernel-warmers)")
     ap.add_argument("--config", required=True, help="the server's settings (ServerConfig as JSON)")

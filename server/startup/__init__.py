@@ -1,4 +1,7 @@
-"""A start-up timeline: where the seconds between launching `mlx-lane serve` and answering ready went.
+"""The start-up: its timeline (here) and the kernel warmers that may run beside it (warmers.py, the server's side;
+warmer.py, a warmer's own process: ``python -m server.startup.warmer``).
+
+A start-up timeline: where the seconds between launching `mlx-lane serve` and answering ready went.
 
 ``TIMELINE.mark(phase)`` ends a phase (its seconds since the previous mark); each mark is logged at debug level, the
 whole line at info once the server is ready (``summary``), and /stats shows it (``startup``). The first phase starts

@@ -46,7 +46,8 @@ from typing import Optional
 
 log = logging.getLogger("mlx_lane.warmers")
 
-__all__ = ["KernelWarmers", "start_kernel_warmers", "start_early", "early", "stop_all", "warm_key", "split_chains", "CORES_PER_WARMER", "DEADLINE_S"]
+__all__ = ["KernelWarmers", "start_kernel_warmers", "start_early", "early", "stop_all", "warm_key", "split_chains",
+           "CORES_PER_WARMER", "DEADLINE_S"]
 
 CORES_PER_WARMER = 4  # NVRTC takes a core a compile; the server's own load and the warmers' imports want the rest
 DEADLINE_S = 600.0  # a warmer still running after this is stopped (its kernels so far are published)
@@ -55,7 +56,7 @@ _KERNEL_SOURCES = ("models/attention", "models/kernels", "server/engine/warmup.p
 
 
 def _sources_digest() -> str:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     h = hashlib.sha256()
     for rel in _KERNEL_SOURCES:
         path = root / rel
@@ -276,12 +277,12 @@ def start_kernel_warmers(cfg, model_spec: str) -> KernelWarmers:
     warmers = []
     for i, chains in enumerate(split_chains(missing, count)):
         log_path = run_dir / f"warmer-{i}.log"
-        cmd = [sys.executable, "-m", "server.kernel_warmer", "--config", str(run_dir / "config.json"),
+        cmd = [sys.executable, "-m", "server.startup.warmer", "--config", str(run_dir / "config.json"),
                "--model-dir", str(model_dir), "--dtype", dtype, "--chains", ",".join(chains), "--shared", shared,
                "--staging", str(run_dir / f"staging-{i}"), "--markers", str(markers)]
         with open(log_path, "w") as log_file:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
-                                    text=True, cwd=str(Path(__file__).resolve().parent.parent))
+                                    text=True, cwd=str(Path(__file__).resolve().parents[2]))
         warmers.append(_Warmer(chains, proc, log_path))
     log.info("kernel warmers: %d processes compiling %s ahead", len(warmers), ", ".join(missing))
     return KernelWarmers(warmers, f"{len(missing)} chains not in the kernel cache")
