@@ -20,7 +20,6 @@ import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 
 def _exit_with_parent() -> None:
@@ -35,16 +34,10 @@ def _exit_with_parent() -> None:
 
 
 def _config(path: Path):
-    from dataclasses import fields
-
+    """The server's settings as it wrote them (``dataclasses.asdict`` of its ``ServerConfig``)."""
     from server.config import ServerConfig
 
-    given = json.loads(path.read_text())
-    values: dict[str, Any] = {}
-    for f in fields(ServerConfig):
-        value = given[f.name]
-        values[f.name] = tuple(value) if isinstance(value, list) else value
-    return ServerConfig(**values)
+    return ServerConfig.from_args(argparse.Namespace(**json.loads(path.read_text())))
 
 
 def warm(args: argparse.Namespace) -> dict:
