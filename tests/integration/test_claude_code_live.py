@@ -22,11 +22,41 @@ AGENTS = Path(__file__).parents[1] / "fixtures" / "agents"
 SENT = ("x-claude-code-session-id", "anthropic-beta", "anthropic-version", "user-agent", "x-app")
 
 
+# the prose of the captured session (its system prompt, system reminders and environment block, tool descriptions)
+# is cut to its first PROSE characters: the blocks, roles, tool list, tool_reference and headers stay as Claude Code
+# sent them, and every turn's copy of a text gets the same cut, so turn 3 still extends turn 1 and turn 7 turn 3.
+# What the test proves does not hang on the prose; its ~1,300 tokens were ~30 s of prefill on the CI CPU.
+PROSE = 160
+
+
+def _cut(text: str) -> str:
+    return text[:PROSE]
+
+
+def _cut_prose(value):
+    """Every text block's and string content's text, and every tool's description, cut to PROSE characters."""
+    if isinstance(value, list):
+        return [_cut_prose(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: _cut_prose(v) for k, v in value.items()}
+    if out.get("type") == "text" and isinstance(out.get("text"), str):
+        out["text"] = _cut(out["text"])
+    if isinstance(out.get("content"), str):
+        out["content"] = _cut(out["content"])
+    if "input_schema" in out and isinstance(out.get("description"), str):  # a tool
+        out["description"] = _cut(out["description"])
+    return out
+
+
 def capture(n: int) -> tuple[dict, dict]:
     """(body, headers) of request ``n`` of the captured session: a reply as short as can be, greedy, not streamed;
-    all else as Claude Code sent it (its model name, claude-opus-4-8, answered through ``--model-alias``)."""
+    the prose cut (PROSE); all else as Claude Code sent it (its model name, claude-opus-4-8, answered through
+    ``--model-alias``)."""
     raw = json.loads((AGENTS / f"claude_code_2.1.332_turn{n}.json").read_text())
     body = {**raw["body"], "max_tokens": 2, "temperature": 0, "stream": False}
+    for key in ("system", "messages", "tools"):
+        body[key] = _cut_prose(body[key])
     return body, {k: v for k, v in raw["headers"].items() if k in SENT}
 
 
