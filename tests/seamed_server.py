@@ -9,6 +9,9 @@ environment of the test that starts the server (tests/serverproc.py uses this la
                                          test can kill -9 the server while a `*.tmp` exists
     MLX_LANE_TEST_DISK_FULL=<path>       while <path> exists every SSD write fails with ENOSPC, as on a full disk;
                                          delete it and the space is back
+    MLX_LANE_TEST_RETRY_BACKOFF=<s,...>  the SSD writer's waits between the attempts of a failing write (the
+                                         product's are 0.1, 0.5 and 2 s): as many attempts, without the test
+                                         sleeping through 2.6 s of them for every write it makes fail
     MLX_LANE_FAULT_MARKER=<text>         a prompt containing <text> makes its admission raise inside the lane (a
                                          500 for that request; the lane serves on)
     MLX_LANE_DEVICE_LOSS_MARKER=<text>   a prompt containing <text> makes its admission raise the error MLX raised on an
@@ -30,7 +33,7 @@ import sys
 import time
 
 SEAMS = ("MLX_LANE_TEST_TOKEN_DELAY", "MLX_LANE_TEST_WRITE_DELAY", "MLX_LANE_TEST_DISK_FULL", "MLX_LANE_FAULT_MARKER",
-         "MLX_LANE_DEVICE_LOSS_MARKER", "MLX_LANE_OOM_MARKER", "MLX_LANE_TEST_RECORD")
+         "MLX_LANE_DEVICE_LOSS_MARKER", "MLX_LANE_OOM_MARKER", "MLX_LANE_TEST_RECORD", "MLX_LANE_TEST_RETRY_BACKOFF")
 
 log = logging.getLogger("mlx_lane.test_seams")
 
@@ -79,6 +82,21 @@ def install(env=os.environ) -> None:
         engine_module.Engine = SeamedEngine
         log.warning("test seams: token delay %.2fs, fault marker %r, device-loss marker %r, out-of-memory marker %r",
                     delay, marker, lost_marker, oom_marker)
+
+    backoff = env.get("MLX_LANE_TEST_RETRY_BACKOFF")
+    if backoff:
+        import cache.durability as durability
+
+        waits = tuple(float(b) for b in backoff.split(","))
+        base_coordinator = durability.DurabilityCoordinator
+
+        class SeamedCoordinator(base_coordinator):
+            def __init__(self, *args, **kwargs):
+                kwargs.setdefault("retry_backoff", waits)
+                super().__init__(*args, **kwargs)
+
+        durability.DurabilityCoordinator = SeamedCoordinator
+        log.warning("test seams: ssd write retries after %s s", waits)
 
     if write_delay or full_flag:
         base_store = ssd_store.SSDStore

@@ -222,7 +222,10 @@ def test_kill_mid_write_and_corrupt_files_never_load(tmp_path, default_model_dir
 def test_unwritable_cache_dir_keeps_serving_and_counts_the_failure(tmp_path, default_model_dir):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a regular file: nothing can be created under it, even by root")
-    srv = ServerProc("--model", "default", "--ssd-cache", str(blocker / "kv"), "--write-behind-debounce", "0.1")
+    # every write fails: the writer's retries (4 attempts an entry) without the product's 2.6 s of waits between them,
+    # which the flush below and the shutdown flush sat through for each entry (~10 s of the test)
+    srv = ServerProc("--model", "default", "--ssd-cache", str(blocker / "kv"), "--write-behind-debounce", "0.1",
+                     env={"MLX_LANE_TEST_RETRY_BACKOFF": "0,0,0"})
     try:
         msgs = [SYSTEM, {"role": "user", "content": "What is a queue?"}]
         text, _ = chat(srv.url, msgs)

@@ -22,6 +22,9 @@ from tests.serverproc import ServerProc
 pytestmark = pytest.mark.model
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant for a software engineering team."}
+# a write that fails is still tried 4 times before it is abandoned, without the product's 2.6 s of waits between the
+# tries (tests/seamed_server.py), which each of the two flushes of a full disk below sat through
+NO_WAITS = {"MLX_LANE_TEST_RETRY_BACKOFF": "0,0,0"}
 
 
 def conversation(topic: str) -> list[dict]:
@@ -64,7 +67,7 @@ def serve_through_a_full_disk(srv: ServerProc, kv: Path, fill, free) -> None:
     fill()
     second = conversation("a semaphore")
     text2, _ = chat(srv.url, second)
-    r = flush(srv.url)  # waits out the writer's retries
+    r = flush(srv.url)  # waits out the writer's retries (4 attempts)
     assert r.status_code == 503 and r.json()["error"]["code"] == "not_durable", r.text
     full = ssd(srv.url)
     assert full["errors"].get("ENOSPC", 0) >= 1 and full["failed"] >= 1, full
@@ -102,7 +105,7 @@ def test_disk_full_seam_keeps_serving_counts_failures_and_recovers(tmp_path, def
     # the cap pinned as in the tmpfs test: the default (25% of the free space at start) depends on the machine's
     # disk, and a small one evicts (and rewrites) entries instead of filling up
     srv = ServerProc("--model", "default", "--ssd-cache", str(kv), "--ssd-cache-bytes", "1G",
-                     "--write-behind-debounce", "0.05", env={"MLX_LANE_TEST_DISK_FULL": str(flag)})
+                     "--write-behind-debounce", "0.05", env={"MLX_LANE_TEST_DISK_FULL": str(flag), **NO_WAITS})
     try:
         serve_through_a_full_disk(srv, kv, fill=flag.touch, free=flag.unlink)
     finally:
@@ -144,7 +147,7 @@ def test_real_full_disk_tmpfs_keeps_serving_counts_failures_and_recovers(tmp_pat
         # a cap above the file system's size: the disk fills up, not the cap (the default, 25% of the free
         # space at start, would evict instead)
         srv = ServerProc("--model", "default", "--ssd-cache", str(kv), "--ssd-cache-bytes", "1G",
-                         "--write-behind-debounce", "0.05")
+                         "--write-behind-debounce", "0.05", env=NO_WAITS)
         try:
             serve_through_a_full_disk(srv, kv, fill=lambda: _fill(filler), free=filler.unlink)
         finally:
