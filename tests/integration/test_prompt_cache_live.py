@@ -72,12 +72,15 @@ def test_partial_hit_with_trim(server, tokenizer):
 def test_five_turn_conversation_identical_with_and_without_cache(server, tokenizer):
     questions = ["What is a linked list?", "And a hash map?", "Which is faster for lookup?",
                  "Give an example in Python.", "Summarize in one line."]
+    # 4 tokens a reply (it was 8: 40 decode steps over ten requests, ~6 s of CPU): each turn's text is still compared
+    # token for token with its cold text, its first token read off the hit and three more decoded past it
+    n = 4
 
     def converse():
         msgs, out = [SYSTEM], []
         for q in questions:
             msgs.append({"role": "user", "content": q})
-            text, usage = chat(server.url, msgs)
+            text, usage = chat(server.url, msgs, max_tokens=n)
             out.append((text, usage))
             msgs.append({"role": "assistant", "content": text})
         return out, msgs
@@ -94,7 +97,7 @@ def test_five_turn_conversation_identical_with_and_without_cache(server, tokeniz
     for q, (text, _) in zip(questions, cached_run):
         clear(server.url)
         msgs.append({"role": "user", "content": q})
-        cold, usage = chat(server.url, msgs)
+        cold, usage = chat(server.url, msgs, max_tokens=n)
         assert usage["prompt_tokens_details"]["cached_tokens"] == 0
         cold_texts.append(cold)
         msgs.append({"role": "assistant", "content": cold})
@@ -198,18 +201,21 @@ def test_a_hit_reads_the_cached_entry_in_place_and_gives_the_cold_text(server, t
     def in_place():
         return httpx.get(server.url + "/stats").json()["lane"]["hits_read_in_place"]
 
+    # 6 tokens a reply (it was 12: five requests, ~5 s of CPU): the hit's new turn is still a multi-token chunk
+    # past the shared prefix, and five tokens are still decoded over the entry read in place
+    n = 6
     first = [SYSTEM, {"role": "user", "content": "Name a sorting algorithm."}]
     clear(server.url)
-    reply, _ = chat(server.url, first, max_tokens=12)
+    reply, _ = chat(server.url, first, max_tokens=n)
     second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "How fast is it?"}]
     clear(server.url)
-    cold, _ = chat(server.url, second, max_tokens=12)
+    cold, _ = chat(server.url, second, max_tokens=n)
     clear(server.url)
-    chat(server.url, first, max_tokens=12)
+    chat(server.url, first, max_tokens=n)
     before = in_place()
-    warm, u = chat(server.url, second, max_tokens=12)
+    warm, u = chat(server.url, second, max_tokens=n)
     assert u["prompt_tokens_details"]["cached_tokens"] > 0
     assert in_place() > before
     assert warm == cold
-    again, _ = chat(server.url, first, max_tokens=12)  # the donor entry was only read
+    again, _ = chat(server.url, first, max_tokens=n)  # the donor entry was only read
     assert again == reply
