@@ -59,7 +59,7 @@ class LaunchedServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # a refused connection costs nothing; a 0.5 s step was 0.25 s lost a start on average
         self.kill()
         raise RuntimeError(f"sharded server did not become ready in {timeout}s:\n{self.log()}")
 
