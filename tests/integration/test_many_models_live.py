@@ -87,13 +87,15 @@ def test_models_load_on_demand_evict_each_other_keep_their_caches_apart_and_rest
         assert cached["tiny-llama"][1] > 0 and cached["tiny-qwen"][1] > 0, cached
 
         # the base model decodes while another model loads beside it (off the lane): both texts are their own
+        # (12 tokens, ~2 s of decoding: the tiny model's load, started 0.3 s in, takes a fraction of that; 24 were
+        # another ~4 s of CPU)
         long_prompt = [{"role": "user", "content": "List five rivers of Europe, one per line."}]
-        alone = client.chat.completions.create(model="default", messages=long_prompt, max_tokens=24,
+        alone = client.chat.completions.create(model="default", messages=long_prompt, max_tokens=12,
                                                temperature=0).choices[0].message.content
         assert states(url)["tiny-llama"] == "not_loaded"
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
             base = ex.submit(lambda: client.chat.completions.create(
-                model="default", messages=long_prompt, max_tokens=24, temperature=0).choices[0].message.content)
+                model="default", messages=long_prompt, max_tokens=12, temperature=0).choices[0].message.content)
             time.sleep(0.3)  # the base request is decoding when the load starts
             other = ex.submit(lambda: client.chat.completions.create(
                 model="tiny-llama", messages=PROMPT, max_tokens=6, temperature=0).choices[0].message.content)

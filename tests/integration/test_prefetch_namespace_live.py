@@ -21,7 +21,7 @@ def test_two_model_server_prefetches_in_the_namespace_it_takes_from(tmp_path, de
     first = ServerProc(*args)
     try:
         r = httpx.post(first.url + "/v1/chat/completions", timeout=300,
-                       json={"messages": TURN, "max_tokens": 8, "temperature": 0})
+                       json={"messages": TURN, "max_tokens": 2, "temperature": 0})  # (the prefetch needs no more)
         assert r.status_code == 200, r.text
         reply = r.json()["choices"][0]["message"]["content"]
         assert httpx.post(first.url + "/admin/cache/flush", timeout=120).status_code == 200
@@ -31,7 +31,7 @@ def test_two_model_server_prefetches_in_the_namespace_it_takes_from(tmp_path, de
     try:
         turn2 = TURN + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And in Asia?"}]
         r = httpx.post(second.url + "/v1/chat/completions", timeout=300,
-                       json={"messages": turn2, "max_tokens": 4, "temperature": 0})
+                       json={"messages": turn2, "max_tokens": 1, "temperature": 0})
         assert r.status_code == 200, r.text
         ssd = httpx.get(second.url + "/stats").json()["ssd_cache"]
         assert ssd["prefetches"] >= 1, ssd  # the handler found the entry in the speculative namespace

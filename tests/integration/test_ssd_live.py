@@ -20,7 +20,9 @@ SYSTEM = {"role": "system", "content": "You are a careful assistant for a softwa
 TURNS = ["What is a mutex?", "And a semaphore?", "Which one should I use for a connection pool?"]
 
 
-def chat(url, messages, max_tokens=8):
+# 4 tokens a reply (it was 8): the first is read off the restored (or recomputed) KV and three more decoded past it,
+# compared with the cold text token for token, as tests/reliability/test_kill_ssd.py does
+def chat(url, messages, max_tokens=4):
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text

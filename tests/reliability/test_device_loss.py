@@ -52,7 +52,7 @@ def test_a_lost_gpu_ends_every_request_with_a_503_and_the_server_exits_for_a_res
 def test_a_prefill_out_of_memory_is_retried_and_the_request_served(default_model_dir):
     srv = ServerProc("--model", "default", env={"MLX_LANE_OOM_MARKER": "MEM-TIGHT-8090"})
     try:
-        body = {"messages": [{"role": "user", "content": "Repeat MEM-TIGHT-8090 twice."}], "max_tokens": 8,
+        body = {"messages": [{"role": "user", "content": "Repeat MEM-TIGHT-8090 twice."}], "max_tokens": 4,
                 "temperature": 0}
         first = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
         assert first.status_code == 200, first.text
