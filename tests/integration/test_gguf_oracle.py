@@ -52,6 +52,19 @@ def _ids(encoded) -> list[int]:
     return [int(i) for i in encoded]
 
 
+def _read_once(mp: pytest.MonkeyPatch) -> None:
+    """transformers' GGUF loader parses the whole file (its 49k-token vocabulary among its fields) anew for the
+    tokenizer, the config and the weights, and builds gguf-py's tensor-name map once for each module of the model
+    (397 times on SmolLM2): most of the oracle's ~25 s of set-up on a 2-core machine. Both are pure functions of
+    their arguments: here each is computed once, and transformers gets the same reader and map it would build."""
+    import functools
+
+    import gguf as gguf_py
+
+    mp.setattr(gguf_py, "GGUFReader", functools.lru_cache(maxsize=None)(gguf_py.GGUFReader))
+    mp.setattr(gguf_py, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf_py.get_tensor_name_map))
+
+
 @pytest.fixture(scope="module", params=["SmolLM2-135M-Instruct", *EXTRA])
 def pair(request):
     torch = _torch()
@@ -64,8 +77,10 @@ def pair(request):
     ensure_packaged(name, progress=False)
     gguf = packaged_paths(name)[0]
     ours = load_model("default" if name == "SmolLM2-135M-Instruct" else name, dtype="float32", progress=False)
-    hf_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        _read_once(mp)
+        hf_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     hf_model.eval()
     if ours.architecture == "gemma3_text":
         _round_embed_scale_like_mlx_lm(hf_model, torch)
