@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.model
 
 INSTRUCTIONS = "You are a coding agent in a small Python repository. Answer briefly."
-SHORT = {"max_output_tokens": 12}  # the summary's length (a real one is up to 1,024 tokens; the model is slow here)
+SHORT = {"max_output_tokens": 4}  # the summary's length (a real one is up to 1,024 tokens; the model is slow here)
 CONVERSATION = [
     {"role": "user", "content": "The test test_parse fails with KeyError: 'name' in parser.py."},
     {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me read parser.py."}]},

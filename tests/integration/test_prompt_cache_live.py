@@ -13,7 +13,8 @@ pytestmark = pytest.mark.model
 SYSTEM = {"role": "system", "content": "You are a careful assistant for a software engineering team."}
 
 
-def chat(url, messages, max_tokens=8, **extra):
+# 4 tokens a reply unless a test says (it was 8): a hit's text is still compared with the cold text token for token
+def chat(url, messages, max_tokens=4, **extra):
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300, headers=extra.pop("headers", None))
     assert r.status_code == 200, r.text
