@@ -92,7 +92,9 @@ cluster: venv blas model haproxy
 # Setup in parallel (the Debian packages beside the venv, then the model beside the test tools), then the suite in
 # TEST_WORKERS pytest-xdist processes (0: one process), a test file per worker at a time: the module-scoped live
 # servers start once, and each test server takes its own free port and temporary folders. The type checker (mypy,
-# [tool.mypy] in pyproject.toml: its cache in .mypy_cache) runs beside the suite, its report printed after it; either
+# [tool.mypy] in pyproject.toml: its cache in .mypy_cache) runs beside the suite at the lowest priority (on a fresh
+# clone it has no cache: ~60 s of one core, which it takes from the suite's idle moments instead of from its
+# servers), its report printed after it; either
 # failing fails `make test`. The 15 slowest tests are listed (the suite must stay under 15 minutes on 2 cores); the
 # last line says how long the whole of `make test` took, the setup included.
 TEST_WORKERS ?= 2
@@ -109,7 +111,7 @@ test-setup: venv system-packages model test-deps
 OUTPUT_SYNC := $(if $(filter 3.%,$(MAKE_VERSION)),,--output-sync=target)
 test-suite:
 	@$(MAKE) --no-print-directory -j3 $(OUTPUT_SYNC) test-setup
-	@$(BIN)/python -m mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
+	@nice -n 19 $(BIN)/python -m mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
 	$(BIN)/python -m pytest -q -ra --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS); \
 	tests=$$?; wait $$types; typed=$$?; \
 	echo "type checker (mypy):"; cat $(VENV)/mypy.log; \
