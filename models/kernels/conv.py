@@ -10,8 +10,9 @@ rounded once to the input's dtype.
 
 On the CPU, ``mx.conv1d`` with one channel a group is a loop 4-6x slower than the same sum written as K shifted
 products (``shifted``: 8 rows x 333 tokens of 6,144 channels 174 vs 637 ms on this CPU, bench/cpu_conv.py), and
-those are bit-identical in float32 (the same products added in the same order), so there float32 calls take that
-form.
+those are the same float32 sums (the same products added in the same order: bit-identical with the wheel's own
+BLAS; OpenBLAS, which the server preloads, fuses the multiply-adds of ``mx.conv1d``'s gemm, a few ulps apart), so
+there float32 calls take that form.
 
 ``applies(conv, x)`` says whether a module's call is such a convolution (stride 1, no padding or dilation, one
 channel a group, the input's dtype); ``DepthwiseConv1d`` is mlx's ``Conv1d`` that takes the kernel where it applies
