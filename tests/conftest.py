@@ -62,6 +62,19 @@ def pytest_unconfigure(config):
         shutil.rmtree(records.folder, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A 4-layer random llama (hidden 128) with the default model's tokenizer and chat template, as an mlx-lm directory
+    (tests/fixtures/tiny_models.py): for the tests of the server's mechanics (kill -9, SIGTERM, a full disk, a lost
+    GPU, load, a cluster) whose forwards would otherwise be the default model's. On this 2-core CPU the default model
+    costs ~0.14 s of CPU a decoded token (its 540 MB of float32 weights are read each step), this one ~0.013 s (mlx-lm's
+    generate_step, 64 tokens, 2026-12-07). What the default model itself answers is tested by the rest of the suite."""
+    from models import ensure_default_model
+    from tests.fixtures.tiny_models import write_shardable_model
+
+    return write_shardable_model(tmp_path_factory.mktemp("tiny-llama") / "llama", ensure_default_model(progress=False))
+
+
 @pytest.fixture()
 def api_records(request) -> Records:
     """The suite's records (for a test that checks its own answers at a point of its choosing)."""

@@ -1,10 +1,12 @@
-"""The replicas recipe, live: 2 replicas of the default model sharing one SSD cache folder behind a real HAProxy
+"""The replicas recipe, live: 2 replicas sharing one SSD cache folder behind a real HAProxy
 rendered from deploy/haproxy.cfg.in (deploy/cluster.py). Session affinity for every key kind, least-connections
 without a key, a conversation moving between replicas restores from the shared folder, and kill -9 of a replica
 mid-request: a clean error for the request it held, the retry answered by the other replica from the shared tier.
 
 The replicas run with MLX_LANE_TEST_TOKEN_DELAY (tests/seamed_server.py) so a request is surely in flight when its replica is killed; which
-replica answered comes from the proxy's X-Lane-Replica header.
+replica answered comes from the proxy's X-Lane-Replica header. They serve a tiny random llama with the default model's
+tokenizer (``tiny_llama_dir``, tests/conftest.py): what is checked is where requests go and what the shared tier
+restores, not the text; each replica on the default model was ~40 s of a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 import httpx
 import pytest
 
+from tests.fixtures.tiny_models import MECHANICS_FLAGS
+
 from tests.reliability.streams import start_stream
 
 pytestmark = pytest.mark.model
@@ -24,7 +28,7 @@ MAX_TOKENS = 2
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
+def cluster(tiny_llama_dir, tmp_path_factory):
     from deploy.cluster import Cluster, ClusterError, haproxy_binary
 
     try:
@@ -34,8 +38,9 @@ def cluster(default_model_dir, tmp_path_factory):
             raise
         pytest.skip(str(exc))
     c = Cluster(2, ssd_cache=str(tmp_path_factory.mktemp("shared-kv")),
-                serve_args=("--model", "default", "--cache-bytes", "256M", "--write-behind-debounce", "0.05",
-                            "--keepalive", "1", "--embedding-model", "none", "--warm-up", "off"),  # as every test server
+                serve_args=("--model", str(tiny_llama_dir), *MECHANICS_FLAGS, "--cache-bytes", "256M",
+                            "--write-behind-debounce", "0.05", "--keepalive", "1", "--embedding-model", "none",
+                            "--warm-up", "off"),  # as every test server
                 env={"MLX_LANE_TEST_TOKEN_DELAY": "0.2"},  # 16 tokens: a 3 s window for the kill
                 entry="tests.seamed_server")
     try:

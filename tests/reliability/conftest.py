@@ -1,9 +1,11 @@
-"""Reliability fixtures: a live default-model server with a small queue limit."""
+"""Reliability fixtures: a live server with a small queue limit, on the tiny random llama (``tiny_llama_dir``,
+tests/conftest.py): these tests load the server and its lane, not the model."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.fixtures.tiny_models import MECHANICS_FLAGS
 from tests.serverproc import ServerProc
 
 
@@ -15,8 +17,8 @@ def default_model_dir():
 
 
 @pytest.fixture(scope="module")
-def rserver(default_model_dir):
-    srv = ServerProc("--model", "default", "--cache-bytes", "256M", "--max-queue", "128",
+def rserver(tiny_llama_dir):
+    srv = ServerProc("--model", str(tiny_llama_dir), *MECHANICS_FLAGS, "--cache-bytes", "256M", "--max-queue", "128",
                      "--max-body-bytes", "1M")
     yield srv
     code = srv.stop()

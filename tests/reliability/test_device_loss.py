@@ -1,7 +1,8 @@
-"""A GPU error CUDA never recovers from (an illegal memory access: what an H100 out of memory led to), on the real
-default model behind a real uvicorn. MLX_LANE_DEVICE_LOSS_MARKER (a test seam, tests/seamed_server.py) makes one
-prompt's admission raise the error MLX raised there; MLX_LANE_TEST_TOKEN_DELAY keeps another stream in flight
-meanwhile. Expected: every request in the lane ends with a 503 ``device_lost`` that says to restart (a stream with an
+"""A GPU error CUDA never recovers from (an illegal memory access: what an H100 out of memory led to), behind a real
+uvicorn on a tiny random llama with the default model's tokenizer (``tiny_llama_dir``, tests/conftest.py).
+MLX_LANE_DEVICE_LOSS_MARKER (a test seam, tests/seamed_server.py) makes one prompt's admission raise the error MLX
+raised there; MLX_LANE_TEST_TOKEN_DELAY keeps another stream in flight meanwhile. Expected: every request in the lane
+ends with a 503 ``device_lost`` that says to restart (a stream with an
 error event and ``[DONE]``), and the process exits with status 3 for its supervisor to start it again. An
 out-of-memory alone (MLX_LANE_OOM_MARKER: a prompt's first prefill raises it) is not that: the prompt goes back to
 the queue and its request is served, with the text the same request gets from the cache afterwards."""
@@ -13,6 +14,7 @@ import pytest
 
 from server.lane.device_loss import EXIT_CODE
 from tests.reliability.streams import start_stream
+from tests.fixtures.tiny_models import MECHANICS_FLAGS
 from tests.serverproc import ServerProc
 
 pytestmark = pytest.mark.model
@@ -20,8 +22,8 @@ pytestmark = pytest.mark.model
 MARKER = "GPU-GONE-5521"
 
 
-def test_a_lost_gpu_ends_every_request_with_a_503_and_the_server_exits_for_a_restart(default_model_dir):
-    srv = ServerProc("--model", "default", "--shutdown-timeout", "5",
+def test_a_lost_gpu_ends_every_request_with_a_503_and_the_server_exits_for_a_restart(tiny_llama_dir):
+    srv = ServerProc("--model", str(tiny_llama_dir), *MECHANICS_FLAGS, "--shutdown-timeout", "5",
                      env={"MLX_LANE_DEVICE_LOSS_MARKER": MARKER, "MLX_LANE_TEST_TOKEN_DELAY": "0.2"})
     try:
         ok = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
@@ -49,8 +51,8 @@ def test_a_lost_gpu_ends_every_request_with_a_503_and_the_server_exits_for_a_res
     assert "the GPU is lost to this process" in log and f"exiting with status {EXIT_CODE}" in log
 
 
-def test_a_prefill_out_of_memory_is_retried_and_the_request_served(default_model_dir):
-    srv = ServerProc("--model", "default", env={"MLX_LANE_OOM_MARKER": "MEM-TIGHT-8090"})
+def test_a_prefill_out_of_memory_is_retried_and_the_request_served(tiny_llama_dir):
+    srv = ServerProc("--model", str(tiny_llama_dir), *MECHANICS_FLAGS, env={"MLX_LANE_OOM_MARKER": "MEM-TIGHT-8090"})
     try:
         body = {"messages": [{"role": "user", "content": "Repeat MEM-TIGHT-8090 twice."}], "max_tokens": 4,
                 "temperature": 0}

@@ -1,5 +1,7 @@
 """The SSD cache directory fills up mid-run, then gets its space back: serving never stops, the failures are counted,
-no temp file is left behind, and writes succeed again afterwards. Real default model, real uvicorn.
+no temp file is left behind, and writes succeed again afterwards. A real uvicorn on a tiny random llama with the
+default model's tokenizer (the ``tiny_llama_dir`` fixture, tests/conftest.py): what is checked is the SSD tier's
+behaviour, not the text.
 
 Two ways to fill it:
   * a real full disk: a small tmpfs mounted as --ssd-cache and filled with a file (needs root and a kernel that lets
@@ -17,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.fixtures.tiny_models import MECHANICS_FLAGS
 from tests.serverproc import ServerProc
 
 pytestmark = pytest.mark.model
@@ -95,7 +98,7 @@ def serve_through_a_full_disk(srv: ServerProc, kv: Path, fill, free) -> None:
     assert list(kv.rglob("*.tmp")) == []
 
 
-def test_disk_full_seam_keeps_serving_counts_failures_and_recovers(tmp_path, default_model_dir):
+def test_disk_full_seam_keeps_serving_counts_failures_and_recovers(tmp_path, tiny_llama_dir):
     probe = tmp_path / "probe"
     if _mount_tmpfs(probe, "1m") is None:  # the same run on a real full disk is possible here: it is the one run
         subprocess.run(["umount", str(probe)], check=True, timeout=60)
@@ -104,8 +107,9 @@ def test_disk_full_seam_keeps_serving_counts_failures_and_recovers(tmp_path, def
     kv, flag = tmp_path / "kv", tmp_path / "disk-full"
     # the cap pinned as in the tmpfs test: the default (25% of the free space at start) depends on the machine's
     # disk, and a small one evicts (and rewrites) entries instead of filling up
-    srv = ServerProc("--model", "default", "--ssd-cache", str(kv), "--ssd-cache-bytes", "1G",
-                     "--write-behind-debounce", "0.05", env={"MLX_LANE_TEST_DISK_FULL": str(flag), **NO_WAITS})
+    srv = ServerProc("--model", str(tiny_llama_dir), *MECHANICS_FLAGS, "--ssd-cache", str(kv),
+                     "--ssd-cache-bytes", "1G", "--write-behind-debounce", "0.05",
+                     env={"MLX_LANE_TEST_DISK_FULL": str(flag), **NO_WAITS})
     try:
         serve_through_a_full_disk(srv, kv, fill=flag.touch, free=flag.unlink)
     finally:
@@ -137,17 +141,17 @@ def _fill(path: Path) -> None:
     assert os.statvfs(path.parent).f_bavail == 0
 
 
-def test_real_full_disk_tmpfs_keeps_serving_counts_failures_and_recovers(tmp_path, default_model_dir):
+def test_real_full_disk_tmpfs_keeps_serving_counts_failures_and_recovers(tmp_path, tiny_llama_dir):
     kv = tmp_path / "kv"
-    why = _mount_tmpfs(kv, "16m")  # room for a few entries of ~2 MB
+    why = _mount_tmpfs(kv, "16m")  # room for entries; the filler takes every byte left
     if why:
         pytest.skip(f"no real full disk to test on: {why}")
     filler = kv / "filler"
     try:
         # a cap above the file system's size: the disk fills up, not the cap (the default, 25% of the free
         # space at start, would evict instead)
-        srv = ServerProc("--model", "default", "--ssd-cache", str(kv), "--ssd-cache-bytes", "1G",
-                         "--write-behind-debounce", "0.05", env=NO_WAITS)
+        srv = ServerProc("--model", str(tiny_llama_dir), *MECHANICS_FLAGS, "--ssd-cache", str(kv),
+                         "--ssd-cache-bytes", "1G", "--write-behind-debounce", "0.05", env=NO_WAITS)
         try:
             serve_through_a_full_disk(srv, kv, fill=lambda: _fill(filler), free=filler.unlink)
         finally:

@@ -1,4 +1,6 @@
-"""kill -9 during SSD writes, trial after trial on one cache directory, with the real default model.
+"""kill -9 during SSD writes, trial after trial on one cache directory, on a tiny random llama with the default model's
+tokenizer (the ``tiny_llama_dir`` fixture, tests/conftest.py: what is checked is the files and the hits, not the text;
+tests/integration/test_ssd_live.py kills the default model mid-write).
 
 Each trial starts a server on the directory the previous trial's server was killed over, checks what the start-up
 scan made of it, then sets up one kill point and sends SIGKILL:
@@ -33,6 +35,7 @@ import httpx
 import pytest
 
 from tests.reliability.streams import start_stream
+from tests.fixtures.tiny_models import MECHANICS_FLAGS
 from tests.serverproc import ServerProc
 
 pytestmark = pytest.mark.model
@@ -91,8 +94,8 @@ def written_fraction(path: Path) -> float:
 class Trials:
     """The shared state of the trials: the cache dir, the conversations and what each kill left."""
 
-    def __init__(self, kv: Path):
-        self.kv = kv
+    def __init__(self, kv: Path, model: Path):
+        self.kv, self.model = kv, model
         self.convs: list[Conv] = []
         self.report: list[str] = []
         self.servers: list[ServerProc] = []  # killed or stopped by the test; any left running at the end, killed
@@ -106,8 +109,8 @@ class Trials:
     def start(self, env: dict | None = None) -> ServerProc:
         """Start a server on the directory and check its scan against what the last kill left on disk."""
         tmps, files = self.tmp_files(), self.complete_files()
-        srv = ServerProc("--model", "default", "--ssd-cache", str(self.kv), "--write-behind-debounce", "0.05",
-                         env=env)
+        srv = ServerProc("--model", str(self.model), *MECHANICS_FLAGS, "--ssd-cache", str(self.kv),
+                         "--write-behind-debounce", "0.05", env=env)
         self.servers.append(srv)
         s = ssd(srv.url)
         assert self.tmp_files() == [], "a *.tmp survived the start-up scan"
@@ -212,8 +215,8 @@ def trial(t: Trials, i: int) -> ServerProc:
     return srv
 
 
-def test_kill_9_during_ssd_writes(tmp_path):
-    t = Trials(tmp_path / "kv")
+def test_kill_9_during_ssd_writes(tmp_path, tiny_llama_dir):
+    t = Trials(tmp_path / "kv", tiny_llama_dir)
     try:
         for i in range(TRIALS):
             t.report.append(f"trial {i + 1}/{TRIALS} {KINDS[i % len(KINDS)]}")

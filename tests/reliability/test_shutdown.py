@@ -1,4 +1,5 @@
-"""SIGTERM with streams in flight, on the real default model behind a real uvicorn.
+"""SIGTERM with streams in flight, behind a real uvicorn, on a tiny random llama with the default model's tokenizer
+(the ``tiny_llama_dir`` fixture, tests/conftest.py: what is checked is the drain and the flush, not the text).
 
 MLX_LANE_TEST_TOKEN_DELAY (a test seam, tests/seamed_server.py) makes the lane pause after every token, so the streams
 are surely still running when the signal lands, on a fast machine too. Nothing here measures time: the seam only
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from tests.reliability.streams import start_stream
+from tests.fixtures.tiny_models import MECHANICS_FLAGS
 from tests.serverproc import ServerProc
 
 pytestmark = pytest.mark.model
@@ -59,11 +61,12 @@ def sigterm_mid_stream(srv: ServerProc, streams, running: int, queued: int = 0) 
     srv.proc.send_signal(signal.SIGTERM)
 
 
-def test_sigterm_lets_in_flight_streams_finish_then_flushes_them_to_ssd(tmp_path, default_model_dir):
+def test_sigterm_lets_in_flight_streams_finish_then_flushes_them_to_ssd(tmp_path, tiny_llama_dir):
     kv = tmp_path / "kv"
     # a debounce longer than the test: only the shutdown flush can make these entries durable
-    srv = ServerProc("--model", "default", "--ssd-cache", str(kv), "--write-behind-debounce", "600",
-                     "--shutdown-timeout", "300", env={"MLX_LANE_TEST_TOKEN_DELAY": "0.25"})
+    srv = ServerProc("--model", str(tiny_llama_dir), *MECHANICS_FLAGS, "--ssd-cache", str(kv),
+                     "--write-behind-debounce", "600", "--shutdown-timeout", "300",
+                     env={"MLX_LANE_TEST_TOKEN_DELAY": "0.25"})
     try:
         streams = [start_stream(srv.url, conversation(q), max_tokens=8) for q in QUESTIONS]
         sigterm_mid_stream(srv, streams, running=3)  # the three streams generate together, in one batch
@@ -91,7 +94,7 @@ def test_sigterm_lets_in_flight_streams_finish_then_flushes_them_to_ssd(tmp_path
     assert "ssd cache flushed: every cache entry is durable" in log
     assert list(kv.rglob("*.tmp")) == [] and len(list(kv.rglob("*.safetensors"))) >= len(QUESTIONS)
 
-    again = ServerProc("--model", "default", "--ssd-cache", str(kv))
+    again = ServerProc("--model", str(tiny_llama_dir), *MECHANICS_FLAGS, "--ssd-cache", str(kv))
     try:
         for q, s in zip(QUESTIONS, streams):
             r = httpx.post(again.url + "/v1/chat/completions", timeout=300,
@@ -106,10 +109,10 @@ def test_sigterm_lets_in_flight_streams_finish_then_flushes_them_to_ssd(tmp_path
         assert again.stop() == 0, again.log()
 
 
-def test_sigterm_past_the_shutdown_timeout_ends_every_response_well_formed(default_model_dir):
+def test_sigterm_past_the_shutdown_timeout_ends_every_response_well_formed(tiny_llama_dir):
     # 16 tokens at >= 1 s each cannot fit in a 2 s drain: the timeout path is certain, whatever the machine.
     # --max-batch 2: the two streams fill the lane, so the plain request waits in the queue
-    srv = ServerProc("--model", "default", "--shutdown-timeout", "2", "--max-batch", "2",
+    srv = ServerProc("--model", str(tiny_llama_dir), *MECHANICS_FLAGS, "--shutdown-timeout", "2", "--max-batch", "2",
                      env={"MLX_LANE_TEST_TOKEN_DELAY": "1.0"})
     try:
         streams = [start_stream(srv.url, conversation(q), max_tokens=16) for q in QUESTIONS[:2]]
