@@ -1,12 +1,15 @@
 """Regression (issue 12): with a draft model the cache namespace includes the draft's identity, and the SSD
 prefetch must look there too. It used to look under the bare model fingerprint, so a two-model server never
-prefetched a restart's entries (the lane then read them on its own clock)."""
+prefetched a restart's entries (the lane then read them on its own clock). The tiny random llama with the default
+model's tokenizer (``tiny_llama_dir``, tests/conftest.py) drafts for itself: what is checked is where the prefetch
+looks, not the text (the default model twice was ~12 s of CPU a start here)."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
+from tests.fixtures.tiny_models import MECHANICS_FLAGS
 from tests.serverproc import ServerProc
 
 pytestmark = pytest.mark.model
@@ -14,10 +17,11 @@ pytestmark = pytest.mark.model
 TURN = [{"role": "user", "content": "Name three rivers in Europe and one fact about each."}]
 
 
-def test_two_model_server_prefetches_in_the_namespace_it_takes_from(tmp_path, default_model_dir):
+def test_two_model_server_prefetches_in_the_namespace_it_takes_from(tmp_path, tiny_llama_dir):
     kv = tmp_path / "kv"
-    # the default model drafts for itself: same tokenizer, a real two-model setup at no extra download
-    args = ("--model", "default", "--draft-model", "default", "--ssd-cache", str(kv), "--ssd-restore", "always")
+    # the model drafts for itself: same tokenizer, a real two-model setup at no extra download
+    args = ("--model", str(tiny_llama_dir), "--draft-model", str(tiny_llama_dir), *MECHANICS_FLAGS, "--ssd-cache",
+            str(kv))
     first = ServerProc(*args)
     try:
         r = httpx.post(first.url + "/v1/chat/completions", timeout=300,
