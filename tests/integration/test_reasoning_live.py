@@ -2,7 +2,9 @@
 (issue 47 items 1, 2 and 4), through live servers of two thinking models with a Qwen3-style template
 (tests.fixtures.thinking_model):
 
-- ``default``: the real default model (its weights) with thinking tags in its vocabulary;
+- ``default``: the tiny random llama of the default model's tokenizer (``tiny_llama_dir``, tests/conftest.py) with
+  thinking tags in its vocabulary (what is checked is the template's rendering and the cache, not the text: the
+  default model's own weights were ~25 s of CPU for these turns);
 - ``qwen3_5``: the zoo's hybrid (gated delta-net beside attention: recurrent state that cannot be cut back), served
   with ``--ignore-model-defaults``.
 
@@ -35,9 +37,9 @@ TASK = [{"role": "system", "content": "You are a coding agent. Use the tools."},
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory, default_model_dir):
+def model_dirs(tmp_path_factory, tiny_llama_dir):
     root = tmp_path_factory.mktemp("thinking")
-    default = thinking_tokenizer(default_model_dir, root / "default")
+    default = thinking_tokenizer(tiny_llama_dir, root / "default")
     (default / "generation_config.json").write_text(GENERATION_CONFIG)
     hybrid = zoo.write("qwen3_5", root / "qwen3_5", default, chat_template=QWEN3_STYLE)
     return {"default": default, "qwen3_5": hybrid}
