@@ -48,6 +48,9 @@ _openblas_for_the_processes_this_one_starts()
 
 # Test servers start without the warm-up unless they name --warm-up (tests/serverproc.py says why)
 serverproc.WARM_UP_UNLESS_NAMED = "off"
+# ... and are forked from a process that has done their third-party imports (tests/forkserver.py; ~2 s of CPU a start
+# on a 2-core CPU): MLX_LANE_TEST_FORK_SERVER=0 starts each in a fresh interpreter instead, as a user's
+serverproc.FORK_SERVER = os.environ.get("MLX_LANE_TEST_FORK_SERVER", "1") != "0"
 
 
 def pytest_configure(config):

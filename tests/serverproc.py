@@ -72,6 +72,11 @@ def _mentions_ssd(args, env) -> bool:
 WARM_UP_UNLESS_NAMED: str | None = None
 
 
+# Servers forked by a fork server that has done their third-party imports (tests/forkserver.py) instead of fresh
+# interpreters: the suite's tests/conftest.py turns it on (a benchmark's start-up must be a user's, so not there).
+FORK_SERVER = False
+
+
 def flags_for_tests(args: tuple, env: dict) -> tuple:
     """What a test (or bench) server adds to its flags unless it names them: no SSD tier (the product's default is
     on; a test opts in, so it never touches the user's ~/.cache/mlx-lane/kv, and /admin/cache/clear (RAM only) gives
@@ -121,10 +126,16 @@ class ServerProc:
         self.log_path = Path(tempfile.mkstemp(prefix="mlx-lane-", suffix=".log")[1])
         full_env = server_env(env)
         args = flags_for_tests(args, full_env)
-        cmd = [*self.prefix, sys.executable, "-m", entry_module(full_env), "serve", "--port", str(self.port), *args]
+        module, argv = entry_module(full_env), ["serve", "--port", str(self.port), *args]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     cwd=cwd or Path(__file__).resolve().parents[1])
+        here = Path(__file__).resolve().parents[1]
+        forked = None
+        if FORK_SERVER and not self.prefix and (cwd is None or Path(cwd).resolve() == here):
+            from tests import forkserver  # the suite's servers: forked with the imports done (its docstring says why)
+
+            forked = forkserver.spawn(module, argv, full_env, here, self.log_path, server_env())
+        self.proc = forked or subprocess.Popen([*self.prefix, sys.executable, "-m", module, *argv], stdout=self._log,
+                                               stderr=subprocess.STDOUT, env=full_env, cwd=cwd or here)
         self._wait_ready(startup_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
