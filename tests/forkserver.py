@@ -2,8 +2,9 @@
 
 Why: a test server on this 2-core CPU costs 3-4.5 s of CPU to be ready, ~2 s of it importing mlx-lm (which imports
 transformers), FastAPI, uvicorn and pydantic, and the suite starts ~85 of them. Forked from here, the same server was
-ready after 2.0-2.3 s of its own CPU instead of 4.4-4.6 s (3 starts each way, alternated, 2026-12-07). ``ServerProc`` (tests/serverproc.py)
-asks this process, started once per pytest worker with the servers' own environment, to fork a child that runs
+ready after 2.0-2.3 s of its own CPU instead of 4.4-4.6 s (3 starts each way, alternated, 2026-12-07).
+``ServerProc`` (tests/serverproc.py) asks this process, started once per pytest worker with the servers' own
+environment, to fork a child that runs
 ``python -m <entry> serve ...`` as the subprocess would: the child takes the test's environment, working directory,
 argv and log file, then runs the entry module as ``__main__``. Only third-party modules are imported here: every
 module of this project is imported by the child, after its environment is in place (they read MLX_LANE_* at
@@ -189,13 +190,16 @@ def spawn(module: str, argv: list, env: dict, cwd: Path, log: Path, server_envir
             return None
         _server.update(pid=os.getpid(), path=path, proc=proc)
         atexit.register(_stop, proc, folder)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.connect(_server["path"])
-        f = s.makefile("rwb")
-        f.write(json.dumps({"module": module, "argv": argv, "env": env, "cwd": str(cwd), "log": str(log)}).encode()
-                + b"\n")
-        f.flush()
-        pid = json.loads(f.readline())["pid"]
+    request = {"module": module, "argv": argv, "env": env, "cwd": str(cwd), "log": str(log)}
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, s.makefile("rwb") as f:
+            s.connect(_server["path"])
+            f.write(json.dumps(request).encode() + b"\n")
+            f.flush()
+            pid = json.loads(f.readline())["pid"]
+    except (OSError, ValueError, KeyError):  # the fork server is gone: this and later servers start as subprocesses
+        _server["broken"] = True
+        return None
     return ForkedProcess(pid, str(log), [module, *argv])
 
 
