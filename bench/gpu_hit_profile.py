@@ -7,7 +7,10 @@ For each context length L: prefill a random L-token prompt, then time, each the 
   first_forward the new token's forward over the taken caches (the first write copies the shared KV buffer:
                 copy-on-write, see cache/copying.py)
   engine_first  the lane's whole path for that request: Engine.admit (take) + Engine.prefill + the first
-                Engine.step_solo token
+                Engine.step_solo token, on the model with the server's computing paths installed
+                (models.loading.load.install_paths: on the CPU and CUDA an attention that reads a hit's cached
+                segments where they lie, as served; raw_step and first_forward put mlx-lm's attention back for
+                their figures; --paths mlx: mlx-lm's model as loaded throughout)
   http_parse    what the handler does before the lane for a /v1/completions body of L token ids: orjson + pydantic
                 + the id check (off the lane, but inside a served TTFT)
 Ratios: engine_first / raw_step (target <= 2x on the H200, <= 1.3x on the CPU).
@@ -47,6 +50,9 @@ def main() -> int:
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--paths", choices=("served", "mlx"), default="served",
+                    help="served: engine_first runs on the model with the server's paths installed (as served); "
+                         "mlx: on mlx-lm's model as loaded (the copy-on-write first write of a hit's caches)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
 
@@ -59,6 +65,9 @@ def main() -> int:
     from server.core.prompts import tokenize_completion
     from server.core.request import GenerationRequest
     from models import device_name
+    from models.attention import reads_segments
+    from models.hook import ATTENTION, restore
+    from models.loading.load import install_paths
     from server.engine.batch import Layout
     from server.engine.engine import Engine, EngineConfig
     from server.http.chat.schemas import CompletionRequest
@@ -67,9 +76,13 @@ def main() -> int:
     from server.stats import ServingStats
 
     model, tokenizer = load(args.model_dir)
+    if args.paths == "served":
+        install_paths(model)
+    result_paths = {"paths": args.paths, "reads_segments": reads_segments(model)}
     loaded = SimpleNamespace(model=model, tokenizer=tokenizer, fingerprint="ns")
     rng = random.Random(0)
-    result = {"model_dir": args.model_dir, "device": str(mx.default_device()), "mlx": mx.__version__, "lengths": {}}
+    result = {"model_dir": args.model_dir, "device": str(mx.default_device()), "mlx": mx.__version__, "lengths": {},
+              **result_paths}
     stream = mx.new_stream(mx.default_device())
     with mx.stream(stream):
         for L in [int(x) for x in args.lengths.split(",")]:
@@ -87,6 +100,7 @@ def main() -> int:
                 trim_prompt_cache(caches, 1)
                 return y
 
+            undone = restore(model, ATTENTION)  # the raw figures on mlx-lm's own attention
             raw_step()  # warm the shape
             raw_s, _ = timed(raw_step, args.rounds)
             model(mx.array([[prompt[-1]]]), cache=caches)  # caches now cover the whole prompt
@@ -103,6 +117,8 @@ def main() -> int:
                 return time.perf_counter() - t0
 
             fwd = statistics.median(first_forward() for _ in range(args.rounds))
+            for module, ours in undone:
+                setattr(module, ATTENTION, ours)
             engine = Engine(loaded, pc, ServingStats(),
                             EngineConfig(prefill_chunk=args.chunk, layout=Layout(gpu=device_name() != "cpu")))
             engine.stream = stream
