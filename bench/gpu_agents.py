@@ -99,6 +99,9 @@ def target_wall(shape: str, turns: int) -> float:
 # mlx-lane at its defaults, and variants of it to compare with (each is started as `ours` is, plus these)
 OURS_VARIANTS = {
     "ours": ((), {}),
+    # the defaults again in a home and SSD folder of their own (a second "ours" would reuse the first's folder: its
+    # kernels and SSD entries): the machine's drift within a call, e.g. --servers ours,VARIANT,ours_again
+    "ours_again": ((), {}),
     "ours_mlx_attention": (("--attention", "mlx"), {}),  # MLX's masked attention, not models.attention.gpu's
     "ours_ragged": (("--batch-layout", "ragged"), {}),
     "ours_mlx_layout": (("--batch-layout", "mlx"), {}),
