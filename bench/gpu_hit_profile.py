@@ -10,7 +10,8 @@ For each context length L: prefill a random L-token prompt, then time, each the 
                 Engine.step_solo token, on the model with the server's computing paths installed
                 (models.loading.load.install_paths: on the CPU and CUDA an attention that reads a hit's cached
                 segments where they lie, as served; raw_step and first_forward put mlx-lm's attention back for
-                their figures; --paths mlx: mlx-lm's model as loaded throughout)
+                their figures, its attention only: a hybrid's installed kernels stay; --paths mlx: mlx-lm's model
+                as loaded throughout)
   http_parse    what the handler does before the lane for a /v1/completions body of L token ids: orjson + pydantic
                 + the id check (off the lane, but inside a served TTFT)
 Ratios: engine_first / raw_step (target <= 2x on the H200, <= 1.3x on the CPU).
@@ -78,11 +79,10 @@ def main() -> int:
     model, tokenizer = load(args.model_dir)
     if args.paths == "served":
         install_paths(model)
-    result_paths = {"paths": args.paths, "reads_segments": reads_segments(model)}
     loaded = SimpleNamespace(model=model, tokenizer=tokenizer, fingerprint="ns")
     rng = random.Random(0)
     result = {"model_dir": args.model_dir, "device": str(mx.default_device()), "mlx": mx.__version__, "lengths": {},
-              **result_paths}
+              "paths": args.paths, "reads_segments": reads_segments(model)}
     stream = mx.new_stream(mx.default_device())
     with mx.stream(stream):
         for L in [int(x) for x in args.lengths.split(",")]:
