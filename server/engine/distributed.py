@@ -120,6 +120,13 @@ class Group:
         """How many ranks passed True."""
         return int(self._sum(mx.array([1 if flag else 0], dtype=mx.int32)).item())
 
+    def open_doorbell(self):
+        """Every rank at the same point: the socket rank 0 wakes resting followers with
+        (``server.engine.doorbell.Doorbell``), or None on every rank where the group cannot have one."""
+        from server.engine.doorbell import Doorbell
+
+        return Doorbell.open(self)
+
     def same_seed(self) -> int:
         """Seed MLX's global random state with rank 0's seed on every rank: unseeded sampling draws the same
         numbers everywhere (each rank samples from the same logits; see server.lane.replay)."""

@@ -195,7 +195,8 @@ def stats_body(state) -> dict:
                    "over_limit": state.engine.over_limit_stats()},  # forwards begun above MLX's limit: unpipelined
         "vision": state.engine.vision_stats(),  # images in (issue 36): encoder runs and their time
         # one model over several processes: the group, and cache hits dropped because a rank lacked its shard
-        **({"distributed": {**state.distributed, **state.prompt_cache.shard_stats()}} if state.distributed else {}),
+        **({"distributed": {**state.distributed, **state.prompt_cache.shard_stats(), **state.lane.replay.describe()}}
+           if state.distributed else {}),
         "ssd_cache": state.ssd.ssd_stats() if state.ssd is not None else {"enabled": False},
         "speculative": state.stats.spec.as_dict() if state.stats.spec is not None else {"enabled": False},
         "adapters": state.adapters.stats_block(),

@@ -252,6 +252,7 @@ class Lane:
         if self.replay is not None:  # the group's collectives run on the stream that runs the model
             self.replay.group.bind(self.engine.stream)
             self.replay.group.same_seed()
+            self.replay.open()
         self.executor.may_requeue = self.replay is None  # a sharded model's ranks replay plans, not retries
         self._plan_warm_up()
         if self.warm.mode == WarmMode.BEFORE_READY:
@@ -266,6 +267,8 @@ class Lane:
         failed_ticks = 0  # in a row
         while True:
             warm_now = False
+            if self.replay is not None and self.idle():
+                self.replay.rest()  # the followers wait on rank 0's doorbell, not polling a core each
             with self._cond:
                 while self.idle() and self.state != LaneState.STOPPED:
                     # idle: wait for work, or until the warm-up's next step is due (None: no step will come)

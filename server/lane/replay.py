@@ -15,7 +15,10 @@ plan also carries each running sequence's generated-token count, which followers
 an error, never silent. Each follower computes its own cache namespace (its shard's fingerprint) for the sequences
 it rebuilds.
 
-A stop message ends the followers (rank 0's lane stopped: shutdown); they flush their SSD tier and exit.
+A stop message ends the followers (rank 0's lane stopped: shutdown); they flush their SSD tier and exit. A rest
+message, which rank 0 sends when its lane goes idle, sends them to wait on its doorbell (server.engine.doorbell)
+instead of in the next broadcast, whose wait polls a core on MLX's ring backend; rank 0 rings before the broadcast
+that follows.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from server.lane.sequence import Sequence
 log = logging.getLogger("mlx_lane.replay")
 
 _STOP = orjson.dumps({"stop": True})
+_REST = orjson.dumps({"rest": True})
 
 
 def seq_spec(seq: Sequence) -> dict:
@@ -83,14 +87,39 @@ class Leader:
 
     def __init__(self, group):
         self.group = group
+        self.doorbell = None  # server.engine.doorbell.Doorbell, where the group has one (open)
+        self.resting = False  # the followers wait on the doorbell
+
+    def open(self) -> None:
+        """Every rank at the same point of its start (collectives): the doorbell, where the group can have one."""
+        self.doorbell = self.group.open_doorbell()
 
     def lead(self, plan: TickPlan, running: list) -> None:
         check = {s.id: len(s.generated) for s in running}
+        self._wake()
         self.group.share_bytes(plan.encode(seq_spec, check))
+
+    def rest(self) -> None:
+        """The lane is idle: the followers wait on the doorbell until the next broadcast (no-op without one)."""
+        if self.doorbell is not None and not self.resting:
+            self.group.share_bytes(_REST)
+            self.resting = True
 
     def stop(self) -> None:
         """Tell the followers the lane stopped (they flush their SSD tier and exit)."""
+        self._wake()
         self.group.share_bytes(_STOP)
+        if self.doorbell is not None:
+            self.doorbell.close()
+
+    def _wake(self) -> None:
+        if self.resting:
+            self.doorbell.ring()
+            self.resting = False
+
+    def describe(self) -> dict:
+        """For /stats: how idle followers wait (``doorbell``: blocked, no CPU; ``polling``: MLX's own wait)."""
+        return {"idle_followers": "doorbell" if self.doorbell is not None else "polling"}
 
 
 class Follower:
@@ -100,13 +129,23 @@ class Follower:
         self.group = group
         self.compile_grammar = compile_grammar  # see seq_from_spec
         self.diverged = 0
+        self.doorbell = None
+
+    def open(self) -> None:
+        """See ``Leader.open``."""
+        self.doorbell = self.group.open_doorbell()
 
     def follow(self, lane) -> None:
         """Execute plans on ``lane`` until a stop message (lane thread)."""
         while True:
             message = orjson.loads(self.group.share_bytes(None))
+            if message.get("rest"):
+                self.doorbell.wait()  # rank 0 is idle: blocked here, not polling in the next broadcast
+                continue
             if message.get("stop"):
                 log.info("rank 0 stopped; rank %d stops", self.group.rank)
+                if self.doorbell is not None:
+                    self.doorbell.close()
                 return
             running = {s.id: s for s in lane.running()}
             plan, check = TickPlan.decode_from(message, running, lambda spec: seq_from_spec(

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import re
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -186,9 +188,22 @@ def test_pipeline_2_processes_matches_one_process(tiny_dir, single_answers):
             codes = list(pool.map(lambda b: httpx.post(srv.url + "/v1/chat/completions", json=b,
                                                        timeout=600).status_code, sampled))
         assert codes == [200] * len(sampled)
+        # idle, the follower blocks on rank 0's doorbell (server.engine.doorbell): MLX's ring backend would have it
+        # poll its sockets in the next broadcast, ~0.6 of a core for as long as the server is idle
+        assert httpx.get(srv.url + "/stats").json()["distributed"]["idle_followers"] == "doorbell"
+        follower = srv.ranks()[1]
+        before = cpu_seconds(follower)
+        time.sleep(1.5)
+        assert cpu_seconds(follower) - before < 0.2, "an idle follower kept a core busy"
     finally:
         assert srv.stop() == 0, srv.log()
     assert "diverged" not in srv.log()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_default_model_tensor_parallel_over_3_processes_matches_one_process(server):

@@ -223,3 +223,122 @@ def test_a_single_process_starts_no_group(monkeypatch):
     for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         monkeypatch.delenv(k, raising=False)
     assert distributed.init_group("tensor") is None
+
+
+class ThreadedGroup:
+    """Two ranks in two threads of this process: each collective is a sum of both ranks' contributions, as
+    ``Group._sum`` is (rank 0 gives the value, the other zeros), and ``open_doorbell`` is the real one."""
+
+    def __init__(self, rank: int, meeting: "Meeting"):
+        self.rank, self.size, self.leader = rank, 2, rank == 0
+        self._meeting = meeting
+
+    def share_int(self, value):
+        return self._meeting.sum(self.rank, value if self.leader else 0)
+
+    def count(self, flag):
+        return self._meeting.sum(self.rank, int(bool(flag)))
+
+    def share_bytes(self, data):
+        return self._meeting.sum(self.rank, data if self.leader else b"")
+
+    def open_doorbell(self):
+        return Group.open_doorbell(self)
+
+
+class Meeting:
+    """Where the two ranks' collectives meet: each call blocks until both ranks made it."""
+
+    def __init__(self):
+        import threading
+        self._cond = threading.Condition()
+        self._round, self._values, self._result = 0, {}, None
+
+    def sum(self, rank, value):
+        with self._cond:
+            mine = self._round
+            self._values[rank] = value
+            if len(self._values) == 2:
+                self._result, self._values = self._values[0] + self._values[1], {}
+                self._round += 1
+                self._cond.notify_all()
+            else:
+                assert self._cond.wait_for(lambda: self._round > mine, timeout=10), "the other rank never came"
+            return self._result
+
+
+def test_leader_host_is_rank_0s_address_from_the_launchers_variables(tmp_path):
+    from server.engine.doorbell import leader_host
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text('[["10.0.0.2:5000", "10.0.0.2:5001"], ["10.0.0.3:5002"]]')
+    assert leader_host({"MLX_HOSTFILE": str(hostfile)}) == "10.0.0.2"
+    assert leader_host({"MLX_HOSTFILE": '[["127.0.0.1:6000"], ["127.0.0.1:6001"]]'}) == "127.0.0.1"
+    assert leader_host({"NCCL_HOST_IP": "192.168.1.7"}) == "192.168.1.7"
+    assert leader_host({"MLX_HOSTFILE": str(tmp_path / "gone.json")}) is None
+    assert leader_host({}) is None
+
+
+def test_idle_followers_block_on_the_doorbell_and_wake_for_the_next_plan(monkeypatch):
+    """Rank 0's lane goes idle: the follower leaves the broadcast (which polls a core on MLX's ring backend) for a
+    blocking socket read, and the next plan rings it back; stop rings too."""
+    import threading
+    import time
+
+    monkeypatch.setenv("MLX_HOSTFILE", '[["127.0.0.1:1"], ["127.0.0.1:2"]]')
+    meeting = Meeting()
+    leader = Leader(ThreadedGroup(0, meeting))
+    follower = Follower(ThreadedGroup(1, meeting))
+    opened = threading.Thread(target=follower.open)
+    opened.start()
+    leader.open()
+    opened.join(10)
+    assert leader.doorbell is not None and follower.doorbell is not None
+    assert leader.describe() == {"idle_followers": "doorbell"}
+
+    waits = []
+    real_wait = follower.doorbell.wait
+    follower.doorbell.wait = lambda: (waits.append("in"), real_wait(), waits.append("out"))
+
+    class FollowerLane:
+        engine = None
+        executed = []
+
+        def running(self):
+            return []
+
+        def execute(self, plan):
+            self.executed.append(plan)
+
+    lane = FollowerLane()
+    following = threading.Thread(target=follower.follow, args=(lane,))
+    following.start()
+    leader.rest()
+    leader.rest()  # already resting: no second broadcast
+    deadline = time.monotonic() + 10
+    while waits != ["in"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert waits == ["in"] and following.is_alive()  # blocked on the doorbell
+    leader.lead(TickPlan(), [])
+    leader.rest()
+    leader.stop()
+    following.join(10)
+    assert not following.is_alive()
+    assert waits == ["in", "out", "in", "out"] and len(lane.executed) == 1
+
+
+def test_a_group_without_rank_0s_address_keeps_polling(monkeypatch):
+    import threading
+
+    for k in ("MLX_HOSTFILE", "NCCL_HOST_IP"):
+        monkeypatch.delenv(k, raising=False)
+    meeting = Meeting()
+    leader, follower = Leader(ThreadedGroup(0, meeting)), Follower(ThreadedGroup(1, meeting))
+    opened = threading.Thread(target=follower.open)
+    opened.start()
+    leader.open()
+    opened.join(10)
+    assert leader.doorbell is None and follower.doorbell is None
+    assert leader.describe() == {"idle_followers": "polling"}
+    leader.rest()  # no doorbell: nothing is broadcast, the followers wait in the next plan's broadcast as before
+    assert not leader.resting
