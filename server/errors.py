@@ -31,6 +31,7 @@ __all__ = [
     "Conflict",
     "PayloadTooLarge",
     "QueueFull",
+    "ClientClosed",
     "ShuttingDown",
     "DeviceLost",
     "PermissionDenied",
@@ -106,6 +107,16 @@ class PayloadTooLarge(APIError):
     status_code = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class ClientClosed(APIError):
+    """499 (nginx's "client closed request"): the client left before its answer was complete, so the lane cancelled
+    the job. Nobody reads it; it exists so /stats and the dashboard count a client that gave up (a timeout, Ctrl-C)
+    as that, not as a 500, which says the server failed."""
+
+    status_code = 499
+    type = "invalid_request_error"
+    code = "client_closed_request"
 
 
 class QueueFull(APIError):

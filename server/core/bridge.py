@@ -75,6 +75,7 @@ class JobRun:
         self._watcher: Optional[asyncio.Task] = None
         self._held: Optional[Event] = None  # taken from the queue while merging deltas; goes out next
         self.done = False
+        self.client_left = False  # the connection closed before the job ended (the watcher cancelled it)
 
     def _sink(self, event: Event) -> None:  # called on the lane thread
         self._pump.put(self._queue, event)
@@ -95,6 +96,7 @@ class JobRun:
             while True:
                 message = await self.request.receive()
                 if message["type"] == "http.disconnect":
+                    self.client_left = True
                     self.seq.cancel.set()
                     return
         except (asyncio.CancelledError, RuntimeError, OSError):

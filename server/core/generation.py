@@ -35,7 +35,7 @@ from server.core.prompts import (NO_BREAKPOINTS, breakpoint_marks, chat_grammar,
 from server.core.template_facts import template_facts
 from server.core.template_input import effort_choice
 from server.core.request import GenerationRequest
-from server.errors import APIError, ShuttingDown
+from server.errors import APIError, ClientClosed, ShuttingDown
 from server.lane.events import Delta, Failed, Finished, SamplingParams, TokenLogprob
 from server.lane.target import Target
 
@@ -225,8 +225,12 @@ class Generation:
         raise APIError("generation ended without a result")
 
     def _cut_short(self, ev: Finished) -> APIError:
-        """The error that ends a response whose job was cancelled while its client was still reading: only the
-        server does that (a client that left reads nothing), when its --shutdown-timeout ran out (Lane.abort)."""
+        """The error that ends a response whose job was cancelled: its client left (a 499 nobody reads, counted as
+        such in /stats), or, while the client was still reading, the server's --shutdown-timeout ran out
+        (Lane.abort)."""
+        if self.run.client_left:
+            return ClientClosed(f"The client closed the connection after {ev.completion_tokens} tokens; the "
+                                f"request was cancelled.")
         if self.run.lane.aborted:
             return ShuttingDown(f"The server is shutting down: its --shutdown-timeout ended this response after "
                                 f"{ev.completion_tokens} tokens. Retry in a moment.", retry_after_s=5)

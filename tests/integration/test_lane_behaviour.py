@@ -53,11 +53,16 @@ def test_client_disconnect_cancels_and_frees_the_lane(server):
 
 
 def test_non_streaming_disconnect_also_cancels(server):
-    before = httpx.get(server.url + "/stats").json()["lane"]["requests_cancelled"]
+    stats = httpx.get(server.url + "/stats").json()
+    before, statuses = stats["lane"]["requests_cancelled"], stats["http"]["by_status"]
     body = {"messages": MSG, "max_tokens": 4000, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/chat/completions", json=body, timeout=3)
     assert wait_for(lambda: httpx.get(server.url + "/stats").json()["lane"]["requests_cancelled"] > before)
+    # the answer nobody reads is counted as the client's leaving (499), never as a server error (500)
+    after = wait_for(lambda: (lambda s: s if s.get("499", 0) > statuses.get("499", 0) else None)(
+        httpx.get(server.url + "/stats").json()["http"]["by_status"]))
+    assert after and after.get("500", 0) == statuses.get("500", 0), (statuses, after)
 
 
 TOOLS_TEMPLATE = (
