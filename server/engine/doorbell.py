@@ -8,7 +8,9 @@ and costs nothing; rank 0 writes one byte to each before the broadcast that ends
 
 Where rank 0 listens: the address the launcher gave every rank for rank 0 (``mlx.launch``'s ring hostfile, its first
 entry; NCCL's ``NCCL_HOST_IP``). Where neither is known (MPI, JACCL, a hand-made group), or a follower cannot connect,
-the whole group keeps polling as before: ``open`` agrees on that in two collectives, so no rank rests alone.
+the whole group keeps polling as before: ``open`` agrees on that in three collectives, so no rank rests alone. Each
+follower first says a secret rank 0 drew for this start and its rank, so a stranger that connects to the port first
+takes no follower's place.
 """
 
 from __future__ import annotations
@@ -38,6 +40,28 @@ def leader_host(environ=os.environ) -> Optional[str]:
     return environ.get("NCCL_HOST_IP") or None
 
 
+def _accept_followers(server: socket.socket, n: int, secret: int, deadline: float) -> list[socket.socket]:
+    """Rank 0: the connections of ``n`` distinct ranks that said ``secret`` before ``deadline`` (fewer on a timeout)."""
+    ranks: dict[str, socket.socket] = {}
+    while len(ranks) < n and time.monotonic() < deadline:
+        server.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            conn = server.accept()[0]
+        except OSError:
+            break
+        conn.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            with conn.makefile("rb") as f:
+                said = f.readline(64).decode("ascii", "replace").split()
+        except OSError:
+            said = []
+        if len(said) == 2 and said[0] == str(secret) and said[1] not in ranks:
+            ranks[said[1]] = conn
+        else:
+            conn.close()
+    return list(ranks.values())
+
+
 class Doorbell:
     """Rank 0's sockets to every follower (``ring``), or a follower's socket to rank 0 (``wait``)."""
 
@@ -47,7 +71,7 @@ class Doorbell:
 
     @classmethod
     def open(cls, group, timeout: float = CONNECT_TIMEOUT_S) -> Optional["Doorbell"]:
-        """Every rank at the same point (two collectives): the doorbell, or None on every rank when one rank has
+        """Every rank at the same point (three collectives): the doorbell, or None on every rank when one rank has
         none (the group then polls, as MLX's backends do)."""
         host = leader_host()
         socks: list[socket.socket] = []
@@ -59,21 +83,21 @@ class Doorbell:
                 except OSError as exc:
                     log.info("no doorbell for the followers (listening on %s: %s): idle followers poll", host, exc)
             group.share_int(server.getsockname()[1] if server is not None else 0)
+            # each follower says this start's secret and its rank: a stranger that connects first takes no rank's
+            # place (a follower whose connection was never accepted would rest forever)
+            secret = group.share_int(int.from_bytes(os.urandom(7), "little"))
             if server is not None:
-                deadline = time.monotonic() + timeout
                 with server:
-                    while len(socks) < group.size - 1 and time.monotonic() < deadline:
-                        server.settimeout(max(0.01, deadline - time.monotonic()))
-                        try:
-                            socks.append(server.accept()[0])
-                        except OSError:
-                            break
+                    socks = _accept_followers(server, group.size - 1, secret, time.monotonic() + timeout)
             mine_failed = len(socks) < group.size - 1
         else:
             port = group.share_int(0)
+            secret = group.share_int(0)
             if port and host:
                 try:
-                    socks.append(socket.create_connection((host, port), timeout=timeout))
+                    sock = socket.create_connection((host, port), timeout=timeout)
+                    sock.sendall(f"{secret} {group.rank}\n".encode())
+                    socks.append(sock)
                 except OSError as exc:
                     log.info("rank %d: no doorbell from rank 0 (%s:%d: %s): idle, it polls", group.rank, host,
                              port, exc)

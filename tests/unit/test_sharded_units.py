@@ -342,3 +342,52 @@ def test_a_group_without_rank_0s_address_keeps_polling(monkeypatch):
     assert leader.describe() == {"idle_followers": "polling"}
     leader.rest()  # no doorbell: nothing is broadcast, the followers wait in the next plan's broadcast as before
     assert not leader.resting
+
+
+def test_a_stranger_that_connects_first_takes_no_followers_place(monkeypatch):
+    """Rank 0's doorbell port is open to anyone while the followers connect: a connection that does not say this
+    start's secret is closed, and the follower's own is the one rank 0 rings."""
+    import socket
+    import threading
+    import time
+
+    monkeypatch.setenv("MLX_HOSTFILE", '[["127.0.0.1:1"], ["127.0.0.1:2"]]')
+    meeting = Meeting()
+    strangers = []
+
+    class FollowerGroup(ThreadedGroup):
+        def share_int(self, value):
+            got = super().share_int(value)
+            if not strangers:  # the port: a stranger connects before the follower does
+                strangers.append(socket.create_connection(("127.0.0.1", got), timeout=10))
+                strangers[0].sendall(b"12345 1\n")
+            return got
+
+    leader = Leader(ThreadedGroup(0, meeting))
+    follower = Follower(FollowerGroup(1, meeting))
+    opened = threading.Thread(target=follower.open)
+    opened.start()
+    leader.open()
+    opened.join(10)
+    assert leader.doorbell is not None and follower.doorbell is not None
+    assert strangers[0].recv(1) == b""  # rank 0 closed it
+
+    class FollowerLane:
+        engine = None
+        executed = []
+
+        def running(self):
+            return []
+
+        def execute(self, plan):
+            self.executed.append(plan)
+
+    lane = FollowerLane()
+    following = threading.Thread(target=follower.follow, args=(lane,))
+    following.start()
+    leader.rest()
+    time.sleep(0.05)
+    leader.lead(TickPlan(), [])
+    leader.stop()
+    following.join(10)
+    assert not following.is_alive() and len(lane.executed) == 1
