@@ -112,7 +112,7 @@ OUTPUT_SYNC := $(if $(filter 3.%,$(MAKE_VERSION)),,--output-sync=target)
 test-suite:
 	@$(MAKE) --no-print-directory -j3 $(OUTPUT_SYNC) test-setup
 	@nice -n 19 $(BIN)/python -m mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
-	$(BIN)/python -m pytest -q -ra --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS); \
+	$(BIN)/python -m pytest -q -ra --durations=15 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS); \
 	tests=$$?; wait $$types; typed=$$?; \
 	echo "type checker (mypy):"; cat $(VENV)/mypy.log; \
 	if [ $$typed -ne 0 ]; then echo "make test: the type checker failed (above)"; fi; \

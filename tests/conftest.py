@@ -53,35 +53,6 @@ serverproc.WARM_UP_UNLESS_NAMED = "off"
 serverproc.FORK_SERVER = os.environ.get("MLX_LANE_TEST_FORK_SERVER", "1") != "0"
 
 
-# The suite's slowest files (seconds of a 2-core run, 2026-12-08: each file's tests summed), run first: pytest-xdist's
-# --dist loadfile hands a worker the next file when it is done with its last, so the run ends when the file taken
-# last ends. By default xdist queues the files with the most tests first, which left the few-test, slow live files
-# (the sharded group's 89 s) for the end, with the other worker idle; heaviest first, the quick unit files fill the
-# end instead (longest processing time first). `make test` passes --no-loadscope-reorder, which keeps this order.
-SLOWEST_FILES = (
-    "tests/unit/test_zoo_models.py",  # 107 s (39 s alone)
-    "tests/integration/test_sharded_live.py",  # 89
-    "tests/integration/test_batching_live.py",  # 52
-    "tests/integration/test_lane_behaviour.py",  # 41
-    "tests/integration/test_cluster_live.py",  # 40
-    "tests/integration/test_speculative_live.py",  # 39
-    "tests/integration/test_zoo_live.py",  # 29
-    "tests/integration/test_structured_output.py",  # 27
-    "tests/integration/test_dashboard_browser.py",  # 26
-    "tests/integration/test_prompt_cache_live.py",  # 25
-    "tests/unit/test_spec_mtp.py",  # 23
-    "tests/integration/test_ssd_live.py",  # 21
-    "tests/unit/test_models_gguf.py",  # 21
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """The slowest files first (SLOWEST_FILES), every other file after them in collection order; a file's tests stay
-    in their order (a stable sort)."""
-    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
-
-
 def pytest_configure(config):
     folder = tempfile.mkdtemp(prefix="mlx-lane-records-")
     os.environ[ENV] = folder
