@@ -268,7 +268,10 @@ class Lane:
         while True:
             warm_now = False
             if self.replay is not None and self.idle():
-                self.replay.rest()  # the followers wait on rank 0's doorbell, not polling a core each
+                try:
+                    self.replay.rest()  # the followers wait on rank 0's doorbell, not polling a core each
+                except Exception:  # a broken group: the next plan's broadcast fails in the tick, as it would have
+                    log.exception("sending the followers to rest failed")
             with self._cond:
                 while self.idle() and self.state != LaneState.STOPPED:
                     # idle: wait for work, or until the warm-up's next step is due (None: no step will come)
