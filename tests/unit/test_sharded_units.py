@@ -267,6 +267,35 @@ class Meeting:
             return self._result
 
 
+def opened_pair(follower_group=None):
+    """A Leader and a Follower over a ThreadedGroup pair, each past ``open`` (the follower's in a thread)."""
+    import threading
+
+    meeting = Meeting()
+    leader = Leader(ThreadedGroup(0, meeting))
+    follower = Follower((follower_group or ThreadedGroup)(1, meeting))
+    opened = threading.Thread(target=follower.open)
+    opened.start()
+    leader.open()
+    opened.join(10)
+    return leader, follower
+
+
+class IdleLane:
+    """A follower's lane with nothing running, that records the plans it executes."""
+
+    engine = None
+
+    def __init__(self):
+        self.executed = []
+
+    def running(self):
+        return []
+
+    def execute(self, plan):
+        self.executed.append(plan)
+
+
 def test_leader_host_is_rank_0s_address_from_the_launchers_variables(tmp_path):
     from server.engine.doorbell import leader_host
 
@@ -286,13 +315,7 @@ def test_idle_followers_block_on_the_doorbell_and_wake_for_the_next_plan(monkeyp
     import time
 
     monkeypatch.setenv("MLX_HOSTFILE", '[["127.0.0.1:1"], ["127.0.0.1:2"]]')
-    meeting = Meeting()
-    leader = Leader(ThreadedGroup(0, meeting))
-    follower = Follower(ThreadedGroup(1, meeting))
-    opened = threading.Thread(target=follower.open)
-    opened.start()
-    leader.open()
-    opened.join(10)
+    leader, follower = opened_pair()
     assert leader.doorbell is not None and follower.doorbell is not None
     assert leader.describe() == {"idle_followers": "doorbell"}
 
@@ -300,17 +323,7 @@ def test_idle_followers_block_on_the_doorbell_and_wake_for_the_next_plan(monkeyp
     real_wait = follower.doorbell.wait
     follower.doorbell.wait = lambda: (waits.append("in"), real_wait(), waits.append("out"))
 
-    class FollowerLane:
-        engine = None
-        executed = []
-
-        def running(self):
-            return []
-
-        def execute(self, plan):
-            self.executed.append(plan)
-
-    lane = FollowerLane()
+    lane = IdleLane()
     following = threading.Thread(target=follower.follow, args=(lane,))
     following.start()
     leader.rest()
@@ -328,16 +341,9 @@ def test_idle_followers_block_on_the_doorbell_and_wake_for_the_next_plan(monkeyp
 
 
 def test_a_group_without_rank_0s_address_keeps_polling(monkeypatch):
-    import threading
-
     for k in ("MLX_HOSTFILE", "NCCL_HOST_IP"):
         monkeypatch.delenv(k, raising=False)
-    meeting = Meeting()
-    leader, follower = Leader(ThreadedGroup(0, meeting)), Follower(ThreadedGroup(1, meeting))
-    opened = threading.Thread(target=follower.open)
-    opened.start()
-    leader.open()
-    opened.join(10)
+    leader, follower = opened_pair()
     assert leader.doorbell is None and follower.doorbell is None
     assert leader.describe() == {"idle_followers": "polling"}
     leader.rest()  # no doorbell: nothing is broadcast, the followers wait in the next plan's broadcast as before
@@ -352,7 +358,6 @@ def test_a_stranger_that_connects_first_takes_no_followers_place(monkeypatch):
     import time
 
     monkeypatch.setenv("MLX_HOSTFILE", '[["127.0.0.1:1"], ["127.0.0.1:2"]]')
-    meeting = Meeting()
     strangers = []
 
     class FollowerGroup(ThreadedGroup):
@@ -363,26 +368,11 @@ def test_a_stranger_that_connects_first_takes_no_followers_place(monkeypatch):
                 strangers[0].sendall(b"12345 1\n")
             return got
 
-    leader = Leader(ThreadedGroup(0, meeting))
-    follower = Follower(FollowerGroup(1, meeting))
-    opened = threading.Thread(target=follower.open)
-    opened.start()
-    leader.open()
-    opened.join(10)
+    leader, follower = opened_pair(FollowerGroup)
     assert leader.doorbell is not None and follower.doorbell is not None
     assert strangers[0].recv(1) == b""  # rank 0 closed it
 
-    class FollowerLane:
-        engine = None
-        executed = []
-
-        def running(self):
-            return []
-
-        def execute(self, plan):
-            self.executed.append(plan)
-
-    lane = FollowerLane()
+    lane = IdleLane()
     following = threading.Thread(target=follower.follow, args=(lane,))
     following.start()
     leader.rest()
