@@ -21,6 +21,7 @@ from tests import serverproc
 from tests.recorder import ENV, Records
 
 _RECORDS = pytest.StashKey[Records]()
+_KEPT_LOGS: list[str] = []  # folders of test servers' logs a failing session (or worker) kept
 
 # The suite runs TEST_WORKERS pytest processes on a machine of few cores (CI: 2), each driving its own servers: one
 # OpenBLAS thread per process, theirs and the servers' (they inherit this environment). OpenBLAS's idle threads spin:
@@ -118,6 +119,7 @@ def pytest_sessionfinish(session, exitstatus):
     text = _rejections(session.config)
     if text:
         records.left += "after the last test: " + text
+    _server_logs(session, failed=bool(exitstatus or session.testsfailed or records.left))
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # a pytest-xdist worker: its controller sums and reports (pytest_testnodedown)
         workeroutput["api_schemas"] = {"checked": dict(records.checked), "seconds": records.seconds,
@@ -126,9 +128,27 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def _server_logs(session, failed: bool) -> None:
+    """The test servers' logs (tests/serverproc.log_path) go with a passing session; a failing one keeps them and
+    says where (a test's own failure message quotes its server's log already)."""
+    folder = serverproc.log_dir()
+    if folder is None:
+        return
+    if not failed:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: its controller says it (pytest_testnodedown)
+        workeroutput["server_logs"] = folder
+    else:
+        _KEPT_LOGS.append(folder)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     """pytest-xdist's controller: a worker's checks, added to the summary (and its leftovers to the verdict)."""
+    if getattr(node, "workeroutput", {}).get("server_logs"):
+        _KEPT_LOGS.append(node.workeroutput["server_logs"])
     out = getattr(node, "workeroutput", {}).get("api_schemas")
     if out:
         records = node.config.stash[_RECORDS]
@@ -138,6 +158,8 @@ def pytest_testnodedown(node, error):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for folder in _KEPT_LOGS:
+        terminalreporter.write_line(f"test servers' logs kept in {folder}")
     records = config.stash.get(_RECORDS, None)
     if records is None or not records.checked:
         return

@@ -10,13 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from tests.serverproc import entry_module, free_port, free_port_run, server_env, without_embeddings_unless_asked
+from tests.serverproc import (entry_module, free_port, free_port_run, log_path, server_env,
+                              without_embeddings_unless_asked)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ class LaunchedServer:
         self.n = n
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="mlx-lane-launch-", suffix=".log")[1])
+        self.log_path = log_path("mlx-lane-launch-")
         # n processes on one host share its cores: each gets its share of BLAS threads (OpenBLAS's idle threads
         # spin, and on a 2-core machine 3 ranks of 2 threads each made every decode step ~3x slower)
         threads = str(max(1, (os.cpu_count() or 1) // n))

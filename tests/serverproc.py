@@ -47,6 +47,21 @@ def free_port_run(n: int, low: int = 20000, high: int = 32000) -> int:
 
 NO_TORCH = Path(__file__).resolve().parent / "fixtures" / "no_torch"
 
+_log_dir: list[str] = []  # this process's folder of server logs (log_path), made on first use
+
+
+def log_path(prefix: str) -> Path:
+    """A new log file for a test server, in one folder per test process: tests/conftest.py removes it when the
+    session passed and names it when one failed (a suite run starts ~140 servers; their logs piled up in /tmp)."""
+    if not _log_dir:
+        _log_dir.append(tempfile.mkdtemp(prefix="mlx-lane-test-logs-"))
+    return Path(tempfile.mkstemp(prefix=prefix, suffix=".log", dir=_log_dir[0])[1])
+
+
+def log_dir() -> str | None:
+    """The folder of this process's server logs, or None when no server started."""
+    return _log_dir[0] if _log_dir else None
+
 
 def server_env(env: dict | None = None) -> dict:
     """The environment of a server subprocess: this one's, unbuffered, torch hidden as in the product's own
@@ -123,7 +138,7 @@ class ServerProc:
         self.prefix = tuple(prefix)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="mlx-lane-", suffix=".log")[1])
+        self.log_path = log_path("mlx-lane-")
         full_env = server_env(env)
         args = flags_for_tests(args, full_env)
         module, argv = entry_module(full_env), ["serve", "--port", str(self.port), *args]
