@@ -2,7 +2,7 @@
 # GPU benchmarks on the device machine: install the carried wheels, then run bench/gpu.py (issue 6, item 3)
 # or, with `batch` first, bench/gpu_batch.py (issue 12: concurrent requests).
 #
-# Wheels (made on the dev machine, git-ignored, carried with the call):
+# Wheels (made on the dev machine by bench/gpu_wheels.sh, git-ignored, carried with the call):
 #   .whl/*.whl                 mlx==0.32.4, mlx-lm==0.32.2 and the server deps missing on the device image
 #                              (+ prometheus_client, websockets, llguidance==1.9.1: its wheel is tagged
 #                              manylinux_2_31, so `pip download --platform manylinux_2_31_x86_64`; without it the
