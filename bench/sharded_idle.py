@@ -24,13 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def idle_cores(ranks: dict[int, int], seconds: float) -> dict[int, float]:
     """Each rank's CPU over ``seconds`` of wall time, in cores."""
+    from tests.launchproc import cpu_seconds
+
     before = {r: cpu_seconds(p) for r, p in ranks.items()}
     time.sleep(seconds)
     return {r: round((cpu_seconds(p) - before[r]) / seconds, 3) for r, p in ranks.items()}

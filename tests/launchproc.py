@@ -21,6 +21,12 @@ from tests.serverproc import (entry_module, free_port, free_port_run, log_path, 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc): a rank's, from ``LaunchedServer.ranks``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def mlx_launch() -> list[str]:
     """The ``mlx.launch`` command of this interpreter's mlx (also where mlx is on PYTHONPATH, not installed)."""
     return [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]

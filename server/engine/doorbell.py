@@ -65,8 +65,7 @@ def _accept_followers(server: socket.socket, n: int, secret: int, deadline: floa
 class Doorbell:
     """Rank 0's sockets to every follower (``ring``), or a follower's socket to rank 0 (``wait``)."""
 
-    def __init__(self, leader: bool, socks: list[socket.socket]):
-        self.leader = leader
+    def __init__(self, socks: list[socket.socket]):
         self._socks = socks
 
     @classmethod
@@ -109,7 +108,7 @@ class Doorbell:
         for s in socks:
             s.settimeout(None)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(group.leader, socks)
+        return cls(socks)
 
     def ring(self) -> None:
         """Rank 0: wake every resting follower (one byte each; a follower that is gone fails its own broadcast)."""

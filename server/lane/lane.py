@@ -1,7 +1,7 @@
 """The lane: one thread that owns all model compute and runs one tick plan after another.
 
-(About 420 lines, one job: the thread and its control. The inbox, the run loop, draining, tasks and a lost device
-are all the lane's state machine, changed under one lock; what a tick decides and does lives in server.lane.scheduler
+(About 430 lines, one job: the thread and its control. The inbox, the run loop (with a sharded group's rest when it
+goes idle), draining, tasks and a lost device are all the lane's state machine, changed under one lock; what a tick decides and does lives in server.lane.scheduler
 and server.lane.executor already.)
 
 What a tick does is decided in server.lane.scheduler, executed by server.lane.executor through the engine's verbs

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
 import re
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import httpx
 import pytest
 
 from tests.fixtures.tiny_models import write_shardable_model
-from tests.launchproc import ROOT, LaunchedServer, mlx_launch
+from tests.launchproc import ROOT, LaunchedServer, cpu_seconds, mlx_launch
 from tests.serverproc import ServerProc, free_port, free_port_run, server_env
 
 pytestmark = pytest.mark.model
@@ -198,12 +197,6 @@ def test_pipeline_2_processes_matches_one_process(tiny_dir, single_answers):
     finally:
         assert srv.stop() == 0, srv.log()
     assert "diverged" not in srv.log()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_default_model_tensor_parallel_over_3_processes_matches_one_process(server):
